@@ -1,0 +1,92 @@
+//! Execution events, named and shaped as ComfyUI's WebSocket messages so the
+//! server can forward them unchanged.
+
+use serde::Serialize;
+use serde_json::Value as Json;
+use std::sync::Arc;
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "type", content = "data", rename_all = "snake_case")]
+pub enum Event {
+    ExecutionStart {
+        prompt_id: String,
+        timestamp: u64,
+    },
+    ExecutionCached {
+        nodes: Vec<String>,
+        prompt_id: String,
+        timestamp: u64,
+    },
+    /// `node: None` marks the end of a run, as in ComfyUI.
+    Executing {
+        node: Option<String>,
+        display_node: Option<String>,
+        prompt_id: String,
+    },
+    Progress {
+        value: u64,
+        max: u64,
+        prompt_id: String,
+        node: String,
+    },
+    Executed {
+        node: String,
+        display_node: String,
+        output: Json,
+        prompt_id: String,
+    },
+    ExecutionError {
+        prompt_id: String,
+        node_id: String,
+        node_type: String,
+        executed: Vec<String>,
+        exception_message: String,
+        exception_type: String,
+        traceback: Vec<String>,
+        current_inputs: Json,
+        current_outputs: Json,
+        timestamp: u64,
+    },
+    ExecutionInterrupted {
+        prompt_id: String,
+        node_id: String,
+        node_type: String,
+        executed: Vec<String>,
+        timestamp: u64,
+    },
+    ExecutionSuccess {
+        prompt_id: String,
+        timestamp: u64,
+    },
+}
+
+impl Event {
+    /// ComfyUI's message type name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Event::ExecutionStart { .. } => "execution_start",
+            Event::ExecutionCached { .. } => "execution_cached",
+            Event::Executing { .. } => "executing",
+            Event::Progress { .. } => "progress",
+            Event::Executed { .. } => "executed",
+            Event::ExecutionError { .. } => "execution_error",
+            Event::ExecutionInterrupted { .. } => "execution_interrupted",
+            Event::ExecutionSuccess { .. } => "execution_success",
+        }
+    }
+}
+
+/// Where events go: a progress bar, a JSON-lines file, a WebSocket.
+pub type EventSink = Arc<dyn Fn(&Event) + Send + Sync>;
+
+/// A sink that drops everything.
+pub fn discard() -> EventSink {
+    Arc::new(|_| {})
+}
+
+/// Milliseconds since the Unix epoch, as ComfyUI stamps its messages.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

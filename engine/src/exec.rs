@@ -1,0 +1,496 @@
+//! The executor: runs what a validated graph's outputs need, in dependency
+//! order, independent branches concurrently, reusing cached outputs.
+//!
+//! Cache keys follow ComfyUI's input-signature rule: a node's key hashes its
+//! type, its constant inputs, the keys of the nodes feeding it (with output
+//! index) and its fingerprint (IS_CHANGED). Editing one constant changes the
+//! key of that node and every node downstream, and nothing else, so a re-run
+//! executes exactly those. The cache lives in the [`Executor`] and so spans
+//! runs (watch mode, the server).
+
+use crate::event::{now_ms, Event, EventSink};
+use crate::graph::{Graph, GraphInput};
+use crate::node::{CancelToken, Inputs, NodeContext, NodeError, NodeLibrary, NodeOutput};
+use crate::paths::Paths;
+use crate::value::Value;
+use serde_json::{Map, Value as Json};
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+use tokio::task::JoinSet;
+
+/// How one run is driven and observed.
+#[derive(Clone)]
+pub struct RunOptions {
+    pub prompt_id: String,
+    /// Extra PNG text chunks (ComfyUI's `extra_pnginfo`); `workflow` is
+    /// filled from the graph's UI workflow when absent.
+    pub extra_pnginfo: Map<String, Json>,
+    pub events: EventSink,
+    pub cancel: CancelToken,
+}
+
+impl RunOptions {
+    pub fn new(events: EventSink, cancel: CancelToken) -> Self {
+        RunOptions {
+            prompt_id: new_prompt_id(),
+            extra_pnginfo: Map::new(),
+            events,
+            cancel,
+        }
+    }
+}
+
+/// What a successful run did.
+#[derive(Clone, Debug, Default)]
+pub struct RunReport {
+    pub prompt_id: String,
+    /// Node ids executed, in completion order.
+    pub executed: Vec<String>,
+    /// Node ids whose outputs came from the cache.
+    pub cached: Vec<String>,
+    /// UI outputs by node id (`{"images": [...]}`), as ComfyUI's history.
+    pub outputs: BTreeMap<String, Json>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("node \"{node_id}\" ({node_type}) failed: {message}")]
+    Node {
+        node_id: String,
+        node_type: String,
+        message: String,
+    },
+    #[error("interrupted")]
+    Interrupted,
+}
+
+#[derive(Clone)]
+struct CacheEntry {
+    values: Arc<Vec<Value>>,
+    ui: Option<Json>,
+}
+
+/// Runs graphs against a node library, keeping a cache between runs.
+pub struct Executor {
+    library: Arc<NodeLibrary>,
+    paths: Arc<Paths>,
+    cache: Mutex<HashMap<u64, CacheEntry>>,
+}
+
+/// A random-looking id in UUID form (ComfyUI's prompt ids are UUIDs).
+pub fn new_prompt_id() -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = DefaultHasher::new();
+    std::time::SystemTime::now().hash(&mut h);
+    std::process::id().hash(&mut h);
+    COUNTER
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        .hash(&mut h);
+    let a = h.finish();
+    a.rotate_left(17).hash(&mut h);
+    let b = h.finish();
+    format!(
+        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xfff,
+        (b >> 48) & 0x3fff | 0x8000,
+        b & 0xffff_ffff_ffff
+    )
+}
+
+fn hash_value(v: &Value, h: &mut DefaultHasher) {
+    match v {
+        Value::Int(i) => (0u8, i).hash(h),
+        Value::Float(f) => (1u8, f.to_bits()).hash(h),
+        Value::String(s) => (2u8, s).hash(h),
+        Value::Bool(b) => (3u8, b).hash(h),
+        // Constants are never tensors; pointer identity is enough if a
+        // future node passes one.
+        Value::Image(t) | Value::Mask(t) => (4u8, Arc::as_ptr(t) as usize).hash(h),
+        Value::Latent(l) => (5u8, Arc::as_ptr(l) as usize).hash(h),
+        Value::Opaque { value, .. } => (6u8, Arc::as_ptr(value) as *const u8 as usize).hash(h),
+    }
+}
+
+impl Executor {
+    pub fn new(library: Arc<NodeLibrary>, paths: Arc<Paths>) -> Self {
+        Executor {
+            library,
+            paths,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn library(&self) -> &Arc<NodeLibrary> {
+        &self.library
+    }
+
+    pub fn paths(&self) -> &Arc<Paths> {
+        &self.paths
+    }
+
+    /// Drops every cached output.
+    pub fn clear_cache(&self) {
+        self.lock_cache().clear();
+    }
+
+    pub fn cached_entries(&self) -> usize {
+        self.lock_cache().len()
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CacheEntry>> {
+        // A node that panicked mid-run cannot leave the map half-written
+        // (inserts are single calls), so a poisoned lock is still usable.
+        self.cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn context(&self, graph: &Graph, i: usize, opts: &RunOptions) -> NodeContext {
+        let mut extra = opts.extra_pnginfo.clone();
+        if let (false, Some(w)) = (extra.contains_key("workflow"), &graph.ui_workflow) {
+            extra.insert("workflow".into(), w.clone());
+        }
+        NodeContext {
+            node_id: graph.nodes[i].id.clone(),
+            class_type: graph.nodes[i].class_type.clone(),
+            prompt_id: opts.prompt_id.clone(),
+            paths: self.paths.clone(),
+            prompt: Arc::new(graph.api_json.clone()),
+            extra_pnginfo: Arc::new(extra),
+            cancel: opts.cancel.clone(),
+            events: opts.events.clone(),
+        }
+    }
+
+    /// Cache keys of the needed nodes, in execution order.
+    fn keys(&self, graph: &Graph, needed: &[usize], opts: &RunOptions) -> HashMap<usize, u64> {
+        let mut keys = HashMap::new();
+        for &i in needed {
+            let node = &graph.nodes[i];
+            let mut h = DefaultHasher::new();
+            node.class_type.hash(&mut h);
+            let mut consts = HashMap::new();
+            for (name, input) in &node.inputs {
+                name.hash(&mut h);
+                match input {
+                    GraphInput::Const(v) => {
+                        hash_value(v, &mut h);
+                        consts.insert(name.clone(), v.clone());
+                    }
+                    GraphInput::Link { node, output } => {
+                        keys.get(node).copied().unwrap_or(0u64).hash(&mut h);
+                        output.hash(&mut h);
+                    }
+                }
+            }
+            if let Some(imp) = self.library.implementation(&node.class_type) {
+                let ctx = self.context(graph, i, opts);
+                imp.fingerprint(&ctx, &Inputs::new(consts)).hash(&mut h);
+            }
+            // Output nodes write files named after the run; they are keyed
+            // like any node, so an unchanged SaveImage is not re-run, as in
+            // ComfyUI.
+            keys.insert(i, h.finish());
+        }
+        keys
+    }
+
+    /// Runs the graph. Emits ComfyUI's events through `opts.events`.
+    pub async fn run(&self, graph: &Graph, opts: RunOptions) -> Result<RunReport, RunError> {
+        let emit = |e: Event| (opts.events)(&e);
+        let pid = opts.prompt_id.clone();
+        emit(Event::ExecutionStart {
+            prompt_id: pid.clone(),
+            timestamp: now_ms(),
+        });
+        let needed = graph.needed();
+        let keys = self.keys(graph, &needed, &opts);
+
+        let mut results: HashMap<usize, CacheEntry> = HashMap::new();
+        {
+            let cache = self.lock_cache();
+            for &i in &needed {
+                if let Some(e) = cache.get(&keys[&i]) {
+                    results.insert(i, e.clone());
+                }
+            }
+        }
+        // Only what uncached outputs need runs: walk up from them and stop
+        // at cached nodes.
+        let mut to_run: HashSet<usize> = HashSet::new();
+        let mut stack: Vec<usize> = graph
+            .outputs()
+            .into_iter()
+            .filter(|i| !results.contains_key(i))
+            .collect();
+        while let Some(i) = stack.pop() {
+            if results.contains_key(&i) || !to_run.insert(i) {
+                continue;
+            }
+            for (_, inp) in &graph.nodes[i].inputs {
+                if let GraphInput::Link { node, .. } = inp {
+                    stack.push(*node);
+                }
+            }
+        }
+        let mut report = RunReport {
+            prompt_id: pid.clone(),
+            ..Default::default()
+        };
+        report.cached = needed
+            .iter()
+            .filter(|i| results.contains_key(i))
+            .map(|&i| graph.nodes[i].id.clone())
+            .collect();
+        emit(Event::ExecutionCached {
+            nodes: report.cached.clone(),
+            prompt_id: pid.clone(),
+            timestamp: now_ms(),
+        });
+        for &i in &needed {
+            if let Some(ui) = results.get(&i).and_then(|e| e.ui.clone()) {
+                let id = graph.nodes[i].id.clone();
+                report.outputs.insert(id.clone(), ui.clone());
+                emit(Event::Executed {
+                    node: id.clone(),
+                    display_node: id,
+                    output: ui,
+                    prompt_id: pid.clone(),
+                });
+            }
+        }
+
+        // Dependency counts among the nodes to run.
+        let mut waiting: HashMap<usize, usize> = HashMap::new();
+        let mut dependents: HashMap<usize, Vec<usize>> = HashMap::new();
+        for &i in &to_run {
+            let mut srcs: Vec<usize> = graph.nodes[i]
+                .inputs
+                .iter()
+                .filter_map(|(_, inp)| match inp {
+                    GraphInput::Link { node, .. } if to_run.contains(node) => Some(*node),
+                    _ => None,
+                })
+                .collect();
+            srcs.sort_unstable();
+            srcs.dedup();
+            waiting.insert(i, srcs.len());
+            for s in srcs {
+                dependents.entry(s).or_default().push(i);
+            }
+        }
+        // Ready nodes start in the graph's topological order so a run is
+        // reproducible when it is serial.
+        let rank: HashMap<usize, usize> =
+            graph.order.iter().enumerate().map(|(r, &i)| (i, r)).collect();
+        let mut ready: Vec<usize> = to_run.iter().copied().filter(|i| waiting[i] == 0).collect();
+        ready.sort_by_key(|i| std::cmp::Reverse(rank[i]));
+
+        let parallel = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let mut running: JoinSet<(usize, Result<NodeOutput, NodeError>)> = JoinSet::new();
+        let mut failure: Option<(usize, NodeError)> = None;
+        let mut interrupted_at: Option<usize> = None;
+
+        loop {
+            while failure.is_none()
+                && interrupted_at.is_none()
+                && running.len() < parallel
+                && !ready.is_empty()
+            {
+                let Some(i) = ready.pop() else { break };
+                if opts.cancel.is_cancelled() {
+                    interrupted_at = Some(i);
+                    break;
+                }
+                let node = &graph.nodes[i];
+                emit(Event::Executing {
+                    node: Some(node.id.clone()),
+                    display_node: Some(node.id.clone()),
+                    prompt_id: pid.clone(),
+                });
+                let mut values = HashMap::new();
+                for (name, inp) in &node.inputs {
+                    let v = match inp {
+                        GraphInput::Const(v) => v.clone(),
+                        GraphInput::Link { node: src, output } => {
+                            match results.get(src).and_then(|e| e.values.get(*output)) {
+                                Some(v) => v.clone(),
+                                None => {
+                                    failure = Some((
+                                        i,
+                                        NodeError::invalid(format!(
+                                            "input \"{name}\": node \"{}\" returned no output {output}",
+                                            graph.nodes[*src].id
+                                        )),
+                                    ));
+                                    break;
+                                }
+                            }
+                        }
+                    };
+                    values.insert(name.clone(), v);
+                }
+                if failure.is_some() {
+                    break;
+                }
+                let ctx = self.context(graph, i, &opts);
+                let imp = self.library.implementation(&node.class_type);
+                let inputs = Inputs::new(values);
+                running.spawn_blocking(move || {
+                    let r = match imp {
+                        Some(imp) => {
+                            // A panicking node is a bug, but it must not take
+                            // the server down with it.
+                            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                imp.execute(&ctx, &inputs)
+                            })) {
+                                Ok(r) => r,
+                                Err(p) => Err(NodeError::invalid(format!(
+                                    "internal error (panic): {}",
+                                    p.downcast_ref::<&str>()
+                                        .map(|s| s.to_string())
+                                        .or_else(|| p.downcast_ref::<String>().cloned())
+                                        .unwrap_or_default()
+                                ))),
+                            }
+                        }
+                        None => Err(NodeError::NotImplemented(ctx.class_type.clone())),
+                    };
+                    (i, r)
+                });
+            }
+            let Some(joined) = running.join_next().await else {
+                break;
+            };
+            let (i, r) = match joined {
+                Ok(x) => x,
+                Err(e) => {
+                    // Only reachable if the runtime shuts down mid-run.
+                    return Err(RunError::Node {
+                        node_id: String::new(),
+                        node_type: String::new(),
+                        message: format!("task failed: {e}"),
+                    });
+                }
+            };
+            match r {
+                Ok(out) => {
+                    let spec_outputs = self
+                        .library
+                        .registry
+                        .get(&graph.nodes[i].class_type)
+                        .map_or(0, |s| s.outputs.len());
+                    if out.values.len() < spec_outputs {
+                        failure.get_or_insert((
+                            i,
+                            NodeError::invalid(format!(
+                                "returned {} outputs, its type declares {spec_outputs}",
+                                out.values.len()
+                            )),
+                        ));
+                        continue;
+                    }
+                    let id = graph.nodes[i].id.clone();
+                    let entry = CacheEntry {
+                        values: Arc::new(out.values),
+                        ui: out.ui,
+                    };
+                    self.lock_cache().insert(keys[&i], entry.clone());
+                    if let Some(ui) = &entry.ui {
+                        report.outputs.insert(id.clone(), ui.clone());
+                        emit(Event::Executed {
+                            node: id.clone(),
+                            display_node: id.clone(),
+                            output: ui.clone(),
+                            prompt_id: pid.clone(),
+                        });
+                    }
+                    report.executed.push(id);
+                    results.insert(i, entry);
+                    if let Some(ds) = dependents.get(&i) {
+                        for &d in ds {
+                            if let Some(w) = waiting.get_mut(&d) {
+                                *w -= 1;
+                                if *w == 0 {
+                                    ready.push(d);
+                                }
+                            }
+                        }
+                        ready.sort_by_key(|i| std::cmp::Reverse(rank[i]));
+                    }
+                }
+                Err(NodeError::Interrupted) => {
+                    interrupted_at.get_or_insert(i);
+                }
+                Err(e) => {
+                    failure.get_or_insert((i, e));
+                }
+            }
+        }
+
+        if let Some((i, e)) = failure {
+            let node = &graph.nodes[i];
+            let message = e.to_string();
+            emit(Event::ExecutionError {
+                prompt_id: pid.clone(),
+                node_id: node.id.clone(),
+                node_type: node.class_type.clone(),
+                executed: report.executed.clone(),
+                exception_message: message.clone(),
+                exception_type: error_type(&e).into(),
+                traceback: Vec::new(),
+                current_inputs: Json::Object(Map::new()),
+                current_outputs: Json::Object(Map::new()),
+                timestamp: now_ms(),
+            });
+            return Err(RunError::Node {
+                node_id: node.id.clone(),
+                node_type: node.class_type.clone(),
+                message,
+            });
+        }
+        if interrupted_at.is_some() || opts.cancel.is_cancelled() {
+            let (node_id, node_type) = interrupted_at.map_or((String::new(), String::new()), |i| {
+                (graph.nodes[i].id.clone(), graph.nodes[i].class_type.clone())
+            });
+            emit(Event::ExecutionInterrupted {
+                prompt_id: pid.clone(),
+                node_id,
+                node_type,
+                executed: report.executed.clone(),
+                timestamp: now_ms(),
+            });
+            return Err(RunError::Interrupted);
+        }
+
+        // Keep only what this graph uses, so memory is bounded by one
+        // workflow's outputs while edits of it still hit the cache.
+        let live: HashSet<u64> = needed.iter().map(|i| keys[i]).collect();
+        self.lock_cache().retain(|k, _| live.contains(k));
+
+        emit(Event::Executing {
+            node: None,
+            display_node: None,
+            prompt_id: pid.clone(),
+        });
+        emit(Event::ExecutionSuccess {
+            prompt_id: pid,
+            timestamp: now_ms(),
+        });
+        Ok(report)
+    }
+}
+
+fn error_type(e: &NodeError) -> &'static str {
+    match e {
+        NodeError::MissingInput(_) | NodeError::InputType { .. } => "TypeError",
+        NodeError::Invalid(_) => "ValueError",
+        NodeError::File { .. } => "FileNotFoundError",
+        NodeError::NotImplemented(_) => "NotImplementedError",
+        NodeError::Interrupted => "InterruptProcessingException",
+    }
+}

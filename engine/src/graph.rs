@@ -1,0 +1,527 @@
+//! Validation: a [`Workflow`] document becomes a typed, acyclic [`Graph`],
+//! or the full list of what is wrong with it.
+
+use crate::value::Value;
+use petgraph::graph::{DiGraph, NodeIndex};
+use sdkit_schema::export::ComboSource;
+use sdkit_schema::spec::{InputKind, NodeSpec};
+use sdkit_schema::workflow::{InputValue, OutputRef};
+use sdkit_schema::{DiagKind, Diagnostic, Format, Registry, Severity, SocketType, Workflow};
+use serde_json::Value as Json;
+use std::collections::{HashMap, HashSet};
+
+/// A validated input.
+#[derive(Clone, Debug)]
+pub enum GraphInput {
+    /// A constant, coerced to the declared widget type.
+    Const(Value),
+    /// Output `output` of the node at index `node` in [`Graph::nodes`].
+    Link { node: usize, output: usize },
+}
+
+#[derive(Clone, Debug)]
+pub struct GraphNode {
+    pub id: String,
+    pub class_type: String,
+    /// In the spec's input order.
+    pub inputs: Vec<(String, GraphInput)>,
+    pub output_node: bool,
+}
+
+/// A validated workflow: every node type known, every link typed, no cycle.
+#[derive(Clone, Debug)]
+pub struct Graph {
+    pub nodes: Vec<GraphNode>,
+    /// Node indices in an order that respects every link.
+    pub order: Vec<usize>,
+    pub dag: DiGraph<usize, ()>,
+    /// The workflow in ComfyUI API form, with links by index.
+    pub api_json: Json,
+    /// The UI workflow, when the file was one (PNG `workflow` chunk).
+    pub ui_workflow: Option<Json>,
+    /// Non-fatal diagnostics.
+    pub warnings: Vec<Diagnostic>,
+}
+
+impl Graph {
+    pub fn index_of(&self, id: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n.id == id)
+    }
+
+    /// Indices of the output nodes.
+    pub fn outputs(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].output_node)
+            .collect()
+    }
+
+    /// The nodes the output nodes depend on (themselves included), in
+    /// execution order.
+    pub fn needed(&self) -> Vec<usize> {
+        let mut keep = vec![false; self.nodes.len()];
+        let mut stack = self.outputs();
+        while let Some(i) = stack.pop() {
+            if std::mem::replace(&mut keep[i], true) {
+                continue;
+            }
+            for (_, inp) in &self.nodes[i].inputs {
+                if let GraphInput::Link { node, .. } = inp {
+                    stack.push(*node);
+                }
+            }
+        }
+        self.order.iter().copied().filter(|&i| keep[i]).collect()
+    }
+}
+
+/// Converts a JSON constant to the value a widget declares, following
+/// ComfyUI's `int()`, `float()`, `str()` coercions.
+fn coerce(kind: &InputKind, v: &Json) -> Result<Value, String> {
+    match kind {
+        InputKind::Int { .. } => match v {
+            Json::Number(n) => {
+                if let Some(i) = n.as_i64() {
+                    Ok(Value::Int(i as i128))
+                } else if let Some(u) = n.as_u64() {
+                    Ok(Value::Int(u as i128))
+                } else {
+                    // Python's int() truncates floats toward zero.
+                    let f = n.as_f64().unwrap_or(f64::NAN);
+                    if f.is_finite() {
+                        Ok(Value::Int(f.trunc() as i128))
+                    } else {
+                        Err(format!("{f} is not an integer"))
+                    }
+                }
+            }
+            Json::Bool(b) => Ok(Value::Int(*b as i128)),
+            Json::String(s) => s
+                .trim()
+                .parse::<i128>()
+                .map(Value::Int)
+                .map_err(|_| format!("\"{s}\" is not an integer")),
+            other => Err(format!("expected an integer, found {other}")),
+        },
+        InputKind::Float { .. } => match v {
+            Json::Number(n) => Ok(Value::Float(n.as_f64().unwrap_or(f64::NAN))),
+            Json::Bool(b) => Ok(Value::Float(*b as i32 as f64)),
+            Json::String(s) => s
+                .trim()
+                .parse::<f64>()
+                .map(Value::Float)
+                .map_err(|_| format!("\"{s}\" is not a number")),
+            other => Err(format!("expected a number, found {other}")),
+        },
+        InputKind::String { .. } | InputKind::Combo { .. } => match v {
+            Json::String(s) => Ok(Value::String(s.clone())),
+            Json::Number(n) => Ok(Value::String(n.to_string())),
+            Json::Bool(b) => Ok(Value::String(if *b { "True" } else { "False" }.into())),
+            other => Err(format!("expected a string, found {other}")),
+        },
+        InputKind::Boolean { .. } => match v {
+            Json::Bool(b) => Ok(Value::Bool(*b)),
+            Json::Number(n) => Ok(Value::Bool(n.as_f64().unwrap_or(0.0) != 0.0)),
+            // Python's bool("false") is True; a config file that says
+            // "false" means false, so strings are read by their words.
+            Json::String(s) => match s.to_ascii_lowercase().as_str() {
+                "true" | "1" | "yes" | "on" => Ok(Value::Bool(true)),
+                "false" | "0" | "no" | "off" | "" => Ok(Value::Bool(false)),
+                _ => Err(format!("\"{s}\" is not a boolean")),
+            },
+            other => Err(format!("expected a boolean, found {other}")),
+        },
+        InputKind::Socket(t) => Err(format!("expected a link to a {t} output, found {v}")),
+    }
+}
+
+/// Checks min/max and combo membership of a coerced constant.
+fn check_range(
+    kind: &InputKind,
+    v: &Value,
+    combos: &dyn ComboSource,
+) -> Option<(DiagKind, String)> {
+    match (kind, v) {
+        (InputKind::Int { min, max, .. }, Value::Int(i)) => {
+            if i < min {
+                Some((
+                    DiagKind::ValueSmallerThanMin,
+                    format!("Value {i} smaller than min of {min}"),
+                ))
+            } else if i > max {
+                Some((
+                    DiagKind::ValueBiggerThanMax,
+                    format!("Value {i} bigger than max of {max}"),
+                ))
+            } else {
+                None
+            }
+        }
+        (InputKind::Float { min, max, .. }, Value::Float(f)) => {
+            if f.is_nan() {
+                Some((DiagKind::InvalidInputType, "value is NaN".into()))
+            } else if f < min {
+                Some((
+                    DiagKind::ValueSmallerThanMin,
+                    format!("Value {f} smaller than min of {min}"),
+                ))
+            } else if f > max {
+                Some((
+                    DiagKind::ValueBiggerThanMax,
+                    format!("Value {f} bigger than max of {max}"),
+                ))
+            } else {
+                None
+            }
+        }
+        (InputKind::Combo { options, .. }, Value::String(s)) => {
+            if combos.contains(options, s) {
+                None
+            } else {
+                let opts = combos.options(options);
+                let list = if opts.len() > 20 {
+                    format!("(list of length {})", opts.len())
+                } else {
+                    format!("{opts:?}")
+                };
+                Some((
+                    DiagKind::ValueNotInList,
+                    format!("Value not in list: '{s}' not in {list}"),
+                ))
+            }
+        }
+        _ => None,
+    }
+}
+
+/// Validates a workflow against the registry.
+///
+/// Returns the graph (with any warnings in [`Graph::warnings`]) or every
+/// error found, each naming the node, type, input and file position.
+pub fn validate(
+    wf: &Workflow,
+    registry: &Registry,
+    combos: &dyn ComboSource,
+) -> Result<Graph, Vec<Diagnostic>> {
+    let mut diags: Vec<Diagnostic> = wf.warnings.clone();
+    // For ComfyUI files an input we do not know is likely from a newer
+    // ComfyUI and is ignored as ComfyUI ignores it; in hand-written files it
+    // is likely a typo.
+    let unknown_severity = match wf.format {
+        Format::Native => Severity::Error,
+        _ => Severity::Warning,
+    };
+    let index: HashMap<&str, usize> = wf
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.id.as_str(), i))
+        .collect();
+    let specs: Vec<Option<&NodeSpec>> = wf
+        .nodes
+        .iter()
+        .map(|n| registry.get(&n.class_type))
+        .collect();
+    let mut nodes = Vec::with_capacity(wf.nodes.len());
+    // Which nodes each diagnostic belongs to, to soften those on nodes no
+    // output needs (ComfyUI skips them).
+    let mut diag_nodes: Vec<Option<usize>> = vec![None; diags.len()];
+    let mut edges = Vec::new();
+
+    for (ni, doc) in wf.nodes.iter().enumerate() {
+        let here = |d: Diagnostic| d.node(&doc.id, &doc.class_type);
+        let Some(spec) = specs[ni] else {
+            diags.push(
+                here(Diagnostic::error(
+                    DiagKind::MissingNodeType,
+                    format!(
+                        "Cannot execute because node {} does not exist.",
+                        doc.class_type
+                    ),
+                ))
+                .at(doc.pos),
+            );
+            diag_nodes.push(Some(ni));
+            nodes.push(GraphNode {
+                id: doc.id.clone(),
+                class_type: doc.class_type.clone(),
+                inputs: Vec::new(),
+                output_node: false,
+            });
+            continue;
+        };
+        let mut inputs = Vec::new();
+        for input in &doc.inputs {
+            if spec.input(&input.name).is_none() {
+                let mut d = here(Diagnostic::error(
+                    DiagKind::UnknownInput,
+                    format!(
+                        "{} has no input \"{}\"{}",
+                        spec.name,
+                        input.name,
+                        suggest(&input.name, spec.inputs.iter().map(|i| i.name.as_str()))
+                    ),
+                ))
+                .input(&input.name)
+                .at(input.pos);
+                d.severity = unknown_severity;
+                diags.push(d);
+                diag_nodes.push(Some(ni));
+            }
+        }
+        for ispec in &spec.inputs {
+            let doc_input = doc.input(&ispec.name);
+            let Some(doc_input) = doc_input else {
+                if ispec.required {
+                    diags.push(
+                        here(Diagnostic::error(
+                            DiagKind::RequiredInputMissing,
+                            "Required input is missing",
+                        ))
+                        .input(&ispec.name)
+                        .at(doc.pos),
+                    );
+                    diag_nodes.push(Some(ni));
+                }
+                continue;
+            };
+            let mut err = |kind: DiagKind, msg: String| {
+                diags.push(
+                    here(Diagnostic::error(kind, msg))
+                        .input(&ispec.name)
+                        .at(doc_input.pos),
+                );
+                diag_nodes.push(Some(ni));
+            };
+            match &doc_input.value {
+                InputValue::Link(link) => {
+                    let Some(&src) = index.get(link.node.as_str()) else {
+                        err(
+                            DiagKind::BadLinkedInput,
+                            format!("links to node \"{}\", which does not exist", link.node),
+                        );
+                        continue;
+                    };
+                    edges.push((src, ni));
+                    let Some(src_spec) = specs[src] else {
+                        // The unknown source type is reported on its own node.
+                        continue;
+                    };
+                    let out = match &link.output {
+                        OutputRef::Index(k) if *k < src_spec.outputs.len() => *k,
+                        OutputRef::Index(k) => {
+                            err(
+                                DiagKind::BadLinkedInput,
+                                format!(
+                                    "links to output {k} of node \"{}\" ({}), which has {} output(s)",
+                                    link.node,
+                                    src_spec.name,
+                                    src_spec.outputs.len()
+                                ),
+                            );
+                            continue;
+                        }
+                        OutputRef::Name(name) => match src_spec.output_index(name) {
+                            Some(k) => k,
+                            None => {
+                                let names: Vec<&str> =
+                                    src_spec.outputs.iter().map(|o| o.name.as_str()).collect();
+                                err(
+                                    DiagKind::BadLinkedInput,
+                                    format!(
+                                        "node \"{}\" ({}) has no output \"{name}\"; its outputs are {names:?}",
+                                        link.node, src_spec.name
+                                    ),
+                                );
+                                continue;
+                            }
+                        },
+                    };
+                    let received = &src_spec.outputs[out].ty;
+                    let expected = ispec.kind.socket_type();
+                    let combo_ok = matches!(ispec.kind, InputKind::Combo { .. })
+                        && matches!(received, SocketType::String | SocketType::Custom(_));
+                    if !expected.accepts(received) && !combo_ok {
+                        err(
+                            DiagKind::ReturnTypeMismatch,
+                            format!(
+                                "Return type mismatch between linked nodes: received_type({received}) mismatch input_type({expected})"
+                            ),
+                        );
+                        continue;
+                    }
+                    inputs.push((
+                        ispec.name.clone(),
+                        GraphInput::Link {
+                            node: src,
+                            output: out,
+                        },
+                    ));
+                }
+                InputValue::Const(c) => {
+                    let v = match coerce(&ispec.kind, c) {
+                        Ok(v) => v,
+                        Err(msg) => {
+                            let kind = if matches!(ispec.kind, InputKind::Socket(_)) {
+                                DiagKind::BadLinkedInput
+                            } else {
+                                DiagKind::InvalidInputType
+                            };
+                            err(kind, msg);
+                            continue;
+                        }
+                    };
+                    if let Some((kind, msg)) = check_range(&ispec.kind, &v, combos) {
+                        err(kind, msg);
+                        continue;
+                    }
+                    inputs.push((ispec.name.clone(), GraphInput::Const(v)));
+                }
+            }
+        }
+        nodes.push(GraphNode {
+            id: doc.id.clone(),
+            class_type: doc.class_type.clone(),
+            inputs,
+            output_node: spec.output_node,
+        });
+    }
+
+    let mut dag: DiGraph<usize, ()> = DiGraph::new();
+    let idx: Vec<NodeIndex> = (0..nodes.len()).map(|i| dag.add_node(i)).collect();
+    for &(a, b) in &edges {
+        dag.add_edge(idx[a], idx[b], ());
+    }
+    let order: Vec<usize> = match petgraph::algo::toposort(&dag, None) {
+        Ok(o) => o.into_iter().map(|n| dag[n]).collect(),
+        Err(_) => {
+            // Name every node on a cycle, not just the first one found.
+            for scc in petgraph::algo::tarjan_scc(&dag) {
+                let cyclic = scc.len() > 1 || dag.contains_edge(scc[0], scc[0]);
+                if !cyclic {
+                    continue;
+                }
+                let mut ids: Vec<&str> = scc.iter().map(|&n| wf.nodes[dag[n]].id.as_str()).collect();
+                ids.sort();
+                let first = dag[scc[0]];
+                diags.push(
+                    Diagnostic::error(
+                        DiagKind::DependencyCycle,
+                        format!("nodes {ids:?} depend on each other in a cycle"),
+                    )
+                    .node(&wf.nodes[first].id, &wf.nodes[first].class_type)
+                    .at(wf.nodes[first].pos),
+                );
+                diag_nodes.push(Some(first));
+            }
+            Vec::new()
+        }
+    };
+
+    if !nodes.iter().any(|n| n.output_node) {
+        diags.push(Diagnostic::error(
+            DiagKind::PromptNoOutputs,
+            "Prompt has no outputs: add an output node such as SaveImage or PreviewImage",
+        ));
+        diag_nodes.push(None);
+    }
+
+    if wf.format != Format::Native {
+        soften_unreachable(wf, &nodes, &edges, &mut diags, &diag_nodes);
+    }
+
+    if diags.iter().any(Diagnostic::is_error) {
+        return Err(diags);
+    }
+    Ok(Graph {
+        api_json: wf.to_api_json(registry),
+        ui_workflow: wf.ui_workflow.clone(),
+        nodes,
+        order,
+        dag,
+        warnings: diags,
+    })
+}
+
+/// ComfyUI validates only what its output nodes need; for ComfyUI files,
+/// errors on other nodes are reported as warnings so such files run there
+/// and here alike.
+fn soften_unreachable(
+    wf: &Workflow,
+    nodes: &[GraphNode],
+    edges: &[(usize, usize)],
+    diags: &mut [Diagnostic],
+    diag_nodes: &[Option<usize>],
+) {
+    let mut reach = HashSet::new();
+    let mut stack: Vec<usize> = (0..nodes.len()).filter(|&i| nodes[i].output_node).collect();
+    if stack.is_empty() {
+        return;
+    }
+    while let Some(i) = stack.pop() {
+        if reach.insert(i) {
+            stack.extend(edges.iter().filter(|e| e.1 == i).map(|e| e.0));
+        }
+    }
+    for (d, n) in diags.iter_mut().zip(diag_nodes) {
+        if let Some(n) = n {
+            if !reach.contains(n) && d.kind != DiagKind::DependencyCycle {
+                d.severity = Severity::Warning;
+                d.message = format!(
+                    "{} (ignored: no output node uses node \"{}\")",
+                    d.message, wf.nodes[*n].id
+                );
+            }
+        }
+    }
+}
+
+/// "; did you mean `x`?" for a close name, else "".
+fn suggest<'a>(name: &str, candidates: impl Iterator<Item = &'a str>) -> String {
+    let best = candidates
+        .map(|c| (edit_distance(name, c), c))
+        .filter(|(d, c)| *d <= 2.max(c.len() / 3))
+        .min();
+    best.map_or(String::new(), |(_, c)| format!("; did you mean \"{c}\"?"))
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// Builds the validated graph's node documents back (for tests that compare
+/// forms); links become indices.
+pub fn canonical(graph: &Graph) -> Vec<(String, String, Vec<(String, String)>)> {
+    let mut out: Vec<_> = graph
+        .nodes
+        .iter()
+        .map(|n| {
+            let inputs = n
+                .inputs
+                .iter()
+                .map(|(name, i)| {
+                    let v = match i {
+                        GraphInput::Const(v) => format!("{v:?}"),
+                        GraphInput::Link { node, output } => {
+                            format!("link({}, {output})", graph.nodes[*node].id)
+                        }
+                    };
+                    (name.clone(), v)
+                })
+                .collect();
+            (n.id.clone(), n.class_type.clone(), inputs)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}

@@ -1,0 +1,24 @@
+//! sdkit-engine: validates workflows and runs them.
+//!
+//! * [`graph`]: validation of a workflow into a typed DAG, with diagnostics.
+//! * [`exec`]: the executor, its cache and cancellation.
+//! * [`event`]: ComfyUI-shaped execution events.
+//! * [`node`]: the interface node implementations provide.
+//! * [`value`]: values on links (images, masks, latents, ...).
+//! * [`paths`]: ComfyUI's folder layout.
+//!
+//! The tensor IR, planner and backends join here in later work.
+
+pub mod event;
+pub mod exec;
+pub mod graph;
+pub mod node;
+pub mod paths;
+pub mod value;
+
+pub use event::{Event, EventSink};
+pub use exec::{Executor, RunError, RunOptions, RunReport};
+pub use graph::{validate, Graph, GraphInput, GraphNode};
+pub use node::{CancelToken, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary, NodeOutput};
+pub use paths::Paths;
+pub use value::{Latent, Tensor, Value};

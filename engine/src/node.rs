@@ -1,0 +1,247 @@
+//! The interface between the executor and node implementations.
+
+use crate::event::{Event, EventSink};
+use crate::paths::Paths;
+use crate::value::{Latent, Tensor, Value};
+use sdkit_schema::Registry;
+use serde_json::Value as Json;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Errors a node can return. The executor reports them as
+/// `execution_error` with the node id and type.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("input \"{0}\" is missing")]
+    MissingInput(String),
+    #[error("input \"{name}\" has type {found}, expected {expected}")]
+    InputType {
+        name: String,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{path}: {message}")]
+    File { path: String, message: String },
+    #[error("node type {0} is not implemented yet in sdkit")]
+    NotImplemented(String),
+    #[error("interrupted")]
+    Interrupted,
+}
+
+impl NodeError {
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        NodeError::Invalid(msg.into())
+    }
+
+    pub fn file(path: &std::path::Path, msg: impl std::fmt::Display) -> Self {
+        NodeError::File {
+            path: path.display().to_string(),
+            message: msg.to_string(),
+        }
+    }
+}
+
+/// A cancellation flag shared by a run and everything it starts.
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    pub fn reset(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// What a running node can see of its run.
+#[derive(Clone)]
+pub struct NodeContext {
+    pub node_id: String,
+    pub class_type: String,
+    pub prompt_id: String,
+    pub paths: Arc<Paths>,
+    /// The workflow in ComfyUI API form (SaveImage's `prompt` chunk).
+    pub prompt: Arc<Json>,
+    /// Extra PNG text chunks, e.g. `workflow` (ComfyUI's extra_pnginfo).
+    pub extra_pnginfo: Arc<serde_json::Map<String, Json>>,
+    pub cancel: CancelToken,
+    pub events: EventSink,
+}
+
+impl NodeContext {
+    /// Fails with `Interrupted` once the run is cancelled; long nodes call
+    /// this between steps.
+    pub fn check_cancel(&self) -> Result<(), NodeError> {
+        if self.cancel.is_cancelled() {
+            Err(NodeError::Interrupted)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Reports progress and checks for cancellation.
+    pub fn progress(&self, value: u64, max: u64) -> Result<(), NodeError> {
+        (self.events)(&Event::Progress {
+            value,
+            max,
+            prompt_id: self.prompt_id.clone(),
+            node: self.node_id.clone(),
+        });
+        self.check_cancel()
+    }
+}
+
+/// A node's inputs by name, after validation coerced every constant to its
+/// declared type.
+#[derive(Clone, Debug, Default)]
+pub struct Inputs {
+    values: HashMap<String, Value>,
+}
+
+impl Inputs {
+    pub fn new(values: HashMap<String, Value>) -> Self {
+        Inputs { values }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Value> {
+        self.values.get(name)
+    }
+
+    pub fn require(&self, name: &str) -> Result<&Value, NodeError> {
+        self.get(name)
+            .ok_or_else(|| NodeError::MissingInput(name.to_string()))
+    }
+
+    fn mismatch(name: &str, expected: &'static str, v: &Value) -> NodeError {
+        NodeError::InputType {
+            name: name.to_string(),
+            expected,
+            found: format!("{v:?}"),
+        }
+    }
+
+    pub fn int(&self, name: &str) -> Result<i128, NodeError> {
+        match self.require(name)? {
+            Value::Int(i) => Ok(*i),
+            v => Err(Self::mismatch(name, "INT", v)),
+        }
+    }
+
+    /// An INT input that must fit a usize (sizes, counts).
+    pub fn usize(&self, name: &str) -> Result<usize, NodeError> {
+        let i = self.int(name)?;
+        usize::try_from(i).map_err(|_| NodeError::invalid(format!("{name} = {i} is out of range")))
+    }
+
+    pub fn float(&self, name: &str) -> Result<f64, NodeError> {
+        match self.require(name)? {
+            Value::Float(f) => Ok(*f),
+            Value::Int(i) => Ok(*i as f64),
+            v => Err(Self::mismatch(name, "FLOAT", v)),
+        }
+    }
+
+    pub fn string(&self, name: &str) -> Result<&str, NodeError> {
+        match self.require(name)? {
+            Value::String(s) => Ok(s),
+            v => Err(Self::mismatch(name, "STRING", v)),
+        }
+    }
+
+    pub fn bool(&self, name: &str) -> Result<bool, NodeError> {
+        match self.require(name)? {
+            Value::Bool(b) => Ok(*b),
+            v => Err(Self::mismatch(name, "BOOLEAN", v)),
+        }
+    }
+
+    pub fn image(&self, name: &str) -> Result<&Arc<Tensor>, NodeError> {
+        match self.require(name)? {
+            Value::Image(t) => Ok(t),
+            v => Err(Self::mismatch(name, "IMAGE", v)),
+        }
+    }
+
+    pub fn mask(&self, name: &str) -> Result<&Arc<Tensor>, NodeError> {
+        match self.require(name)? {
+            Value::Mask(t) => Ok(t),
+            v => Err(Self::mismatch(name, "MASK", v)),
+        }
+    }
+
+    pub fn latent(&self, name: &str) -> Result<&Arc<Latent>, NodeError> {
+        match self.require(name)? {
+            Value::Latent(l) => Ok(l),
+            v => Err(Self::mismatch(name, "LATENT", v)),
+        }
+    }
+}
+
+/// What a node returns: one value per declared output, and optionally a UI
+/// payload (`executed` event's `output`, e.g. `{"images": [...]}`).
+#[derive(Clone, Debug, Default)]
+pub struct NodeOutput {
+    pub values: Vec<Value>,
+    pub ui: Option<Json>,
+}
+
+impl NodeOutput {
+    pub fn values(values: Vec<Value>) -> Self {
+        NodeOutput { values, ui: None }
+    }
+}
+
+/// A node type's behaviour. Implementations are stateless; everything a
+/// run needs comes through the context and inputs.
+pub trait NodeImpl: Send + Sync {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError>;
+
+    /// ComfyUI's IS_CHANGED: a fingerprint of outside state (e.g. a file's
+    /// contents) that the cache key includes, so a node re-runs when its
+    /// source changes. Called with the constant inputs only.
+    fn fingerprint(&self, _ctx: &NodeContext, _inputs: &Inputs) -> Option<String> {
+        None
+    }
+}
+
+/// Node specs plus the implementations that exist so far. A spec without an
+/// implementation validates but fails to run with "not implemented yet".
+#[derive(Clone, Default)]
+pub struct NodeLibrary {
+    pub registry: Registry,
+    impls: HashMap<String, Arc<dyn NodeImpl>>,
+}
+
+impl NodeLibrary {
+    pub fn new(registry: Registry) -> Self {
+        NodeLibrary {
+            registry,
+            impls: HashMap::new(),
+        }
+    }
+
+    pub fn implement(&mut self, name: &str, imp: impl NodeImpl + 'static) {
+        self.impls.insert(name.to_string(), Arc::new(imp));
+    }
+
+    pub fn implementation(&self, name: &str) -> Option<Arc<dyn NodeImpl>> {
+        self.impls.get(name).cloned()
+    }
+
+    pub fn is_implemented(&self, name: &str) -> bool {
+        self.impls.contains_key(name)
+    }
+}

@@ -1,0 +1,157 @@
+//! Folder layout, following ComfyUI's: `models/<kind>/`, `input/`,
+//! `output/`, `temp/` under a base directory.
+
+use sdkit_schema::export::ComboSource;
+use sdkit_schema::spec::ComboOptions;
+use std::path::{Component, Path, PathBuf};
+
+/// Model folders ComfyUI knows, and the extensions it lists in them.
+pub const MODEL_FOLDERS: &[&str] = &[
+    "checkpoints",
+    "loras",
+    "vae",
+    "controlnet",
+    "embeddings",
+    "clip",
+    "text_encoders",
+    "diffusion_models",
+    "unet",
+    "clip_vision",
+    "style_models",
+    "upscale_models",
+    "gligen",
+    "hypernetworks",
+    "configs",
+];
+
+const MODEL_EXTENSIONS: &[&str] = &[
+    "safetensors",
+    "sft",
+    "ckpt",
+    "pt",
+    "pt2",
+    "bin",
+    "pth",
+    "pkl",
+    "gguf",
+];
+
+const IMAGE_EXTENSIONS: &[&str] = &[
+    "png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff",
+];
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Paths {
+    pub models: PathBuf,
+    pub input: PathBuf,
+    pub output: PathBuf,
+    pub temp: PathBuf,
+}
+
+impl Paths {
+    /// The default layout under `base`.
+    pub fn under(base: &Path) -> Self {
+        Paths {
+            models: base.join("models"),
+            input: base.join("input"),
+            output: base.join("output"),
+            temp: base.join("temp"),
+        }
+    }
+
+    /// Resolves a file name chosen in a combo (possibly with ComfyUI's
+    /// `name [input]` / `[output]` / `[temp]` annotation and subfolders)
+    /// to a path, refusing names that escape the folder.
+    pub fn annotated_input(&self, name: &str) -> Option<PathBuf> {
+        let (name, base) = if let Some(n) = name.strip_suffix(" [output]") {
+            (n, &self.output)
+        } else if let Some(n) = name.strip_suffix(" [temp]") {
+            (n, &self.temp)
+        } else {
+            (name.strip_suffix(" [input]").unwrap_or(name), &self.input)
+        };
+        safe_join(base, name)
+    }
+
+    /// Path of a model file in a model folder, e.g. (`checkpoints`, `sd15.safetensors`).
+    pub fn model(&self, folder: &str, name: &str) -> Option<PathBuf> {
+        safe_join(&self.models.join(folder), name)
+    }
+}
+
+/// Joins a relative, user-supplied path below `base`; None if it is
+/// absolute or climbs out with `..`.
+pub fn safe_join(base: &Path, rel: &str) -> Option<PathBuf> {
+    let p = Path::new(rel);
+    if rel.is_empty() {
+        return None;
+    }
+    for c in p.components() {
+        match c {
+            Component::Normal(_) | Component::CurDir => {}
+            _ => return None,
+        }
+    }
+    Some(base.join(p))
+}
+
+fn has_ext(p: &Path, exts: &[&str]) -> bool {
+    p.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| exts.contains(&e.to_ascii_lowercase().as_str()))
+}
+
+/// Lists files below `dir` (recursively, `/`-separated, sorted), as ComfyUI
+/// lists model folders.
+fn list_files(dir: &Path, exts: &[&str], recursive: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![(dir.to_path_buf(), String::new())];
+    while let Some((d, prefix)) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let path = e.path();
+            let rel = if prefix.is_empty() {
+                name.clone()
+            } else {
+                format!("{prefix}/{name}")
+            };
+            if path.is_dir() {
+                if recursive && !name.starts_with('.') {
+                    stack.push((path, rel));
+                }
+            } else if has_ext(&path, exts) {
+                out.push(rel);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+impl ComboSource for Paths {
+    fn options(&self, options: &ComboOptions) -> Vec<String> {
+        match options {
+            ComboOptions::Static(v) => v.clone(),
+            // ComfyUI lists the top level of the input folder only.
+            ComboOptions::InputImages => list_files(&self.input, IMAGE_EXTENSIONS, false),
+            ComboOptions::Models(folder) => {
+                list_files(&self.models.join(folder), MODEL_EXTENSIONS, true)
+            }
+        }
+    }
+
+    fn contains(&self, options: &ComboOptions, value: &str) -> bool {
+        match options {
+            ComboOptions::Static(v) => v.iter().any(|o| o == value),
+            // LoadImage accepts any existing file, subfolders and
+            // annotations included, as ComfyUI's VALIDATE_INPUTS does.
+            ComboOptions::InputImages => self
+                .annotated_input(value)
+                .is_some_and(|p| p.is_file()),
+            ComboOptions::Models(folder) => self.model(folder, value).is_some_and(|p| p.is_file()),
+        }
+    }
+}
