@@ -285,8 +285,12 @@ impl Executor {
         }
         // Ready nodes start in the graph's topological order so a run is
         // reproducible when it is serial.
-        let rank: HashMap<usize, usize> =
-            graph.order.iter().enumerate().map(|(r, &i)| (i, r)).collect();
+        let rank: HashMap<usize, usize> = graph
+            .order
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| (i, r))
+            .collect();
         let mut ready: Vec<usize> = to_run.iter().copied().filter(|i| waiting[i] == 0).collect();
         ready.sort_by_key(|i| std::cmp::Reverse(rank[i]));
 

@@ -400,7 +400,8 @@ pub fn validate(
                 if !cyclic {
                     continue;
                 }
-                let mut ids: Vec<&str> = scc.iter().map(|&n| wf.nodes[dag[n]].id.as_str()).collect();
+                let mut ids: Vec<&str> =
+                    scc.iter().map(|&n| wf.nodes[dag[n]].id.as_str()).collect();
                 ids.sort();
                 let first = dag[scc[0]];
                 diags.push(

@@ -36,9 +36,7 @@ const MODEL_EXTENSIONS: &[&str] = &[
     "gguf",
 ];
 
-const IMAGE_EXTENSIONS: &[&str] = &[
-    "png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff",
-];
+const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff"];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Paths {
@@ -148,9 +146,7 @@ impl ComboSource for Paths {
             ComboOptions::Static(v) => v.iter().any(|o| o == value),
             // LoadImage accepts any existing file, subfolders and
             // annotations included, as ComfyUI's VALIDATE_INPUTS does.
-            ComboOptions::InputImages => self
-                .annotated_input(value)
-                .is_some_and(|p| p.is_file()),
+            ComboOptions::InputImages => self.annotated_input(value).is_some_and(|p| p.is_file()),
             ComboOptions::Models(folder) => self.model(folder, value).is_some_and(|p| p.is_file()),
         }
     }

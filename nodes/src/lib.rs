@@ -1,1 +1,27 @@
+//! sdkit-nodes: every node type sdkit knows.
+//!
+//! [`library`] returns the registry of node specs (ComfyUI's core node
+//! types, by their ComfyUI names) with the implementations that exist so
+//! far. Types without an implementation validate, and running one fails
+//! with "not implemented yet".
 
+pub mod io;
+pub mod latent;
+pub mod specs;
+
+use sdkit_engine::NodeLibrary;
+use sdkit_schema::Registry;
+
+/// All node specs and implementations.
+pub fn library() -> NodeLibrary {
+    let mut registry = Registry::new();
+    for spec in specs::core_specs() {
+        registry.insert(spec);
+    }
+    let mut lib = NodeLibrary::new(registry);
+    lib.implement("LoadImage", io::LoadImage);
+    lib.implement("SaveImage", io::SaveImage);
+    lib.implement("PreviewImage", io::PreviewImage);
+    lib.implement("EmptyLatentImage", latent::EmptyLatentImage);
+    lib
+}

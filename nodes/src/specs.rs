@@ -23,21 +23,61 @@ const MAX_RES: i128 = 16384;
 
 /// `comfy.samplers.KSampler.SAMPLERS` (`KSAMPLER_NAMES` + ddim, uni_pc, uni_pc_bh2).
 pub const SAMPLERS: &[&str] = &[
-    "euler", "euler_cfg_pp", "euler_ancestral", "euler_ancestral_cfg_pp", "heun", "heunpp2",
-    "dpm_2", "dpm_2_ancestral", "lms", "dpm_fast", "dpm_adaptive", "dpmpp_2s_ancestral",
-    "dpmpp_2s_ancestral_cfg_pp", "dpmpp_sde", "dpmpp_sde_gpu", "dpmpp_2m", "dpmpp_2m_cfg_pp",
-    "dpmpp_2m_sde", "dpmpp_2m_sde_gpu", "dpmpp_2m_sde_heun", "dpmpp_2m_sde_heun_gpu",
-    "dpmpp_3m_sde", "dpmpp_3m_sde_gpu", "ddpm", "lcm", "ipndm", "ipndm_v", "deis",
-    "res_multistep", "res_multistep_cfg_pp", "res_multistep_ancestral",
-    "res_multistep_ancestral_cfg_pp", "gradient_estimation", "gradient_estimation_cfg_pp",
-    "er_sde", "seeds_2", "seeds_3", "sa_solver", "sa_solver_pece", "ddim", "uni_pc",
+    "euler",
+    "euler_cfg_pp",
+    "euler_ancestral",
+    "euler_ancestral_cfg_pp",
+    "heun",
+    "heunpp2",
+    "dpm_2",
+    "dpm_2_ancestral",
+    "lms",
+    "dpm_fast",
+    "dpm_adaptive",
+    "dpmpp_2s_ancestral",
+    "dpmpp_2s_ancestral_cfg_pp",
+    "dpmpp_sde",
+    "dpmpp_sde_gpu",
+    "dpmpp_2m",
+    "dpmpp_2m_cfg_pp",
+    "dpmpp_2m_sde",
+    "dpmpp_2m_sde_gpu",
+    "dpmpp_2m_sde_heun",
+    "dpmpp_2m_sde_heun_gpu",
+    "dpmpp_3m_sde",
+    "dpmpp_3m_sde_gpu",
+    "ddpm",
+    "lcm",
+    "ipndm",
+    "ipndm_v",
+    "deis",
+    "res_multistep",
+    "res_multistep_cfg_pp",
+    "res_multistep_ancestral",
+    "res_multistep_ancestral_cfg_pp",
+    "gradient_estimation",
+    "gradient_estimation_cfg_pp",
+    "er_sde",
+    "seeds_2",
+    "seeds_3",
+    "sa_solver",
+    "sa_solver_pece",
+    "ddim",
+    "uni_pc",
     "uni_pc_bh2",
 ];
 
 /// `comfy.samplers.KSampler.SCHEDULERS` (`SCHEDULER_NAMES`).
 pub const SCHEDULERS: &[&str] = &[
-    "simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal",
-    "linear_quadratic", "kl_optimal",
+    "simple",
+    "sgm_uniform",
+    "karras",
+    "exponential",
+    "ddim_uniform",
+    "beta",
+    "normal",
+    "linear_quadratic",
+    "kl_optimal",
 ];
 
 const CROP: &[&str] = &["disabled", "center"];
@@ -97,7 +137,12 @@ mod tests {
             assert!(names.insert(s.name.as_str()), "duplicate node {}", s.name);
             let mut inputs = HashSet::new();
             for i in &s.inputs {
-                assert!(inputs.insert(i.name.as_str()), "{}: duplicate input {}", s.name, i.name);
+                assert!(
+                    inputs.insert(i.name.as_str()),
+                    "{}: duplicate input {}",
+                    s.name,
+                    i.name
+                );
             }
         }
     }
@@ -109,9 +154,19 @@ mod tests {
             for i in &s.inputs {
                 let is_seed_name = i.name == "seed" || i.name == "noise_seed";
                 match &i.kind {
-                    InputKind::Int { default, min, max, step, control_after_generate } => {
+                    InputKind::Int {
+                        default,
+                        min,
+                        max,
+                        step,
+                        control_after_generate,
+                    } => {
                         if is_seed_name || *control_after_generate {
-                            assert!(*control_after_generate, "{}.{} lacks control", s.name, i.name);
+                            assert!(
+                                *control_after_generate,
+                                "{}.{} lacks control",
+                                s.name, i.name
+                            );
                             assert_eq!((*default, *min, *step), (0, 0, 1), "{}.{}", s.name, i.name);
                             assert_eq!(*max, u64::MAX as i128, "{}.{}", s.name, i.name);
                             seen += 1;
@@ -128,13 +183,24 @@ mod tests {
     #[test]
     fn ksampler_input_order() {
         let specs = core_specs();
-        let ks = specs.iter().find(|s| s.name == "KSampler").expect("KSampler");
+        let ks = specs
+            .iter()
+            .find(|s| s.name == "KSampler")
+            .expect("KSampler");
         let names: Vec<&str> = ks.inputs.iter().map(|i| i.name.as_str()).collect();
         assert_eq!(
             names,
             [
-                "model", "seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
-                "negative", "latent_image", "denoise"
+                "model",
+                "seed",
+                "steps",
+                "cfg",
+                "sampler_name",
+                "scheduler",
+                "positive",
+                "negative",
+                "latent_image",
+                "denoise"
             ]
         );
         assert_eq!(ks.output_index("LATENT"), Some(0));
@@ -145,13 +211,39 @@ mod tests {
         for s in core_specs() {
             for i in &s.inputs {
                 match &i.kind {
-                    InputKind::Int { default, min, max, step, .. } => {
-                        assert!(min <= default && default <= max && *step > 0, "{}.{}", s.name, i.name);
+                    InputKind::Int {
+                        default,
+                        min,
+                        max,
+                        step,
+                        ..
+                    } => {
+                        assert!(
+                            min <= default && default <= max && *step > 0,
+                            "{}.{}",
+                            s.name,
+                            i.name
+                        );
                     }
-                    InputKind::Float { default, min, max, step, .. } => {
-                        assert!(min <= default && default <= max && *step > 0.0, "{}.{}", s.name, i.name);
+                    InputKind::Float {
+                        default,
+                        min,
+                        max,
+                        step,
+                        ..
+                    } => {
+                        assert!(
+                            min <= default && default <= max && *step > 0.0,
+                            "{}.{}",
+                            s.name,
+                            i.name
+                        );
                     }
-                    InputKind::Combo { options: ComboOptions::Static(o), default, .. } => {
+                    InputKind::Combo {
+                        options: ComboOptions::Static(o),
+                        default,
+                        ..
+                    } => {
                         assert!(!o.is_empty(), "{}.{}", s.name, i.name);
                         if let Some(d) = default {
                             assert!(o.contains(d), "{}.{}", s.name, i.name);
@@ -171,11 +263,18 @@ mod tests {
             assert!(s.output_node && s.outputs.is_empty(), "{name}");
             assert_eq!(s.hidden, [Hidden::Prompt, Hidden::ExtraPngInfo], "{name}");
         }
-        let load = specs.iter().find(|s| s.name == "LoadImage").expect("LoadImage");
+        let load = specs
+            .iter()
+            .find(|s| s.name == "LoadImage")
+            .expect("LoadImage");
         assert_eq!(load.outputs.len(), 2);
         assert!(matches!(
             load.inputs[0].kind,
-            InputKind::Combo { options: ComboOptions::InputImages, image_upload: true, .. }
+            InputKind::Combo {
+                options: ComboOptions::InputImages,
+                image_upload: true,
+                ..
+            }
         ));
     }
 }

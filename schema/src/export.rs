@@ -101,7 +101,13 @@ fn input_info(input: &InputSpec, combos: &dyn ComboSource) -> Json {
             if *image_upload {
                 opts.insert("image_upload".into(), json!(true));
             }
-            Json::Array(combos.options(options).into_iter().map(Json::from).collect())
+            Json::Array(
+                combos
+                    .options(options)
+                    .into_iter()
+                    .map(Json::from)
+                    .collect(),
+            )
         }
     };
     if opts.is_empty() && matches!(input.kind, InputKind::Socket(_)) {

@@ -471,9 +471,7 @@ impl Parser {
                         self.bump();
                     }
                     Some(')') => {}
-                    Some(c) => {
-                        return Err(self.error(format!("expected `,` or `)`, found `{c}`")))
-                    }
+                    Some(c) => return Err(self.error(format!("expected `,` or `)`, found `{c}`"))),
                     None => return Err(self.error("unclosed `(`: expected `)`")),
                 }
             }
@@ -564,10 +562,13 @@ impl Parser {
     fn hex4(&mut self, pos: Pos) -> Result<u32, SyntaxError> {
         let mut v = 0u32;
         for _ in 0..4 {
-            let d = self.bump().and_then(|c| c.to_digit(16)).ok_or(SyntaxError {
-                pos,
-                message: "bad \\u escape: expected 4 hex digits".into(),
-            })?;
+            let d = self
+                .bump()
+                .and_then(|c| c.to_digit(16))
+                .ok_or(SyntaxError {
+                    pos,
+                    message: "bad \\u escape: expected 4 hex digits".into(),
+                })?;
             v = v * 16 + d;
         }
         Ok(v)

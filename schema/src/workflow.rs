@@ -143,9 +143,8 @@ impl Workflow {
 ///
 /// On failure, returns every problem found (at least one).
 pub fn load(text: &str, registry: &Registry) -> Result<Workflow, Vec<Diagnostic>> {
-    let root = syntax::parse(text).map_err(|e| {
-        vec![Diagnostic::error(DiagKind::SyntaxError, e.message).at(Some(e.pos))]
-    })?;
+    let root = syntax::parse(text)
+        .map_err(|e| vec![Diagnostic::error(DiagKind::SyntaxError, e.message).at(Some(e.pos))])?;
     load_tree(&root, registry)
 }
 
@@ -198,7 +197,10 @@ fn as_link(v: &Value) -> Option<Link> {
     let items = match v {
         Value::List(items) => items,
         Value::Tuple { name: None, items } => items,
-        Value::Tuple { name: Some(n), items } if n == "Link" => items,
+        Value::Tuple {
+            name: Some(n),
+            items,
+        } if n == "Link" => items,
         _ => return None,
     };
     if items.len() != 2 {
@@ -241,47 +243,48 @@ fn load_native(pos: Pos, nodes: &Value) -> Result<Workflow, Vec<Diagnostic>> {
         }
         // `Type(input: v, ...)`, `Type()` or `Type` (RON), or
         // `{"type": "...", "inputs": {...}}` (JSON and RON).
-        let (class_type, fields, title): (Option<String>, Vec<_>, Option<String>) =
-            match &node.value {
-                Value::Struct {
-                    name: Some(name),
-                    fields,
-                } => (Some(name.clone()), fields.iter().collect(), None),
-                Value::Ident(name) => (Some(name.clone()), Vec::new(), None),
-                Value::Map(_) | Value::Struct { name: None, .. } => {
-                    let ty = node
-                        .value
-                        .get("type")
-                        .or_else(|| node.value.get("class_type"))
-                        .and_then(|t| t.value.as_str().map(str::to_string));
-                    let title = node
-                        .value
-                        .get("title")
-                        .and_then(|t| t.value.as_str().map(str::to_string));
-                    let fields = match node.value.get("inputs") {
-                        Some(inputs) => match inputs.value.entries() {
-                            Some(e) => e.iter().collect(),
-                            None => {
-                                errors.push(
-                                    Diagnostic::error(
-                                        DiagKind::InvalidPrompt,
-                                        format!(
-                                            "`inputs` must be a map, found a {}",
-                                            inputs.value.kind()
-                                        ),
-                                    )
-                                    .node(&id, ty.as_deref().unwrap_or(""))
-                                    .at(Some(inputs.pos)),
-                                );
-                                Vec::new()
-                            }
-                        },
-                        None => Vec::new(),
-                    };
-                    (ty, fields, title)
-                }
-                other => {
-                    errors.push(
+        let (class_type, fields, title): (Option<String>, Vec<_>, Option<String>) = match &node
+            .value
+        {
+            Value::Struct {
+                name: Some(name),
+                fields,
+            } => (Some(name.clone()), fields.iter().collect(), None),
+            Value::Ident(name) => (Some(name.clone()), Vec::new(), None),
+            Value::Map(_) | Value::Struct { name: None, .. } => {
+                let ty = node
+                    .value
+                    .get("type")
+                    .or_else(|| node.value.get("class_type"))
+                    .and_then(|t| t.value.as_str().map(str::to_string));
+                let title = node
+                    .value
+                    .get("title")
+                    .and_then(|t| t.value.as_str().map(str::to_string));
+                let fields = match node.value.get("inputs") {
+                    Some(inputs) => match inputs.value.entries() {
+                        Some(e) => e.iter().collect(),
+                        None => {
+                            errors.push(
+                                Diagnostic::error(
+                                    DiagKind::InvalidPrompt,
+                                    format!(
+                                        "`inputs` must be a map, found a {}",
+                                        inputs.value.kind()
+                                    ),
+                                )
+                                .node(&id, ty.as_deref().unwrap_or(""))
+                                .at(Some(inputs.pos)),
+                            );
+                            Vec::new()
+                        }
+                    },
+                    None => Vec::new(),
+                };
+                (ty, fields, title)
+            }
+            other => {
+                errors.push(
                         Diagnostic::error(
                             DiagKind::InvalidPrompt,
                             format!(
@@ -292,9 +295,9 @@ fn load_native(pos: Pos, nodes: &Value) -> Result<Workflow, Vec<Diagnostic>> {
                         .node(&id, "")
                         .at(Some(node.pos)),
                     );
-                    continue;
-                }
-            };
+                continue;
+            }
+        };
         let Some(class_type) = class_type else {
             errors.push(
                 Diagnostic::error(DiagKind::InvalidPrompt, "node has no `type`")
@@ -567,11 +570,7 @@ fn load_ui(root: &Node, registry: &Registry) -> Result<Workflow, Vec<Diagnostic>
                     .inputs
                     .get(l.slot)
                     .filter(|i| i.2 == out_ty && i.1.is_some())
-                    .or_else(|| {
-                        src.inputs
-                            .iter()
-                            .find(|i| i.2 == out_ty && i.1.is_some())
-                    })?;
+                    .or_else(|| src.inputs.iter().find(|i| i.2 == out_ty && i.1.is_some()))?;
                 resolve(candidate.1?, links, nodes, depth + 1)
             }
             _ => Some((src.id, l.slot)),
@@ -697,4 +696,14 @@ fn load_ui(root: &Node, registry: &Registry) -> Result<Workflow, Vec<Diagnostic>
         ui_workflow: Some(root.value.to_json()),
         warnings,
     })
+}
+
+/// Reads one input value written on a command line (`--set`): RON/JSON
+/// syntax when it parses (`12`, `"text"`, `("4", 0)` as a link), else the
+/// raw text as a string.
+pub fn parse_input_value(text: &str) -> InputValue {
+    match syntax::parse(text) {
+        Ok(node) => input_value(&node),
+        Err(_) => InputValue::Const(Json::String(text.to_string())),
+    }
 }

@@ -10,105 +10,163 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
         .socket("clip", T::Clip).tip("The CLIP model used for encoding the text.")
         .returns(T::Conditioning).build()
         .out_tips(&["A conditioning containing the embedded text used to guide the diffusion model."]));
-    v.push(node("CLIPSetLastLayer", "conditioning").display("CLIP Set Last Layer")
-        .socket("clip", T::Clip)
-        .int("stop_at_clip_layer", -1, -24, -1, 1)
-        .returns(T::Clip).build());
-    v.push(node("ConditioningCombine", "conditioning").display("Conditioning (Combine)")
-        .socket("conditioning_1", T::Conditioning)
-        .socket("conditioning_2", T::Conditioning)
-        .returns(T::Conditioning).build());
+    v.push(
+        node("CLIPSetLastLayer", "conditioning")
+            .display("CLIP Set Last Layer")
+            .socket("clip", T::Clip)
+            .int("stop_at_clip_layer", -1, -24, -1, 1)
+            .returns(T::Clip)
+            .build(),
+    );
+    v.push(
+        node("ConditioningCombine", "conditioning")
+            .display("Conditioning (Combine)")
+            .socket("conditioning_1", T::Conditioning)
+            .socket("conditioning_2", T::Conditioning)
+            .returns(T::Conditioning)
+            .build(),
+    );
     // nodes.py maps "ConditioningAverage " (trailing space), so ComfyUI shows
     // the bare class name.
-    v.push(node("ConditioningAverage", "conditioning")
-        .socket("conditioning_to", T::Conditioning)
-        .socket("conditioning_from", T::Conditioning)
-        .float("conditioning_to_strength", 1.0, 0.0, 1.0, 0.01)
-        .returns(T::Conditioning).build());
-    v.push(node("ConditioningConcat", "conditioning").display("Conditioning (Concat)")
-        .socket("conditioning_to", T::Conditioning)
-        .socket("conditioning_from", T::Conditioning)
-        .returns(T::Conditioning).build());
-    v.push(node("ConditioningSetArea", "conditioning").display("Conditioning (Set Area)")
-        .socket("conditioning", T::Conditioning)
-        .int("width", 64, 64, MAX_RES, 8)
-        .int("height", 64, 64, MAX_RES, 8)
-        .int("x", 0, 0, MAX_RES, 8)
-        .int("y", 0, 0, MAX_RES, 8)
-        .float("strength", 1.0, 0.0, 10.0, 0.01)
-        .returns(T::Conditioning).build());
-    v.push(node("ConditioningSetAreaPercentage", "conditioning")
-        .display("Conditioning (Set Area with Percentage)")
-        .socket("conditioning", T::Conditioning)
-        .float("width", 1.0, 0.0, 1.0, 0.01)
-        .float("height", 1.0, 0.0, 1.0, 0.01)
-        .float("x", 0.0, 0.0, 1.0, 0.01)
-        .float("y", 0.0, 0.0, 1.0, 0.01)
-        .float("strength", 1.0, 0.0, 10.0, 0.01)
-        .returns(T::Conditioning).build());
-    v.push(node("ConditioningSetAreaStrength", "conditioning")
-        .socket("conditioning", T::Conditioning)
-        .float("strength", 1.0, 0.0, 10.0, 0.01)
-        .returns(T::Conditioning).build());
-    v.push(node("ConditioningSetMask", "conditioning").display("Conditioning (Set Mask)")
-        .socket("conditioning", T::Conditioning)
-        .socket("mask", T::Mask)
-        .float("strength", 1.0, 0.0, 10.0, 0.01)
-        .combo("set_cond_area", &["default", "mask bounds"])
-        .returns(T::Conditioning).build());
-    v.push(node("ConditioningZeroOut", "advanced/conditioning")
-        .socket("conditioning", T::Conditioning)
-        .returns(T::Conditioning).build());
-    v.push(node("ConditioningSetTimestepRange", "advanced/conditioning")
-        .socket("conditioning", T::Conditioning)
-        .float("start", 0.0, 0.0, 1.0, 0.001)
-        .float("end", 1.0, 0.0, 1.0, 0.001)
-        .returns(T::Conditioning).build());
-    v.push(node("ControlNetApply", "conditioning/controlnet").display("Apply ControlNet (OLD)")
-        .deprecated()
-        .socket("conditioning", T::Conditioning)
-        .socket("control_net", T::ControlNet)
-        .socket("image", T::Image)
-        .float("strength", 1.0, 0.0, 10.0, 0.01)
-        .returns(T::Conditioning).build());
-    v.push(node("ControlNetApplyAdvanced", "conditioning/controlnet").display("Apply ControlNet")
-        .socket("positive", T::Conditioning)
-        .socket("negative", T::Conditioning)
-        .socket("control_net", T::ControlNet)
-        .socket("image", T::Image)
-        .float("strength", 1.0, 0.0, 10.0, 0.01)
-        .float("start_percent", 0.0, 0.0, 1.0, 0.001)
-        .float("end_percent", 1.0, 0.0, 1.0, 0.001)
-        .optional_socket("vae", T::Vae)
-        .output("positive", T::Conditioning).output("negative", T::Conditioning).build());
-    v.push(node("CLIPVisionEncode", "conditioning").display("CLIP Vision Encode")
-        .socket("clip_vision", T::ClipVision)
-        .socket("image", T::Image)
-        .combo("crop", &["center", "none"])
-        .returns(T::ClipVisionOutput).build());
-    v.push(node("StyleModelApply", "conditioning/style_model").display("Apply Style Model")
-        .socket("conditioning", T::Conditioning)
-        .socket("style_model", T::StyleModel)
-        .socket("clip_vision_output", T::ClipVisionOutput)
-        .float("strength", 1.0, 0.0, 10.0, 0.001)
-        .combo("strength_type", &["multiply", "attn_bias"])
-        .returns(T::Conditioning).build());
-    v.push(node("unCLIPConditioning", "conditioning")
-        .socket("conditioning", T::Conditioning)
-        .socket("clip_vision_output", T::ClipVisionOutput)
-        .float("strength", 1.0, -10.0, 10.0, 0.01)
-        .float("noise_augmentation", 0.0, 0.0, 1.0, 0.01)
-        .returns(T::Conditioning).build());
-    v.push(node("GLIGENTextBoxApply", "conditioning/gligen")
-        .socket("conditioning_to", T::Conditioning)
-        .socket("clip", T::Clip)
-        .socket("gligen_textbox_model", T::Gligen)
-        .text("text")
-        .int("width", 64, 8, MAX_RES, 8)
-        .int("height", 64, 8, MAX_RES, 8)
-        .int("x", 0, 0, MAX_RES, 8)
-        .int("y", 0, 0, MAX_RES, 8)
-        .returns(T::Conditioning).build());
+    v.push(
+        node("ConditioningAverage", "conditioning")
+            .socket("conditioning_to", T::Conditioning)
+            .socket("conditioning_from", T::Conditioning)
+            .float("conditioning_to_strength", 1.0, 0.0, 1.0, 0.01)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ConditioningConcat", "conditioning")
+            .display("Conditioning (Concat)")
+            .socket("conditioning_to", T::Conditioning)
+            .socket("conditioning_from", T::Conditioning)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ConditioningSetArea", "conditioning")
+            .display("Conditioning (Set Area)")
+            .socket("conditioning", T::Conditioning)
+            .int("width", 64, 64, MAX_RES, 8)
+            .int("height", 64, 64, MAX_RES, 8)
+            .int("x", 0, 0, MAX_RES, 8)
+            .int("y", 0, 0, MAX_RES, 8)
+            .float("strength", 1.0, 0.0, 10.0, 0.01)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ConditioningSetAreaPercentage", "conditioning")
+            .display("Conditioning (Set Area with Percentage)")
+            .socket("conditioning", T::Conditioning)
+            .float("width", 1.0, 0.0, 1.0, 0.01)
+            .float("height", 1.0, 0.0, 1.0, 0.01)
+            .float("x", 0.0, 0.0, 1.0, 0.01)
+            .float("y", 0.0, 0.0, 1.0, 0.01)
+            .float("strength", 1.0, 0.0, 10.0, 0.01)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ConditioningSetAreaStrength", "conditioning")
+            .socket("conditioning", T::Conditioning)
+            .float("strength", 1.0, 0.0, 10.0, 0.01)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ConditioningSetMask", "conditioning")
+            .display("Conditioning (Set Mask)")
+            .socket("conditioning", T::Conditioning)
+            .socket("mask", T::Mask)
+            .float("strength", 1.0, 0.0, 10.0, 0.01)
+            .combo("set_cond_area", &["default", "mask bounds"])
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ConditioningZeroOut", "advanced/conditioning")
+            .socket("conditioning", T::Conditioning)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ConditioningSetTimestepRange", "advanced/conditioning")
+            .socket("conditioning", T::Conditioning)
+            .float("start", 0.0, 0.0, 1.0, 0.001)
+            .float("end", 1.0, 0.0, 1.0, 0.001)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ControlNetApply", "conditioning/controlnet")
+            .display("Apply ControlNet (OLD)")
+            .deprecated()
+            .socket("conditioning", T::Conditioning)
+            .socket("control_net", T::ControlNet)
+            .socket("image", T::Image)
+            .float("strength", 1.0, 0.0, 10.0, 0.01)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("ControlNetApplyAdvanced", "conditioning/controlnet")
+            .display("Apply ControlNet")
+            .socket("positive", T::Conditioning)
+            .socket("negative", T::Conditioning)
+            .socket("control_net", T::ControlNet)
+            .socket("image", T::Image)
+            .float("strength", 1.0, 0.0, 10.0, 0.01)
+            .float("start_percent", 0.0, 0.0, 1.0, 0.001)
+            .float("end_percent", 1.0, 0.0, 1.0, 0.001)
+            .optional_socket("vae", T::Vae)
+            .output("positive", T::Conditioning)
+            .output("negative", T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("CLIPVisionEncode", "conditioning")
+            .display("CLIP Vision Encode")
+            .socket("clip_vision", T::ClipVision)
+            .socket("image", T::Image)
+            .combo("crop", &["center", "none"])
+            .returns(T::ClipVisionOutput)
+            .build(),
+    );
+    v.push(
+        node("StyleModelApply", "conditioning/style_model")
+            .display("Apply Style Model")
+            .socket("conditioning", T::Conditioning)
+            .socket("style_model", T::StyleModel)
+            .socket("clip_vision_output", T::ClipVisionOutput)
+            .float("strength", 1.0, 0.0, 10.0, 0.001)
+            .combo("strength_type", &["multiply", "attn_bias"])
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("unCLIPConditioning", "conditioning")
+            .socket("conditioning", T::Conditioning)
+            .socket("clip_vision_output", T::ClipVisionOutput)
+            .float("strength", 1.0, -10.0, 10.0, 0.01)
+            .float("noise_augmentation", 0.0, 0.0, 1.0, 0.01)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("GLIGENTextBoxApply", "conditioning/gligen")
+            .socket("conditioning_to", T::Conditioning)
+            .socket("clip", T::Clip)
+            .socket("gligen_textbox_model", T::Gligen)
+            .text("text")
+            .int("width", 64, 8, MAX_RES, 8)
+            .int("height", 64, 8, MAX_RES, 8)
+            .int("x", 0, 0, MAX_RES, 8)
+            .int("y", 0, 0, MAX_RES, 8)
+            .returns(T::Conditioning)
+            .build(),
+    );
     v.push(node("InpaintModelConditioning", "conditioning/inpaint")
         .socket("positive", T::Conditioning)
         .socket("negative", T::Conditioning)

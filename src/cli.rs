@@ -1,0 +1,362 @@
+//! Command-line parsing and the commands that are not long-running.
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use sdkit_engine::{
+    validate, CancelToken, EventSink, Executor, Graph, NodeLibrary, Paths, RunError, RunOptions,
+};
+use sdkit_schema::export::{object_info, workflow_json_schema};
+use sdkit_schema::workflow::{self, InputDoc};
+use sdkit_schema::{Diagnostic, Workflow};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// Exit code for a workflow that does not validate.
+pub const EXIT_INVALID: i32 = 2;
+/// Exit code for a run stopped by Ctrl-C (128 + SIGINT).
+pub const EXIT_INTERRUPTED: i32 = 130;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sdkit",
+    version,
+    about = "A lean, fast engine for diffusion image generation"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Validate and run a workflow file.
+    Run(RunArgs),
+    /// Run a workflow, then re-run it on every save, executing only what changed.
+    Watch(RunArgs),
+    /// Check a workflow file; exits 0 when valid, 2 when not.
+    Validate {
+        file: PathBuf,
+        #[command(flatten)]
+        dirs: DirArgs,
+        /// Output format of the diagnostics.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// Print every node type as JSON, in ComfyUI's /object_info shape.
+    Nodes {
+        #[command(flatten)]
+        dirs: DirArgs,
+    },
+    /// Print a JSON Schema for the native workflow format (JSON form).
+    Schema {
+        #[command(flatten)]
+        dirs: DirArgs,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Format {
+    Text,
+    Json,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct DirArgs {
+    /// Base folder holding models/, input/, output/ and temp/ (default: the current folder).
+    #[arg(long, value_name = "DIR")]
+    pub base_dir: Option<PathBuf>,
+    /// Model folders root (checkpoints/, loras/, vae/, ...).
+    #[arg(long, value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
+    /// Folder LoadImage reads from.
+    #[arg(long, value_name = "DIR")]
+    pub input_dir: Option<PathBuf>,
+    /// Folder SaveImage writes to.
+    #[arg(long, value_name = "DIR")]
+    pub output_dir: Option<PathBuf>,
+    /// Folder PreviewImage writes to.
+    #[arg(long, value_name = "DIR")]
+    pub temp_dir: Option<PathBuf>,
+}
+
+impl DirArgs {
+    pub fn paths(&self) -> Result<Paths> {
+        let base = match &self.base_dir {
+            Some(b) => b.clone(),
+            None => std::env::current_dir().context("cannot read the current folder")?,
+        };
+        let mut p = Paths::under(&base);
+        if let Some(d) = &self.models_dir {
+            p.models = d.clone();
+        }
+        if let Some(d) = &self.input_dir {
+            p.input = d.clone();
+        }
+        if let Some(d) = &self.output_dir {
+            p.output = d.clone();
+        }
+        if let Some(d) = &self.temp_dir {
+            p.temp = d.clone();
+        }
+        Ok(p)
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Workflow file: native RON/JSON, ComfyUI API JSON or ComfyUI UI JSON.
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub dirs: DirArgs,
+    /// Override an input: NODE.INPUT=VALUE (VALUE in RON/JSON syntax, or bare text).
+    #[arg(long = "set", value_name = "NODE.INPUT=VALUE")]
+    pub set: Vec<String>,
+    /// Write execution events as JSON lines to FILE, or to stdout with "-".
+    #[arg(long, value_name = "FILE|-")]
+    pub events: Option<String>,
+    /// No progress display.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+pub fn main(cli: Cli) -> Result<i32> {
+    match cli.command {
+        Command::Run(args) => run_command(args),
+        Command::Watch(args) => crate::watch::watch(args),
+        Command::Validate { file, dirs, format } => validate_command(&file, &dirs, format),
+        Command::Nodes { dirs } => {
+            let lib = sdkit_nodes::library();
+            print_json(&object_info(&lib.registry, &dirs.paths()?))
+        }
+        Command::Schema { dirs } => {
+            let lib = sdkit_nodes::library();
+            print_json(&workflow_json_schema(&lib.registry, &dirs.paths()?))
+        }
+    }
+}
+
+fn print_json(v: &serde_json::Value) -> Result<i32> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, v)?;
+    writeln!(out)?;
+    Ok(0)
+}
+
+/// A workflow that loaded and validated, or its diagnostics.
+pub enum Loaded {
+    Ok(Box<Graph>),
+    Invalid(Vec<Diagnostic>),
+}
+
+/// Reads, applies `--set` overrides, and validates.
+pub fn load_and_validate(
+    file: &Path,
+    sets: &[String],
+    lib: &NodeLibrary,
+    paths: &Paths,
+) -> Result<Loaded> {
+    let text = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let text = match String::from_utf8(text) {
+        Ok(t) => t,
+        Err(_) => {
+            return Ok(Loaded::Invalid(vec![Diagnostic::error(
+                sdkit_schema::DiagKind::SyntaxError,
+                "the file is not UTF-8 text",
+            )]))
+        }
+    };
+    let mut wf = match workflow::load(&text, &lib.registry) {
+        Ok(wf) => wf,
+        Err(d) => return Ok(Loaded::Invalid(d)),
+    };
+    if let Err(d) = apply_sets(&mut wf, sets) {
+        return Ok(Loaded::Invalid(d));
+    }
+    Ok(match validate(&wf, &lib.registry, paths) {
+        Ok(g) => Loaded::Ok(Box::new(g)),
+        Err(d) => Loaded::Invalid(d),
+    })
+}
+
+/// Applies `NODE.INPUT=VALUE` overrides.
+fn apply_sets(wf: &mut Workflow, sets: &[String]) -> Result<(), Vec<Diagnostic>> {
+    let mut errors = Vec::new();
+    for s in sets {
+        let parsed = s.split_once('=').and_then(|(lhs, v)| {
+            let (node, input) = lhs.rsplit_once('.')?;
+            Some((node.trim(), input.trim(), v))
+        });
+        let Some((node, input, value)) = parsed else {
+            errors.push(Diagnostic::error(
+                sdkit_schema::DiagKind::InvalidPrompt,
+                format!("--set {s}: expected NODE.INPUT=VALUE"),
+            ));
+            continue;
+        };
+        let Some(doc) = wf.node_mut(node) else {
+            errors.push(Diagnostic::error(
+                sdkit_schema::DiagKind::InvalidPrompt,
+                format!("--set {s}: no node \"{node}\" in the workflow"),
+            ));
+            continue;
+        };
+        let value = workflow::parse_input_value(value);
+        match doc.input_mut(input) {
+            Some(i) => i.value = value,
+            None => doc.inputs.push(InputDoc {
+                name: input.to_string(),
+                value,
+                pos: None,
+            }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
+/// Prints diagnostics as `FILE:LINE:COL: error[kind] node "id" (Type) input "x": message`.
+pub fn print_diagnostics(file: &Path, diags: &[Diagnostic]) {
+    let mut err = std::io::stderr().lock();
+    for d in diags {
+        let _ = writeln!(err, "{}:{d}", file.display());
+    }
+    let n = diags.iter().filter(|d| d.is_error()).count();
+    if n > 0 {
+        let _ = writeln!(
+            err,
+            "{}: {n} error{} found",
+            file.display(),
+            if n == 1 { "" } else { "s" }
+        );
+    }
+}
+
+fn validate_command(file: &Path, dirs: &DirArgs, format: Format) -> Result<i32> {
+    let lib = sdkit_nodes::library();
+    let paths = dirs.paths()?;
+    let (diags, code) = match load_and_validate(file, &[], &lib, &paths)? {
+        Loaded::Ok(g) => (g.warnings.clone(), 0),
+        Loaded::Invalid(d) => (d, EXIT_INVALID),
+    };
+    match format {
+        Format::Text => {
+            print_diagnostics(file, &diags);
+            if code == 0 {
+                eprintln!("{}: valid", file.display());
+            }
+        }
+        Format::Json => {
+            let v = serde_json::json!({
+                "file": file.display().to_string(),
+                "valid": code == 0,
+                "diagnostics": diags,
+            });
+            print_json(&v)?;
+        }
+    }
+    Ok(code)
+}
+
+/// Builds the event sink: JSON lines to a file or stdout, plus the
+/// terminal progress display.
+pub fn event_sink(args: &RunArgs) -> Result<(EventSink, Option<crate::progress::Progress>)> {
+    let writer: Option<Arc<Mutex<Box<dyn Write + Send>>>> = match args.events.as_deref() {
+        None => None,
+        Some("-") => Some(Arc::new(Mutex::new(Box::new(std::io::stdout())))),
+        Some(path) => {
+            let f = std::fs::File::create(path)
+                .with_context(|| format!("cannot create events file {path}"))?;
+            Some(Arc::new(Mutex::new(Box::new(std::io::LineWriter::new(f)))))
+        }
+    };
+    let progress = (!args.quiet).then(crate::progress::Progress::new);
+    let bar = progress.clone();
+    let sink: EventSink = Arc::new(move |e| {
+        if let Some(w) = &writer {
+            if let Ok(line) = serde_json::to_string(e) {
+                let mut w = w.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let _ = writeln!(w, "{line}");
+            }
+        }
+        if let Some(p) = &bar {
+            p.event(e);
+        }
+    });
+    Ok((sink, progress))
+}
+
+/// Runs one validated graph with Ctrl-C cancelling it; returns the exit code.
+pub async fn run_graph(
+    exec: &Executor,
+    graph: &Graph,
+    events: EventSink,
+    cancel: CancelToken,
+) -> i32 {
+    let opts = RunOptions::new(events, cancel.clone());
+    let run = exec.run(graph, opts);
+    tokio::pin!(run);
+    let result = loop {
+        tokio::select! {
+            r = &mut run => break r,
+            _ = tokio::signal::ctrl_c() => {
+                if cancel.is_cancelled() {
+                    eprintln!("interrupted twice: exiting");
+                    std::process::exit(EXIT_INTERRUPTED);
+                }
+                eprintln!("interrupting: stopping at the next node or step (Ctrl-C again to quit now)");
+                cancel.cancel();
+            }
+        }
+    };
+    match result {
+        Ok(report) => {
+            for (node, out) in &report.outputs {
+                if let Some(images) = out.get("images").and_then(|i| i.as_array()) {
+                    for img in images {
+                        let dir = match img.get("type").and_then(|t| t.as_str()) {
+                            Some("temp") => &exec.paths().temp,
+                            _ => &exec.paths().output,
+                        };
+                        let sub = img.get("subfolder").and_then(|s| s.as_str()).unwrap_or("");
+                        let name = img.get("filename").and_then(|s| s.as_str()).unwrap_or("");
+                        eprintln!("node {node}: wrote {}", dir.join(sub).join(name).display());
+                    }
+                }
+            }
+            0
+        }
+        Err(RunError::Interrupted) => {
+            eprintln!("interrupted");
+            EXIT_INTERRUPTED
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn run_command(args: RunArgs) -> Result<i32> {
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = args.dirs.paths()?;
+    let graph = match load_and_validate(&args.file, &args.set, &lib, &paths)? {
+        Loaded::Ok(g) => g,
+        Loaded::Invalid(d) => {
+            print_diagnostics(&args.file, &d);
+            return Ok(EXIT_INVALID);
+        }
+    };
+    print_diagnostics(&args.file, &graph.warnings);
+    let (sink, progress) = event_sink(&args)?;
+    let exec = Executor::new(lib, Arc::new(paths));
+    let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let code = rt.block_on(run_graph(&exec, &graph, sink, CancelToken::new()));
+    if let Some(p) = progress {
+        p.finish();
+    }
+    Ok(code)
+}
