@@ -5,8 +5,8 @@
 use proptest::prelude::*;
 use sdkit_engine::event::discard;
 use sdkit_engine::{
-    validate, CancelToken, Event, Executor, Inputs, NodeContext, NodeError, NodeImpl,
-    NodeLibrary, NodeOutput, Paths, RunError, RunOptions, Value,
+    validate, CancelToken, Event, Executor, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary,
+    NodeOutput, Paths, RunError, RunOptions, Value,
 };
 use sdkit_schema::export::StaticOnly;
 use sdkit_schema::spec::node;
@@ -37,10 +37,7 @@ impl NodeImpl for Sum {
             ctx.cancel.cancel();
             ctx.check_cancel()?;
         }
-        self.log
-            .lock()
-            .expect("log lock")
-            .push(ctx.node_id.clone());
+        self.log.lock().expect("log lock").push(ctx.node_id.clone());
         Ok(NodeOutput::values(vec![Value::Int(total)]))
     }
 }
@@ -52,10 +49,7 @@ struct Sink {
 impl NodeImpl for Sink {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let v = inputs.int("x")?;
-        self.log
-            .lock()
-            .expect("log lock")
-            .push(ctx.node_id.clone());
+        self.log.lock().expect("log lock").push(ctx.node_id.clone());
         Ok(NodeOutput {
             values: vec![],
             ui: Some(serde_json::json!({ "value": [v.to_string()] })),
@@ -245,15 +239,26 @@ fn node_errors_and_interrupts_are_reported() {
     );
     let events: Arc<Mutex<Vec<Event>>> = Arc::default();
     let ev = events.clone();
-    let sink: sdkit_engine::EventSink = Arc::new(move |e| ev.lock().expect("events").push(e.clone()));
+    let sink: sdkit_engine::EventSink =
+        Arc::new(move |e| ev.lock().expect("events").push(e.clone()));
 
     let wf = build(2, &[vec![], vec![0]], &[600, 66]);
     let graph = validate(&wf, &lib.registry, &StaticOnly).expect("valid");
     let err = rt
         .block_on(exec.run(&graph, RunOptions::new(sink.clone(), CancelToken::new())))
         .expect_err("fails");
-    assert!(matches!(err, RunError::Node { ref node_id, .. } if node_id == "n1"), "{err}");
-    let names: Vec<&str> = events.lock().expect("events").iter().map(Event::name).collect::<Vec<_>>().into_iter().collect();
+    assert!(
+        matches!(err, RunError::Node { ref node_id, .. } if node_id == "n1"),
+        "{err}"
+    );
+    let names: Vec<&str> = events
+        .lock()
+        .expect("events")
+        .iter()
+        .map(Event::name)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .collect();
     assert!(names.contains(&"execution_error"), "{names:?}");
     assert!(!names.contains(&"execution_success"));
 
@@ -264,8 +269,17 @@ fn node_errors_and_interrupts_are_reported() {
         .block_on(exec.run(&graph, RunOptions::new(sink.clone(), CancelToken::new())))
         .expect_err("interrupted");
     assert!(matches!(err, RunError::Interrupted));
-    let names: Vec<String> = events.lock().expect("events").iter().map(|e| e.name().to_string()).collect();
-    assert_eq!(names.last().map(String::as_str), Some("execution_interrupted"), "{names:?}");
+    let names: Vec<String> = events
+        .lock()
+        .expect("events")
+        .iter()
+        .map(|e| e.name().to_string())
+        .collect();
+    assert_eq!(
+        names.last().map(String::as_str),
+        Some("execution_interrupted"),
+        "{names:?}"
+    );
 }
 
 #[test]
@@ -273,10 +287,19 @@ fn unimplemented_node_fails_clearly() {
     let rt = runtime();
     let mut reg = Registry::new();
     reg.insert(node("Later", "test").returns(SocketType::Int).build());
-    reg.insert(node("Sink", "test").socket("x", SocketType::Int).output_node().build());
+    reg.insert(
+        node("Sink", "test")
+            .socket("x", SocketType::Int)
+            .output_node()
+            .build(),
+    );
     let lib = Arc::new(NodeLibrary::new(reg));
-    let exec = Executor::new(lib.clone(), Arc::new(Paths::under(std::path::Path::new("/x"))));
-    let text = r#"{"nodes": {"a": {"type": "Later"}, "b": {"type": "Sink", "inputs": {"x": ["a", 0]}}}}"#;
+    let exec = Executor::new(
+        lib.clone(),
+        Arc::new(Paths::under(std::path::Path::new("/x"))),
+    );
+    let text =
+        r#"{"nodes": {"a": {"type": "Later"}, "b": {"type": "Sink", "inputs": {"x": ["a", 0]}}}}"#;
     let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
     let graph = validate(&wf, &lib.registry, &StaticOnly).expect("valid");
     let err = rt

@@ -5,6 +5,8 @@
 //! far. Types without an implementation validate, and running one fails
 //! with "not implemented yet".
 
+pub mod image;
+pub mod imageops;
 pub mod io;
 pub mod latent;
 pub mod specs;
@@ -23,5 +25,17 @@ pub fn library() -> NodeLibrary {
     lib.implement("SaveImage", io::SaveImage);
     lib.implement("PreviewImage", io::PreviewImage);
     lib.implement("EmptyLatentImage", latent::EmptyLatentImage);
+    lib.implement("ImageScale", image::ImageScale);
+    lib.implement("ImageScaleBy", image::ImageScaleBy);
+    lib.implement("ImageInvert", image::ImageInvert);
+    lib.implement("ImageCrop", image::ImageCrop);
+    lib.implement("ImageBlur", image::ImageBlur);
+    lib.implement("ImageSharpen", image::ImageSharpen);
+    lib.implement("ImageBatch", image::ImageBatch);
+    lib.implement("EmptyImage", image::EmptyImage);
+    lib.implement("ImageToMask", image::ImageToMask);
+    lib.implement("MaskToImage", image::MaskToImage);
+    lib.implement("SolidMask", image::SolidMask);
+    lib.implement("InvertMask", image::InvertMask);
     lib
 }

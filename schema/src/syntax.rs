@@ -392,6 +392,7 @@ impl Parser {
     }
 
     fn map(&mut self) -> Result<Vec<(Key, Node)>, SyntaxError> {
+        let open = self.pos();
         self.expect('{')?;
         let mut entries = Vec::new();
         loop {
@@ -400,6 +401,7 @@ impl Parser {
                 self.bump();
                 return Ok(entries);
             }
+            self.check_unclosed('{', open)?;
             let key = self.key()?;
             self.skip_ws()?;
             self.expect(':')?;
@@ -419,6 +421,7 @@ impl Parser {
     }
 
     fn list(&mut self) -> Result<Vec<Node>, SyntaxError> {
+        let open = self.pos();
         self.expect('[')?;
         let mut items = Vec::new();
         loop {
@@ -427,6 +430,7 @@ impl Parser {
                 self.bump();
                 return Ok(items);
             }
+            self.check_unclosed('[', open)?;
             items.push(self.value()?);
             self.skip_ws()?;
             match self.peek() {
@@ -442,6 +446,7 @@ impl Parser {
 
     /// `( ... )`: a struct when the first item is `ident:`, else a tuple.
     fn paren(&mut self, name: Option<String>) -> Result<Value, SyntaxError> {
+        let open = self.pos();
         self.expect('(')?;
         self.skip_ws()?;
         if self.peek() == Some(')') {
@@ -459,6 +464,7 @@ impl Parser {
                     self.bump();
                     return Ok(Value::Struct { name, fields });
                 }
+                self.check_unclosed('(', open)?;
                 let key = self.key()?;
                 self.skip_ws()?;
                 self.expect(':')?;
@@ -483,6 +489,7 @@ impl Parser {
                 self.bump();
                 return Ok(Value::Tuple { name, items });
             }
+            self.check_unclosed('(', open)?;
             items.push(self.value()?);
             self.skip_ws()?;
             match self.peek() {
@@ -493,6 +500,27 @@ impl Parser {
                 Some(c) => return Err(self.error(format!("expected `,` or `)`, found `{c}`"))),
                 None => return Err(self.error("unclosed `(`: expected `)`")),
             }
+        }
+    }
+
+    /// A closing bracket of the wrong kind, or the end of the file, where
+    /// an item was expected means the bracket opened at `open` was never
+    /// closed; say so, pointing at both places.
+    fn check_unclosed(&self, opener: char, open: Pos) -> Result<(), SyntaxError> {
+        let closer = match opener {
+            '(' => ')',
+            '[' => ']',
+            _ => '}',
+        };
+        match self.peek() {
+            Some(c @ (')' | ']' | '}')) if c != closer => Err(self.error(format!(
+                "found `{c}`, but the `{opener}` opened at {open} is not closed: add `{closer}` before it"
+            ))),
+            None => Err(SyntaxError {
+                pos: open,
+                message: format!("`{opener}` is never closed: expected `{closer}`"),
+            }),
+            _ => Ok(()),
         }
     }
 

@@ -1,0 +1,220 @@
+//! Image and mask nodes that need no model weights. The maths lives in
+//! [`crate::imageops`]; these types only move values in and out.
+
+use crate::imageops::{self, Crop, ImageOpError, Mask3, MaskChannel, Tensor4, UpscaleMethod};
+use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
+use std::str::FromStr;
+
+impl From<ImageOpError> for NodeError {
+    fn from(e: ImageOpError) -> Self {
+        NodeError::Invalid(e.to_string())
+    }
+}
+
+fn image_in(inputs: &Inputs, name: &str) -> Result<Tensor4, NodeError> {
+    let t = inputs.image(name)?;
+    if t.shape.len() != 4 {
+        return Err(NodeError::invalid(format!(
+            "input \"{name}\": expected an image [B, H, W, C], got shape {:?}",
+            t.shape
+        )));
+    }
+    Ok(Tensor4::new(
+        t.shape[0],
+        t.shape[1],
+        t.shape[2],
+        t.shape[3],
+        t.data.clone(),
+    )?)
+}
+
+fn mask_in(inputs: &Inputs, name: &str) -> Result<Mask3, NodeError> {
+    let t = inputs.mask(name)?;
+    // ComfyUI accepts [H, W] masks too and treats them as a batch of one.
+    let (b, h, w) = match t.shape.as_slice() {
+        [h, w] => (1, *h, *w),
+        [b, h, w] => (*b, *h, *w),
+        s => {
+            return Err(NodeError::invalid(format!(
+                "input \"{name}\": expected a mask [B, H, W], got shape {s:?}"
+            )))
+        }
+    };
+    Ok(Mask3::new(b, h, w, t.data.clone())?)
+}
+
+fn image_out(t: Tensor4) -> Value {
+    Value::image(Tensor {
+        shape: vec![t.b, t.h, t.w, t.c],
+        data: t.data,
+    })
+}
+
+fn mask_out(m: Mask3) -> Value {
+    Value::mask(Tensor {
+        shape: vec![m.b, m.h, m.w],
+        data: m.data,
+    })
+}
+
+fn one(v: Value) -> Result<NodeOutput, NodeError> {
+    Ok(NodeOutput::values(vec![v]))
+}
+
+fn method(inputs: &Inputs) -> Result<UpscaleMethod, NodeError> {
+    Ok(UpscaleMethod::from_str(inputs.string("upscale_method")?)?)
+}
+
+macro_rules! image_node {
+    ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr) => {
+        $(#[$doc])*
+        pub struct $name;
+
+        impl NodeImpl for $name {
+            fn execute(
+                &self,
+                _ctx: &NodeContext,
+                $inputs: &Inputs,
+            ) -> Result<NodeOutput, NodeError> {
+                $body
+            }
+        }
+    };
+}
+
+image_node!(
+    /// ComfyUI's ImageScale; width or height 0 keeps the aspect ratio.
+    ImageScale,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        let crop = Crop::from_str(inputs.string("crop")?)?;
+        one(image_out(imageops::scale_to(
+            &img,
+            method(inputs)?,
+            inputs.usize("width")?,
+            inputs.usize("height")?,
+            crop,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageScaleBy.
+    ImageScaleBy,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::scale_by(
+            &img,
+            method(inputs)?,
+            inputs.float("scale_by")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageInvert: 1 - x.
+    ImageInvert,
+    |inputs| one(image_out(imageops::invert(&image_in(inputs, "image")?)))
+);
+
+image_node!(
+    /// ComfyUI's ImageCrop.
+    ImageCrop,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::crop(
+            &img,
+            inputs.usize("width")?,
+            inputs.usize("height")?,
+            inputs.usize("x")?,
+            inputs.usize("y")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageBlur (Gaussian, reflect padding).
+    ImageBlur,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::blur(
+            &img,
+            inputs.usize("blur_radius")?,
+            inputs.float("sigma")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageSharpen.
+    ImageSharpen,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::sharpen(
+            &img,
+            inputs.usize("sharpen_radius")?,
+            inputs.float("sigma")?,
+            inputs.float("alpha")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageBatch: image2 is resized to image1's size if needed.
+    ImageBatch,
+    |inputs| {
+        let a = image_in(inputs, "image1")?;
+        let b = image_in(inputs, "image2")?;
+        one(image_out(imageops::batch(&a, &b)?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's EmptyImage: a batch filled with a 0xRRGGBB colour.
+    EmptyImage,
+    |inputs| {
+        let color = inputs.int("color")?;
+        let color = u32::try_from(color)
+            .map_err(|_| NodeError::invalid(format!("color {color} is not a 24-bit RGB value")))?;
+        one(image_out(imageops::empty_image(
+            inputs.usize("width")?,
+            inputs.usize("height")?,
+            inputs.usize("batch_size")?,
+            color,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageToMask: one channel of an image.
+    ImageToMask,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        let ch = MaskChannel::from_str(inputs.string("channel")?)?;
+        one(mask_out(imageops::image_to_mask(&img, ch)?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's MaskToImage: the mask in all three channels.
+    MaskToImage,
+    |inputs| one(image_out(imageops::mask_to_image(&mask_in(inputs, "mask")?)))
+);
+
+image_node!(
+    /// ComfyUI's SolidMask.
+    SolidMask,
+    |inputs| {
+        one(mask_out(imageops::solid_mask(
+            inputs.float("value")?,
+            inputs.usize("width")?,
+            inputs.usize("height")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's InvertMask: 1 - mask.
+    InvertMask,
+    |inputs| one(mask_out(imageops::invert_mask(&mask_in(inputs, "mask")?)))
+);

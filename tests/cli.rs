@@ -1,0 +1,322 @@
+//! Drives the `sdkit` binary on the example workflows in `graphs/` and on
+//! the broken variants in `tests/broken/`.
+//!
+//! Broken variants are golden tests: `tests/broken/NAME.expected.json` holds
+//! the diagnostics `sdkit validate --format json` prints. Re-record them with
+//! `SDKIT_BLESS=1 cargo test --test cli`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn sdkit() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sdkit"))
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A fresh base folder with the example input image.
+fn base_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join("input")).expect("mkdir");
+    std::fs::copy(
+        root().join("graphs/input/example.png"),
+        dir.path().join("input/example.png"),
+    )
+    .expect("copy input");
+    dir
+}
+
+fn run_in(base: &Path, args: &[&str]) -> Output {
+    sdkit()
+        .args(args)
+        .arg("--base-dir")
+        .arg(base)
+        .output()
+        .expect("runs sdkit")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn files_under(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.path().is_dir() {
+                stack.push(e.path());
+            } else if let Ok(rel) = e.path().strip_prefix(dir) {
+                out.push(rel.to_string_lossy().replace('\\', "/"));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_example_graph_validates_and_image_graphs_run() {
+    let graphs = root().join("graphs");
+    let mut ran = 0;
+    for e in std::fs::read_dir(&graphs).expect("graphs/") {
+        let path = e.expect("entry").path();
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if !["ron", "json"].contains(&ext) {
+            continue;
+        }
+        let base = base_dir();
+        let p = path.to_string_lossy().to_string();
+        // Model workflows need checkpoints: give them placeholder files so
+        // validation passes, and expect the run to stop at the first model
+        // node with a clear error.
+        let needs_model = std::fs::read_to_string(&path)
+            .expect("read")
+            .contains("CheckpointLoaderSimple");
+        if needs_model {
+            let ck = base.path().join("models/checkpoints");
+            std::fs::create_dir_all(&ck).expect("mkdir");
+            std::fs::write(ck.join("v1-5-pruned-emaonly.safetensors"), b"").expect("write");
+        }
+        let v = run_in(base.path(), &["validate", &p]);
+        assert_eq!(v.status.code(), Some(0), "{p}: {}", text(&v));
+        let o = run_in(base.path(), &["run", "-q", &p]);
+        if needs_model {
+            assert_eq!(o.status.code(), Some(1), "{p}: {}", text(&o));
+            assert!(
+                String::from_utf8_lossy(&o.stderr).contains("not implemented yet"),
+                "{}",
+                text(&o)
+            );
+        } else {
+            assert_eq!(o.status.code(), Some(0), "{p}: {}", text(&o));
+            assert!(
+                !files_under(&base.path().join("output")).is_empty()
+                    || !files_under(&base.path().join("temp")).is_empty(),
+                "{p} wrote nothing"
+            );
+            ran += 1;
+        }
+    }
+    assert!(ran >= 4, "only {ran} image graphs ran");
+}
+
+#[test]
+fn broken_variants_report_golden_diagnostics() {
+    let dir = root().join("tests/broken");
+    let bless = std::env::var_os("SDKIT_BLESS").is_some();
+    let mut checked = 0;
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("tests/broken")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| {
+            let n = p.to_string_lossy();
+            (n.ends_with(".ron") || n.ends_with(".json")) && !n.ends_with(".expected.json")
+        })
+        .collect();
+    entries.sort();
+    for path in entries {
+        let base = base_dir();
+        let rel = format!(
+            "tests/broken/{}",
+            path.file_name().and_then(|n| n.to_str()).unwrap_or("")
+        );
+        let o = sdkit()
+            .current_dir(root())
+            .args(["validate", "--format", "json", &rel, "--base-dir"])
+            .arg(base.path())
+            .output()
+            .expect("runs");
+        assert_eq!(o.status.code(), Some(2), "{rel}: {}", text(&o));
+        let got: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON diagnostics");
+        let diags = got["diagnostics"].as_array().expect("diagnostics");
+        assert!(
+            diags.iter().any(|d| d["severity"] == "error"),
+            "{rel}: no error"
+        );
+        let expected_path = path.with_extension("expected.json");
+        let pretty = serde_json::to_string_pretty(&got["diagnostics"]).expect("json") + "\n";
+        if bless {
+            std::fs::write(&expected_path, &pretty).expect("bless");
+        } else {
+            let want = std::fs::read_to_string(&expected_path).unwrap_or_else(|_| {
+                panic!(
+                    "{} missing; run with SDKIT_BLESS=1",
+                    expected_path.display()
+                )
+            });
+            assert_eq!(pretty, want, "{rel}: diagnostics changed");
+        }
+        // `run` refuses the same file with the same exit code, writing nothing.
+        let r = sdkit()
+            .current_dir(root())
+            .args(["run", "-q", &rel, "--base-dir"])
+            .arg(base.path())
+            .output()
+            .expect("runs");
+        assert_eq!(r.status.code(), Some(2), "{rel}: {}", text(&r));
+        assert!(files_under(&base.path().join("output")).is_empty());
+        checked += 1;
+    }
+    assert!(checked >= 10);
+}
+
+#[test]
+fn text_diagnostics_name_file_position_node_and_input() {
+    let base = base_dir();
+    let o = sdkit()
+        .current_dir(root())
+        .args(["validate", "tests/broken/unknown_input.ron", "--base-dir"])
+        .arg(base.path())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(
+            "tests/broken/unknown_input.ron:3:69: error[unknown_input] node \"scale\" (ImageScale) input \"widht\": ImageScale has no input \"widht\"; did you mean \"width\"?"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn set_overrides_inputs() {
+    let base = base_dir();
+    let p = root().join("graphs/image_pipeline.ron");
+    let o = run_in(
+        base.path(),
+        &[
+            "run",
+            "-q",
+            &p.to_string_lossy(),
+            "--set",
+            "scale.width=32",
+            "--set",
+            "save.filename_prefix=small/pic",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let out = base.path().join("output/small/pic_00001_.png");
+    let img = image::open(&out).expect("decodes");
+    assert_eq!((img.width(), img.height()), (32, 24));
+    let bad = run_in(
+        base.path(),
+        &["run", "-q", &p.to_string_lossy(), "--set", "scale.width=-3"],
+    );
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad));
+}
+
+#[test]
+fn save_numbering_continues_and_png_has_prompt_and_workflow() {
+    let base = base_dir();
+    let p = root().join("graphs/comfy_ui_image_pipeline.json");
+    for _ in 0..2 {
+        // Separate processes: the in-process cache does not carry over.
+        let o = run_in(base.path(), &["run", "-q", &p.to_string_lossy()]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    }
+    assert_eq!(
+        files_under(&base.path().join("output")),
+        vec!["inverted_00001_.png", "inverted_00002_.png"]
+    );
+    let f = std::fs::File::open(base.path().join("output/inverted_00001_.png")).expect("open");
+    let reader = png::Decoder::new(std::io::BufReader::new(f))
+        .read_info()
+        .expect("png");
+    let chunks: Vec<(String, String)> = reader
+        .info()
+        .uncompressed_latin1_text
+        .iter()
+        .map(|c| (c.keyword.clone(), c.text.clone()))
+        .collect();
+    let prompt = &chunks
+        .iter()
+        .find(|c| c.0 == "prompt")
+        .expect("prompt chunk")
+        .1;
+    let prompt: serde_json::Value = serde_json::from_str(prompt).expect("prompt JSON");
+    assert_eq!(prompt["3"]["class_type"], "ImageInvert");
+    assert_eq!(prompt["3"]["inputs"]["image"], serde_json::json!(["2", 0]));
+    let workflow = &chunks
+        .iter()
+        .find(|c| c.0 == "workflow")
+        .expect("workflow chunk")
+        .1;
+    let workflow: serde_json::Value = serde_json::from_str(workflow).expect("workflow JSON");
+    assert_eq!(workflow["last_node_id"], 5);
+}
+
+#[test]
+fn nodes_and_schema_print_json() {
+    let base = base_dir();
+    let o = run_in(base.path(), &["nodes"]);
+    assert_eq!(o.status.code(), Some(0));
+    let info: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    let ks = &info["KSampler"];
+    assert_eq!(
+        ks["input_order"]["required"],
+        serde_json::json!([
+            "model",
+            "seed",
+            "steps",
+            "cfg",
+            "sampler_name",
+            "scheduler",
+            "positive",
+            "negative",
+            "latent_image",
+            "denoise"
+        ])
+    );
+    assert_eq!(ks["input"]["required"]["seed"][0], "INT");
+    assert_eq!(
+        ks["input"]["required"]["seed"][1]["max"],
+        serde_json::json!(u64::MAX)
+    );
+    assert_eq!(ks["output"], serde_json::json!(["LATENT"]));
+    assert_eq!(
+        info["LoadImage"]["input"]["required"]["image"][0],
+        serde_json::json!(["example.png"])
+    );
+    assert_eq!(info["SaveImage"]["output_node"], true);
+    let o = run_in(base.path(), &["schema"]);
+    assert_eq!(o.status.code(), Some(0));
+    let schema: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert_eq!(schema["required"], serde_json::json!(["nodes"]));
+    assert!(schema["definitions"]["node_type"]["enum"]
+        .as_array()
+        .expect("enum")
+        .contains(&serde_json::json!("ImageScale")));
+}
+
+#[test]
+fn unreadable_input_image_is_a_node_error_not_a_panic() {
+    let base = base_dir();
+    std::fs::write(
+        base.path().join("input/broken.png"),
+        b"\x89PNG\r\n\x1a\nnot really",
+    )
+    .expect("write");
+    let p = root().join("graphs/image_pipeline.ron");
+    let o = run_in(
+        base.path(),
+        &[
+            "run",
+            "-q",
+            &p.to_string_lossy(),
+            "--set",
+            "load.image=broken.png",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("broken.png") && err.contains("load"), "{err}");
+    assert!(files_under(&base.path().join("output")).is_empty());
+}
