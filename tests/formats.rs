@@ -7,7 +7,7 @@ use sdkit_schema::export::StaticOnly;
 use sdkit_schema::workflow::{load, Format};
 use std::path::PathBuf;
 
-fn graph_of(file: &str) -> (Format, Vec<(String, String, Vec<(String, String)>)>) {
+fn graph_of(file: &str) -> (Format, Vec<sdkit_engine::graph::CanonicalNode>) {
     let lib = sdkit_nodes::library();
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(file);
     let text = std::fs::read_to_string(&path).expect("read");

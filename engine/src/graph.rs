@@ -500,9 +500,12 @@ fn edit_distance(a: &str, b: &str) -> usize {
     prev[b.len()]
 }
 
-/// Builds the validated graph's node documents back (for tests that compare
-/// forms); links become indices.
-pub fn canonical(graph: &Graph) -> Vec<(String, String, Vec<(String, String)>)> {
+/// A node as (id, type, [(input, value or link)]), for comparing graphs.
+pub type CanonicalNode = (String, String, Vec<(String, String)>);
+
+/// The validated graph in a comparable form, sorted by node id: tests use
+/// it to check that different file forms give the same graph.
+pub fn canonical(graph: &Graph) -> Vec<CanonicalNode> {
     let mut out: Vec<_> = graph
         .nodes
         .iter()

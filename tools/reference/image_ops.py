@@ -1,0 +1,372 @@
+"""Reference fixtures for sdkit's image operations (nodes/src/imageops.rs).
+
+Run from anywhere (re-runnable; rewrites every fixture):
+
+    /work/pyenv/bin/python tools/reference/image_ops.py
+
+Needs torch, numpy and Pillow, plus a ComfyUI checkout (default /work/comfy,
+override with COMFY_DIR). Writes nodes/tests/fixtures/imageops/: data.bin
+(every array back to back, raw little-endian f32 or u8) and index.json
+(each array's offset/shape/dtype, and every case: op, params, input arrays,
+expected output array or the error ComfyUI raised). nodes/tests/imageops.rs replays the cases.
+
+What it mirrors: the real ComfyUI code, not a re-implementation. The
+functions and node classes below are lifted out of the ComfyUI sources with
+`ast` and executed unchanged against torch/numpy/Pillow, with the few
+unrelated imports they touch (comfy.model_management, comfy_api's `io`)
+stubbed to CPU:
+
+  comfy/utils.py:                      common_upscale, lanczos, bislerp
+  nodes.py:                            ImageScale, ImageScaleBy, ImageInvert,
+                                       ImageBatch, EmptyImage
+  comfy_extras/nodes_images.py:        ImageCrop
+  comfy_extras/nodes_mask.py:          ImageToMask, MaskToImage, SolidMask,
+                                       InvertMask
+  comfy_extras/nodes_post_processing.py: gaussian_kernel, Blur, Sharpen
+
+Only the LoadImage/SaveImage pixel conversions are copied inline (their
+node methods do file I/O); see `save_image_u8` and `load_image_f32`.
+
+Everything runs on the CPU in float32 with 2 torch threads, which is what
+the Rust side reproduces (PyTorch chooses numerically different upsampling
+kernels depending on memory layout and output size; see imageops.rs).
+"""
+
+import ast
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "nodes" / "tests" / "fixtures" / "imageops"
+COMFY = Path(os.environ.get("COMFY_DIR", "/work/comfy"))
+
+# ComfyUI runs torch with many threads; with exactly one thread PyTorch
+# picks yet another bilinear kernel for 3-channel images, so pin >= 2.
+torch.set_num_threads(2)
+
+
+# ---------------------------------------------------------------------------
+# Load the real ComfyUI definitions
+# ---------------------------------------------------------------------------
+
+def _stub_namespace():
+    """Globals the lifted ComfyUI code expects, pointing at the CPU."""
+    model_management = types.SimpleNamespace(
+        get_torch_device=lambda: torch.device("cpu"),
+        intermediate_device=lambda: torch.device("cpu"),
+    )
+    utils = types.SimpleNamespace()
+    comfy = types.SimpleNamespace(utils=utils, model_management=model_management)
+    io = types.SimpleNamespace(
+        ComfyNode=object,
+        NodeOutput=lambda *values: values,
+    )
+    ns = {
+        "__name__": "comfy_reference",
+        "torch": torch,
+        "np": np,
+        "F": F,
+        "Image": Image,
+        "math": __import__("math"),
+        "comfy": comfy,
+        "io": io,
+        "MAX_RESOLUTION": 16384,
+    }
+    return ns, utils
+
+
+def _lift(ns, relpath, names):
+    """Exec the top-level defs/classes `names` of a ComfyUI file into ns."""
+    path = COMFY / relpath
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
+            module = ast.Module(body=[node], type_ignores=[])
+            exec(compile(module, f"{path}:{node.name}", "exec"), ns)
+            found.add(node.name)
+    missing = set(names) - found
+    if missing:
+        sys.exit(f"{relpath}: could not find {sorted(missing)}")
+
+
+NS, UTILS = _stub_namespace()
+_lift(NS, "comfy/utils.py", ["bislerp", "lanczos", "common_upscale"])
+UTILS.common_upscale = NS["common_upscale"]
+UTILS.lanczos = NS["lanczos"]
+UTILS.bislerp = NS["bislerp"]
+_lift(NS, "nodes.py", ["ImageScale", "ImageScaleBy", "ImageInvert", "ImageBatch", "EmptyImage"])
+_lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop"])
+_lift(NS, "comfy_extras/nodes_mask.py", ["ImageToMask", "MaskToImage", "SolidMask", "InvertMask"])
+_lift(NS, "comfy_extras/nodes_post_processing.py", ["gaussian_kernel", "Blur", "Sharpen"])
+
+
+def save_image_u8(image):
+    """SaveImage.save_images: `255. * i.cpu().numpy()`, clip, astype(uint8)."""
+    out = []
+    for i in image:
+        i = 255.0 * i.cpu().numpy()
+        out.append(np.clip(i, 0, 255).astype(np.uint8))
+    return np.stack(out)
+
+
+def load_image_f32(pixels_u8):
+    """LoadImage.load_image: `np.array(image).astype(np.float32) / 255.0`."""
+    image = np.array(pixels_u8).astype(np.float32) / 255.0
+    return torch.from_numpy(image)[None,]
+
+
+def load_mask_f32(alpha_u8):
+    """LoadImage.load_image: `1. - torch.from_numpy(alpha / 255.0)`."""
+    mask = np.array(alpha_u8).astype(np.float32) / 255.0
+    return 1.0 - torch.from_numpy(mask)
+
+
+# ---------------------------------------------------------------------------
+# Fixture bookkeeping
+# ---------------------------------------------------------------------------
+
+ARRAYS = {}
+CASES = []
+
+
+def put(name, array, dtype="f32"):
+    """Register an array (torch or numpy) to be written as name.bin."""
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().contiguous().numpy()
+    np_dtype = {"f32": "<f4", "u8": "u1"}[dtype]
+    array = np.ascontiguousarray(array).astype(np_dtype, copy=False)
+    if name in ARRAYS:
+        raise SystemExit(f"duplicate array {name}")
+    ARRAYS[name] = (array, dtype)
+    return name
+
+
+def case(name, op, params, inputs, compute, out_dtype="f32"):
+    """Run compute(); record its output, or the error it raises."""
+    entry = {"name": name, "op": op, "params": params, "inputs": inputs}
+    try:
+        result = compute()
+    except Exception as exc:  # ComfyUI/torch/PIL rejects these arguments
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        entry["output"] = put(f"out_{name}", result, out_dtype)
+    CASES.append(entry)
+
+
+def rand_image(seed, shape):
+    """Deterministic float32 image, some values outside 0..1 plus exact
+    0, 1 and k/255 values so clamping and quantisation edges are hit."""
+    rng = np.random.default_rng(seed)
+    x = (rng.random(shape, dtype=np.float32) * np.float32(1.2) - np.float32(0.1)).astype(np.float32)
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=max(4, flat.size // 10), replace=False)
+    for j, p in enumerate(picks):
+        flat[p] = [0.0, 1.0, np.float32(rng.integers(0, 256)) / np.float32(255.0)][j % 3]
+    return torch.from_numpy(x)
+
+
+def image_node(cls, method, *args):
+    return getattr(NS[cls](), method)(*args)[0]
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+
+def build():
+    img = {
+        "a": rand_image(1, (2, 7, 9, 3)),
+        "b": rand_image(2, (1, 13, 10, 4)),
+        "c": rand_image(3, (2, 9, 6, 4)),
+        "d": rand_image(4, (1, 5, 6, 2)),
+        "e": rand_image(5, (1, 4, 6, 3)),
+        "g": rand_image(6, (1, 5, 8, 3)),
+        "m": rand_image(7, (1, 6, 5, 1)),
+    }
+    for k, v in img.items():
+        put(f"in_{k}", v)
+    mask = rand_image(8, (2, 5, 7))
+    put("in_mask", mask)
+
+    def upscale(src, w, h, method, crop):
+        # ImageScale.upscale without the zero-size rule: movedim to BCHW,
+        # common_upscale, movedim back.
+        s = NS["common_upscale"](img[src].movedim(-1, 1), w, h, method, crop)
+        return s.movedim(1, -1)
+
+    # (input, width, height, crop): up/down, non-integer ratios, both crops,
+    # thin outputs with h + w > 128 (PyTorch's generic kernel), C == 4
+    # (channels-last kernel), cropped C == 4 with batch 2 (generic again).
+    geometries = [
+        ("a", 13, 11, "disabled"),
+        ("a", 4, 5, "disabled"),
+        ("a", 14, 10, "center"),
+        ("a", 6, 3, "center"),
+        ("a", 3, 6, "center"),
+        ("a", 9, 7, "disabled"),
+        ("a", 9, 12, "disabled"),
+        ("a", 5, 1, "disabled"),
+        ("a", 1, 1, "disabled"),
+        ("a", 1, 1, "center"),
+        ("a", 130, 2, "disabled"),
+        ("a", 3, 126, "center"),
+        ("b", 17, 19, "disabled"),
+        ("b", 7, 5, "center"),
+        ("b", 1, 1, "disabled"),
+        ("b", 130, 3, "center"),
+        ("c", 128, 1, "center"),
+        ("c", 11, 4, "disabled"),
+        ("c", 2, 140, "disabled"),
+        ("c", 1, 1, "center"),
+        ("d", 11, 8, "disabled"),
+        ("d", 4, 3, "center"),
+        ("m", 7, 9, "disabled"),
+    ]
+    methods = ["nearest-exact", "bilinear", "area", "bicubic", "lanczos", "bislerp"]
+    for method in methods:
+        for src, w, h, crop in geometries:
+            # Thin outputs with h + w > 128 only matter where PyTorch switches
+            # kernels (nearest-exact, bilinear); bicubic keeps one of them.
+            thin = w + h > 128
+            if thin and method not in ("nearest-exact", "bilinear") and not (method == "bicubic" and src == "a"):
+                continue
+            if method == "bislerp" and src == "m":
+                continue
+            name = f"upscale_{method}_{src}_{w}x{h}_{crop}"
+            out_dtype = "u8" if method == "lanczos" else "f32"
+
+            def compute(src=src, w=w, h=h, method=method, crop=crop, out_dtype=out_dtype):
+                out = upscale(src, w, h, method, crop)
+                # lanczos output is always k/255; store the byte.
+                return (out * 255.0).round().to(torch.uint8) if out_dtype == "u8" else out
+
+            case(name, "upscale", {"method": method, "width": w, "height": h, "crop": crop},
+                 [f"in_{src}"], compute, out_dtype)
+    # "e" is 6x4: a 1000x1 center crop keeps round(1.997) * 2 = 4 rows = nothing.
+    case("upscale_center_crop_empty", "upscale",
+         {"method": "bilinear", "width": 1000, "height": 1, "crop": "center"},
+         ["in_e"], lambda: upscale("e", 1000, 1, "bilinear", "center"))
+
+    # ImageScale (zero keeps aspect; "e" is 6x4 so 6*3/4 = 4.5 rounds to 4).
+    for method, w, h, crop in [
+        ("bilinear", 0, 3, "disabled"),
+        ("nearest-exact", 0, 12, "center"),
+        ("bicubic", 10, 0, "disabled"),
+        ("area", 0, 0, "disabled"),
+    ]:
+        src = "e" if h == 3 else "a"
+        case(f"scale_to_{method}_{src}_{w}x{h}", "scale_to",
+             {"method": method, "width": w, "height": h, "crop": crop}, [f"in_{src}"],
+             lambda src=src, method=method, w=w, h=h, crop=crop:
+                 image_node("ImageScale", "upscale", img[src], method, w, h, crop))
+    # ImageScaleBy: 9*1.5 = 13.5 -> 14, 7*1.5 = 10.5 -> 10 (banker's rounding).
+    for method, factor in [("bilinear", 1.5), ("area", 0.5), ("lanczos", 0.37), ("bicubic", 1.25)]:
+        case(f"scale_by_{method}_{factor}", "scale_by", {"method": method, "scale_by": factor},
+             ["in_a"], lambda method=method, factor=factor:
+                 image_node("ImageScaleBy", "upscale", img["a"], method, factor))
+
+    # ImageBlur / ImageSharpen.
+    for src, radius, sigma in [("a", 1, 1.0), ("a", 2, 0.5), ("a", 3, 2.3), ("b", 5, 1.5),
+                               ("b", 9, 10.0), ("a", 7, 1.0)]:
+        case(f"blur_{src}_r{radius}_s{sigma}", "blur", {"radius": radius, "sigma": sigma},
+             [f"in_{src}"], lambda src=src, radius=radius, sigma=sigma:
+                 NS["Blur"].execute(img[src], radius, sigma)[0])
+    for src, radius, sigma, alpha in [("a", 1, 1.0, 1.0), ("a", 2, 0.7, 0.3), ("b", 3, 1.5, 5.0),
+                                      ("b", 4, 0.4, 2.0)]:
+        case(f"sharpen_{src}_r{radius}_s{sigma}_a{alpha}", "sharpen",
+             {"radius": radius, "sigma": sigma, "alpha": alpha}, [f"in_{src}"],
+             lambda src=src, radius=radius, sigma=sigma, alpha=alpha:
+                 NS["Sharpen"].execute(img[src], radius, sigma, alpha)[0])
+    for k, sigma in [(3, 1.0), (5, 0.3), (7, 2.3), (11, 1.5), (19, 10.0)]:
+        case(f"gaussian_kernel_{k}_{sigma}", "gaussian_kernel", {"size": k, "sigma": sigma}, [],
+             lambda k=k, sigma=sigma: NS["gaussian_kernel"](k, sigma))
+
+    # Simple image nodes.
+    case("invert_a", "invert", {}, ["in_a"], lambda: image_node("ImageInvert", "invert", img["a"]))
+    for w, h, x, y in [(4, 3, 2, 1), (5, 2, 20, 3), (3, 9, 0, 40), (100, 100, 1, 1)]:
+        case(f"crop_{w}x{h}_at_{x}_{y}", "crop", {"width": w, "height": h, "x": x, "y": y}, ["in_a"],
+             lambda w=w, h=h, x=x, y=y: image_node("ImageCrop", "crop", img["a"], w, h, x, y))
+    case("batch_same", "batch", {}, ["in_a", "in_a"],
+         lambda: image_node("ImageBatch", "batch", img["a"], img["a"]))
+    case("batch_resize", "batch", {}, ["in_a", "in_g"],
+         lambda: image_node("ImageBatch", "batch", img["a"], img["g"]))
+    case("batch_channels", "batch", {}, ["in_a", "in_b"],
+         lambda: image_node("ImageBatch", "batch", img["a"], img["b"]))
+    for src, channel in [("a", "green"), ("b", "alpha"), ("a", "alpha")]:
+        case(f"image_to_mask_{src}_{channel}", "image_to_mask", {"channel": channel}, [f"in_{src}"],
+             lambda src=src, channel=channel: image_node("ImageToMask", "image_to_mask", img[src], channel))
+    case("mask_to_image", "mask_to_image", {}, ["in_mask"],
+         lambda: image_node("MaskToImage", "mask_to_image", mask))
+    case("solid_mask", "solid_mask", {"value": 0.37, "width": 5, "height": 3}, [],
+         lambda: image_node("SolidMask", "solid", 0.37, 5, 3))
+    case("invert_mask", "invert_mask", {}, ["in_mask"], lambda: image_node("InvertMask", "invert", mask))
+    for color in [0x12AB7F, 0xFFFFFF, 0x000000, 0x808001]:
+        case(f"empty_image_{color:06x}", "empty_image",
+             {"width": 5, "height": 3, "batch": 2, "color": color}, [],
+             lambda color=color: image_node("EmptyImage", "generate", 5, 3, 2, color))
+
+    # u8 conversions. Values around every k/255 boundary, in f32.
+    vals = []
+    for k in range(256):
+        v = np.float32(k) / np.float32(255.0)
+        vals += [v, np.nextafter(v, np.float32(2)), np.nextafter(v, np.float32(-2)),
+                 (np.float32(k) + np.float32(0.5)) / np.float32(255.0)]
+    vals += [-0.0, -1.0, 2.0, 1.0000001, -1e-30, 0.99999994]
+    edges = torch.tensor(np.array(vals, dtype=np.float32)).reshape(1, 1, -1, 1)
+    put("in_edges", edges)
+    case("to_u8_edges", "to_u8", {}, ["in_edges"], lambda: save_image_u8(edges), "u8")
+    case("to_u8_a", "to_u8", {}, ["in_a"], lambda: save_image_u8(img["a"]), "u8")
+    all_bytes = np.arange(256, dtype=np.uint8).reshape(1, 16, 16)
+    put("in_bytes", all_bytes, "u8")
+    case("from_u8", "from_u8", {}, ["in_bytes"], lambda: load_image_f32(all_bytes[0, :, :, None]))
+    case("mask_from_alpha_u8", "mask_from_alpha_u8", {}, ["in_bytes"],
+         lambda: load_mask_f32(all_bytes[0])[None,])
+
+
+def write():
+    """index.json + data.bin (all arrays back to back, little-endian)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.bin"):
+        old.unlink()
+    blob = bytearray()
+    arrays = {}
+    for name, (array, dtype) in sorted(ARRAYS.items()):
+        arrays[name] = {"offset": len(blob), "shape": list(array.shape), "dtype": dtype}
+        blob += array.tobytes()
+    (OUT / "data.bin").write_bytes(bytes(blob))
+    header = {
+        "generator": "tools/reference/image_ops.py",
+        "versions": {
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "pillow": Image.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        },
+    }
+    # One array / case per line keeps the index small and diffable.
+    lines = ["{", f' "header": {json.dumps(header, sort_keys=True)},', ' "arrays": {']
+    items = [f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in arrays.items()]
+    lines.append(",\n".join(items))
+    lines += [" },", ' "cases": [']
+    lines.append(",\n".join(f"  {json.dumps(c, sort_keys=True)}" for c in CASES))
+    lines += [" ]", "}"]
+    text = "\n".join(lines) + "\n"
+    json.loads(text)  # sanity
+    (OUT / "index.json").write_text(text)
+    total = len(blob) + len(text)
+    print(f"{len(CASES)} cases, {len(ARRAYS)} arrays, {total / 1024:.1f} KiB in {OUT}")
+
+
+if __name__ == "__main__":
+    build()
+    write()
