@@ -35,6 +35,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let exec = Executor::new(lib, Arc::new(paths));
     let rt = tokio::runtime::Runtime::new()?;
     let report = rt.block_on(exec.run(&graph, RunOptions::new(events, CancelToken::new())))?;
-    println!("executed {:?}; outputs in {}", report.executed, out.display());
+    println!(
+        "executed {:?}; outputs in {}",
+        report.executed,
+        out.display()
+    );
     Ok(())
 }

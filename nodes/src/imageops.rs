@@ -944,74 +944,101 @@ struct U8Image {
     px: Vec<u8>,
 }
 
-/// `Image.resize((w, h), LANCZOS)` on an L/LA/RGB/RGBA-like u8 image with
-/// Pillow's two-pass fixed-point `ImagingResample`. `c` must be 2, 3 or 4;
-/// for 2 and 4 the last channel is alpha and the caller premultiplies.
+/// One horizontal pass of Pillow's `ImagingResampleHorizontal_8bpc` over
+/// rows `first..first + rows` of `src`.
+fn pil_pass_horizontal(src: &U8Image, coeffs: &PilCoeffs, first: usize, rows: usize) -> U8Image {
+    let (c, out_w) = (src.c, coeffs.taps.len());
+    let round = 1i64 << (PIL_PRECISION_BITS - 1);
+    let mut px = vec![0u8; rows * out_w * c];
+    for yy in 0..rows {
+        let line = &src.px[(yy + first) * src.w * c..(yy + first + 1) * src.w * c];
+        for (xx, (xmin, k)) in coeffs.taps.iter().enumerate() {
+            for ch in 0..c {
+                let mut ss = round;
+                for (x, &kv) in k.iter().enumerate() {
+                    ss += line[(x + xmin) * c + ch] as i64 * kv as i64;
+                }
+                px[(yy * out_w + xx) * c + ch] = pil_clip8(ss);
+            }
+        }
+    }
+    U8Image {
+        w: out_w,
+        h: rows,
+        c,
+        px,
+    }
+}
+
+/// One vertical pass of Pillow's `ImagingResampleVertical_8bpc`; source
+/// row indices are `bounds - shift`.
+fn pil_pass_vertical(src: &U8Image, coeffs: &PilCoeffs, shift: usize) -> U8Image {
+    let (c, out_h) = (src.c, coeffs.taps.len());
+    let round = 1i64 << (PIL_PRECISION_BITS - 1);
+    let mut px = vec![0u8; out_h * src.w * c];
+    for (yy, (ymin, k)) in coeffs.taps.iter().enumerate() {
+        let ymin = ymin - shift;
+        for xx in 0..src.w {
+            for ch in 0..c {
+                let mut ss = round;
+                for (y, &kv) in k.iter().enumerate() {
+                    ss += src.px[((y + ymin) * src.w + xx) * c + ch] as i64 * kv as i64;
+                }
+                px[(yy * src.w + xx) * c + ch] = pil_clip8(ss);
+            }
+        }
+    }
+    U8Image {
+        w: src.w,
+        h: out_h,
+        c,
+        px,
+    }
+}
+
+/// `Image.resize((w, h), LANCZOS)` on an LA/RGB/RGBA-like u8 image with
+/// Pillow's two-pass fixed-point `ImagingResampleInner` (Pillow 13: the
+/// vertical pass runs first when the height shrinks and the width does not;
+/// otherwise horizontal first, over only the rows the vertical pass reads).
+/// For 2 and 4 channels the caller premultiplies alpha.
 fn pil_resample(src: &U8Image, out_w: usize, out_h: usize) -> U8Image {
-    let c = src.c;
     let need_h = out_w != src.w;
     let need_v = out_h != src.h;
+    let horizontal_first = !(out_w >= src.w && out_h < src.h);
     let vert = pil_coeffs(src.h, out_h);
-    // Rows of the source that the vertical pass will read.
-    let y_first = vert.taps.first().map_or(0, |t| t.0);
-    let y_last = vert.taps.last().map_or(0, |t| t.0 + t.1.len());
-    let round = 1i64 << (PIL_PRECISION_BITS - 1);
-
-    let mut cur = if need_h {
-        let horiz = pil_coeffs(src.w, out_w);
-        let rows = y_last - y_first;
-        let mut px = vec![0u8; rows * out_w * c];
-        for yy in 0..rows {
-            let line = &src.px[(yy + y_first) * src.w * c..(yy + y_first + 1) * src.w * c];
-            for (xx, (xmin, k)) in horiz.taps.iter().enumerate() {
-                for ch in 0..c {
-                    let mut ss = round;
-                    for (x, &kv) in k.iter().enumerate() {
-                        ss += line[(x + xmin) * c + ch] as i64 * kv as i64;
-                    }
-                    px[(yy * out_w + xx) * c + ch] = pil_clip8(ss);
-                }
+    if horizontal_first {
+        let (first, shift, rows) = if need_h {
+            // Rows of the source that the vertical pass will read.
+            let first = vert.taps.first().map_or(0, |t| t.0);
+            let last = vert.taps.last().map_or(0, |t| t.0 + t.1.len());
+            (first, first, last - first)
+        } else {
+            (0, 0, src.h)
+        };
+        let tmp = if need_h {
+            pil_pass_horizontal(src, &pil_coeffs(src.w, out_w), first, rows)
+        } else {
+            U8Image {
+                w: src.w,
+                h: src.h,
+                c: src.c,
+                px: src.px.clone(),
             }
-        }
-        U8Image {
-            w: out_w,
-            h: rows,
-            c,
-            px,
+        };
+        if need_v {
+            pil_pass_vertical(&tmp, &vert, shift)
+        } else {
+            tmp
         }
     } else {
-        U8Image {
-            w: src.w,
-            h: src.h,
-            c,
-            px: src.px.clone(),
+        // Here need_v holds (the height shrinks).
+        let tmp = pil_pass_vertical(src, &vert, 0);
+        if need_h {
+            pil_pass_horizontal(&tmp, &pil_coeffs(src.w, out_w), 0, tmp.h)
+        } else {
+            tmp
         }
-    };
-    // The horizontal pass only produced rows y_first..y_last.
-    let shift = if need_h { y_first } else { 0 };
-
-    if need_v {
-        let mut px = vec![0u8; out_h * cur.w * c];
-        for (yy, (ymin, k)) in vert.taps.iter().enumerate() {
-            let ymin = ymin - shift;
-            for xx in 0..cur.w {
-                for ch in 0..c {
-                    let mut ss = round;
-                    for (y, &kv) in k.iter().enumerate() {
-                        ss += cur.px[((y + ymin) * cur.w + xx) * c + ch] as i64 * kv as i64;
-                    }
-                    px[(yy * cur.w + xx) * c + ch] = pil_clip8(ss);
-                }
-            }
-        }
-        cur = U8Image {
-            w: cur.w,
-            h: out_h,
-            c,
-            px,
-        };
     }
-    cur
 }
 
 /// ComfyUI `comfy.utils.lanczos`: each image goes through

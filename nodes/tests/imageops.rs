@@ -3,11 +3,11 @@
 //!
 //! Tolerances (max absolute difference over all elements):
 //! * 0 (bit-exact) for everything except the three below.
-//! * `gaussian_kernel`: 2e-7. PyTorch takes `sqrt`/`exp` from MKL, which is
+//! * `gaussian_kernel`: 1e-7. PyTorch takes `sqrt`/`exp` from MKL, which is
 //!   not always correctly rounded; a weight may differ by an ULP.
 //! * blur: 1e-6, sharpen: 1e-5 (before its clamp the sharpen kernel has
 //!   weights up to ~50, magnifying the kernel's ULP differences).
-//! * bislerp: 1e-5 (`acos`/`sin`/`norm` differ from PyTorch's by ULPs).
+//! * bislerp: 2e-6 (`acos`/`sin`/`norm` differ from PyTorch's by ULPs).
 //!
 //! Run with `--nocapture` to see the measured maximum difference per op.
 
@@ -71,7 +71,9 @@ impl Fixtures {
 
     fn image(&self, name: &str) -> Tensor4 {
         match self.array(name) {
-            Array::F32(s, v) if s.len() == 4 => Tensor4::new(s[0], s[1], s[2], s[3], v).expect("tensor"),
+            Array::F32(s, v) if s.len() == 4 => {
+                Tensor4::new(s[0], s[1], s[2], s[3], v).expect("tensor")
+            }
             _ => panic!("{name} is not a 4-D f32 array"),
         }
     }
@@ -99,19 +101,27 @@ fn mask_out(m: Mask3) -> Got {
 }
 
 fn p_str<'a>(c: &'a Value, k: &str) -> &'a str {
-    c["params"][k].as_str().unwrap_or_else(|| panic!("param {k}"))
+    c["params"][k]
+        .as_str()
+        .unwrap_or_else(|| panic!("param {k}"))
 }
 
 fn p_usize(c: &Value, k: &str) -> usize {
-    c["params"][k].as_u64().unwrap_or_else(|| panic!("param {k}")) as usize
+    c["params"][k]
+        .as_u64()
+        .unwrap_or_else(|| panic!("param {k}")) as usize
 }
 
 fn p_f64(c: &Value, k: &str) -> f64 {
-    c["params"][k].as_f64().unwrap_or_else(|| panic!("param {k}"))
+    c["params"][k]
+        .as_f64()
+        .unwrap_or_else(|| panic!("param {k}"))
 }
 
 fn input(c: &Value, i: usize) -> &str {
-    c["inputs"][i].as_str().unwrap_or_else(|| panic!("input {i}"))
+    c["inputs"][i]
+        .as_str()
+        .unwrap_or_else(|| panic!("input {i}"))
 }
 
 fn run_case(fx: &Fixtures, c: &Value) -> Result<Got, ImageOpError> {
@@ -146,7 +156,11 @@ fn run_case(fx: &Fixtures, c: &Value) -> Result<Got, ImageOpError> {
             p_str(c, "method").parse()?,
             p_f64(c, "scale_by"),
         )?),
-        "blur" => image_out(blur(&fx.image(input(c, 0)), p_usize(c, "radius"), p_f64(c, "sigma"))?),
+        "blur" => image_out(blur(
+            &fx.image(input(c, 0)),
+            p_usize(c, "radius"),
+            p_f64(c, "sigma"),
+        )?),
         "sharpen" => image_out(sharpen(
             &fx.image(input(c, 0)),
             p_usize(c, "radius"),
@@ -166,9 +180,16 @@ fn run_case(fx: &Fixtures, c: &Value) -> Result<Got, ImageOpError> {
             p_usize(c, "y"),
         )?),
         "batch" => image_out(batch(&fx.image(input(c, 0)), &fx.image(input(c, 1)))?),
-        "image_to_mask" => mask_out(image_to_mask(&fx.image(input(c, 0)), p_str(c, "channel").parse()?)?),
+        "image_to_mask" => mask_out(image_to_mask(
+            &fx.image(input(c, 0)),
+            p_str(c, "channel").parse()?,
+        )?),
         "mask_to_image" => image_out(mask_to_image(&fx.mask(input(c, 0)))),
-        "solid_mask" => mask_out(solid_mask(p_f64(c, "value"), p_usize(c, "width"), p_usize(c, "height"))?),
+        "solid_mask" => mask_out(solid_mask(
+            p_f64(c, "value"),
+            p_usize(c, "width"),
+            p_usize(c, "height"),
+        )?),
         "invert_mask" => mask_out(invert_mask(&fx.mask(input(c, 0)))),
         "empty_image" => image_out(empty_image(
             p_usize(c, "width"),
@@ -198,10 +219,10 @@ fn run_case(fx: &Fixtures, c: &Value) -> Result<Got, ImageOpError> {
 /// Allowed max abs difference for a case.
 fn tolerance(c: &Value) -> f64 {
     match c["op"].as_str().unwrap_or("") {
-        "gaussian_kernel" => 2e-7,
+        "gaussian_kernel" => 1e-7,
         "blur" => 1e-6,
         "sharpen" => 1e-5,
-        "upscale" if c["params"]["method"] == "bislerp" => 1e-5,
+        "upscale" if c["params"]["method"] == "bislerp" => 2e-6,
         _ => 0.0,
     }
 }
@@ -260,7 +281,9 @@ fn reference_fixtures() {
         if let Some(err) = c.get("error") {
             // ComfyUI raised; so must we.
             if let Ok(_got) = result {
-                failures.push(format!("{name}: expected an error like {err}, got a result"));
+                failures.push(format!(
+                    "{name}: expected an error like {err}, got a result"
+                ));
             }
             continue;
         }
@@ -289,7 +312,12 @@ fn reference_fixtures() {
     for (k, (n, d)) in &stats {
         println!("{k:<28} {n:>5} {d:>12.3e}");
     }
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -299,9 +327,22 @@ fn rejects_bad_arguments() {
         "bilinearr".parse::<UpscaleMethod>(),
         Err(ImageOpError::UnknownMethod(_))
     ));
-    assert!(matches!("middle".parse::<Crop>(), Err(ImageOpError::UnknownCrop(_))));
-    assert!(matches!("cyan".parse::<MaskChannel>(), Err(ImageOpError::UnknownChannel(_))));
-    for method in ["nearest-exact", "bilinear", "area", "bicubic", "lanczos", "bislerp"] {
+    assert!(matches!(
+        "middle".parse::<Crop>(),
+        Err(ImageOpError::UnknownCrop(_))
+    ));
+    assert!(matches!(
+        "cyan".parse::<MaskChannel>(),
+        Err(ImageOpError::UnknownChannel(_))
+    ));
+    for method in [
+        "nearest-exact",
+        "bilinear",
+        "area",
+        "bicubic",
+        "lanczos",
+        "bislerp",
+    ] {
         let m: UpscaleMethod = method.parse().expect("method");
         assert_eq!(m.name(), method);
         assert!(upscale(&img, 0, 3, m, Crop::Disabled).is_err());
@@ -319,9 +360,15 @@ fn rejects_bad_arguments() {
     assert!(crop(&broken, 1, 1, 0, 0).is_err());
     assert!(blur(&broken, 1, 1.0).is_err());
     assert!(crop(&img, 0, 1, 0, 0).is_err());
-    assert!(blur(&img, 4, 1.0).is_err(), "reflect padding needs radius < height");
+    assert!(
+        blur(&img, 4, 1.0).is_err(),
+        "reflect padding needs radius < height"
+    );
     assert!(scale_by(&img, UpscaleMethod::Area, 0.0).is_err());
-    assert!(scale_by(&img, UpscaleMethod::Area, 0.01).is_err(), "rounds to a zero size");
+    assert!(
+        scale_by(&img, UpscaleMethod::Area, 0.01).is_err(),
+        "rounds to a zero size"
+    );
     assert!(solid_mask(1.0, 0, 3).is_err());
     assert!(empty_image(3, 3, 0, 0).is_err());
     let one_channel = Tensor4::filled(1, 4, 4, 1, 0.5).expect("shape");
@@ -333,20 +380,8 @@ fn rejects_bad_arguments() {
     // Radius 0 is the identity, as in ComfyUI.
     assert_eq!(blur(&img, 0, 1.0).expect("blur"), img);
     assert_eq!(sharpen(&img, 0, 1.0, 1.0).expect("sharpen"), img);
-    assert_eq!(scale_to(&img, UpscaleMethod::Bicubic, 0, 0, Crop::Center).expect("scale"), img);
-}
-
-#[test]
-fn zz_debug_dump() {
-    let fx = Fixtures::load();
-    let img = fx.image("in_c");
-    let out = upscale(&img, 11, 4, UpscaleMethod::Lanczos, Crop::Disabled).expect("x");
-    let Array::U8(_, want) = fx.array("out_upscale_lanczos_c_11x4_disabled") else { panic!() };
-    let got = to_u8(&out);
-    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-        if a != b {
-            let px = i / 4;
-            println!("idx {i} b={} y={} x={} ch={} got {a} want {b}", px / 44, (px % 44) / 11, px % 11, i % 4);
-        }
-    }
+    assert_eq!(
+        scale_to(&img, UpscaleMethod::Bicubic, 0, 0, Crop::Center).expect("scale"),
+        img
+    );
 }
