@@ -307,3 +307,54 @@ fn unimplemented_node_fails_clearly() {
         .expect_err("fails");
     assert!(err.to_string().contains("not implemented yet"), "{err}");
 }
+
+/// Sleeps, recording when it ran.
+struct Nap {
+    spans: Arc<Mutex<Vec<(std::time::Instant, std::time::Instant)>>>,
+}
+
+impl NodeImpl for Nap {
+    fn execute(&self, _ctx: &NodeContext, _inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let start = std::time::Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        self.spans
+            .lock()
+            .expect("spans")
+            .push((start, std::time::Instant::now()));
+        Ok(NodeOutput::values(vec![Value::Int(1)]))
+    }
+}
+
+#[test]
+fn independent_branches_run_concurrently() {
+    let rt = runtime();
+    let log: Log = Arc::default();
+    let spans: Arc<Mutex<Vec<(std::time::Instant, std::time::Instant)>>> = Arc::default();
+    let mut reg = library(&log).registry;
+    reg.insert(node("Nap", "test").returns(SocketType::Int).build());
+    let mut lib = NodeLibrary::new(reg);
+    lib.implement(
+        "Nap",
+        Nap {
+            spans: spans.clone(),
+        },
+    );
+    lib.implement("Sink", Sink { log: log.clone() });
+    let lib = Arc::new(lib);
+    let text = r#"(nodes: {
+        "a": Nap(), "b": Nap(),
+        "sa": Sink(x: ("a", 0)), "sb": Sink(x: ("b", 0)),
+    })"#;
+    let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
+    let graph = validate(&wf, &lib.registry, &StaticOnly).expect("valid");
+    let exec = Executor::new(lib, Arc::new(Paths::under(std::path::Path::new("/x"))));
+    rt.block_on(exec.run(&graph, RunOptions::new(discard(), CancelToken::new())))
+        .expect("runs");
+    let s = spans.lock().expect("spans");
+    assert_eq!(s.len(), 2);
+    // The two naps overlap in time: neither ended before the other began.
+    assert!(
+        s[0].0 < s[1].1 && s[1].0 < s[0].1,
+        "ran one after the other"
+    );
+}

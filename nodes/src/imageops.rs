@@ -354,9 +354,11 @@ fn torch_multi_row_sum<const N: usize>(
             i += 1;
         }
         for j in 1..LEVELS {
-            for k in 0..N {
-                acc[j][k] += acc[j - 1][k];
-                acc[j - 1][k] = 0.0;
+            // Move level j-1 into level j.
+            let (lower, upper) = acc.split_at_mut(j);
+            for (hi, lo) in upper[0].iter_mut().zip(lower[j - 1].iter_mut()) {
+                *hi += *lo;
+                *lo = 0.0;
             }
             let mask = level_mask << (j * level_power);
             if i & mask != 0 {
@@ -1111,7 +1113,7 @@ fn lanczos(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
 fn bislerp_coords(len_old: usize, len_new: usize) -> Vec<(f32, usize, usize)> {
     // The tensor is (1, 1, 1, len_old): C == 1, so PyTorch picks the
     // channels-last kernel only for small outputs (1 + len_new <= 128).
-    let fused = 1 + len_new <= 128;
+    let fused = len_new < 128;
     let taps = linear_taps(len_old, len_new, fused);
     taps.iter()
         .map(|t| {

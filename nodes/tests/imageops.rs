@@ -144,6 +144,14 @@ fn run_case(fx: &Fixtures, c: &Value) -> Result<Got, ImageOpError> {
                 image_out(out)
             }
         }
+        "upscale_nchw" => image_out(common_upscale(
+            &fx.image(input(c, 0)),
+            p_usize(c, "width"),
+            p_usize(c, "height"),
+            p_str(c, "method").parse()?,
+            p_str(c, "crop").parse()?,
+            SourceLayout::ContiguousNchw,
+        )?),
         "scale_to" => image_out(scale_to(
             &fx.image(input(c, 0)),
             p_str(c, "method").parse()?,
