@@ -50,8 +50,12 @@ pub enum ImageOpError {
 
 type Result<T> = std::result::Result<T, ImageOpError>;
 
+/// Element count of a shape, `None` if it could not be allocated as `f32`s
+/// (so oversized requests become errors instead of capacity panics).
 fn checked_numel(dims: &[usize]) -> Option<usize> {
-    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= isize::MAX as usize / 4)
 }
 
 fn check_len(dims: &[usize], len: usize) -> Result<()> {
@@ -131,8 +135,9 @@ impl Tensor4 {
 
     /// The `h * w * c` elements of batch item `b`.
     pub fn item(&self, b: usize) -> Option<&[f32]> {
-        let n = self.h * self.w * self.c;
-        self.data.get(b * n..(b + 1) * n)
+        let n = checked_numel(&[self.h, self.w, self.c])?;
+        let start = b.checked_mul(n)?;
+        self.data.get(start..start.checked_add(n)?)
     }
 }
 
@@ -273,7 +278,9 @@ fn py_round_usize(x: f64) -> usize {
 
 /// PyTorch's float `sum` reduction over a contiguous row (`cascade_sum` in
 /// ATen's SumKernel): 8-lane vector accumulators combined through the
-/// multi-level cascade, then a scalar tail, then the lanes in order.
+/// multi-level cascade, then a scalar tail, then the lanes in order. (The
+/// x86-64 wheels reduce with 8 float lanes even on AVX-512 machines; checked
+/// against torch 2.15.)
 fn torch_sum_contiguous(x: &[f32]) -> f32 {
     const LANES: usize = 8;
     if x.len() < LANES {
@@ -519,7 +526,9 @@ fn center_crop_window(
 }
 
 /// PyTorch's choice between `cpu_upsample_*_channels_last` and the generic
-/// TensorIterator kernel (`_use_vectorized_kernel_cond_2d`).
+/// TensorIterator kernel (`_use_vectorized_kernel_cond_2d`). PyTorch also
+/// takes the channels-last bilinear kernel for 3 channels when it runs on a
+/// single thread; ComfyUI runs multi-threaded, so that case is not mirrored.
 fn use_channels_last_kernel(
     win: &Window<'_>,
     out_w: usize,
@@ -1576,13 +1585,13 @@ pub fn empty_image(width: usize, height: usize, batch_size: usize, color: u32) -
     nonzero(batch_size, "batch size")?;
     let channel = |shift: u32| (((color >> shift) & 0xFF) as f64 / 255.0) as f32;
     let rgb = [channel(16), channel(8), channel(0)];
-    let pixels =
-        checked_numel(&[batch_size, height, width]).ok_or_else(|| ImageOpError::ShapeMismatch {
-            shape: vec![batch_size, height, width, 3],
-            len: 0,
-        })?;
-    let mut data = Vec::with_capacity(pixels.saturating_mul(3));
-    for _ in 0..pixels {
+    let shape = [batch_size, height, width, 3];
+    let numel = checked_numel(&shape).ok_or_else(|| ImageOpError::ShapeMismatch {
+        shape: shape.to_vec(),
+        len: 0,
+    })?;
+    let mut data = Vec::with_capacity(numel);
+    for _ in 0..numel / 3 {
         data.extend_from_slice(&rgb);
     }
     Ok(Tensor4 {

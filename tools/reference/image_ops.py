@@ -191,6 +191,9 @@ def build():
         "e": rand_image(5, (1, 4, 6, 3)),
         "g": rand_image(6, (1, 5, 8, 3)),
         "m": rand_image(7, (1, 6, 5, 1)),
+        # One-hot rows: with a single input row the output along the width
+        # is exactly the interpolation weights, exposing 1-ULP differences.
+        "imp": torch.eye(4, 3, dtype=torch.float32).reshape(1, 1, 4, 3),
     }
     for k, v in img.items():
         put(f"in_{k}", v)
@@ -217,9 +220,9 @@ def build():
         ("a", 5, 1, "disabled"),
         ("a", 1, 1, "disabled"),
         ("a", 1, 1, "center"),
-        ("a", 130, 2, "disabled"),
+        ("e", 130, 2, "disabled"),
         ("e", 3, 126, "disabled"),
-        ("b", 17, 19, "disabled"),
+        ("b", 13, 15, "disabled"),
         ("b", 7, 5, "center"),
         ("b", 1, 1, "disabled"),
         ("b", 130, 3, "center"),
@@ -230,6 +233,9 @@ def build():
         ("d", 11, 8, "disabled"),
         ("d", 4, 3, "center"),
         ("m", 7, 9, "disabled"),
+        ("imp", 31, 1, "disabled"),
+        ("imp", 37, 1, "disabled"),
+        ("imp", 11, 1, "disabled"),
     ]
     # Pillow 13 runs the vertical pass first when the height shrinks and the
     # width does not; these cover both orders and single-pass resizes.

@@ -6,7 +6,7 @@ SaveImage) and for the two saved images of graphs/mask_ops.ron, and stores
 them as PNGs under tests/reference/. tests/pipelines.rs compares sdkit's
 output pixels with them.
 
-ImageScale uses ComfyUI's own comfy.utils.common_upscale. Point COMFYUI_DIR
+ImageScale uses ComfyUI's own comfy.utils.common_upscale. Point COMFY_DIR
 at a ComfyUI checkout (default /work/comfy; comfy/utils.py, options.py,
 cli_args.py and checkpoint_pickle.py are all it needs). The other node
 bodies are a few lines each in ComfyUI (nodes.py LoadImage/SaveImage,
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-sys.path.insert(0, os.environ.get("COMFYUI_DIR", "/work/comfy"))
+sys.path.insert(0, os.environ.get("COMFY_DIR", "/work/comfy"))
 import comfy.utils  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
