@@ -368,9 +368,12 @@ fn save_batch(
                 return Err(NodeError::invalid(e));
             }
         };
+        // Unique per process, run, node and image, so concurrent runs in
+        // one server never share a temporary file.
         let tmp = root.join(format!(
-            ".sdkit-{}-{}-{i}.png.tmp",
+            ".sdkit-{}-{}-{}-{i}.png.tmp",
             std::process::id(),
+            ctx.prompt_id,
             ctx.node_id.replace(['/', '\\'], "_")
         ));
         let written = std::fs::File::create(&tmp).and_then(|mut f| {
