@@ -6,15 +6,21 @@
 //! * [`node`]: the interface node implementations provide.
 //! * [`value`]: values on links (images, masks, latents, ...).
 //! * [`paths`]: ComfyUI's folder layout.
-//!
-//! The tensor IR, planner and backends join here in later work.
+//! * [`tensor`]: the tensor graph models are built as (op IR + builder).
+//! * [`plan`]: the planner: fusion, views, activation memory → `Program`.
+//! * [`backend`]: backends that replay Programs (`cpu`).
+//! * [`weights`]: safetensors files, memory-mapped and lazy.
 
+pub mod backend;
 pub mod event;
 pub mod exec;
 pub mod graph;
 pub mod node;
 pub mod paths;
+pub mod plan;
+pub mod tensor;
 pub mod value;
+pub mod weights;
 
 pub use event::{Event, EventSink};
 pub use exec::{Executor, RunError, RunOptions, RunReport};

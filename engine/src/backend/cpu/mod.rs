@@ -1,0 +1,4 @@
+pub mod kernels;
+mod run;
+
+pub use run::{run, Bindings, CpuError};

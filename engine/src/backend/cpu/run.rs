@@ -1,0 +1,604 @@
+//! Replays a [`Program`] on the CPU.
+//!
+//! Activations live in one f32 arena laid out by the planner; weights and
+//! inputs are separate f32 slices. Each dispatch splits the arena around its
+//! output, so inputs are read and the output written without copies or
+//! `unsafe`: the planner guarantees that buffers live at the same kernel
+//! never overlap.
+
+use super::kernels::{self, MatView};
+use crate::plan::{BufferKind, Command, Expr, Kernel, KernelKind, Program, View};
+use crate::tensor::reference::{binary, unary, Array};
+use crate::tensor::{contiguous_strides, ReduceOp, UpsampleMode};
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CpuError {
+    #[error("input \"{0}\" is not bound")]
+    MissingInput(String),
+    #[error("weight \"{0}\" is not bound")]
+    MissingWeight(String),
+    #[error("\"{name}\" has {got} values, the program expects {want}")]
+    WrongSize { name: String, got: usize, want: usize },
+    #[error("kernel k{kernel} ({kind}): {message}")]
+    Kernel {
+        kernel: usize,
+        kind: &'static str,
+        message: String,
+    },
+}
+
+/// Values bound to a program's named inputs and weights (f32).
+#[derive(Clone, Default)]
+pub struct Bindings {
+    pub weights: HashMap<String, Arc<Vec<f32>>>,
+    pub inputs: HashMap<String, Arc<Vec<f32>>>,
+}
+
+/// Elements per unit of parallel elementwise work: large enough to
+/// amortise scheduling, small enough to stay in L1/L2.
+const CHUNK: usize = 4096;
+
+/// Runs a program; returns the graph outputs.
+pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
+    let mut arena = vec![0f32; prog.stats.arena_bytes / 4];
+    let mut external: HashMap<u32, Arc<Vec<f32>>> = HashMap::new();
+    for c in &prog.commands {
+        match c {
+            Command::Upload { buffer, name } => {
+                let w = bind
+                    .weights
+                    .get(name)
+                    .ok_or_else(|| CpuError::MissingWeight(name.clone()))?;
+                check_len(name, w.len(), prog.buffer(*buffer).len)?;
+                external.insert(buffer.0, w.clone());
+            }
+            Command::Bind { buffer, name } => {
+                let v = bind
+                    .inputs
+                    .get(name)
+                    .ok_or_else(|| CpuError::MissingInput(name.clone()))?;
+                check_len(name, v.len(), prog.buffer(*buffer).len)?;
+                external.insert(buffer.0, v.clone());
+            }
+            Command::Dispatch { kernel } => {
+                let k = &prog.kernels[kernel.0 as usize];
+                dispatch(prog, k, kernel.0 as usize, &mut arena, &external)?;
+            }
+            Command::Download { .. } => {}
+        }
+    }
+    let mut outs = Vec::new();
+    for v in &prog.outputs {
+        let data = {
+            let base = buffer_slice(prog, v, &arena, &[], 0, &external);
+            read_view(v, base).into_owned()
+        };
+        outs.push(Array::new(v.shape.clone(), data));
+    }
+    Ok(outs)
+}
+
+fn check_len(name: &str, got: usize, want: usize) -> Result<(), CpuError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(CpuError::WrongSize {
+            name: name.to_string(),
+            got,
+            want,
+        })
+    }
+}
+
+/// The whole storage of the buffer a view reads. `left`/`right` are the
+/// arena parts around the current output (which starts at `out_start`).
+fn buffer_slice<'a>(
+    prog: &Program,
+    v: &View,
+    left: &'a [f32],
+    right: &'a [f32],
+    out_end: usize,
+    external: &'a HashMap<u32, Arc<Vec<f32>>>,
+) -> &'a [f32] {
+    let b = prog.buffer(v.buffer);
+    match b.kind {
+        BufferKind::Arena => {
+            if b.offset + b.len <= left.len() {
+                &left[b.offset..b.offset + b.len]
+            } else {
+                let s = b.offset.saturating_sub(out_end);
+                right.get(s..s + b.len).unwrap_or(&[])
+            }
+        }
+        _ => external.get(&v.buffer.0).map_or(&[], |a| a.as_slice()),
+    }
+}
+
+/// A view's elements in row-major order; borrowed when already dense.
+fn read_view<'a>(v: &View, base: &'a [f32]) -> Cow<'a, [f32]> {
+    let n = v.numel();
+    if v.is_contiguous() {
+        return Cow::Borrowed(&base[v.offset..v.offset + n]);
+    }
+    let mut out = vec![0f32; n];
+    gather_range(v, base, 0, &mut out);
+    Cow::Owned(out)
+}
+
+/// Reads elements `start..start + out.len()` (row-major order of the
+/// view's shape) into `out`.
+fn gather_range(v: &View, base: &[f32], start: usize, out: &mut [f32]) {
+    let rank = v.shape.len();
+    if rank == 0 {
+        out.fill(base[v.offset]);
+        return;
+    }
+    if v.strides.iter().all(|&s| s == 0) {
+        out.fill(base[v.offset]);
+        return;
+    }
+    if v.is_contiguous() {
+        out.copy_from_slice(&base[v.offset + start..v.offset + start + out.len()]);
+        return;
+    }
+    let mut idx = vec![0usize; rank];
+    let mut rem = start;
+    for d in (0..rank).rev() {
+        idx[d] = rem % v.shape[d];
+        rem /= v.shape[d];
+    }
+    let mut off: usize = v.offset + idx.iter().zip(&v.strides).map(|(i, s)| i * s).sum::<usize>();
+    let (last, ls) = (v.shape[rank - 1], v.strides[rank - 1]);
+    let mut i = 0;
+    while i < out.len() {
+        // Run along the innermost dim, then carry.
+        let run = (last - idx[rank - 1]).min(out.len() - i);
+        if ls == 1 {
+            out[i..i + run].copy_from_slice(&base[off..off + run]);
+        } else {
+            for (j, o) in out[i..i + run].iter_mut().enumerate() {
+                *o = base[off + j * ls];
+            }
+        }
+        i += run;
+        off += run * ls;
+        idx[rank - 1] += run;
+        let mut d = rank - 1;
+        while idx[d] == v.shape[d] && d > 0 {
+            off -= idx[d] * v.strides[d];
+            idx[d] = 0;
+            d -= 1;
+            idx[d] += 1;
+            off += v.strides[d];
+        }
+    }
+}
+
+/// Applies an epilogue (or a whole elementwise kernel) over `out`, in
+/// parallel chunks. With an anchor, `out` holds its result (`acc`) first.
+fn apply_expr(e: &Expr, inputs: &[(&View, &[f32])], out: &mut [f32], has_acc: bool) {
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(ci, chunk)| {
+        let start = ci * CHUNK;
+        let acc_copy;
+        let acc = if has_acc {
+            acc_copy = chunk.to_vec();
+            Some(acc_copy.as_slice())
+        } else {
+            None
+        };
+        let vals = eval_chunk(e, start, chunk.len(), inputs, acc);
+        chunk.copy_from_slice(&vals);
+    });
+}
+
+fn eval_chunk(
+    e: &Expr,
+    start: usize,
+    len: usize,
+    inputs: &[(&View, &[f32])],
+    acc_chunk: Option<&[f32]>,
+) -> Vec<f32> {
+    match e {
+        Expr::Acc => acc_chunk.map_or_else(|| vec![0.0; len], <[f32]>::to_vec),
+        Expr::Input(i) => {
+            let mut out = vec![0f32; len];
+            if let Some((v, base)) = inputs.get(*i) {
+                gather_range(v, base, start, &mut out);
+            }
+            out
+        }
+        Expr::Const(c) => vec![*c; len],
+        Expr::Unary(u, a) => {
+            let mut x = eval_chunk(a, start, len, inputs, acc_chunk);
+            for v in &mut x {
+                *v = unary(*u, *v);
+            }
+            x
+        }
+        Expr::Binary(b, x, y) => {
+            let mut a = eval_chunk(x, start, len, inputs, acc_chunk);
+            let bb = eval_chunk(y, start, len, inputs, acc_chunk);
+            for (p, q) in a.iter_mut().zip(&bb) {
+                *p = binary(*b, *p, *q);
+            }
+            a
+        }
+        Expr::Where(c, x, y) => {
+            let c = eval_chunk(c, start, len, inputs, acc_chunk);
+            let mut a = eval_chunk(x, start, len, inputs, acc_chunk);
+            let b = eval_chunk(y, start, len, inputs, acc_chunk);
+            for i in 0..len {
+                if c[i] == 0.0 {
+                    a[i] = b[i];
+                }
+            }
+            a
+        }
+        Expr::Clamp(a, lo, hi) => {
+            let mut x = eval_chunk(a, start, len, inputs, acc_chunk);
+            for v in &mut x {
+                *v = v.max(*lo).min(*hi);
+            }
+            x
+        }
+    }
+}
+
+fn dispatch(
+    prog: &Program,
+    k: &Kernel,
+    index: usize,
+    arena: &mut [f32],
+    external: &HashMap<u32, Arc<Vec<f32>>>,
+) -> Result<(), CpuError> {
+    let ob = prog.buffer(k.output.buffer);
+    let (out_start, out_len) = (ob.offset, ob.len);
+    let (left, rest) = arena.split_at_mut(out_start);
+    let (out, right) = rest.split_at_mut(out_len);
+    let out_end = out_start + out_len;
+    let ins: Vec<(&View, &[f32])> = k
+        .inputs
+        .iter()
+        .map(|v| (v, buffer_slice(prog, v, left, right, out_end, external)))
+        .collect();
+    let fail = |m: String| CpuError::Kernel {
+        kernel: index,
+        kind: k.kind.name(),
+        message: m,
+    };
+    let dense = |i: usize| -> Cow<'_, [f32]> { read_view(ins[i].0, ins[i].1) };
+    let anchor_inputs = match &k.kind {
+        KernelKind::Elementwise => 0,
+        KernelKind::MatMul { .. } => 2,
+        KernelKind::Conv2d { bias, .. } => 2 + usize::from(*bias),
+        KernelKind::GroupNorm { affine, .. } | KernelKind::LayerNorm { affine, .. } => {
+            1 + 2 * usize::from(*affine)
+        }
+        KernelKind::RmsNorm { affine, .. } => 1 + usize::from(*affine),
+        KernelKind::Attention { masked, .. } => 3 + usize::from(*masked),
+        KernelKind::Gather { .. } => 2,
+        // Epilogue leaves are numbered after the anchor's own inputs.
+        KernelKind::Concat { .. } => k
+            .epilogue
+            .as_ref()
+            .and_then(min_input)
+            .unwrap_or(k.inputs.len()),
+        KernelKind::Softmax { .. }
+        | KernelKind::Reduce { .. }
+        | KernelKind::Upsample { .. }
+        | KernelKind::Pad { .. } => 1,
+    };
+    match &k.kind {
+        KernelKind::Elementwise => {}
+        KernelKind::MatMul { batch, m, n, k: kk } => {
+            let mv = |v: &View| -> Option<MatView> {
+                let r = v.shape.len();
+                Some(MatView {
+                    offset: v.offset,
+                    batch_stride: v.batch_stride(r - 2)?,
+                    row_stride: v.strides[r - 2],
+                    col_stride: v.strides[r - 1],
+                })
+            };
+            let (Some(av), Some(bv)) = (mv(ins[0].0), mv(ins[1].0)) else {
+                return Err(fail("operand batch dims are not uniformly strided".into()));
+            };
+            kernels::matmul(ins[0].1, av, ins[1].1, bv, &mut out[..], *batch, *m, *n, *kk)
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        KernelKind::Conv2d {
+            n,
+            c,
+            h,
+            w,
+            o,
+            kh,
+            kw,
+            params,
+            bias,
+        } => {
+            let x = dense(0);
+            let wt = dense(1);
+            let b = bias.then(|| dense(2));
+            kernels::conv2d(
+                &x,
+                [*n, *c, *h, *w],
+                &wt,
+                [*o, c / params.groups, *kh, *kw],
+                b.as_deref(),
+                params.stride,
+                params.padding,
+                params.dilation,
+                params.groups,
+                out,
+            )
+            .map_err(|e| fail(e.to_string()))?;
+        }
+        KernelKind::GroupNorm {
+            n,
+            c,
+            spatial,
+            groups,
+            eps,
+            affine,
+        } => {
+            let x = dense(0);
+            let (w, b) = if *affine {
+                (Some(dense(1)), Some(dense(2)))
+            } else {
+                (None, None)
+            };
+            kernels::group_norm(
+                &x,
+                *n,
+                *c,
+                *spatial,
+                *groups,
+                *eps,
+                w.as_deref(),
+                b.as_deref(),
+                out,
+            )
+            .map_err(|e| fail(e.to_string()))?;
+        }
+        KernelKind::LayerNorm {
+            rows,
+            cols,
+            eps,
+            affine,
+        } => {
+            let x = dense(0);
+            let (w, b) = if *affine {
+                (Some(dense(1)), Some(dense(2)))
+            } else {
+                (None, None)
+            };
+            kernels::layer_norm(&x, *rows, *cols, *eps, w.as_deref(), b.as_deref(), out)
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        KernelKind::RmsNorm {
+            rows,
+            cols,
+            eps,
+            affine,
+        } => {
+            let x = dense(0);
+            let w = affine.then(|| dense(1));
+            kernels::rms_norm(&x, *rows, *cols, *eps, w.as_deref(), out)
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        KernelKind::Softmax { outer, len, inner } => {
+            let x = dense(0);
+            if *inner == 1 {
+                kernels::softmax_rows(&x, *outer, *len, out).map_err(|e| fail(e.to_string()))?;
+            } else {
+                softmax_strided(&x, *outer, *len, *inner, out);
+            }
+        }
+        KernelKind::Reduce { op, shape, axes } => reduce(&dense(0), shape, axes, *op, out),
+        KernelKind::Attention {
+            b,
+            h,
+            sq,
+            skv,
+            d,
+            dv,
+            scale,
+            masked,
+        } => {
+            let (q, kk, v) = (dense(0), dense(1), dense(2));
+            let mask = masked.then(|| dense(3));
+            kernels::attention(
+                &q,
+                &kk,
+                &v,
+                mask.as_deref(),
+                b * h,
+                *sq,
+                *skv,
+                *d,
+                *dv,
+                *scale,
+                out,
+            )
+            .map_err(|e| fail(e.to_string()))?;
+        }
+        KernelKind::Gather { rows, cols } => {
+            let (t, ids) = (dense(0), dense(1));
+            for (i, &id) in ids.iter().enumerate() {
+                let r = id as usize;
+                if id < 0.0 || r >= *rows {
+                    return Err(fail(format!("id {id} out of range 0..{rows}")));
+                }
+                out[i * cols..(i + 1) * cols].copy_from_slice(&t[r * cols..(r + 1) * cols]);
+            }
+        }
+        KernelKind::Upsample {
+            n,
+            c,
+            h,
+            w,
+            oh,
+            ow,
+            mode,
+        } => {
+            let x = dense(0);
+            match mode {
+                UpsampleMode::Nearest => {
+                    kernels::upsample_nearest2d(&x, [*n, *c, *h, *w], *oh, *ow, out)
+                }
+                UpsampleMode::Bilinear { align_corners } => kernels::upsample_bilinear2d(
+                    &x,
+                    [*n, *c, *h, *w],
+                    *oh,
+                    *ow,
+                    *align_corners,
+                    out,
+                ),
+            }
+            .map_err(|e| fail(e.to_string()))?;
+        }
+        KernelKind::Concat { axis } => {
+            let shape = &k.output.shape;
+            let inner: usize = shape[axis + 1..].iter().product();
+            let outer: usize = shape[..*axis].iter().product();
+            let total = shape[*axis] * inner;
+            let mut at = 0;
+            for i in 0..anchor_inputs {
+                let x = dense(i);
+                let part = ins[i].0.shape[*axis] * inner;
+                for o in 0..outer {
+                    out[o * total + at..o * total + at + part]
+                        .copy_from_slice(&x[o * part..(o + 1) * part]);
+                }
+                at += part;
+            }
+        }
+        KernelKind::Pad { pads, value } => {
+            let x = dense(0);
+            pad(&x, &ins[0].0.shape, pads, *value, &k.output.shape, out);
+        }
+    }
+    if let Some(e) = &k.epilogue {
+        let has_acc = !matches!(k.kind, KernelKind::Elementwise);
+        apply_expr(e, &ins, out, has_acc);
+    }
+    Ok(())
+}
+
+fn min_input(e: &Expr) -> Option<usize> {
+    let mut used = Vec::new();
+    collect_inputs(e, &mut used);
+    used.into_iter().min()
+}
+
+fn collect_inputs(e: &Expr, out: &mut Vec<usize>) {
+    match e {
+        Expr::Input(i) => out.push(*i),
+        Expr::Acc | Expr::Const(_) => {}
+        Expr::Unary(_, a) | Expr::Clamp(a, _, _) => collect_inputs(a, out),
+        Expr::Binary(_, a, b) => {
+            collect_inputs(a, out);
+            collect_inputs(b, out);
+        }
+        Expr::Where(c, a, b) => {
+            collect_inputs(c, out);
+            collect_inputs(a, out);
+            collect_inputs(b, out);
+        }
+    }
+}
+
+fn softmax_strided(x: &[f32], outer: usize, len: usize, inner: usize, out: &mut [f32]) {
+    for o in 0..outer {
+        for i in 0..inner {
+            let at = |j: usize| (o * len + j) * inner + i;
+            let m = (0..len).map(|j| x[at(j)]).fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for j in 0..len {
+                let e = (x[at(j)] - m).exp();
+                out[at(j)] = e;
+                sum += e;
+            }
+            for j in 0..len {
+                out[at(j)] /= sum;
+            }
+        }
+    }
+}
+
+fn reduce(x: &[f32], shape: &[usize], axes: &[usize], op: ReduceOp, out: &mut [f32]) {
+    let out_shape: Vec<usize> = shape
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+        .collect();
+    let ostr = contiguous_strides(&out_shape);
+    let n_out: usize = out_shape.iter().product();
+    let count = (x.len() / n_out.max(1)) as f64;
+    let mut sum = vec![0f64; n_out];
+    let mut sq = vec![0f64; n_out];
+    let mut mx = vec![f64::NEG_INFINITY; n_out];
+    let mut idx = vec![0usize; shape.len()];
+    for &v in x {
+        let o: usize = idx
+            .iter()
+            .enumerate()
+            .map(|(d, &c)| if axes.contains(&d) { 0 } else { c * ostr[d] })
+            .sum();
+        let v = f64::from(v);
+        sum[o] += v;
+        sq[o] += v * v;
+        mx[o] = mx[o].max(v);
+        for d in (0..shape.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    for o in 0..n_out {
+        out[o] = match op {
+            ReduceOp::Sum => sum[o],
+            ReduceOp::Mean => sum[o] / count,
+            ReduceOp::Max => mx[o],
+            ReduceOp::Var => {
+                let m = sum[o] / count;
+                (sq[o] / count - m * m).max(0.0)
+            }
+        } as f32;
+    }
+}
+
+fn pad(
+    x: &[f32],
+    shape: &[usize],
+    pads: &[(usize, usize)],
+    value: f32,
+    out_shape: &[usize],
+    out: &mut [f32],
+) {
+    out.fill(value);
+    let ostr = contiguous_strides(out_shape);
+    let mut idx = vec![0usize; shape.len()];
+    for &v in x {
+        let o: usize = idx
+            .iter()
+            .enumerate()
+            .map(|(d, &c)| (c + pads[d].0) * ostr[d])
+            .sum();
+        out[o] = v;
+        for d in (0..shape.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
