@@ -1,0 +1,358 @@
+//! The conformance suite: every op and fused pattern, planned and run on
+//! every available backend, against the plain reference evaluator, on
+//! random shapes and values. Errors are normalized mean squared error
+//! (Σ(got − want)² / Σ want²), with a tolerance per op (ggml's
+//! test-backend-ops is the model).
+//!
+//! Backends: `cpu` now; the wgpu backend joins by adding itself to
+//! [`backends`].
+
+use proptest::prelude::*;
+use sdkit_engine::backend::cpu;
+use sdkit_engine::plan::{plan, Program};
+use sdkit_engine::tensor::reference::{evaluate, Array};
+use sdkit_engine::tensor::{
+    Conv2dParams, GraphBuilder, InputKind, Op, ShapeError, TensorGraph, UpsampleMode, T,
+};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+type Runner = fn(&Program, &HashMap<String, Array>) -> Result<Vec<Array>, String>;
+
+fn run_cpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
+    let mut b = cpu::Bindings::default();
+    for (name, a) in inputs {
+        let data = Arc::new(a.data.clone());
+        b.weights.insert(name.clone(), data.clone());
+        b.inputs.insert(name.clone(), data);
+    }
+    cpu::run(p, &b).map_err(|e| e.to_string())
+}
+
+fn backends() -> Vec<(&'static str, Runner)> {
+    vec![("cpu", run_cpu)]
+}
+
+/// xorshift: deterministic values from the proptest-chosen seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Random values for every graph input. Inputs named `ids*` get integer
+/// ids below `vocab`.
+fn inputs_for(g: &TensorGraph, seed: u64, vocab: usize) -> HashMap<String, Array> {
+    let mut rng = Rng(seed | 1);
+    let mut m = HashMap::new();
+    for kind in [InputKind::Weight, InputKind::Activation] {
+        for (_, name, shape) in g.inputs(kind) {
+            let n: usize = shape.iter().product();
+            let data = (0..n)
+                .map(|_| {
+                    let v = rng.next();
+                    if name.starts_with("ids") {
+                        ((v + 1.0) * 0.5 * vocab as f32).floor().min(vocab as f32 - 1.0)
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            m.insert(name.to_string(), Array::new(shape.to_vec(), data));
+        }
+    }
+    m
+}
+
+fn nmse(got: &[f32], want: &[f32]) -> f64 {
+    let mut num = 0.0f64;
+    let mut den = 0.0f64;
+    for (g, w) in got.iter().zip(want) {
+        num += (f64::from(*g) - f64::from(*w)).powi(2);
+        den += f64::from(*w).powi(2);
+    }
+    if den == 0.0 {
+        num
+    } else {
+        num / den
+    }
+}
+
+/// Plans and runs `g` on every backend; compares with the reference.
+fn check(g: TensorGraph, seed: u64, tol: f64, vocab: usize) -> Result<(), TestCaseError> {
+    let inputs = inputs_for(&g, seed, vocab);
+    let want = evaluate(&g, &inputs).map_err(TestCaseError::fail)?;
+    let prog = plan(&g).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (name, run) in backends() {
+        let got = run(&prog, &inputs).map_err(|e| TestCaseError::fail(format!("{name}: {e}")))?;
+        prop_assert_eq!(got.len(), want.len());
+        for (o, (a, b)) in got.iter().zip(&want).enumerate() {
+            prop_assert_eq!(&a.shape, &b.shape);
+            let err = nmse(&a.data, &b.data);
+            prop_assert!(
+                err <= tol && err.is_finite(),
+                "{name}: output {o} nmse {err:e} > {tol:e}\n{prog}"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn build(f: impl for<'a> FnOnce(&'a GraphBuilder) -> Result<T<'a>, ShapeError>) -> TensorGraph {
+    let g = GraphBuilder::new();
+    match f(&g) {
+        Ok(y) => g.finish(&[y]),
+        Err(e) => panic!("test graph does not build: {e}"),
+    }
+}
+
+fn shape(max_rank: usize, max_dim: usize) -> impl Strategy<Value = Vec<usize>> {
+    proptest::collection::vec(1..=max_dim, 1..=max_rank)
+}
+
+const UNARY: &[&str] = &[
+    "neg", "abs", "exp", "log", "sqrt", "rsqrt", "recip", "tanh", "sigmoid", "silu", "gelu",
+    "gelu_erf", "quick_gelu", "sin", "cos",
+];
+
+fn apply_unary<'a>(x: T<'a>, name: &str) -> T<'a> {
+    // Ops with restricted domains get positive inputs.
+    let pos = || x.abs().add_scalar(0.25);
+    match name {
+        "neg" => x.neg(),
+        "abs" => x.abs(),
+        "exp" => x.exp(),
+        "log" => pos().log(),
+        "sqrt" => pos().sqrt(),
+        "rsqrt" => pos().rsqrt(),
+        "recip" => pos().recip(),
+        "tanh" => x.tanh(),
+        "sigmoid" => x.sigmoid(),
+        "silu" => x.silu(),
+        "gelu" => x.gelu(),
+        "gelu_erf" => x.gelu_erf(),
+        "quick_gelu" => x.quick_gelu(),
+        "sin" => x.sin(),
+        _ => x.cos(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn unary_ops(s in shape(4, 9), op in 0..UNARY.len(), seed in any::<u64>()) {
+        let g = build(|g| Ok(apply_unary(g.input("x", &s)?, UNARY[op])));
+        check(g, seed, 1e-10, 0)?;
+    }
+
+    #[test]
+    fn binary_ops_broadcast(s in shape(4, 7), mask in 0u32..16, op in 0usize..7, seed in any::<u64>()) {
+        // The second operand drops the dims chosen by `mask` to 1.
+        let s2: Vec<usize> = s.iter().enumerate().map(|(i, &d)| if mask >> i & 1 == 1 { 1 } else { d }).collect();
+        let g = build(|g| {
+            let (a, b) = (g.input("a", &s)?, g.input("b", &s2)?);
+            match op {
+                0 => a.add(b),
+                1 => a.sub(b),
+                2 => a.mul(b),
+                3 => a.div(b.abs().add_scalar(0.5)),
+                4 => a.abs().add_scalar(0.1).pow(b),
+                5 => a.maximum(b),
+                _ => a.minimum(b),
+            }
+        });
+        check(g, seed, 1e-10, 0)?;
+    }
+
+    #[test]
+    fn fused_elementwise_chains(s in shape(3, 16), seed in any::<u64>()) {
+        let g = build(|g| {
+            let (a, b, c) = (g.input("a", &s)?, g.input("b", &s)?, g.input("c", &[*s.last().unwrap_or(&1)])?);
+            let t = a.mul(b)?.add(c)?.silu().mul_scalar(0.5).tanh();
+            let cond = a.sub(b)?;
+            cond.select(t, b.clamp(-0.3, 0.3))
+        });
+        let p = plan(&g).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(p.stats.dispatches, 1, "{}", p);
+        check(g, seed, 1e-10, 0)?;
+    }
+
+    #[test]
+    fn reductions(s in shape(4, 6), axes_mask in 1u32..16, op in 0usize..4, keep in any::<bool>(), seed in any::<u64>()) {
+        let axes: Vec<usize> = (0..s.len()).filter(|i| axes_mask >> i & 1 == 1).collect();
+        prop_assume!(!axes.is_empty());
+        let g = build(|g| {
+            let x = g.input("x", &s)?;
+            match op {
+                0 => x.sum(&axes, keep),
+                1 => x.mean(&axes, keep),
+                2 => x.max(&axes, keep),
+                _ => x.var(&axes, keep),
+            }
+        });
+        check(g, seed, 1e-9, 0)?;
+    }
+
+    #[test]
+    fn softmax_any_axis(s in shape(4, 9), axis in 0usize..4, seed in any::<u64>()) {
+        let axis = axis % s.len();
+        let g = build(|g| g.input("x", &s)?.mul_scalar(4.0).softmax(axis));
+        check(g, seed, 1e-10, 0)?;
+    }
+
+    #[test]
+    fn norms(rows in 1usize..12, cols in 1usize..70, kind in 0usize..3, seed in any::<u64>()) {
+        let g = build(|g| {
+            let x = g.input("x", &[rows, cols])?.mul_scalar(3.0).add_scalar(1.0);
+            let w = g.weight("w", &[cols])?;
+            let b = g.weight("b", &[cols])?;
+            match kind {
+                0 => x.layer_norm(Some(w), Some(b), 1e-5),
+                1 => x.layer_norm(None, None, 1e-6),
+                _ => x.rms_norm(Some(w), 1e-6),
+            }
+        });
+        check(g, seed, 1e-9, 0)?;
+    }
+
+    #[test]
+    fn group_norm_silu(n in 1usize..3, groups in 1usize..5, per in 1usize..4, hw in 1usize..9, seed in any::<u64>()) {
+        let c = groups * per;
+        let g = build(|g| {
+            let x = g.input("x", &[n, c, hw, hw])?;
+            let (w, b) = (g.weight("w", &[c])?, g.weight("b", &[c])?);
+            Ok(x.group_norm(groups, Some(w), Some(b), 1e-5)?.silu())
+        });
+        let p = plan(&g).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(p.stats.dispatches, 1);
+        check(g, seed, 1e-9, 0)?;
+    }
+
+    #[test]
+    fn matmul_views(b in 1usize..4, m in 1usize..40, k in 1usize..40, n in 1usize..40, form in 0usize..4, seed in any::<u64>()) {
+        let g = build(|g| match form {
+            // Batched.
+            0 => g.input("a", &[b, m, k])?.matmul(g.input("x", &[b, k, n])?),
+            // Weight broadcast across the batch, transposed view (linear).
+            1 => g.input("a", &[b, m, k])?.linear(g.weight("w", &[n, k])?, Some(g.weight("bias", &[n])?)),
+            // Transposed left operand.
+            2 => g.input("a", &[b, k, m])?.transpose(1, 2)?.matmul(g.input("x", &[b, k, n])?),
+            // Broadcast batch on the left, with a GELU epilogue.
+            _ => Ok(g.input("a", &[1, m, k])?.matmul(g.input("x", &[b, k, n])?)?.gelu()),
+        });
+        check(g, seed, 1e-9, 0)?;
+    }
+
+    #[test]
+    fn conv2d_params(n in 1usize..3, cin_g in 1usize..4, cout_g in 1usize..4, groups in 1usize..3,
+                     hw in 3usize..12, k in 1usize..4, stride in 1usize..3, pad in 0usize..2,
+                     dil in 1usize..3, residual in any::<bool>(), seed in any::<u64>()) {
+        let (cin, cout) = (cin_g * groups, cout_g * groups);
+        prop_assume!(hw + 2 * pad > dil * (k - 1));
+        let p = Conv2dParams { stride: [stride; 2], padding: [pad; 2], dilation: [dil; 2], groups };
+        let g = build(|g| {
+            let x = g.input("x", &[n, cin, hw, hw])?;
+            let w = g.weight("w", &[cout, cin_g, k, k])?;
+            let bias = g.weight("bias", &[cout])?;
+            let y = x.conv2d(w, Some(bias), p)?;
+            if residual {
+                let s = y.shape();
+                y.add(g.input("res", &s)?)
+            } else {
+                Ok(y)
+            }
+        });
+        let prog = plan(&g).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(prog.stats.dispatches, 1);
+        check(g, seed, 1e-9, 0)?;
+    }
+
+    #[test]
+    fn upsample(n in 1usize..3, c in 1usize..4, h in 1usize..9, w in 1usize..9, oh in 1usize..17, ow in 1usize..17, mode in 0usize..3, seed in any::<u64>()) {
+        let m = match mode {
+            0 => UpsampleMode::Nearest,
+            1 => UpsampleMode::Bilinear { align_corners: false },
+            _ => UpsampleMode::Bilinear { align_corners: true },
+        };
+        let g = build(|g| g.input("x", &[n, c, h, w])?.upsample(m, oh, ow));
+        check(g, seed, 1e-10, 0)?;
+    }
+
+    #[test]
+    fn attention_masked(b in 1usize..3, h in 1usize..4, sq in 1usize..80, skv in 1usize..80, d in 1usize..24, masked in any::<bool>(), seed in any::<u64>()) {
+        let g = build(|g| {
+            let q = g.input("q", &[b, h, sq, d])?;
+            let k = g.input("k", &[b, h, skv, d])?;
+            let v = g.input("v", &[b, h, skv, d])?;
+            let mask = if masked { Some(g.input("mask", &[sq, skv])?) } else { None };
+            q.attention(k, v, mask, 1.0 / (d as f32).sqrt())
+        });
+        check(g, seed, 1e-9, 0)?;
+    }
+
+    #[test]
+    fn gather_concat_pad(v in 2usize..20, d in 1usize..9, len in 1usize..12, seed in any::<u64>()) {
+        let g = build(|g| {
+            let t = g.weight("table", &[v, d])?;
+            let e = t.gather(g.input("ids", &[1, len])?)?;
+            let other = g.input("x", &[1, len, 3])?;
+            let cat = g.concat(&[e, other], 2)?;
+            cat.pad(&[(0, 0), (1, 2), (0, 1)], -1.5)
+        });
+        check(g, seed, 1e-12, v)?;
+    }
+
+    #[test]
+    fn view_chains(a in 1usize..5, b in 1usize..5, c in 1usize..5, start in 0usize..2, seed in any::<u64>()) {
+        prop_assume!(start < c);
+        let g = build(|g| {
+            let x = g.input("x", &[a, b, c])?;
+            // permute → slice → expand → reshape (forcing a copy when the
+            // strides cannot express it) → elementwise.
+            let y = x.permute(&[2, 0, 1])?.slice(0, start, c)?;
+            let s = y.shape();
+            let y = y.reshape(&[1, s[0], s[1], s[2]])?.expand(&[2, s[0], s[1], s[2]])?;
+            let z = y.reshape(&[2 * s[0] * s[1] * s[2]])?;
+            Ok(z.exp())
+        });
+        check(g, seed, 1e-10, 0)?;
+    }
+}
+
+#[test]
+fn sd_blocks_match_reference() {
+    use sdkit_engine::plan::samples::{resblock_graph, transformer_graph};
+    let rb = resblock_graph(2, 64, 8, 128).expect("builds");
+    check(rb, 7, 1e-9, 0).expect("resblock");
+    let tb = transformer_graph(1, 64, 6, 12, 48, 8).expect("builds");
+    check(tb, 11, 1e-9, 0).expect("transformer");
+}
+
+#[test]
+fn every_op_is_covered() {
+    // A new op must join this suite: the match fails to compile otherwise.
+    let names = |op: &Op| match op {
+        Op::Input { .. } | Op::Constant(_) => "leaf",
+        Op::Unary(_) => "unary_ops",
+        Op::Binary(_) => "binary_ops_broadcast",
+        Op::Where | Op::Clamp { .. } => "fused_elementwise_chains",
+        Op::Cast(_) => "cast (identity on CPU f32)",
+        Op::Reduce { .. } => "reductions",
+        Op::Softmax { .. } => "softmax_any_axis",
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => "norms",
+        Op::GroupNorm { .. } => "group_norm_silu",
+        Op::MatMul => "matmul_views",
+        Op::Conv2d(_) => "conv2d_params",
+        Op::Upsample { .. } => "upsample",
+        Op::Attention { .. } => "attention_masked",
+        Op::Gather | Op::Concat { .. } | Op::Pad { .. } => "gather_concat_pad",
+        Op::Reshape | Op::Permute { .. } | Op::Slice { .. } | Op::Expand => "view_chains",
+    };
+    assert_eq!(names(&Op::MatMul), "matmul_views");
+}
