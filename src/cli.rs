@@ -53,6 +53,31 @@ pub enum Command {
         #[command(flatten)]
         dirs: DirArgs,
     },
+    /// Plan a sample SD-structured tensor graph and print its Program:
+    /// every dispatch with its fused epilogue, arena offsets, and statistics.
+    Plan {
+        /// Which graph: an SD ResBlock, a SpatialTransformer, or a UNet-shaped stack.
+        #[arg(value_enum)]
+        graph: SampleGraph,
+        #[arg(long, default_value_t = 2)]
+        batch: usize,
+        /// Channels (ResBlock/transformer) or base width (UNet); a multiple of 32.
+        #[arg(long, default_value_t = 320)]
+        channels: usize,
+        /// Spatial size of the latent (height = width).
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+        /// Only the statistics line.
+        #[arg(long)]
+        stats: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum SampleGraph {
+    Resblock,
+    Transformer,
+    Unet,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -133,7 +158,42 @@ pub fn main(cli: Cli) -> Result<i32> {
             let lib = sdkit_nodes::library();
             print_json(&workflow_json_schema(&lib.registry, &dirs.paths()?))
         }
+        Command::Plan {
+            graph,
+            batch,
+            channels,
+            size,
+            stats,
+        } => plan_command(graph, batch, channels, size, stats),
     }
+}
+
+fn plan_command(
+    graph: SampleGraph,
+    batch: usize,
+    channels: usize,
+    size: usize,
+    stats_only: bool,
+) -> Result<i32> {
+    use sdkit_engine::plan::{plan, samples};
+    let g = match graph {
+        SampleGraph::Resblock => samples::resblock_graph(batch, channels, size, 4 * channels),
+        SampleGraph::Transformer => {
+            samples::transformer_graph(batch, channels, size, 77, 768, 8)
+        }
+        SampleGraph::Unet => samples::unet_like_graph(batch, channels, size, 3),
+    }
+    .context("cannot build the sample graph (channels must be a multiple of 32)")?;
+    let p = plan(&g).context("planning failed")?;
+    let text = p.to_string();
+    let mut out = std::io::stdout().lock();
+    if stats_only {
+        writeln!(out, "{}", text.lines().last().unwrap_or(""))?;
+    } else {
+        write!(out, "{text}")?;
+    }
+    writeln!(out, "kernels: {:?}", p.kernel_histogram())?;
+    Ok(0)
 }
 
 fn print_json(v: &serde_json::Value) -> Result<i32> {

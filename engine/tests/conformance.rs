@@ -335,6 +335,15 @@ fn sd_blocks_match_reference() {
 }
 
 #[test]
+fn unet_shaped_graph_matches_reference() {
+    // Down and up levels, skip concatenations, upsampling: the whole
+    // planned Program (fusion, views, arena reuse) against unfused
+    // evaluation.
+    let g = sdkit_engine::plan::samples::unet_like_graph(1, 32, 8, 2).expect("builds");
+    check(g, 3, 1e-8, 0).expect("unet");
+}
+
+#[test]
 fn every_op_is_covered() {
     // A new op must join this suite: the match fails to compile otherwise.
     let names = |op: &Op| match op {
