@@ -127,6 +127,9 @@ impl GraphBuilder {
     }
 }
 
+// `add`, `mul`, ... return `Result` (they check shapes), so the std::ops
+// traits, whose outputs cannot fail, do not fit.
+#[allow(clippy::should_implement_trait)]
 impl<'a> T<'a> {
     pub fn shape(&self) -> Vec<usize> {
         self.b.shape(self.id)
@@ -343,7 +346,7 @@ impl<'a> T<'a> {
     /// GroupNorm over an `[n, c, ...]` tensor.
     pub fn group_norm(self, groups: usize, w: Option<T<'a>>, b: Option<T<'a>>, eps: f32) -> R<'a> {
         let s = self.shape();
-        if s.len() < 2 || groups == 0 || s[1] % groups != 0 {
+        if s.len() < 2 || groups == 0 || !s[1].is_multiple_of(groups) {
             return Err(err(
                 "group_norm",
                 format!("needs [n, c, ...] with c divisible by groups={groups}"),

@@ -23,6 +23,8 @@ pub enum CpuError {
     MissingWeight(String),
     #[error("\"{name}\" has {got} values, the program expects {want}")]
     WrongSize { name: String, got: usize, want: usize },
+    #[error("weight \"{name}\": {message}")]
+    Weight { name: String, message: String },
     #[error("kernel k{kernel} ({kind}): {message}")]
     Kernel {
         kernel: usize,
@@ -36,6 +38,33 @@ pub enum CpuError {
 pub struct Bindings {
     pub weights: HashMap<String, Arc<Vec<f32>>>,
     pub inputs: HashMap<String, Arc<Vec<f32>>>,
+}
+
+impl Bindings {
+    /// Binds every weight the program uploads, from a weight store,
+    /// converting f16/bf16/... to f32 once. Weights already bound (e.g. by
+    /// an earlier call for another program of the same model) are kept.
+    pub fn bind_weights(
+        &mut self,
+        prog: &Program,
+        store: &crate::weights::WeightStore,
+    ) -> Result<(), CpuError> {
+        for c in &prog.commands {
+            let Command::Upload { buffer, name } = c else {
+                continue;
+            };
+            if self.weights.contains_key(name) {
+                continue;
+            }
+            let data = store.to_f32(name).map_err(|e| CpuError::Weight {
+                name: name.clone(),
+                message: e.to_string(),
+            })?;
+            check_len(name, data.len(), prog.buffer(*buffer).len)?;
+            self.weights.insert(name.clone(), Arc::new(data));
+        }
+        Ok(())
+    }
 }
 
 /// Elements per unit of parallel elementwise work: large enough to
@@ -468,9 +497,9 @@ fn dispatch(
             let outer: usize = shape[..*axis].iter().product();
             let total = shape[*axis] * inner;
             let mut at = 0;
-            for i in 0..anchor_inputs {
+            for (i, (view, _)) in ins.iter().enumerate().take(anchor_inputs) {
                 let x = dense(i);
-                let part = ins[i].0.shape[*axis] * inner;
+                let part = view.shape[*axis] * inner;
                 for o in 0..outer {
                     out[o * total + at..o * total + at + part]
                         .copy_from_slice(&x[o * part..(o + 1) * part]);
