@@ -57,7 +57,9 @@ fn inputs_for(g: &TensorGraph, seed: u64, vocab: usize) -> HashMap<String, Array
                 .map(|_| {
                     let v = rng.next();
                     if name.starts_with("ids") {
-                        ((v + 1.0) * 0.5 * vocab as f32).floor().min(vocab as f32 - 1.0)
+                        ((v + 1.0) * 0.5 * vocab as f32)
+                            .floor()
+                            .min(vocab as f32 - 1.0)
                     } else {
                         v
                     }
@@ -116,8 +118,21 @@ fn shape(max_rank: usize, max_dim: usize) -> impl Strategy<Value = Vec<usize>> {
 }
 
 const UNARY: &[&str] = &[
-    "neg", "abs", "exp", "log", "sqrt", "rsqrt", "recip", "tanh", "sigmoid", "silu", "gelu",
-    "gelu_erf", "quick_gelu", "sin", "cos",
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "recip",
+    "tanh",
+    "sigmoid",
+    "silu",
+    "gelu",
+    "gelu_erf",
+    "quick_gelu",
+    "sin",
+    "cos",
 ];
 
 fn apply_unary<'a>(x: T<'a>, name: &str) -> T<'a> {
@@ -322,6 +337,21 @@ proptest! {
             Ok(z.exp())
         });
         check(g, seed, 1e-10, 0)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    #[test]
+    fn rope_pairs(b in 1usize..3, h in 1usize..4, l in 1usize..9, half in 1usize..9, shared in any::<bool>(), seed in any::<u64>()) {
+        let fb = if shared { 1 } else { b };
+        let g = build(|g| {
+            let x = g.input("x", &[b, h, l, 2 * half])?;
+            let f = g.input("freqs", &[fb, l, half, 2, 2])?;
+            x.rope(f)
+        });
+        check(g, seed, 1e-12, 0)?;
     }
 }
 

@@ -1,10 +1,10 @@
 //! The builder API: `x.matmul(w)?.add(b)?.silu()` reads like the maths.
 
+use super::BinaryOp;
 use super::{
     broadcast_shapes, Conv2dParams, DType, InputKind, Node, NodeId, Op, ReduceOp, ShapeError,
     TensorGraph, UnaryOp, UpsampleMode, MAX_RANK,
 };
-use super::BinaryOp;
 use std::cell::RefCell;
 
 /// Collects nodes. Handles ([`T`]) borrow it, so building reads as method
@@ -140,7 +140,8 @@ impl<'a> T<'a> {
     }
 
     fn unary(self, op: UnaryOp) -> T<'a> {
-        self.b.push(Op::Unary(op), vec![self.id], self.shape(), DType::F32)
+        self.b
+            .push(Op::Unary(op), vec![self.id], self.shape(), DType::F32)
     }
 
     pub fn neg(self) -> T<'a> {
@@ -236,22 +237,35 @@ impl<'a> T<'a> {
     /// Scalar forms cannot fail: a scalar broadcasts to anything.
     pub fn add_scalar(self, v: f32) -> T<'a> {
         let c = self.b.constant(v);
-        self.b
-            .push(Op::Binary(BinaryOp::Add), vec![self.id, c.id], self.shape(), DType::F32)
+        self.b.push(
+            Op::Binary(BinaryOp::Add),
+            vec![self.id, c.id],
+            self.shape(),
+            DType::F32,
+        )
     }
     pub fn mul_scalar(self, v: f32) -> T<'a> {
         let c = self.b.constant(v);
-        self.b
-            .push(Op::Binary(BinaryOp::Mul), vec![self.id, c.id], self.shape(), DType::F32)
+        self.b.push(
+            Op::Binary(BinaryOp::Mul),
+            vec![self.id, c.id],
+            self.shape(),
+            DType::F32,
+        )
     }
 
     pub fn clamp(self, min: f32, max: f32) -> T<'a> {
-        self.b
-            .push(Op::Clamp { min, max }, vec![self.id], self.shape(), DType::F32)
+        self.b.push(
+            Op::Clamp { min, max },
+            vec![self.id],
+            self.shape(),
+            DType::F32,
+        )
     }
 
     pub fn cast(self, dtype: DType) -> T<'a> {
-        self.b.push(Op::Cast(dtype), vec![self.id], self.shape(), dtype)
+        self.b
+            .push(Op::Cast(dtype), vec![self.id], self.shape(), dtype)
     }
 
     /// `where(self != 0, a, b)`.
@@ -284,9 +298,12 @@ impl<'a> T<'a> {
                 }
             })
             .collect();
-        Ok(self
-            .b
-            .push(Op::Reduce { op, axes, keepdim }, vec![self.id], shape, DType::F32))
+        Ok(self.b.push(
+            Op::Reduce { op, axes, keepdim },
+            vec![self.id],
+            shape,
+            DType::F32,
+        ))
     }
 
     pub fn sum(self, axes: &[usize], keepdim: bool) -> R<'a> {
@@ -307,7 +324,9 @@ impl<'a> T<'a> {
         if axis >= s.len() {
             return Err(err("softmax", format!("axis {axis} out of range"), &[&s]));
         }
-        Ok(self.b.push(Op::Softmax { axis }, vec![self.id], s, DType::F32))
+        Ok(self
+            .b
+            .push(Op::Softmax { axis }, vec![self.id], s, DType::F32))
     }
 
     fn affine_inputs(
@@ -332,9 +351,15 @@ impl<'a> T<'a> {
     /// Normalises over the last axis.
     pub fn layer_norm(self, w: Option<T<'a>>, b: Option<T<'a>>, eps: f32) -> R<'a> {
         let s = self.shape();
-        let last = *s.last().ok_or_else(|| err("layer_norm", "scalar input", &[&s]))?;
+        let last = *s
+            .last()
+            .ok_or_else(|| err("layer_norm", "scalar input", &[&s]))?;
         if w.is_some() != b.is_some() {
-            return Err(err("layer_norm", "give both weight and bias or neither", &[&s]));
+            return Err(err(
+                "layer_norm",
+                "give both weight and bias or neither",
+                &[&s],
+            ));
         }
         let inputs = self.affine_inputs("layer_norm", last, w, b)?;
         let affine = inputs.len() == 3;
@@ -354,21 +379,36 @@ impl<'a> T<'a> {
             ));
         }
         if w.is_some() != b.is_some() {
-            return Err(err("group_norm", "give both weight and bias or neither", &[&s]));
+            return Err(err(
+                "group_norm",
+                "give both weight and bias or neither",
+                &[&s],
+            ));
         }
         let inputs = self.affine_inputs("group_norm", s[1], w, b)?;
         let affine = inputs.len() == 3;
-        Ok(self
-            .b
-            .push(Op::GroupNorm { groups, eps, affine }, inputs, s, DType::F32))
+        Ok(self.b.push(
+            Op::GroupNorm {
+                groups,
+                eps,
+                affine,
+            },
+            inputs,
+            s,
+            DType::F32,
+        ))
     }
 
     pub fn rms_norm(self, w: Option<T<'a>>, eps: f32) -> R<'a> {
         let s = self.shape();
-        let last = *s.last().ok_or_else(|| err("rms_norm", "scalar input", &[&s]))?;
+        let last = *s
+            .last()
+            .ok_or_else(|| err("rms_norm", "scalar input", &[&s]))?;
         let inputs = self.affine_inputs("rms_norm", last, w, None)?;
         let affine = inputs.len() == 2;
-        Ok(self.b.push(Op::RmsNorm { eps, affine }, inputs, s, DType::F32))
+        Ok(self
+            .b
+            .push(Op::RmsNorm { eps, affine }, inputs, s, DType::F32))
     }
 
     /// `[..., m, k] x [..., k, n]` with broadcast batch dims; a rank-2 right
@@ -381,13 +421,19 @@ impl<'a> T<'a> {
         let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
         let (k2, n) = (b[b.len() - 2], b[b.len() - 1]);
         if k != k2 {
-            return Err(err("matmul", format!("inner sizes differ ({k} vs {k2})"), &[&a, &b]));
+            return Err(err(
+                "matmul",
+                format!("inner sizes differ ({k} vs {k2})"),
+                &[&a, &b],
+            ));
         }
         let batch = broadcast_shapes(&a[..a.len() - 2], &b[..b.len() - 2])
             .ok_or_else(|| err("matmul", "batch dims do not broadcast", &[&a, &b]))?;
         let mut shape = batch;
         shape.extend([m, n]);
-        Ok(self.b.push(Op::MatMul, vec![self.id, o.id], shape, DType::F32))
+        Ok(self
+            .b
+            .push(Op::MatMul, vec![self.id, o.id], shape, DType::F32))
     }
 
     /// `x @ w^T + b` with a PyTorch-layout `[out, in]` weight.
@@ -488,7 +534,9 @@ impl<'a> T<'a> {
         }
         let mut shape = i.clone();
         shape.push(t[1]);
-        Ok(self.b.push(Op::Gather, vec![self.id, ids.id], shape, DType::F32))
+        Ok(self
+            .b
+            .push(Op::Gather, vec![self.id, ids.id], shape, DType::F32))
     }
 
     pub fn pad(self, pads: &[(usize, usize)], value: f32) -> R<'a> {
@@ -514,9 +562,15 @@ impl<'a> T<'a> {
             || shape.len() > MAX_RANK
             || shape.contains(&0)
         {
-            return Err(err("reshape", format!("cannot reshape to {shape:?}"), &[&s]));
+            return Err(err(
+                "reshape",
+                format!("cannot reshape to {shape:?}"),
+                &[&s],
+            ));
         }
-        Ok(self.b.push(Op::Reshape, vec![self.id], shape.to_vec(), DType::F32))
+        Ok(self
+            .b
+            .push(Op::Reshape, vec![self.id], shape.to_vec(), DType::F32))
     }
 
     pub fn permute(self, perm: &[usize]) -> R<'a> {
@@ -578,12 +632,56 @@ impl<'a> T<'a> {
         ))
     }
 
+    /// Rotary position embedding as Flux applies it: `self` is
+    /// `[b, h, l, d]`, `freqs` is `[b or 1, 1, l, d/2, 2, 2]` flattened to
+    /// rank 5 as `[b or 1, l, d/2, 2, 2]` (rotation matrices per pair).
+    /// Pairs (x0, x1) become (f00·x0 + f01·x1, f10·x0 + f11·x1). Built from
+    /// views and elementwise ops, so it fuses into one kernel plus a concat.
+    pub fn rope(self, freqs: T<'a>) -> R<'a> {
+        let s = self.shape();
+        let f = freqs.shape();
+        let bad = |m: &str| err("rope", m.to_string(), &[&s, &f]);
+        if s.len() != 4 || !s[3].is_multiple_of(2) {
+            return Err(bad("x must be [b, h, l, d] with even d"));
+        }
+        let (b, h, l, d) = (s[0], s[1], s[2], s[3]);
+        if f.len() != 5
+            || f[1] != l
+            || f[2] != d / 2
+            || f[3] != 2
+            || f[4] != 2
+            || (f[0] != 1 && f[0] != b)
+        {
+            return Err(bad("freqs must be [b or 1, l, d/2, 2, 2]"));
+        }
+        // [b, h, l, d/2, 2] pairs; freqs broadcast over heads.
+        let x = self
+            .reshape(&[b * h, l, d / 2, 2])?
+            .reshape(&[b, h, l, d / 2, 2])?;
+        let x0 = x.slice(4, 0, 1)?.reshape(&[b, h, l, d / 2])?;
+        let x1 = x.slice(4, 1, 2)?.reshape(&[b, h, l, d / 2])?;
+        let fb = f[0];
+        let coef = |i: usize, j: usize| -> R<'a> {
+            freqs
+                .slice(3, i, i + 1)?
+                .slice(4, j, j + 1)?
+                .reshape(&[fb, 1, l, d / 2])
+        };
+        let y0 = coef(0, 0)?.mul(x0)?.add(coef(0, 1)?.mul(x1)?)?;
+        let y1 = coef(1, 0)?.mul(x0)?.add(coef(1, 1)?.mul(x1)?)?;
+        let y0 = y0.reshape(&[b, h, l, d / 2, 1])?;
+        let y1 = y1.reshape(&[b, h, l, d / 2, 1])?;
+        self.b.concat(&[y0, y1], 4)?.reshape(&[b, h, l, d])
+    }
+
     /// Broadcasts to `shape` (numpy rules) without copying.
     pub fn expand(self, shape: &[usize]) -> R<'a> {
         let s = self.shape();
         if broadcast_shapes(&s, shape).as_deref() != Some(shape) {
             return Err(err("expand", format!("cannot expand to {shape:?}"), &[&s]));
         }
-        Ok(self.b.push(Op::Expand, vec![self.id], shape.to_vec(), DType::F32))
+        Ok(self
+            .b
+            .push(Op::Expand, vec![self.id], shape.to_vec(), DType::F32))
     }
 }

@@ -122,38 +122,79 @@ pub enum UpsampleMode {
 /// The op set. Elementwise ops broadcast their inputs (numpy rules).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
-    Input { name: String, kind: InputKind },
+    Input {
+        name: String,
+        kind: InputKind,
+    },
     /// A scalar constant, broadcast wherever it is used.
     Constant(f32),
     Unary(UnaryOp),
     Binary(BinaryOp),
     /// `where(cond != 0, a, b)`.
     Where,
-    Clamp { min: f32, max: f32 },
+    Clamp {
+        min: f32,
+        max: f32,
+    },
     Cast(DType),
-    Reduce { op: ReduceOp, axes: Vec<usize>, keepdim: bool },
-    Softmax { axis: usize },
+    Reduce {
+        op: ReduceOp,
+        axes: Vec<usize>,
+        keepdim: bool,
+    },
+    Softmax {
+        axis: usize,
+    },
     /// Normalises over the last axis; optional weight and bias inputs.
-    LayerNorm { eps: f32, affine: bool },
+    LayerNorm {
+        eps: f32,
+        affine: bool,
+    },
     /// NC... input, `groups` groups over channels; optional weight and bias.
-    GroupNorm { groups: usize, eps: f32, affine: bool },
-    RmsNorm { eps: f32, affine: bool },
+    GroupNorm {
+        groups: usize,
+        eps: f32,
+        affine: bool,
+    },
+    RmsNorm {
+        eps: f32,
+        affine: bool,
+    },
     /// Batched matmul `[..., m, k] x [..., k, n]`, batch dims broadcast.
     MatMul,
     /// NCHW input, OIHW weight, optional bias.
     Conv2d(Conv2dParams),
-    Upsample { mode: UpsampleMode, out_h: usize, out_w: usize },
+    Upsample {
+        mode: UpsampleMode,
+        out_h: usize,
+        out_w: usize,
+    },
     /// q `[b, h, sq, d]`, k `[b, h, skv, d]`, v `[b, h, skv, dv]`, optional
     /// additive mask broadcastable to `[sq, skv]`.
-    Attention { scale: f32, masked: bool },
+    Attention {
+        scale: f32,
+        masked: bool,
+    },
     /// Embedding lookup: table `[v, d]`, ids of any shape → `[..ids, d]`.
     Gather,
-    Concat { axis: usize },
-    Pad { pads: Vec<(usize, usize)>, value: f32 },
+    Concat {
+        axis: usize,
+    },
+    Pad {
+        pads: Vec<(usize, usize)>,
+        value: f32,
+    },
     // Views: no data movement when the planner can express them as strides.
     Reshape,
-    Permute { perm: Vec<usize> },
-    Slice { axis: usize, start: usize, end: usize, step: usize },
+    Permute {
+        perm: Vec<usize>,
+    },
+    Slice {
+        axis: usize,
+        start: usize,
+        end: usize,
+        step: usize,
+    },
     Expand,
 }
 
@@ -273,8 +314,16 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {
-        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
-        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
+        let da = if i + a.len() >= rank {
+            a[i + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= rank {
+            b[i + b.len() - rank]
+        } else {
+            1
+        };
         out[i] = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,

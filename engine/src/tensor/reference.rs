@@ -115,10 +115,7 @@ fn unravel(mut i: usize, shape: &[usize], out: &mut [usize]) {
 
 /// Evaluates the graph. `inputs` maps input names (weights and activations)
 /// to arrays of the declared shapes.
-pub fn evaluate(
-    g: &TensorGraph,
-    inputs: &HashMap<String, Array>,
-) -> Result<Vec<Array>, String> {
+pub fn evaluate(g: &TensorGraph, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
     let mut vals: Vec<Array> = Vec::with_capacity(g.nodes.len());
     for n in &g.nodes {
         let v = eval_node(n, &vals, inputs)?;
@@ -198,7 +195,11 @@ fn eval_node(n: &Node, vals: &[Array], inputs: &HashMap<String, Array>) -> Resul
             let w = affine.then(|| &arg(1).data);
             norm_rows(&x.data, cols, 1, *eps, w, None, true)
         }
-        Op::GroupNorm { groups, eps, affine } => {
+        Op::GroupNorm {
+            groups,
+            eps,
+            affine,
+        } => {
             let x = arg(0);
             let c = x.shape[1];
             let spatial: usize = x.shape[2..].iter().product();
@@ -459,7 +460,8 @@ fn conv2d(
                                 if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
                                     continue;
                                 }
-                                let xv = x.data[((b * c + ch) * h + iy as usize) * wd + ix as usize];
+                                let xv =
+                                    x.data[((b * c + ch) * h + iy as usize) * wd + ix as usize];
                                 let wv = w.data[((oc * cg + ic) * kh + ky) * kw + kx];
                                 acc += f64::from(xv) * f64::from(wv);
                             }
