@@ -178,9 +178,7 @@ fn plan_command(
     use sdkit_engine::plan::{plan, samples};
     let g = match graph {
         SampleGraph::Resblock => samples::resblock_graph(batch, channels, size, 4 * channels),
-        SampleGraph::Transformer => {
-            samples::transformer_graph(batch, channels, size, 77, 768, 8)
-        }
+        SampleGraph::Transformer => samples::transformer_graph(batch, channels, size, 77, 768, 8),
         SampleGraph::Unet => samples::unet_like_graph(batch, channels, size, 3),
     }
     .context("cannot build the sample graph (channels must be a multiple of 32)")?;

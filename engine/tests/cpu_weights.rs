@@ -29,7 +29,11 @@ fn resblock_runs_on_bf16_checkpoint_weights() {
             let v = ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4;
             bytes.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
         }
-        blobs.push((format!("model.diffusion_model.{name}"), shape.to_vec(), bytes));
+        blobs.push((
+            format!("model.diffusion_model.{name}"),
+            shape.to_vec(),
+            bytes,
+        ));
     }
     let tensors: Vec<(&str, DType, &[usize], &[u8])> = blobs
         .iter()
@@ -45,7 +49,9 @@ fn resblock_runs_on_bf16_checkpoint_weights() {
     let prog = plan(&g).expect("plans");
     let mut bind = cpu::Bindings::default();
     bind.bind_weights(&prog, &store).expect("binds");
-    let x: Vec<f32> = (0..32 * 64).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+    let x: Vec<f32> = (0..32 * 64)
+        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+        .collect();
     let emb: Vec<f32> = (0..64).map(|i| (i as f32 * 0.1).sin()).collect();
     bind.inputs.insert("x".into(), Arc::new(x.clone()));
     bind.inputs.insert("emb".into(), Arc::new(emb.clone()));
@@ -57,7 +63,9 @@ fn resblock_runs_on_bf16_checkpoint_weights() {
             .chunks_exact(2)
             .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
             .collect();
-        let key = name.trim_start_matches("model.diffusion_model.").to_string();
+        let key = name
+            .trim_start_matches("model.diffusion_model.")
+            .to_string();
         inputs.insert(key, Array::new(shape.clone(), data));
     }
     inputs.insert("x".into(), Array::new(vec![1, 32, 8, 8], x));

@@ -14,7 +14,12 @@ fn resblock_is_six_dispatches() {
     assert_eq!(p.stats.dispatches, 6, "\n{p}");
     assert_eq!(
         p.kernel_histogram(),
-        vec![("conv2d", 2), ("elementwise", 1), ("group_norm", 2), ("matmul", 1)]
+        vec![
+            ("conv2d", 2),
+            ("elementwise", 1),
+            ("group_norm", 2),
+            ("matmul", 1)
+        ]
     );
     // Every non-view op of the block is computed by exactly one kernel.
     assert_eq!(p.stats.fused_ops, 11);
@@ -72,7 +77,10 @@ fn check_no_overlap(p: &sdkit_engine::plan::Program) {
             let (a, b) = (&p.buffers[i], &p.buffers[j]);
             let time = life[i].0 <= life[j].1 && life[j].0 <= life[i].1;
             let space = a.offset < b.offset + b.len && b.offset < a.offset + a.len;
-            assert!(!(time && space), "buffers {i} and {j} overlap while both live");
+            assert!(
+                !(time && space),
+                "buffers {i} and {j} overlap while both live"
+            );
         }
     }
 }

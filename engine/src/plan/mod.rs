@@ -164,7 +164,9 @@ impl<'g> Planner<'g> {
             Loc::View(v) => v,
             Loc::Scalar(c) => {
                 // A scalar used where a buffer is needed: fill one.
-                let out = self.prog.new_buffer(BufferKind::Arena, node.shape.iter().product());
+                let out = self
+                    .prog
+                    .new_buffer(BufferKind::Arena, node.shape.iter().product());
                 let view = View::contiguous(out, &node.shape);
                 self.emit(
                     KernelKind::Elementwise,
@@ -297,7 +299,10 @@ impl<'g> Planner<'g> {
                 let b = self.prog.new_buffer(bk.clone(), node.numel());
                 let cmd = match bk {
                     BufferKind::Weight(name) => Command::Upload { buffer: b, name },
-                    _ => Command::Bind { buffer: b, name: name.clone() },
+                    _ => Command::Bind {
+                        buffer: b,
+                        name: name.clone(),
+                    },
                 };
                 self.prog.commands.push(cmd);
                 Ok(Loc::View(View::contiguous(b, &shape)))
@@ -321,10 +326,22 @@ impl<'g> Planner<'g> {
                         all.extend(leaves);
                         let mut nodes = vec![anchor];
                         nodes.extend(fused);
-                        self.emit(kind, all, view.clone(), Some(expr.shift_inputs(base)), nodes);
+                        self.emit(
+                            kind,
+                            all,
+                            view.clone(),
+                            Some(expr.shift_inputs(base)),
+                            nodes,
+                        );
                     }
                     None => {
-                        self.emit(KernelKind::Elementwise, leaves, view.clone(), Some(expr), fused);
+                        self.emit(
+                            KernelKind::Elementwise,
+                            leaves,
+                            view.clone(),
+                            Some(expr),
+                            fused,
+                        );
                     }
                 }
                 Ok(Loc::View(view))
@@ -352,7 +369,11 @@ impl<'g> Planner<'g> {
             Op::Expand => {
                 let v = self.materialized(node.inputs[0], false)?;
                 let b = v.broadcast_to(&shape).ok_or_else(|| {
-                    bad("expand", "does not broadcast", vec![v.shape.clone(), shape.clone()])
+                    bad(
+                        "expand",
+                        "does not broadcast",
+                        vec![v.shape.clone(), shape.clone()],
+                    )
                 })?;
                 Ok(Loc::View(b))
             }
@@ -429,7 +450,11 @@ impl<'g> Planner<'g> {
                 };
                 (kind, contiguous_inputs(self)?)
             }
-            Op::GroupNorm { groups, eps, affine } => {
+            Op::GroupNorm {
+                groups,
+                eps,
+                affine,
+            } => {
                 let s = &node.shape;
                 let kind = KernelKind::GroupNorm {
                     n: s[0],
@@ -556,9 +581,7 @@ impl<'g> Planner<'g> {
 /// Ops that run as their own (hand-written) kernel and may take an
 /// elementwise epilogue.
 fn is_anchor(op: &Op) -> bool {
-    !(op.is_elementwise()
-        || op.is_view()
-        || matches!(op, Op::Input { .. } | Op::Constant(_)))
+    !(op.is_elementwise() || op.is_view() || matches!(op, Op::Input { .. } | Op::Constant(_)))
 }
 
 /// Contiguous strides helper re-exported for views.

@@ -128,8 +128,7 @@ impl View {
         let (mut chunk_numel, mut view_numel) = (1usize, 1usize);
         for d in (0..old.len()).rev() {
             chunk_numel *= old[d];
-            let chunk_ends =
-                d == 0 || (old[d - 1] != 1 && old_s[d - 1] != chunk_numel * base);
+            let chunk_ends = d == 0 || (old[d - 1] != 1 && old_s[d - 1] != chunk_numel * base);
             if chunk_ends {
                 while view_d > 0 && (view_numel < chunk_numel || shape[view_d - 1] == 1) {
                     strides[view_d - 1] = view_numel * base;
@@ -247,7 +246,12 @@ pub enum KernelKind {
     /// Pure generated kernel: the epilogue is the whole computation.
     Elementwise,
     /// inputs: a `[batch.., m, k]`, b `[batch.., k, n]` views (strided).
-    MatMul { batch: usize, m: usize, n: usize, k: usize },
+    MatMul {
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    },
     /// inputs: x, weight, [bias], all contiguous.
     Conv2d {
         n: usize,
@@ -260,11 +264,36 @@ pub enum KernelKind {
         params: Conv2dParams,
         bias: bool,
     },
-    GroupNorm { n: usize, c: usize, spatial: usize, groups: usize, eps: f32, affine: bool },
-    LayerNorm { rows: usize, cols: usize, eps: f32, affine: bool },
-    RmsNorm { rows: usize, cols: usize, eps: f32, affine: bool },
-    Softmax { outer: usize, len: usize, inner: usize },
-    Reduce { op: ReduceOp, shape: Vec<usize>, axes: Vec<usize> },
+    GroupNorm {
+        n: usize,
+        c: usize,
+        spatial: usize,
+        groups: usize,
+        eps: f32,
+        affine: bool,
+    },
+    LayerNorm {
+        rows: usize,
+        cols: usize,
+        eps: f32,
+        affine: bool,
+    },
+    RmsNorm {
+        rows: usize,
+        cols: usize,
+        eps: f32,
+        affine: bool,
+    },
+    Softmax {
+        outer: usize,
+        len: usize,
+        inner: usize,
+    },
+    Reduce {
+        op: ReduceOp,
+        shape: Vec<usize>,
+        axes: Vec<usize>,
+    },
     /// inputs: q, k, v (strided `[b, h, s, d]` views), [mask contiguous].
     Attention {
         b: usize,
@@ -276,10 +305,26 @@ pub enum KernelKind {
         scale: f32,
         masked: bool,
     },
-    Gather { rows: usize, cols: usize },
-    Upsample { n: usize, c: usize, h: usize, w: usize, oh: usize, ow: usize, mode: UpsampleMode },
-    Concat { axis: usize },
-    Pad { pads: Vec<(usize, usize)>, value: f32 },
+    Gather {
+        rows: usize,
+        cols: usize,
+    },
+    Upsample {
+        n: usize,
+        c: usize,
+        h: usize,
+        w: usize,
+        oh: usize,
+        ow: usize,
+        mode: UpsampleMode,
+    },
+    Concat {
+        axis: usize,
+    },
+    Pad {
+        pads: Vec<(usize, usize)>,
+        value: f32,
+    },
 }
 
 impl KernelKind {
@@ -317,12 +362,23 @@ pub struct Kernel {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Command {
     /// Make a weight available on the device.
-    Upload { buffer: BufferId, name: String },
+    Upload {
+        buffer: BufferId,
+        name: String,
+    },
     /// Bind a per-run input.
-    Bind { buffer: BufferId, name: String },
-    Dispatch { kernel: KernelId },
+    Bind {
+        buffer: BufferId,
+        name: String,
+    },
+    Dispatch {
+        kernel: KernelId,
+    },
     /// Read back graph output `output`.
-    Download { view: View, output: usize },
+    Download {
+        view: View,
+        output: usize,
+    },
 }
 
 /// Planning statistics, in bytes of f32 storage.

@@ -28,7 +28,12 @@ fn conv<'a>(
     x.conv2d(w, Some(b), conv_p(k / 2, stride))
 }
 
-fn group_norm<'a>(g: &'a GraphBuilder, x: T<'a>, name: &str, c: usize) -> Result<T<'a>, ShapeError> {
+fn group_norm<'a>(
+    g: &'a GraphBuilder,
+    x: T<'a>,
+    name: &str,
+    c: usize,
+) -> Result<T<'a>, ShapeError> {
     let w = g.weight(&format!("{name}.weight"), &[c])?;
     let b = g.weight(&format!("{name}.bias"), &[c])?;
     x.group_norm(32, Some(w), Some(b), 1e-5)
@@ -51,7 +56,12 @@ fn linear<'a>(
     x.linear(w, b)
 }
 
-fn layer_norm<'a>(g: &'a GraphBuilder, x: T<'a>, name: &str, c: usize) -> Result<T<'a>, ShapeError> {
+fn layer_norm<'a>(
+    g: &'a GraphBuilder,
+    x: T<'a>,
+    name: &str,
+    c: usize,
+) -> Result<T<'a>, ShapeError> {
     let w = g.weight(&format!("{name}.weight"), &[c])?;
     let b = g.weight(&format!("{name}.bias"), &[c])?;
     x.layer_norm(Some(w), Some(b), 1e-5)
@@ -69,7 +79,14 @@ pub fn resblock<'a>(
 ) -> Result<T<'a>, ShapeError> {
     let h = group_norm(g, x, &format!("{name}.in_layers.0"), cin)?.silu();
     let h = conv(g, h, &format!("{name}.in_layers.2"), cin, cout, 3, 1)?;
-    let e = linear(g, emb.silu(), &format!("{name}.emb_layers.1"), emb_dim, cout, true)?;
+    let e = linear(
+        g,
+        emb.silu(),
+        &format!("{name}.emb_layers.1"),
+        emb_dim,
+        cout,
+        true,
+    )?;
     let b = e.shape()[0];
     let h = h.add(e.reshape(&[b, cout, 1, 1])?)?;
     let h = group_norm(g, h, &format!("{name}.out_layers.0"), cout)?.silu();
@@ -100,8 +117,14 @@ fn cross_attention<'a>(
         t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
     };
     let q = split(linear(g, x, &format!("{name}.to_q"), c, c, false)?, s)?;
-    let k = split(linear(g, ctx, &format!("{name}.to_k"), c_ctx, c, false)?, skv)?;
-    let v = split(linear(g, ctx, &format!("{name}.to_v"), c_ctx, c, false)?, skv)?;
+    let k = split(
+        linear(g, ctx, &format!("{name}.to_k"), c_ctx, c, false)?,
+        skv,
+    )?;
+    let v = split(
+        linear(g, ctx, &format!("{name}.to_v"), c_ctx, c, false)?,
+        skv,
+    )?;
     let o = q.attention(k, v, None, 1.0 / (d as f32).sqrt())?;
     let o = o.permute(&[0, 2, 1, 3])?.reshape(&[b, s, c])?;
     linear(g, o, &format!("{name}.to_out.0"), c, c, true)
@@ -138,7 +161,12 @@ pub fn spatial_transformer<'a>(
 }
 
 /// One ResBlock as a whole graph: inputs `x [b, c, h, w]`, `emb [b, e]`.
-pub fn resblock_graph(b: usize, c: usize, hw: usize, emb: usize) -> Result<TensorGraph, ShapeError> {
+pub fn resblock_graph(
+    b: usize,
+    c: usize,
+    hw: usize,
+    emb: usize,
+) -> Result<TensorGraph, ShapeError> {
     let g = GraphBuilder::new();
     let x = g.input("x", &[b, c, hw, hw])?;
     let e = g.input("emb", &[b, emb])?;
@@ -166,7 +194,12 @@ pub fn transformer_graph(
 /// level, downsampling convs, skip concatenations on the way up, nearest
 /// upsampling), at a configurable width and resolution. Used to check the
 /// memory planner on realistic lifetimes.
-pub fn unet_like_graph(b: usize, base: usize, hw: usize, levels: usize) -> Result<TensorGraph, ShapeError> {
+pub fn unet_like_graph(
+    b: usize,
+    base: usize,
+    hw: usize,
+    levels: usize,
+) -> Result<TensorGraph, ShapeError> {
     let g = GraphBuilder::new();
     let emb_dim = 4 * base;
     let x = g.input("x", &[b, 4, hw, hw])?;
@@ -195,7 +228,15 @@ pub fn unet_like_graph(b: usize, base: usize, hw: usize, levels: usize) -> Resul
             let Some((s, sc)) = skips.pop() else { break };
             let cat = g.concat(&[h, s], 1)?;
             let cout = base * (l + 1);
-            h = resblock(&g, cat, emb, &format!("up.{l}.{j}.res"), c + sc, cout, emb_dim)?;
+            h = resblock(
+                &g,
+                cat,
+                emb,
+                &format!("up.{l}.{j}.res"),
+                c + sc,
+                cout,
+                emb_dim,
+            )?;
             c = cout;
             h = spatial_transformer(&g, h, ctx, &format!("up.{l}.{j}.attn"), c, 64, 8)?;
         }

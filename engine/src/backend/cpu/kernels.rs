@@ -13,7 +13,7 @@
 //! * Parallel work runs on rayon's current pool, so a caller picks the thread
 //!   count by installing a pool (`ThreadPool::install`).
 //! * The only `unsafe` is the call into the `gemm` crate, inside
-//!   [`gemm_into`], which first checks every index the product can touch.
+//!   `gemm_into`, which first checks every index the product can touch.
 
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -58,16 +58,32 @@ const PAR_WORK: usize = 1 << 20;
 /// elements, so small tensors run on one thread.
 const PAR_ELEMS: usize = 1 << 15;
 
-fn length(op: &'static str, operand: &'static str, len: usize, needed: usize, shape: &dyn Fn() -> String) -> Result {
+fn length(
+    op: &'static str,
+    operand: &'static str,
+    len: usize,
+    needed: usize,
+    shape: &dyn Fn() -> String,
+) -> Result {
     if len == needed {
         Ok(())
     } else {
-        Err(KernelError::Length { op, operand, len, needed, shape: shape() })
+        Err(KernelError::Length {
+            op,
+            operand,
+            len,
+            needed,
+            shape: shape(),
+        })
     }
 }
 
 fn invalid(op: &'static str, reason: impl Into<String>, shape: &dyn Fn() -> String) -> KernelError {
-    KernelError::Invalid { op, reason: reason.into(), shape: shape() }
+    KernelError::Invalid {
+        op,
+        reason: reason.into(),
+        shape: shape(),
+    }
 }
 
 /// Product of `dims`, or an error when it overflows `usize`.
@@ -104,19 +120,37 @@ pub struct MatView {
 impl MatView {
     /// A contiguous row-major `[batch, rows, cols]` operand starting at 0.
     pub fn row_major(rows: usize, cols: usize) -> Self {
-        Self { offset: 0, batch_stride: rows.saturating_mul(cols), row_stride: cols, col_stride: 1 }
+        Self {
+            offset: 0,
+            batch_stride: rows.saturating_mul(cols),
+            row_stride: cols,
+            col_stride: 1,
+        }
     }
 
     /// The transpose of a contiguous row-major `[batch, cols, rows]` operand,
     /// seen as `[batch, rows, cols]` without copying.
     pub fn transposed(rows: usize, cols: usize) -> Self {
-        Self { offset: 0, batch_stride: rows.saturating_mul(cols), row_stride: 1, col_stride: rows }
+        Self {
+            offset: 0,
+            batch_stride: rows.saturating_mul(cols),
+            row_stride: 1,
+            col_stride: rows,
+        }
     }
 }
 
 /// One index past the last element a `[batch, rows, cols]` strided view can
 /// touch (0 when it touches none), or `None` on overflow.
-fn view_end(offset: usize, batch: usize, bs: usize, rows: usize, rs: usize, cols: usize, cs: usize) -> Option<usize> {
+fn view_end(
+    offset: usize,
+    batch: usize,
+    bs: usize,
+    rows: usize,
+    rs: usize,
+    cols: usize,
+    cs: usize,
+) -> Option<usize> {
     if batch == 0 || rows == 0 || cols == 0 {
         return Some(0);
     }
@@ -141,10 +175,21 @@ fn check_view(
     cs: usize,
     shape: &dyn Fn() -> String,
 ) -> Result {
-    let end = view_end(offset, batch, bs, rows, rs, cols, cs)
-        .ok_or_else(|| invalid(op, format!("`{operand}` view offsets overflow usize"), shape))?;
+    let end = view_end(offset, batch, bs, rows, rs, cols, cs).ok_or_else(|| {
+        invalid(
+            op,
+            format!("`{operand}` view offsets overflow usize"),
+            shape,
+        )
+    })?;
     if end > len {
-        return Err(KernelError::OutOfBounds { op, operand, reach: end - 1, len, shape: shape() });
+        return Err(KernelError::OutOfBounds {
+            op,
+            operand,
+            reach: end - 1,
+            len,
+            shape: shape(),
+        });
     }
     Ok(())
 }
@@ -185,9 +230,25 @@ fn gemm_into(
     }
     let shape = || format!("m={m} n={n} k={k}");
     if m > 1 && dst_rs < n {
-        return Err(invalid(op, format!("destination row stride {dst_rs} overlaps rows of {n}"), &shape));
+        return Err(invalid(
+            op,
+            format!("destination row stride {dst_rs} overlaps rows of {n}"),
+            &shape,
+        ));
     }
-    check_view(op, "dst", dst.len(), dst_offset, 1, 0, m, dst_rs, n, 1, &shape)?;
+    check_view(
+        op,
+        "dst",
+        dst.len(),
+        dst_offset,
+        1,
+        0,
+        m,
+        dst_rs,
+        n,
+        1,
+        &shape,
+    )?;
     if k == 0 {
         // An empty sum is zero; gemm is not asked to handle this corner.
         if !accumulate {
@@ -198,8 +259,32 @@ fn gemm_into(
         }
         return Ok(());
     }
-    check_view(op, "lhs", lhs.data.len(), lhs.offset, 1, 0, m, lhs.rs, k, lhs.cs, &shape)?;
-    check_view(op, "rhs", rhs.data.len(), rhs.offset, 1, 0, k, rhs.rs, n, rhs.cs, &shape)?;
+    check_view(
+        op,
+        "lhs",
+        lhs.data.len(),
+        lhs.offset,
+        1,
+        0,
+        m,
+        lhs.rs,
+        k,
+        lhs.cs,
+        &shape,
+    )?;
+    check_view(
+        op,
+        "rhs",
+        rhs.data.len(),
+        rhs.offset,
+        1,
+        0,
+        k,
+        rhs.rs,
+        n,
+        rhs.cs,
+        &shape,
+    )?;
     // A stride whose dimension is > 1 fits isize (it is below a slice length);
     // one whose dimension is 1 is never multiplied by anything but 0.
     let st = |s: usize| isize::try_from(s).unwrap_or(0);
@@ -237,14 +322,70 @@ fn gemm_into(
     Ok(())
 }
 
-/// Multithreaded gemm only where the product is big enough to pay for it and
-/// the caller is not already running one product per thread.
-fn gemm_par(work: usize, outer_parallel: bool) -> Parallelism {
-    if outer_parallel || work < PAR_WORK || rayon::current_num_threads() < 2 {
-        Parallelism::None
-    } else {
-        Parallelism::Rayon(0)
+/// Rows per band, at least, when [`gemm_auto`] splits a product.
+const MIN_BAND_ROWS: usize = 32;
+/// Bands per thread when [`gemm_auto`] splits a product: more than one lets
+/// rayon even out a core that another process slows down.
+const BANDS_PER_THREAD: usize = 2;
+
+/// `dst` (contiguous row-major `[m, n]`) = (or, with `accumulate`, +=)
+/// `scale · lhs · rhs`, on the threads the caller is not already using.
+///
+/// A large product is cut into bands of rows, a few per thread, each an
+/// independent single-threaded gemm sharing `rhs`: one fork for the whole
+/// product, and rayon's stealing evens out a core that other processes slow
+/// down, where gemm's own threading splits each cache block evenly and waits
+/// for the slowest thread. (On an idle machine both run at the same speed.)
+/// Each band packs its own copy of `rhs`, `k·n` work against `2·rows·n·k`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_auto(
+    op: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    accumulate: bool,
+    lhs: Operand<'_>,
+    rhs: Operand<'_>,
+    scale: f32,
+    outer_parallel: bool,
+) -> Result {
+    let work = m.saturating_mul(n).saturating_mul(k);
+    let threads = rayon::current_num_threads();
+    let bands = (BANDS_PER_THREAD * threads).min(m / MIN_BAND_ROWS);
+    if outer_parallel || threads < 2 || work < PAR_WORK || bands < 2 || n == 0 {
+        let par = if outer_parallel || threads < 2 || work < PAR_WORK {
+            Parallelism::None
+        } else {
+            Parallelism::Rayon(0)
+        };
+        return gemm_into(op, m, n, k, dst, 0, n, accumulate, lhs, rhs, scale, par);
     }
+    let shape = || format!("m={m} n={n} k={k}");
+    check_view(op, "dst", dst.len(), 0, 1, 0, m, n, n, 1, &shape)?;
+    let band = m.div_ceil(bands);
+    dst[..m * n]
+        .par_chunks_mut(band * n)
+        .enumerate()
+        .try_for_each(|(i, d)| {
+            // Out-of-range offsets saturate and are then rejected by gemm_into.
+            let offset = lhs.offset.saturating_add((i * band).saturating_mul(lhs.rs));
+            let band_lhs = Operand { offset, ..lhs };
+            gemm_into(
+                op,
+                d.len() / n,
+                n,
+                k,
+                d,
+                0,
+                n,
+                accumulate,
+                band_lhs,
+                rhs,
+                scale,
+                Parallelism::None,
+            )
+        })
 }
 
 /// Batched matrix product `c[b] = a[b] · b[b]` for `b < batch`.
@@ -254,8 +395,8 @@ fn gemm_par(work: usize, outer_parallel: bool) -> Parallelism {
 /// * `c` is contiguous row-major `[batch, m, n]` and is overwritten.
 /// * `k == 0` gives zeros.
 ///
-/// Small products run one per thread across the batch; large ones are split
-/// across threads inside `gemm`.
+/// Small products run one per thread across the batch; large ones are cut
+/// into bands of rows spread over the threads.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     a: &[f32],
@@ -272,26 +413,61 @@ pub fn matmul(
     let shape = || format!("batch={batch} m={m} n={n} k={k} a={av:?} b={bv:?}");
     let mn = product(OP, &[m, n], &shape)?;
     length(OP, "c", c.len(), product(OP, &[batch, mn], &shape)?, &shape)?;
-    check_view(OP, "a", a.len(), av.offset, batch, av.batch_stride, m, av.row_stride, k, av.col_stride, &shape)?;
-    check_view(OP, "b", b.len(), bv.offset, batch, bv.batch_stride, k, bv.row_stride, n, bv.col_stride, &shape)?;
+    check_view(
+        OP,
+        "a",
+        a.len(),
+        av.offset,
+        batch,
+        av.batch_stride,
+        m,
+        av.row_stride,
+        k,
+        av.col_stride,
+        &shape,
+    )?;
+    check_view(
+        OP,
+        "b",
+        b.len(),
+        bv.offset,
+        batch,
+        bv.batch_stride,
+        k,
+        bv.row_stride,
+        n,
+        bv.col_stride,
+        &shape,
+    )?;
     if mn == 0 || batch == 0 {
         return Ok(());
     }
     let work = mn.saturating_mul(k);
     // Each batch offset was covered by check_view, so these cannot overflow.
-    let one = |i: usize, ci: &mut [f32], par: Parallelism| {
-        let lhs = Operand { data: a, offset: av.offset + i * av.batch_stride, rs: av.row_stride, cs: av.col_stride };
-        let rhs = Operand { data: b, offset: bv.offset + i * bv.batch_stride, rs: bv.row_stride, cs: bv.col_stride };
-        gemm_into(OP, m, n, k, ci, 0, n, false, lhs, rhs, 1.0, par)
+    let one = |i: usize, ci: &mut [f32], outer: bool| {
+        let lhs = Operand {
+            data: a,
+            offset: av.offset + i * av.batch_stride,
+            rs: av.row_stride,
+            cs: av.col_stride,
+        };
+        let rhs = Operand {
+            data: b,
+            offset: bv.offset + i * bv.batch_stride,
+            rs: bv.row_stride,
+            cs: bv.col_stride,
+        };
+        gemm_auto(OP, m, n, k, ci, false, lhs, rhs, 1.0, outer)
     };
     let threads = rayon::current_num_threads();
     if batch > 1 && (batch >= threads || work < PAR_WORK) {
         c.par_chunks_mut(mn)
             .enumerate()
-            .try_for_each(|(i, ci)| one(i, ci, Parallelism::None))
+            .try_for_each(|(i, ci)| one(i, ci, true))
     } else {
-        let par = gemm_par(work, false);
-        c.chunks_mut(mn).enumerate().try_for_each(|(i, ci)| one(i, ci, par))
+        c.chunks_mut(mn)
+            .enumerate()
+            .try_for_each(|(i, ci)| one(i, ci, false))
     }
 }
 
@@ -305,6 +481,8 @@ const COL_BUDGET: usize = 1 << 21;
 
 /// Fewest output positions per tile worth a gemm call of its own.
 const MIN_TILE_COLS: usize = 128;
+/// Tile widths are rounded down to a multiple of this.
+const TILE_ALIGN: usize = 64;
 
 /// Geometry of one convolution, as im2col needs it.
 #[derive(Clone, Copy, Debug)]
@@ -330,15 +508,23 @@ impl ConvGeom {
             return;
         }
         if parallel {
-            col.par_chunks_mut(cols).enumerate().for_each(|(r, dst)| fill(r, dst));
+            col.par_chunks_mut(cols)
+                .enumerate()
+                .for_each(|(r, dst)| fill(r, dst));
         } else {
-            col.chunks_mut(cols).enumerate().for_each(|(r, dst)| fill(r, dst));
+            col.chunks_mut(cols)
+                .enumerate()
+                .for_each(|(r, dst)| fill(r, dst));
         }
     }
 
     /// One im2col row: kernel tap `r = (ci*kh + ky)*kw + kx`.
     fn im2col_row(&self, xg: &[f32], r: usize, p0: usize, dst: &mut [f32]) {
-        let (ci, ky, kx) = (r / (self.kh * self.kw), (r / self.kw) % self.kh, r % self.kw);
+        let (ci, ky, kx) = (
+            r / (self.kh * self.kw),
+            (r / self.kw) % self.kh,
+            r % self.kw,
+        );
         let plane = &xg[ci * self.h * self.w..(ci + 1) * self.h * self.w];
         let (w, ow) = (self.w as isize, self.ow);
         let mut done = 0;
@@ -347,7 +533,8 @@ impl ConvGeom {
             let (oy, ox0) = (pos / ow, pos % ow);
             let run = (ow - ox0).min(dst.len() - done);
             let seg = &mut dst[done..done + run];
-            let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize - self.padding[0] as isize;
+            let iy =
+                (oy * self.stride[0] + ky * self.dilation[0]) as isize - self.padding[0] as isize;
             if iy < 0 || iy >= self.h as isize {
                 seg.fill(0.0);
             } else {
@@ -361,13 +548,18 @@ impl ConvGeom {
                     let hi = (w - base).clamp(lo, end);
                     let (lo_i, hi_i) = ((lo - start) as usize, (hi - start) as usize);
                     seg[..lo_i].fill(0.0);
-                    seg[lo_i..hi_i].copy_from_slice(&row[(lo + base) as usize..(hi + base) as usize]);
+                    seg[lo_i..hi_i]
+                        .copy_from_slice(&row[(lo + base) as usize..(hi + base) as usize]);
                     seg[hi_i..].fill(0.0);
                 } else {
                     let sw = self.stride[1] as isize;
                     for (t, v) in seg.iter_mut().enumerate() {
                         let ix = (ox0 + t) as isize * sw + base;
-                        *v = if (0..w).contains(&ix) { row[ix as usize] } else { 0.0 };
+                        *v = if (0..w).contains(&ix) {
+                            row[ix as usize]
+                        } else {
+                            0.0
+                        };
                     }
                 }
             }
@@ -421,12 +613,16 @@ pub fn conv2d(
         )
     };
     if groups == 0 || stride.contains(&0) || dilation.contains(&0) {
-        return Err(invalid(OP, "groups, stride and dilation must be positive", &shape));
+        return Err(invalid(
+            OP,
+            "groups, stride and dilation must be positive",
+            &shape,
+        ));
     }
     if kh == 0 || kw == 0 {
         return Err(invalid(OP, "empty kernel", &shape));
     }
-    if c % groups != 0 || o % groups != 0 || cg != c / groups {
+    if !c.is_multiple_of(groups) || !o.is_multiple_of(groups) || cg != c / groups {
         return Err(invalid(
             OP,
             "channels must split into groups: c % groups == 0, o % groups == 0, weight dim 1 == c / groups",
@@ -443,17 +639,33 @@ pub fn conv2d(
             .and_then(|e| e.checked_add(1))
             .ok_or_else(|| invalid(OP, "sizes overflow usize", &shape))?;
         if extent > padded {
-            return Err(invalid(OP, "dilated kernel is larger than the padded input", &shape));
+            return Err(invalid(
+                OP,
+                "dilated kernel is larger than the padded input",
+                &shape,
+            ));
         }
         Ok((padded - extent) / stride[axis] + 1)
     };
     let (oh, ow) = (out_dim(h, kh, 0)?, out_dim(w, kw, 1)?);
     length(OP, "x", x.len(), product(OP, &x_shape, &shape)?, &shape)?;
-    length(OP, "weight", weight.len(), product(OP, &w_shape, &shape)?, &shape)?;
+    length(
+        OP,
+        "weight",
+        weight.len(),
+        product(OP, &w_shape, &shape)?,
+        &shape,
+    )?;
     if let Some(bias) = bias {
         length(OP, "bias", bias.len(), o, &shape)?;
     }
-    length(OP, "out", out.len(), product(OP, &[n, o, oh, ow], &shape)?, &shape)?;
+    length(
+        OP,
+        "out",
+        out.len(),
+        product(OP, &[n, o, oh, ow], &shape)?,
+        &shape,
+    )?;
 
     let og = o / groups;
     let p = oh * ow;
@@ -464,33 +676,81 @@ pub fn conv2d(
     }
     let jobs = n * groups;
     let threads = rayon::current_num_threads();
-    let weight_of = |g: usize| Operand { data: weight, offset: g * og * kk, rs: kk, cs: 1 };
+    let weight_of = |g: usize| Operand {
+        data: weight,
+        offset: g * og * kk,
+        rs: kk,
+        cs: 1,
+    };
 
     if kh == 1 && kw == 1 && stride == [1, 1] && padding == [0, 0] {
         // Pointwise: the group's input [cg, h*w] already is the im2col matrix,
         // and each job's output [og, h*w] is one contiguous block.
         let outer = jobs >= 2 * threads;
-        return out.par_chunks_mut(og * p).enumerate().try_for_each(|(j, dst)| {
-            let (b, g) = (j / groups, j % groups);
-            let accumulate = fill_bias(dst, bias, g * og, p);
-            let input = Operand { data: x, offset: (b * c + g * cg) * plane, rs: plane, cs: 1 };
-            let par = gemm_par(og.saturating_mul(p).saturating_mul(cg), outer);
-            gemm_into(OP, og, p, cg, dst, 0, p, accumulate, weight_of(g), input, 1.0, par)
-        });
+        return out
+            .par_chunks_mut(og * p)
+            .enumerate()
+            .try_for_each(|(j, dst)| {
+                let (b, g) = (j / groups, j % groups);
+                let accumulate = fill_bias(dst, bias, g * og, p);
+                let input = Operand {
+                    data: x,
+                    offset: (b * c + g * cg) * plane,
+                    rs: plane,
+                    cs: 1,
+                };
+                gemm_auto(
+                    OP,
+                    og,
+                    p,
+                    cg,
+                    dst,
+                    accumulate,
+                    weight_of(g),
+                    input,
+                    1.0,
+                    outer,
+                )
+            });
     }
 
-    let geom = ConvGeom { h, w, kh, kw, ow, stride, padding, dilation };
+    let geom = ConvGeom {
+        h,
+        w,
+        kh,
+        kw,
+        ow,
+        stride,
+        padding,
+        dilation,
+    };
     // Enough tiles for every thread to get several (load balance), each wide
     // enough for an efficient gemm, with the im2col buffer within budget.
     let tiles_per_job = (4 * threads).div_ceil(jobs).max(1);
     let budget_cols = (COL_BUDGET / kk.max(1)).max(MIN_TILE_COLS);
-    let tile = p.div_ceil(tiles_per_job).max(MIN_TILE_COLS).min(budget_cols).min(p);
+    let tile = p
+        .div_ceil(tiles_per_job)
+        .max(MIN_TILE_COLS)
+        .min(budget_cols);
+    // A multiple of gemm's widest AVX-512 micro-kernel (64 columns of the
+    // output, which it computes transposed) leaves no ragged edge blocks.
+    let tile = if tile > TILE_ALIGN {
+        tile / TILE_ALIGN * TILE_ALIGN
+    } else {
+        tile
+    }
+    .min(p);
 
     let mut tiles = Vec::with_capacity(jobs * p.div_ceil(tile));
     for (job, job_out) in out.chunks_mut(og * p).enumerate() {
         let first = tiles.len();
         for p0 in (0..p).step_by(tile) {
-            tiles.push(ConvTile { job, p0, cols: tile.min(p - p0), rows: Vec::with_capacity(og) });
+            tiles.push(ConvTile {
+                job,
+                p0,
+                cols: tile.min(p - p0),
+                rows: Vec::with_capacity(og),
+            });
         }
         for row in job_out.chunks_mut(p) {
             for (t, seg) in row.chunks_mut(tile).enumerate() {
@@ -509,9 +769,25 @@ pub fn conv2d(
             prod.resize(og * cols, 0.0);
             let xg = &x[(b * c + g * cg) * plane..(b * c + (g + 1) * cg) * plane];
             geom.im2col(xg, tile.p0, cols, &mut col[..kk * cols], !outer);
-            let patches = Operand { data: &col[..kk * cols], offset: 0, rs: cols, cs: 1 };
-            let par = gemm_par(og.saturating_mul(cols).saturating_mul(kk), outer);
-            gemm_into(OP, og, cols, kk, &mut prod[..og * cols], 0, cols, false, weight_of(g), patches, 1.0, par)?;
+            let patches = Operand {
+                data: &col[..kk * cols],
+                offset: 0,
+                rs: cols,
+                cs: 1,
+            };
+            let prod = &mut prod[..og * cols];
+            gemm_auto(
+                OP,
+                og,
+                cols,
+                kk,
+                prod,
+                false,
+                weight_of(g),
+                patches,
+                1.0,
+                outer,
+            )?;
             for (r, (seg, src)) in tile.rows.into_iter().zip(prod.chunks(cols)).enumerate() {
                 match bias {
                     Some(bias) => {
@@ -557,10 +833,10 @@ const ATTN_KB: usize = 512;
 /// * `out`: `[bh, sq, dv]`.
 ///
 /// Never holds a full `sq × skv` score matrix: each task takes up to 64 query
-/// rows of one head and walks the keys in blocks with an online softmax (a
-/// running row max and sum, rescaling the partial output when the max grows).
-/// A row whose keys are all masked gives NaN, as the plain softmax would;
-/// `skv == 0` gives zeros, as PyTorch does.
+/// rows of one head and walks the keys in blocks of 512 with an online
+/// softmax (a running row max and sum, rescaling the partial output when the
+/// max grows). A row whose keys are all masked gives NaN, as the plain
+/// softmax would; `skv == 0` gives zeros, as PyTorch does.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
@@ -578,12 +854,36 @@ pub fn attention(
     const OP: &str = "attention";
     let shape = || format!("bh={bh} sq={sq} skv={skv} d={d} dv={dv}");
     length(OP, "q", q.len(), product(OP, &[bh, sq, d], &shape)?, &shape)?;
-    length(OP, "k", k.len(), product(OP, &[bh, skv, d], &shape)?, &shape)?;
-    length(OP, "v", v.len(), product(OP, &[bh, skv, dv], &shape)?, &shape)?;
+    length(
+        OP,
+        "k",
+        k.len(),
+        product(OP, &[bh, skv, d], &shape)?,
+        &shape,
+    )?;
+    length(
+        OP,
+        "v",
+        v.len(),
+        product(OP, &[bh, skv, dv], &shape)?,
+        &shape,
+    )?;
     if let Some(mask) = mask {
-        length(OP, "mask", mask.len(), product(OP, &[sq, skv], &shape)?, &shape)?;
+        length(
+            OP,
+            "mask",
+            mask.len(),
+            product(OP, &[sq, skv], &shape)?,
+            &shape,
+        )?;
     }
-    length(OP, "out", out.len(), product(OP, &[bh, sq, dv], &shape)?, &shape)?;
+    length(
+        OP,
+        "out",
+        out.len(),
+        product(OP, &[bh, sq, dv], &shape)?,
+        &shape,
+    )?;
     if out.is_empty() {
         return Ok(());
     }
@@ -592,6 +892,8 @@ pub fn attention(
         return Ok(());
     }
 
+    // One task per (head, query block); each owns its rows of `out`, which
+    // double as the running (unnormalized) output.
     let tasks: Vec<(usize, usize, &mut [f32])> = out
         .chunks_mut(sq * dv)
         .enumerate()
@@ -602,51 +904,175 @@ pub fn attention(
         })
         .collect();
     let kb_max = ATTN_KB.min(skv);
+    let arch = pulp::Arch::new();
     tasks.into_par_iter().try_for_each_init(
-        || (vec![0.0f32; ATTN_QB * kb_max], [0.0f32; ATTN_QB], [0.0f32; ATTN_QB]),
-        |(scores, row_max, row_sum), (head, q0, acc)| {
+        || OnlineSoftmax {
+            scores: vec![0.0; ATTN_QB * kb_max],
+            row_max: [0.0; ATTN_QB],
+            row_sum: [0.0; ATTN_QB],
+        },
+        |state, (head, q0, acc)| {
             let rows = acc.len() / dv;
             acc.fill(0.0);
-            row_max[..rows].fill(f32::NEG_INFINITY);
-            row_sum[..rows].fill(0.0);
-            let queries = Operand { data: q, offset: (head * sq + q0) * d, rs: d, cs: 1 };
+            state.row_max[..rows].fill(f32::NEG_INFINITY);
+            state.row_sum[..rows].fill(0.0);
+            let queries = Operand {
+                data: q,
+                offset: (head * sq + q0) * d,
+                rs: d,
+                cs: 1,
+            };
             for j0 in (0..skv).step_by(kb_max) {
                 let kb = kb_max.min(skv - j0);
-                let s = &mut scores[..rows * kb];
+                let s = &mut state.scores[..rows * kb];
                 // kᵀ block: element (p, j) is k[head, j0 + j, p].
-                let keys_t = Operand { data: k, offset: (head * skv + j0) * d, rs: 1, cs: d };
-                gemm_into(OP, rows, kb, d, s, 0, kb, false, queries, keys_t, scale, Parallelism::None)?;
-                for (i, srow) in s.chunks_mut(kb).enumerate() {
-                    if let Some(mask) = mask {
-                        let mrow = &mask[(q0 + i) * skv + j0..][..kb];
-                        srow.iter_mut().zip(mrow).for_each(|(s, m)| *s += m);
-                    }
-                    let new_max = row_max[i].max(max_f32(srow));
-                    if new_max == f32::NEG_INFINITY {
-                        // Every key so far is masked: they weigh nothing, and
-                        // exp(-inf - -inf) would be NaN.
-                        srow.fill(0.0);
-                        continue;
-                    }
-                    exp_shifted(srow, new_max);
-                    let rescale = exp_approx(row_max[i] - new_max);
-                    row_sum[i] = row_sum[i] * rescale + sum_f32(srow);
-                    row_max[i] = new_max;
-                    if rescale != 1.0 {
-                        acc[i * dv..(i + 1) * dv].iter_mut().for_each(|a| *a *= rescale);
-                    }
-                }
-                let values = Operand { data: v, offset: (head * skv + j0) * dv, rs: dv, cs: 1 };
-                let weights = Operand { data: s, offset: 0, rs: kb, cs: 1 };
-                gemm_into(OP, rows, dv, kb, acc, 0, dv, true, weights, values, 1.0, Parallelism::None)?;
+                let keys_t = Operand {
+                    data: k,
+                    offset: (head * skv + j0) * d,
+                    rs: 1,
+                    cs: d,
+                };
+                gemm_into(
+                    OP,
+                    rows,
+                    kb,
+                    d,
+                    s,
+                    0,
+                    kb,
+                    false,
+                    queries,
+                    keys_t,
+                    scale,
+                    Parallelism::None,
+                )?;
+                let mask_block = mask.map(|m| (m, q0 * skv + j0, skv));
+                let (row_max, row_sum) = (&mut state.row_max[..rows], &mut state.row_sum[..rows]);
+                arch.dispatch(SoftmaxStep {
+                    s,
+                    kb,
+                    mask: mask_block,
+                    row_max,
+                    row_sum,
+                    acc,
+                    dv,
+                });
+                let values = Operand {
+                    data: v,
+                    offset: (head * skv + j0) * dv,
+                    rs: dv,
+                    cs: 1,
+                };
+                let weights = Operand {
+                    data: s,
+                    offset: 0,
+                    rs: kb,
+                    cs: 1,
+                };
+                gemm_into(
+                    OP,
+                    rows,
+                    dv,
+                    kb,
+                    acc,
+                    0,
+                    dv,
+                    true,
+                    weights,
+                    values,
+                    1.0,
+                    Parallelism::None,
+                )?;
             }
-            for (arow, &l) in acc.chunks_mut(dv).zip(row_sum.iter()) {
+            for (arow, &l) in acc.chunks_mut(dv).zip(state.row_sum.iter()) {
                 let inv = 1.0 / l;
                 arow.iter_mut().for_each(|a| *a *= inv);
             }
             Ok(())
         },
     )
+}
+
+/// Per-thread scratch of [`attention`].
+struct OnlineSoftmax {
+    /// One block of scores, then of softmax numerators: `[rows, kb]`.
+    scores: Vec<f32>,
+    /// Running max of each query row's scores so far.
+    row_max: [f32; ATTN_QB],
+    /// Running Σ e^(score - row_max) of each query row.
+    row_sum: [f32; ATTN_QB],
+}
+
+/// One online-softmax step over a `[rows, kb]` block of scores `s`: adds the
+/// mask (`(mask, start, stride)`: row `i` of the block is
+/// `mask[start + i*stride..][..kb]`), raises each row's running max, turns
+/// the scores into `e^(score - max)`, and rescales the running sums and the
+/// partial outputs `acc` (`[rows, dv]`) by `e^(old max - new max)`.
+///
+/// Run through [`pulp::Arch::dispatch`] so its loops are compiled for
+/// AVX-512 or AVX2 when the CPU has them: the exponentials are a large share
+/// of attention's time, and the x86-64 baseline only has 4-wide SSE. (A
+/// struct rather than a closure, because only a `#[inline(always)]` method
+/// is reliably inlined into the dispatcher's target-feature function.)
+struct SoftmaxStep<'a> {
+    s: &'a mut [f32],
+    kb: usize,
+    mask: Option<(&'a [f32], usize, usize)>,
+    row_max: &'a mut [f32],
+    row_sum: &'a mut [f32],
+    acc: &'a mut [f32],
+    dv: usize,
+}
+
+impl pulp::WithSimd for SoftmaxStep<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        let SoftmaxStep {
+            s,
+            kb,
+            mask,
+            row_max,
+            row_sum,
+            acc,
+            dv,
+        } = self;
+        online_softmax_step(s, kb, mask, row_max, row_sum, acc, dv);
+    }
+}
+
+#[inline(always)]
+fn online_softmax_step(
+    s: &mut [f32],
+    kb: usize,
+    mask: Option<(&[f32], usize, usize)>,
+    row_max: &mut [f32],
+    row_sum: &mut [f32],
+    acc: &mut [f32],
+    dv: usize,
+) {
+    for (i, srow) in s.chunks_mut(kb).enumerate() {
+        if let Some((mask, start, stride)) = mask {
+            let mrow = &mask[start + i * stride..][..kb];
+            srow.iter_mut().zip(mrow).for_each(|(s, m)| *s += m);
+        }
+        let new_max = row_max[i].max(max_f32(srow));
+        if new_max == f32::NEG_INFINITY {
+            // Every key so far is masked: they weigh nothing, and
+            // e^(-inf - -inf) would be NaN.
+            srow.fill(0.0);
+            continue;
+        }
+        let rescale = exp_approx(row_max[i] - new_max);
+        row_sum[i] = row_sum[i] * rescale + exp_shifted_sum(srow, new_max);
+        row_max[i] = new_max;
+        if rescale != 1.0 {
+            acc[i * dv..(i + 1) * dv]
+                .iter_mut()
+                .for_each(|a| *a *= rescale);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -658,27 +1084,41 @@ pub fn attention(
 /// SIMD lanes.
 const LANES: usize = 16;
 
-fn sum_f32(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        acc.iter_mut().zip(c).for_each(|(a, v)| *a += v);
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
+#[inline(always)]
 fn max_f32(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     for c in chunks {
         acc.iter_mut().zip(c).for_each(|(a, &v)| *a = a.max(v));
     }
     acc.iter().fold(tail, |m, &v| m.max(v))
 }
 
+/// `x[i] = e^(x[i] - shift)` in place; returns Σ of the new values.
+#[inline(always)]
+fn exp_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut chunks = x.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        c.iter_mut().zip(acc.iter_mut()).for_each(|(v, a)| {
+            *v = exp_approx(*v - shift);
+            *a += *v;
+        });
+    }
+    let mut tail = 0.0;
+    for v in chunks.into_remainder() {
+        *v = exp_approx(*v - shift);
+        tail += *v;
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// Σx in f64, so sums over millions of elements keep f32 precision.
+#[inline(always)]
 fn sum_f64(x: &[f32]) -> f64 {
     let mut acc = [0.0f64; 8];
     let chunks = x.chunks_exact(8);
@@ -691,10 +1131,15 @@ fn sum_f64(x: &[f32]) -> f64 {
 
 /// Σ(x - mean)² in f64: the second pass of a two-pass variance, which unlike
 /// E[x²] - E[x]² does not cancel catastrophically when |mean| ≫ std.
+#[inline(always)]
 fn sum_sq_dev_f64(x: &[f32], mean: f64) -> f64 {
     let mut acc = [0.0f64; 8];
     let chunks = x.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&v| (f64::from(v) - mean).powi(2)).sum();
+    let tail: f64 = chunks
+        .remainder()
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum();
     for c in chunks {
         acc.iter_mut().zip(c).for_each(|(a, &v)| {
             let dv = f64::from(v) - mean;
@@ -739,11 +1184,6 @@ pub fn exp_approx(x: f32) -> f32 {
     }
 }
 
-/// `x[i] = e^(x[i] - shift)` in place.
-fn exp_shifted(x: &mut [f32], shift: f32) {
-    x.iter_mut().for_each(|v| *v = exp_approx(*v - shift));
-}
-
 // ---------------------------------------------------------------------------
 // Softmax and normalizations
 // ---------------------------------------------------------------------------
@@ -761,32 +1201,112 @@ pub fn softmax_rows(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) -> Res
     if total == 0 {
         return Ok(());
     }
-    out.par_chunks_mut(cols)
-        .zip(x.par_chunks(cols))
-        .with_min_len(rows_per_piece(cols))
-        .for_each(|(orow, xrow)| {
-            let max = max_f32(xrow);
-            orow.iter_mut().zip(xrow).for_each(|(o, &v)| *o = exp_approx(v - max));
-            let inv = 1.0 / sum_f32(orow);
-            orow.iter_mut().for_each(|o| *o *= inv);
-        });
+    let arch = pulp::Arch::new();
+    let piece = rows_per_piece(cols) * cols;
+    out.par_chunks_mut(piece)
+        .zip(x.par_chunks(piece))
+        .for_each(|(out, x)| arch.dispatch(SoftmaxPiece { x, out, cols }));
     Ok(())
 }
 
-fn check_affine(op: &'static str, name: &'static str, p: Option<&[f32]>, needed: usize, shape: &dyn Fn() -> String) -> Result {
+/// [`softmax_rows`] over whole rows, for a SIMD dispatch (see [`SoftmaxStep`]).
+struct SoftmaxPiece<'a> {
+    x: &'a [f32],
+    out: &'a mut [f32],
+    cols: usize,
+}
+
+impl pulp::WithSimd for SoftmaxPiece<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        softmax_piece(self.x, self.out, self.cols);
+    }
+}
+
+#[inline(always)]
+fn softmax_piece(x: &[f32], out: &mut [f32], cols: usize) {
+    for (orow, xrow) in out.chunks_mut(cols).zip(x.chunks(cols)) {
+        let max = max_f32(xrow);
+        orow.copy_from_slice(xrow);
+        let inv = 1.0 / exp_shifted_sum(orow, max);
+        orow.iter_mut().for_each(|o| *o *= inv);
+    }
+}
+
+fn check_affine(
+    op: &'static str,
+    name: &'static str,
+    p: Option<&[f32]>,
+    needed: usize,
+    shape: &dyn Fn() -> String,
+) -> Result {
     match p {
         Some(p) => length(op, name, p.len(), needed, shape),
         None => Ok(()),
     }
 }
 
+/// Statistics of one normalized slice.
+#[derive(Clone, Copy)]
+struct Moments {
+    /// The mean rounded to f32 ...
+    mean_hi: f32,
+    /// ... and what that rounding lost. `(v - mean_hi) - mean_lo` is then
+    /// accurate even when |mean| ≫ std, where `v - mean as f32` would carry
+    /// the mean's rounding error (ulp(mean)/2) into every output.
+    mean_lo: f32,
+    /// 1 / sqrt(var + eps).
+    rstd: f32,
+}
+
 /// Mean and 1/sqrt(var + eps) of `x`, with the biased variance (divided by
-/// the count, as PyTorch's normalizations use), accumulated in f64.
-fn mean_rstd(x: &[f32], eps: f32) -> (f32, f32) {
-    let count = x.len() as f64;
-    let mean = sum_f64(x) / count;
-    let var = sum_sq_dev_f64(x, mean) / count;
-    (mean as f32, (1.0 / (var + f64::from(eps)).sqrt()) as f32)
+/// the count, as PyTorch's normalizations use), in two f64 passes, compiled
+/// for the CPU's widest SIMD (f64 lanes are narrow on the SSE2 baseline).
+fn moments(x: &[f32], eps: f32) -> Moments {
+    pulp::Arch::new().dispatch(MomentsOp { x, eps })
+}
+
+/// [`moments`] for a SIMD dispatch (see [`SoftmaxStep`] on why a struct).
+struct MomentsOp<'a> {
+    x: &'a [f32],
+    eps: f32,
+}
+
+impl pulp::WithSimd for MomentsOp<'_> {
+    type Output = Moments;
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) -> Moments {
+        let count = self.x.len() as f64;
+        let mean = sum_f64(self.x) / count;
+        let var = sum_sq_dev_f64(self.x, mean) / count;
+        let mean_hi = mean as f32;
+        Moments {
+            mean_hi,
+            mean_lo: (mean - f64::from(mean_hi)) as f32,
+            rstd: (1.0 / (var + f64::from(self.eps)).sqrt()) as f32,
+        }
+    }
+}
+
+/// mean(x²) in f64, SIMD-dispatched like [`moments`].
+fn mean_square(x: &[f32]) -> f64 {
+    pulp::Arch::new().dispatch(MeanSquareOp { x })
+}
+
+struct MeanSquareOp<'a> {
+    x: &'a [f32],
+}
+
+impl pulp::WithSimd for MeanSquareOp<'_> {
+    type Output = f64;
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) -> f64 {
+        sum_sq_dev_f64(self.x, 0.0) / self.x.len() as f64
+    }
 }
 
 /// Layer normalization over the last `cols` of `x` (`[rows, cols]`):
@@ -815,8 +1335,14 @@ pub fn layer_norm(
         .zip(x.par_chunks(cols))
         .with_min_len(rows_per_piece(cols))
         .for_each(|(orow, xrow)| {
-            let (mean, rstd) = mean_rstd(xrow, eps);
-            orow.iter_mut().zip(xrow).for_each(|(o, &v)| *o = (v - mean) * rstd);
+            let Moments {
+                mean_hi,
+                mean_lo,
+                rstd,
+            } = moments(xrow, eps);
+            orow.iter_mut()
+                .zip(xrow)
+                .for_each(|(o, &v)| *o = ((v - mean_hi) - mean_lo) * rstd);
             if let Some(w) = weight {
                 orow.iter_mut().zip(w).for_each(|(o, &w)| *o *= w);
             }
@@ -829,7 +1355,14 @@ pub fn layer_norm(
 
 /// RMS normalization over the last `cols` of `x` (`[rows, cols]`):
 /// `out = x / sqrt(mean(x²) + eps) * weight`, `weight` `[cols]` or 1.
-pub fn rms_norm(x: &[f32], rows: usize, cols: usize, eps: f32, weight: Option<&[f32]>, out: &mut [f32]) -> Result {
+pub fn rms_norm(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    eps: f32,
+    weight: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result {
     const OP: &str = "rms_norm";
     let shape = || format!("rows={rows} cols={cols}");
     let total = product(OP, &[rows, cols], &shape)?;
@@ -843,7 +1376,7 @@ pub fn rms_norm(x: &[f32], rows: usize, cols: usize, eps: f32, weight: Option<&[
         .zip(x.par_chunks(cols))
         .with_min_len(rows_per_piece(cols))
         .for_each(|(orow, xrow)| {
-            let ms = sum_sq_dev_f64(xrow, 0.0) / cols as f64;
+            let ms = mean_square(xrow);
             let rrms = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
             match weight {
                 Some(w) => orow
@@ -875,7 +1408,7 @@ pub fn group_norm(
 ) -> Result {
     const OP: &str = "group_norm";
     let shape = || format!("n={n} c={c} spatial={spatial} groups={groups}");
-    if groups == 0 || c % groups != 0 {
+    if groups == 0 || !c.is_multiple_of(groups) {
         return Err(invalid(OP, "groups must be positive and divide c", &shape));
     }
     let total = product(OP, &[n, c, spatial], &shape)?;
@@ -893,12 +1426,18 @@ pub fn group_norm(
         .zip(x.par_chunks(group_len))
         .enumerate()
         .for_each(|(j, (og, xg))| {
-            let (mean, rstd) = mean_rstd(xg, eps);
+            let Moments {
+                mean_hi,
+                mean_lo,
+                rstd,
+            } = moments(xg, eps);
             let ch0 = (j % groups) * cg;
             for (ci, (orow, xrow)) in og.chunks_mut(spatial).zip(xg.chunks(spatial)).enumerate() {
                 let w = weight.map_or(1.0, |w| w[ch0 + ci]) * rstd;
                 let b = bias.map_or(0.0, |b| b[ch0 + ci]);
-                orow.iter_mut().zip(xrow).for_each(|(o, &v)| *o = (v - mean) * w + b);
+                orow.iter_mut()
+                    .zip(xrow)
+                    .for_each(|(o, &v)| *o = ((v - mean_hi) - mean_lo) * w + b);
             }
         });
     Ok(())
@@ -908,13 +1447,30 @@ pub fn group_norm(
 // Resampling
 // ---------------------------------------------------------------------------
 
-fn check_resample(op: &'static str, x: &[f32], x_shape: [usize; 4], oh: usize, ow: usize, out: &[f32]) -> Result<bool> {
+fn check_resample(
+    op: &'static str,
+    x: &[f32],
+    x_shape: [usize; 4],
+    oh: usize,
+    ow: usize,
+    out: &[f32],
+) -> Result<bool> {
     let [n, c, h, w] = x_shape;
     let shape = || format!("x={x_shape:?} out=[{oh}, {ow}]");
     length(op, "x", x.len(), product(op, &x_shape, &shape)?, &shape)?;
-    length(op, "out", out.len(), product(op, &[n, c, oh, ow], &shape)?, &shape)?;
+    length(
+        op,
+        "out",
+        out.len(),
+        product(op, &[n, c, oh, ow], &shape)?,
+        &shape,
+    )?;
     if (h == 0 || w == 0) && oh * ow * n * c != 0 {
-        return Err(invalid(op, "cannot resample an empty image to a non-empty one", &shape));
+        return Err(invalid(
+            op,
+            "cannot resample an empty image to a non-empty one",
+            &shape,
+        ));
     }
     Ok(out.is_empty())
 }
@@ -936,7 +1492,13 @@ fn nearest_index(dst: usize, input: usize, output: usize) -> usize {
 /// Nearest-neighbour resize of `x` `[n, c, h, w]` to `out` `[n, c, oh, ow]`
 /// with `torch.nn.functional.interpolate(mode="nearest")` semantics:
 /// `src = min(floor(dst * in / out), in - 1)` per axis.
-pub fn upsample_nearest2d(x: &[f32], x_shape: [usize; 4], oh: usize, ow: usize, out: &mut [f32]) -> Result {
+pub fn upsample_nearest2d(
+    x: &[f32],
+    x_shape: [usize; 4],
+    oh: usize,
+    ow: usize,
+    out: &mut [f32],
+) -> Result {
     if check_resample("upsample_nearest2d", x, x_shape, oh, ow, out)? {
         return Ok(());
     }
@@ -979,7 +1541,12 @@ fn linear_taps(input: usize, output: usize, align_corners: bool) -> Vec<LinearTa
     (0..output)
         .map(|dst| {
             if input == output {
-                return LinearTap { i0: dst, i1: dst, w0: 1.0, w1: 0.0 };
+                return LinearTap {
+                    i0: dst,
+                    i1: dst,
+                    w0: 1.0,
+                    w1: 0.0,
+                };
             }
             let src = if align_corners {
                 scale * dst as f32
@@ -989,7 +1556,12 @@ fn linear_taps(input: usize, output: usize, align_corners: bool) -> Vec<LinearTa
             let i0 = (src.floor() as usize).min(input - 1);
             let w1 = (src - i0 as f32).clamp(0.0, 1.0);
             let i1 = if i0 < input - 1 { i0 + 1 } else { i0 };
-            LinearTap { i0, i1, w0: 1.0 - w1, w1 }
+            LinearTap {
+                i0,
+                i1,
+                w0: 1.0 - w1,
+                w1,
+            }
         })
         .collect()
 }
@@ -1071,8 +1643,15 @@ pub fn bf16_bits_to_f32(b: u16) -> f32 {
 
 // Generic over the converter (not a fn pointer) so it inlines and the loop
 // vectorizes.
-fn convert(op: &'static str, src: &[u16], dst: &mut [f32], f: impl Fn(u16) -> f32 + Sync) -> Result {
-    length(op, "dst", dst.len(), src.len(), &|| format!("src.len()={}", src.len()))?;
+fn convert(
+    op: &'static str,
+    src: &[u16],
+    dst: &mut [f32],
+    f: impl Fn(u16) -> f32 + Sync,
+) -> Result {
+    length(op, "dst", dst.len(), src.len(), &|| {
+        format!("src.len()={}", src.len())
+    })?;
     let run = |d: &mut [f32], s: &[u16]| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s));
     if src.len() < 4 * CONVERT_PIECE {
         run(dst, src);

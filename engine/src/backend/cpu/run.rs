@@ -22,7 +22,11 @@ pub enum CpuError {
     #[error("weight \"{0}\" is not bound")]
     MissingWeight(String),
     #[error("\"{name}\" has {got} values, the program expects {want}")]
-    WrongSize { name: String, got: usize, want: usize },
+    WrongSize {
+        name: String,
+        got: usize,
+        want: usize,
+    },
     #[error("weight \"{name}\": {message}")]
     Weight { name: String, message: String },
     #[error("kernel k{kernel} ({kind}): {message}")]
@@ -180,7 +184,12 @@ fn gather_range(v: &View, base: &[f32], start: usize, out: &mut [f32]) {
         idx[d] = rem % v.shape[d];
         rem /= v.shape[d];
     }
-    let mut off: usize = v.offset + idx.iter().zip(&v.strides).map(|(i, s)| i * s).sum::<usize>();
+    let mut off: usize = v.offset
+        + idx
+            .iter()
+            .zip(&v.strides)
+            .map(|(i, s)| i * s)
+            .sum::<usize>();
     let (last, ls) = (v.shape[rank - 1], v.strides[rank - 1]);
     let mut i = 0;
     while i < out.len() {
@@ -210,18 +219,20 @@ fn gather_range(v: &View, base: &[f32], start: usize, out: &mut [f32]) {
 /// Applies an epilogue (or a whole elementwise kernel) over `out`, in
 /// parallel chunks. With an anchor, `out` holds its result (`acc`) first.
 fn apply_expr(e: &Expr, inputs: &[(&View, &[f32])], out: &mut [f32], has_acc: bool) {
-    out.par_chunks_mut(CHUNK).enumerate().for_each(|(ci, chunk)| {
-        let start = ci * CHUNK;
-        let acc_copy;
-        let acc = if has_acc {
-            acc_copy = chunk.to_vec();
-            Some(acc_copy.as_slice())
-        } else {
-            None
-        };
-        let vals = eval_chunk(e, start, chunk.len(), inputs, acc);
-        chunk.copy_from_slice(&vals);
-    });
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let start = ci * CHUNK;
+            let acc_copy;
+            let acc = if has_acc {
+                acc_copy = chunk.to_vec();
+                Some(acc_copy.as_slice())
+            } else {
+                None
+            };
+            let vals = eval_chunk(e, start, chunk.len(), inputs, acc);
+            chunk.copy_from_slice(&vals);
+        });
 }
 
 fn eval_chunk(
@@ -336,8 +347,18 @@ fn dispatch(
             let (Some(av), Some(bv)) = (mv(ins[0].0), mv(ins[1].0)) else {
                 return Err(fail("operand batch dims are not uniformly strided".into()));
             };
-            kernels::matmul(ins[0].1, av, ins[1].1, bv, &mut out[..], *batch, *m, *n, *kk)
-                .map_err(|e| fail(e.to_string()))?;
+            kernels::matmul(
+                ins[0].1,
+                av,
+                ins[1].1,
+                bv,
+                &mut out[..],
+                *batch,
+                *m,
+                *n,
+                *kk,
+            )
+            .map_err(|e| fail(e.to_string()))?;
         }
         KernelKind::Conv2d {
             n,
