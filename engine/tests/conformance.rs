@@ -29,8 +29,47 @@ fn run_cpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, S
     cpu::run(p, &b).map_err(|e| e.to_string())
 }
 
+/// One wgpu device for the whole suite (opening one per case is slow).
+fn gpu() -> Option<&'static sdkit_engine::backend::wgpu::WgpuBackend> {
+    static GPU: std::sync::OnceLock<Option<sdkit_engine::backend::wgpu::WgpuBackend>> =
+        std::sync::OnceLock::new();
+    GPU.get_or_init(
+        || match sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
+            Ok(b) => {
+                eprintln!(
+                    "conformance: wgpu on {} ({}, {})",
+                    b.adapter.name, b.adapter.backend, b.adapter.device_type
+                );
+                Some(b)
+            }
+            Err(e) => {
+                eprintln!("conformance: skipped backend wgpu: {e}");
+                None
+            }
+        },
+    )
+    .as_ref()
+}
+
+fn run_wgpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
+    let Some(g) = gpu() else {
+        return Err("no adapter".into());
+    };
+    let mut b = cpu::Bindings::default();
+    for (name, a) in inputs {
+        let data = Arc::new(a.data.clone());
+        b.weights.insert(name.clone(), data.clone());
+        b.inputs.insert(name.clone(), data);
+    }
+    g.run(p, &b).map_err(|e| e.to_string())
+}
+
 fn backends() -> Vec<(&'static str, Runner)> {
-    vec![("cpu", run_cpu)]
+    let mut v: Vec<(&'static str, Runner)> = vec![("cpu", run_cpu)];
+    if std::env::var_os("SDKIT_SKIP_WGPU").is_none() && gpu().is_some() {
+        v.push(("wgpu", run_wgpu));
+    }
+    v
 }
 
 /// xorshift: deterministic values from the proptest-chosen seed.

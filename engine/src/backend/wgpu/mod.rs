@@ -1,0 +1,415 @@
+//! The wgpu backend: replays the same Programs as the CPU backend on
+//! Vulkan, Metal or DX12 (and Mesa's lavapipe in CI).
+//!
+//! Activations live in one arena buffer laid out by the planner; each
+//! kernel binds ranges of it (offsets are 256-byte aligned by the planner).
+//! Weights and inputs are separate buffers. Shaders come from [`codegen`]
+//! and are cached by source, so replaying a Program compiles nothing new.
+//!
+//! Not yet: f16 storage/arithmetic, subgroup and cooperative-matrix paths
+//! (everything runs in f32 with portable kernels), splitting tensors larger
+//! than the device's binding limit, overlapping uploads with compute.
+
+pub mod codegen;
+
+use crate::backend::cpu::Bindings;
+use crate::plan::{BufferKind, Command, Program};
+use crate::tensor::reference::Array;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, thiserror::Error)]
+pub enum WgpuError {
+    #[error("no GPU adapter found{0}")]
+    NoAdapter(String),
+    #[error("cannot open the device: {0}")]
+    Device(String),
+    #[error("input \"{0}\" is not bound")]
+    MissingInput(String),
+    #[error("weight \"{0}\" is not bound")]
+    MissingWeight(String),
+    #[error("\"{name}\" has {got} values, the program expects {want}")]
+    WrongSize {
+        name: String,
+        got: usize,
+        want: usize,
+    },
+    #[error("kernel k{kernel} ({kind}): {message}")]
+    Unsupported {
+        kernel: usize,
+        kind: &'static str,
+        message: String,
+    },
+    #[error("buffer of {bytes} bytes exceeds the device's binding limit of {limit} bytes (splitting large tensors is not implemented yet)")]
+    TooLarge { bytes: u64, limit: u64 },
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    #[error("device error: {0}")]
+    Validation(String),
+    #[error("device lost or readback failed: {0}")]
+    Lost(String),
+}
+
+/// A description of an adapter, for `sdkit devices`.
+#[derive(Clone, Debug)]
+pub struct AdapterReport {
+    pub name: String,
+    pub backend: String,
+    pub device_type: String,
+    pub driver: String,
+    pub features: Vec<String>,
+    pub max_storage_buffer_binding_size: u64,
+    pub max_buffer_size: u64,
+    pub max_compute_workgroup_storage_size: u32,
+}
+
+fn report(a: &wgpu::Adapter) -> AdapterReport {
+    let info = a.get_info();
+    let limits = a.limits();
+    let feats = a.features();
+    let mut features = Vec::new();
+    for (f, name) in [
+        (wgpu::Features::SHADER_F16, "SHADER_F16"),
+        (wgpu::Features::SUBGROUP, "SUBGROUP"),
+        (wgpu::Features::TIMESTAMP_QUERY, "TIMESTAMP_QUERY"),
+        (wgpu::Features::PIPELINE_CACHE, "PIPELINE_CACHE"),
+    ] {
+        if feats.contains(f) {
+            features.push(name.to_string());
+        }
+    }
+    AdapterReport {
+        name: info.name,
+        backend: format!("{:?}", info.backend),
+        device_type: format!("{:?}", info.device_type),
+        driver: format!("{} {}", info.driver, info.driver_info),
+        features,
+        max_storage_buffer_binding_size: u64::from(limits.max_storage_buffer_binding_size),
+        max_buffer_size: limits.max_buffer_size,
+        max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
+    }
+}
+
+fn instance() -> wgpu::Instance {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
+    wgpu::Instance::new(desc)
+}
+
+/// Every adapter this machine offers.
+pub fn adapters() -> Vec<AdapterReport> {
+    let inst = instance();
+    pollster::block_on(inst.enumerate_adapters(wgpu::Backends::all()))
+        .iter()
+        .map(report)
+        .collect()
+}
+
+fn rank(t: wgpu::DeviceType) -> u8 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    }
+}
+
+pub struct WgpuBackend {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    pub adapter: AdapterReport,
+    limits: wgpu::Limits,
+    pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+}
+
+impl WgpuBackend {
+    /// Opens the best adapter (discrete > integrated > virtual > other >
+    /// CPU software), or the first whose name contains `name`. Requests the
+    /// adapter's real limits, not the defaults.
+    pub fn new(name: Option<&str>) -> Result<Self, WgpuError> {
+        let inst = instance();
+        let mut all = pollster::block_on(inst.enumerate_adapters(wgpu::Backends::all()));
+        all.sort_by_key(|a| rank(a.get_info().device_type));
+        let adapter = match name {
+            Some(n) => {
+                let n = n.to_lowercase();
+                all.into_iter()
+                    .find(|a| a.get_info().name.to_lowercase().contains(&n))
+                    .ok_or_else(|| WgpuError::NoAdapter(format!(" matching \"{n}\"")))?
+            }
+            None => all.into_iter().next().ok_or_else(|| {
+                WgpuError::NoAdapter(
+                    " (on Linux without a GPU, install Mesa's lavapipe: mesa-vulkan-drivers)"
+                        .into(),
+                )
+            })?,
+        };
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("sdkit"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| WgpuError::Device(e.to_string()))?;
+        Ok(WgpuBackend {
+            device,
+            queue,
+            adapter: report(&adapter),
+            limits,
+            pipelines: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn pipeline(&self, source: &str) -> Result<Arc<wgpu::ComputePipeline>, String> {
+        let mut cache = self
+            .pipelines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(p) = cache.get(source) {
+            return Ok(p.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: None,
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+        let p = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: None,
+                layout: None,
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(format!("shader does not compile: {e}"));
+        }
+        let p = Arc::new(p);
+        cache.insert(source.to_string(), p.clone());
+        Ok(p)
+    }
+
+    /// Number of distinct pipelines compiled so far.
+    pub fn pipelines_compiled(&self) -> usize {
+        self.pipelines.lock().map_or(0, |c| c.len())
+    }
+
+    fn check_binding(&self, bytes: u64) -> Result<(), WgpuError> {
+        let limit = u64::from(self.limits.max_storage_buffer_binding_size);
+        if bytes > limit {
+            return Err(WgpuError::TooLarge { bytes, limit });
+        }
+        Ok(())
+    }
+
+    /// Runs a program; returns the graph outputs.
+    pub fn run(&self, prog: &Program, bind: &Bindings) -> Result<Vec<Array>, WgpuError> {
+        use wgpu::util::DeviceExt;
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let storage = wgpu::BufferUsages::STORAGE
+            | wgpu::BufferUsages::COPY_SRC
+            | wgpu::BufferUsages::COPY_DST;
+        let arena_bytes = (prog.stats.arena_bytes as u64).max(4);
+        let arena = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("arena"),
+            size: arena_bytes.div_ceil(4) * 4,
+            usage: storage,
+            mapped_at_creation: false,
+        });
+        let mut external: HashMap<u32, wgpu::Buffer> = HashMap::new();
+        for c in &prog.commands {
+            let (buffer, name, data) = match c {
+                Command::Upload { buffer, name } => (
+                    buffer,
+                    name,
+                    bind.weights
+                        .get(name)
+                        .ok_or_else(|| WgpuError::MissingWeight(name.clone()))?,
+                ),
+                Command::Bind { buffer, name } => (
+                    buffer,
+                    name,
+                    bind.inputs
+                        .get(name)
+                        .ok_or_else(|| WgpuError::MissingInput(name.clone()))?,
+                ),
+                _ => continue,
+            };
+            let want = prog.buffer(*buffer).len;
+            if data.len() != want {
+                return Err(WgpuError::WrongSize {
+                    name: name.clone(),
+                    got: data.len(),
+                    want,
+                });
+            }
+            self.check_binding(want as u64 * 4)?;
+            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let buf = self
+                .device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(name),
+                    contents: &bytes,
+                    usage: storage,
+                });
+            external.insert(buffer.0, buf);
+        }
+
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        let mut prepared = Vec::new();
+        for c in &prog.commands {
+            let Command::Dispatch { kernel } = c else {
+                continue;
+            };
+            let ki = kernel.0 as usize;
+            let k = &prog.kernels[ki];
+            let unsupported = |m: String| WgpuError::Unsupported {
+                kernel: ki,
+                kind: k.kind.name(),
+                message: m,
+            };
+            let shader = codegen::generate(k).map_err(unsupported)?;
+            let pipeline = self
+                .pipeline(&shader.source)
+                .map_err(|m| WgpuError::Unsupported {
+                    kernel: ki,
+                    kind: k.kind.name(),
+                    message: m,
+                })?;
+            let mut entries = Vec::new();
+            for (i, v) in k
+                .inputs
+                .iter()
+                .chain(std::iter::once(&k.output))
+                .enumerate()
+            {
+                let b = prog.buffer(v.buffer);
+                let size = (b.len as u64) * 4;
+                self.check_binding(size)?;
+                let (buffer, offset) = match b.kind {
+                    BufferKind::Arena => (&arena, b.offset as u64 * 4),
+                    _ => (
+                        external.get(&v.buffer.0).ok_or_else(|| {
+                            WgpuError::MissingInput(format!("buffer b{}", v.buffer.0))
+                        })?,
+                        0,
+                    ),
+                };
+                entries.push(wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer,
+                        offset,
+                        size: std::num::NonZeroU64::new(size),
+                    }),
+                });
+            }
+            let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &pipeline.get_bind_group_layout(0),
+                entries: &entries,
+            });
+            prepared.push((pipeline, group, shader.groups));
+        }
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("program"),
+                timestamp_writes: None,
+            });
+            for (pipeline, group, g) in &prepared {
+                pass.set_pipeline(pipeline);
+                pass.set_bind_group(0, group, &[]);
+                pass.dispatch_workgroups(g[0], g[1], g[2]);
+            }
+        }
+        // Read back the outputs' whole buffers, then apply their views.
+        let mut staging = Vec::new();
+        for v in &prog.outputs {
+            let b = prog.buffer(v.buffer);
+            let size = (b.len as u64) * 4;
+            let st = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let (src, off) = match b.kind {
+                BufferKind::Arena => (&arena, b.offset as u64 * 4),
+                _ => match external.get(&v.buffer.0) {
+                    Some(e) => (e, 0),
+                    None => return Err(WgpuError::MissingInput(format!("buffer b{}", v.buffer.0))),
+                },
+            };
+            encoder.copy_buffer_to_buffer(src, off, &st, 0, size);
+            staging.push(st);
+        }
+        self.queue.submit([encoder.finish()]);
+        let mut outs = Vec::new();
+        for (v, st) in prog.outputs.iter().zip(&staging) {
+            let slice = st.slice(..);
+            let (tx, rx) = std::sync::mpsc::channel();
+            slice.map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| WgpuError::Lost(e.to_string()))?;
+            match rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(WgpuError::Lost(e.to_string())),
+                Err(e) => return Err(WgpuError::Lost(e.to_string())),
+            }
+            let data: Vec<f32> = {
+                let bytes = slice
+                    .get_mapped_range()
+                    .map_err(|e| WgpuError::Lost(e.to_string()))?;
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            };
+            st.unmap();
+            outs.push(Array::new(v.shape.clone(), read_view(v, &data)));
+        }
+        if let Some(e) = pollster::block_on(validation.pop()) {
+            return Err(WgpuError::Validation(e.to_string()));
+        }
+        if let Some(e) = pollster::block_on(oom.pop()) {
+            return Err(WgpuError::OutOfMemory(e.to_string()));
+        }
+        Ok(outs)
+    }
+}
+
+/// Applies a view to its buffer's data (relative to the buffer start).
+fn read_view(v: &crate::plan::View, data: &[f32]) -> Vec<f32> {
+    let n = v.numel();
+    let mut out = Vec::with_capacity(n);
+    let mut idx = vec![0usize; v.shape.len()];
+    for _ in 0..n {
+        let off: usize = v.offset
+            + idx
+                .iter()
+                .zip(&v.strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>();
+        out.push(data.get(off).copied().unwrap_or(f32::NAN));
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < v.shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
