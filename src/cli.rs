@@ -53,6 +53,8 @@ pub enum Command {
         #[command(flatten)]
         dirs: DirArgs,
     },
+    /// List GPU adapters with their backend, features and limits.
+    Devices,
     /// Plan a sample SD-structured tensor graph and print its Program:
     /// every dispatch with its fused epilogue, arena offsets, and statistics.
     Plan {
@@ -158,6 +160,7 @@ pub fn main(cli: Cli) -> Result<i32> {
             let lib = sdkit_nodes::library();
             print_json(&workflow_json_schema(&lib.registry, &dirs.paths()?))
         }
+        Command::Devices => devices_command(),
         Command::Plan {
             graph,
             batch,
@@ -166,6 +169,43 @@ pub fn main(cli: Cli) -> Result<i32> {
             stats,
         } => plan_command(graph, batch, channels, size, stats),
     }
+}
+
+fn devices_command() -> Result<i32> {
+    let list = sdkit_engine::backend::wgpu::adapters();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "cpu: {} threads (always available)", rayon_threads())?;
+    if list.is_empty() {
+        writeln!(
+            out,
+            "no GPU adapters (on Linux without a GPU, Mesa's lavapipe provides a software one: mesa-vulkan-drivers)"
+        )?;
+    }
+    for a in list {
+        writeln!(out, "{} [{} {}]", a.name, a.backend, a.device_type)?;
+        writeln!(out, "  driver: {}", a.driver.trim())?;
+        writeln!(
+            out,
+            "  features: {}",
+            if a.features.is_empty() {
+                "-".to_string()
+            } else {
+                a.features.join(", ")
+            }
+        )?;
+        writeln!(
+            out,
+            "  max storage binding {} MiB, max buffer {} MiB, workgroup memory {} KiB",
+            a.max_storage_buffer_binding_size >> 20,
+            a.max_buffer_size >> 20,
+            a.max_compute_workgroup_storage_size >> 10
+        )?;
+    }
+    Ok(0)
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn plan_command(

@@ -84,7 +84,7 @@ fn report(a: &wgpu::Adapter) -> AdapterReport {
         device_type: format!("{:?}", info.device_type),
         driver: format!("{} {}", info.driver, info.driver_info),
         features,
-        max_storage_buffer_binding_size: u64::from(limits.max_storage_buffer_binding_size),
+        max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
         max_buffer_size: limits.max_buffer_size,
         max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
     }
@@ -201,15 +201,29 @@ impl WgpuBackend {
     }
 
     fn check_binding(&self, bytes: u64) -> Result<(), WgpuError> {
-        let limit = u64::from(self.limits.max_storage_buffer_binding_size);
+        let limit = self.limits.max_storage_buffer_binding_size;
         if bytes > limit {
             return Err(WgpuError::TooLarge { bytes, limit });
         }
         Ok(())
     }
 
-    /// Runs a program; returns the graph outputs.
+    /// Runs a program once; returns the graph outputs. For repeated runs
+    /// (a sampling loop) use [`WgpuBackend::prepare`] once and
+    /// [`Prepared::run`] per step.
     pub fn run(&self, prog: &Program, bind: &Bindings) -> Result<Vec<Array>, WgpuError> {
+        let p = self.prepare(prog, bind)?;
+        p.run(bind)
+    }
+
+    /// Allocates the arena, uploads the weights, compiles (or reuses)
+    /// every kernel's pipeline and builds its bind group: everything a
+    /// Program needs that does not change between runs.
+    pub fn prepare<'a>(
+        &'a self,
+        prog: &'a Program,
+        bind: &Bindings,
+    ) -> Result<Prepared<'a>, WgpuError> {
         use wgpu::util::DeviceExt;
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -224,47 +238,42 @@ impl WgpuBackend {
             mapped_at_creation: false,
         });
         let mut external: HashMap<u32, wgpu::Buffer> = HashMap::new();
+        let mut inputs = Vec::new();
         for c in &prog.commands {
-            let (buffer, name, data) = match c {
-                Command::Upload { buffer, name } => (
-                    buffer,
-                    name,
-                    bind.weights
+            match c {
+                Command::Upload { buffer, name } => {
+                    let data = bind
+                        .weights
                         .get(name)
-                        .ok_or_else(|| WgpuError::MissingWeight(name.clone()))?,
-                ),
-                Command::Bind { buffer, name } => (
-                    buffer,
-                    name,
-                    bind.inputs
-                        .get(name)
-                        .ok_or_else(|| WgpuError::MissingInput(name.clone()))?,
-                ),
-                _ => continue,
-            };
-            let want = prog.buffer(*buffer).len;
-            if data.len() != want {
-                return Err(WgpuError::WrongSize {
-                    name: name.clone(),
-                    got: data.len(),
-                    want,
-                });
+                        .ok_or_else(|| WgpuError::MissingWeight(name.clone()))?;
+                    let want = prog.buffer(*buffer).len;
+                    check_size(name, data.len(), want)?;
+                    self.check_binding(want as u64 * 4)?;
+                    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let buf = self
+                        .device
+                        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                            label: Some(name),
+                            contents: &bytes,
+                            usage: storage,
+                        });
+                    external.insert(buffer.0, buf);
+                }
+                Command::Bind { buffer, name } => {
+                    let len = prog.buffer(*buffer).len;
+                    self.check_binding(len as u64 * 4)?;
+                    let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some(name),
+                        size: len as u64 * 4,
+                        usage: storage,
+                        mapped_at_creation: false,
+                    });
+                    external.insert(buffer.0, buf);
+                    inputs.push((buffer.0, name.clone(), len));
+                }
+                _ => {}
             }
-            self.check_binding(want as u64 * 4)?;
-            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let buf = self
-                .device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some(name),
-                    contents: &bytes,
-                    usage: storage,
-                });
-            external.insert(buffer.0, buf);
         }
-
-        let mut encoder = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         let mut prepared = Vec::new();
         for c in &prog.commands {
             let Command::Dispatch { kernel } = c else {
@@ -320,12 +329,75 @@ impl WgpuBackend {
             });
             prepared.push((pipeline, group, shader.groups));
         }
+        if let Some(e) = pollster::block_on(validation.pop()) {
+            return Err(WgpuError::Validation(e.to_string()));
+        }
+        if let Some(e) = pollster::block_on(oom.pop()) {
+            return Err(WgpuError::OutOfMemory(e.to_string()));
+        }
+        Ok(Prepared {
+            backend: self,
+            prog,
+            arena,
+            external,
+            inputs,
+            dispatches: prepared,
+        })
+    }
+}
+
+fn check_size(name: &str, got: usize, want: usize) -> Result<(), WgpuError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(WgpuError::WrongSize {
+            name: name.to_string(),
+            got,
+            want,
+        })
+    }
+}
+
+type Dispatch = (Arc<wgpu::ComputePipeline>, wgpu::BindGroup, [u32; 3]);
+
+/// A Program made resident: weights uploaded, pipelines and bind groups
+/// built. Each [`Prepared::run`] uploads the inputs, records every
+/// dispatch in one compute pass and reads back the outputs.
+pub struct Prepared<'a> {
+    backend: &'a WgpuBackend,
+    prog: &'a Program,
+    arena: wgpu::Buffer,
+    external: HashMap<u32, wgpu::Buffer>,
+    inputs: Vec<(u32, String, usize)>,
+    dispatches: Vec<Dispatch>,
+}
+
+impl Prepared<'_> {
+    /// Runs with the inputs in `bind` (weights there are ignored: they
+    /// were uploaded by `prepare`).
+    pub fn run(&self, bind: &Bindings) -> Result<Vec<Array>, WgpuError> {
+        let dev = &self.backend.device;
+        let queue = &self.backend.queue;
+        let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        for (buf, name, len) in &self.inputs {
+            let data = bind
+                .inputs
+                .get(name)
+                .ok_or_else(|| WgpuError::MissingInput(name.clone()))?;
+            check_size(name, data.len(), *len)?;
+            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            if let Some(b) = self.external.get(buf) {
+                queue.write_buffer(b, 0, &bytes);
+            }
+        }
+        let mut encoder =
+            dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("program"),
                 timestamp_writes: None,
             });
-            for (pipeline, group, g) in &prepared {
+            for (pipeline, group, g) in &self.dispatches {
                 pass.set_pipeline(pipeline);
                 pass.set_bind_group(0, group, &[]);
                 pass.dispatch_workgroups(g[0], g[1], g[2]);
@@ -333,18 +405,18 @@ impl WgpuBackend {
         }
         // Read back the outputs' whole buffers, then apply their views.
         let mut staging = Vec::new();
-        for v in &prog.outputs {
-            let b = prog.buffer(v.buffer);
+        for v in &self.prog.outputs {
+            let b = self.prog.buffer(v.buffer);
             let size = (b.len as u64) * 4;
-            let st = self.device.create_buffer(&wgpu::BufferDescriptor {
+            let st = dev.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("readback"),
                 size,
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
             let (src, off) = match b.kind {
-                BufferKind::Arena => (&arena, b.offset as u64 * 4),
-                _ => match external.get(&v.buffer.0) {
+                BufferKind::Arena => (&self.arena, b.offset as u64 * 4),
+                _ => match self.external.get(&v.buffer.0) {
                     Some(e) => (e, 0),
                     None => return Err(WgpuError::MissingInput(format!("buffer b{}", v.buffer.0))),
                 },
@@ -352,16 +424,15 @@ impl WgpuBackend {
             encoder.copy_buffer_to_buffer(src, off, &st, 0, size);
             staging.push(st);
         }
-        self.queue.submit([encoder.finish()]);
+        queue.submit([encoder.finish()]);
         let mut outs = Vec::new();
-        for (v, st) in prog.outputs.iter().zip(&staging) {
+        for (v, st) in self.prog.outputs.iter().zip(&staging) {
             let slice = st.slice(..);
             let (tx, rx) = std::sync::mpsc::channel();
             slice.map_async(wgpu::MapMode::Read, move |r| {
                 let _ = tx.send(r);
             });
-            self.device
-                .poll(wgpu::PollType::wait_indefinitely())
+            dev.poll(wgpu::PollType::wait_indefinitely())
                 .map_err(|e| WgpuError::Lost(e.to_string()))?;
             match rx.recv() {
                 Ok(Ok(())) => {}
@@ -383,10 +454,32 @@ impl WgpuBackend {
         if let Some(e) = pollster::block_on(validation.pop()) {
             return Err(WgpuError::Validation(e.to_string()));
         }
-        if let Some(e) = pollster::block_on(oom.pop()) {
-            return Err(WgpuError::OutOfMemory(e.to_string()));
-        }
         Ok(outs)
+    }
+
+    /// Records and submits every dispatch `times` times and waits, without
+    /// uploads or readback: the kernel time benchmarks measure.
+    pub fn dispatch_only(&self, times: usize) -> Result<(), WgpuError> {
+        let dev = &self.backend.device;
+        let mut encoder =
+            dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("bench"),
+                timestamp_writes: None,
+            });
+            for _ in 0..times {
+                for (pipeline, group, g) in &self.dispatches {
+                    pass.set_pipeline(pipeline);
+                    pass.set_bind_group(0, group, &[]);
+                    pass.dispatch_workgroups(g[0], g[1], g[2]);
+                }
+            }
+        }
+        self.backend.queue.submit([encoder.finish()]);
+        dev.poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgpuError::Lost(e.to_string()))?;
+        Ok(())
     }
 }
 
