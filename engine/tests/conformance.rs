@@ -29,16 +29,27 @@ fn run_cpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, S
     cpu::run(p, &b).map_err(|e| e.to_string())
 }
 
-/// One wgpu device for the whole suite (opening one per case is slow).
-fn gpu() -> Option<&'static sdkit_engine::backend::wgpu::WgpuBackend> {
-    static GPU: std::sync::OnceLock<Option<sdkit_engine::backend::wgpu::WgpuBackend>> =
-        std::sync::OnceLock::new();
-    GPU.get_or_init(
-        || match sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
+use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+
+type GpuSlot = std::sync::OnceLock<Option<WgpuBackend>>;
+
+/// One wgpu device per precision path for the whole suite (opening one per
+/// case is slow): the adapter's best path (f16 weight storage where
+/// SHADER_F16 exists) and the plain f32 fallback.
+fn gpu(allow_f16: bool) -> Option<&'static WgpuBackend> {
+    static BEST: GpuSlot = std::sync::OnceLock::new();
+    static PLAIN: GpuSlot = std::sync::OnceLock::new();
+    let slot = if allow_f16 { &BEST } else { &PLAIN };
+    slot.get_or_init(|| {
+        let opts = Options {
+            allow_f16,
+            ..Options::default()
+        };
+        match WgpuBackend::with_options(&opts) {
             Ok(b) => {
                 eprintln!(
-                    "conformance: wgpu on {} ({}, {})",
-                    b.adapter.name, b.adapter.backend, b.adapter.device_type
+                    "conformance: wgpu on {} ({}, {}), f16 weights: {}",
+                    b.adapter.name, b.adapter.backend, b.adapter.device_type, b.f16_weights
                 );
                 Some(b)
             }
@@ -46,13 +57,25 @@ fn gpu() -> Option<&'static sdkit_engine::backend::wgpu::WgpuBackend> {
                 eprintln!("conformance: skipped backend wgpu: {e}");
                 None
             }
-        },
-    )
+        }
+    })
     .as_ref()
 }
 
 fn run_wgpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
-    let Some(g) = gpu() else {
+    run_on(gpu(true), p, inputs)
+}
+
+fn run_wgpu_f32(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
+    run_on(gpu(false), p, inputs)
+}
+
+fn run_on(
+    g: Option<&WgpuBackend>,
+    p: &Program,
+    inputs: &HashMap<String, Array>,
+) -> Result<Vec<Array>, String> {
+    let Some(g) = g else {
         return Err("no adapter".into());
     };
     let mut b = cpu::Bindings::default();
@@ -66,8 +89,14 @@ fn run_wgpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, 
 
 fn backends() -> Vec<(&'static str, Runner)> {
     let mut v: Vec<(&'static str, Runner)> = vec![("cpu", run_cpu)];
-    if std::env::var_os("SDKIT_SKIP_WGPU").is_none() && gpu().is_some() {
-        v.push(("wgpu", run_wgpu));
+    if std::env::var_os("SDKIT_SKIP_WGPU").is_none() {
+        if let Some(best) = gpu(true) {
+            v.push(("wgpu", run_wgpu));
+            // The fallback path only differs where the best path uses f16.
+            if best.f16_weights && gpu(false).is_some() {
+                v.push(("wgpu-f32", run_wgpu_f32));
+            }
+        }
     }
     v
 }
@@ -99,6 +128,13 @@ fn inputs_for(g: &TensorGraph, seed: u64, vocab: usize) -> HashMap<String, Array
                         ((v + 1.0) * 0.5 * vocab as f32)
                             .floor()
                             .min(vocab as f32 - 1.0)
+                    } else if kind == InputKind::Weight {
+                        // Weights on the f16 grid: f16 storage is then
+                        // lossless, and every path is held to the same
+                        // tolerance.
+                        sdkit_engine::weights::f16_to_f32(
+                            sdkit_engine::backend::wgpu::f32_to_f16_bits(v),
+                        )
                     } else {
                         v
                     }

@@ -31,6 +31,19 @@ fn bindings(g: &sdkit_engine::tensor::TensorGraph, salt: u32) -> cpu::Bindings {
                     (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
                 })
                 .collect();
+            // Weights on the f16 grid, so the f16 storage path is lossless
+            // and CPU and GPU see the same numbers.
+            let data: Vec<f32> = match kind {
+                InputKind::Weight => data
+                    .into_iter()
+                    .map(|v| {
+                        sdkit_engine::weights::f16_to_f32(
+                            sdkit_engine::backend::wgpu::f32_to_f16_bits(v),
+                        )
+                    })
+                    .collect(),
+                InputKind::Activation => data,
+            };
             let data = Arc::new(data);
             match kind {
                 InputKind::Weight => b.weights.insert(name.to_string(), data),

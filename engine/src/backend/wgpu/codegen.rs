@@ -125,22 +125,6 @@ fn offset_code(view: &View, shape: &[usize], idx: &str) -> String {
     format!("({})", terms.join(" + "))
 }
 
-/// Bindings: inputs in0.., then `out`.
-fn bindings(n_inputs: usize) -> String {
-    let mut s = String::new();
-    for i in 0..n_inputs {
-        let _ = writeln!(
-            s,
-            "@group(0) @binding({i}) var<storage, read_write> in{i}: array<f32>;"
-        );
-    }
-    let _ = writeln!(
-        s,
-        "@group(0) @binding({n_inputs}) var<storage, read_write> dst: array<f32>;"
-    );
-    s
-}
-
 /// `fn epi(acc, i)`: the kernel's epilogue at output index `i`.
 fn epilogue_fn(k: &Kernel) -> String {
     let shape = &k.output.shape;
@@ -170,11 +154,10 @@ const LINEAR_ID: &str = "let gi = gid.x + gid.y * (nwg.x * 256u);";
 // Each arm sets the launch grid after emitting its source; a late `let`
 // keeps the arms' long bodies flat.
 #[allow(clippy::needless_late_init)]
-pub fn generate(k: &Kernel) -> Result<Shader, String> {
+pub fn generate(k: &Kernel, f16_inputs: &[bool]) -> Result<Shader, String> {
     let n_out = k.output.numel();
     let mut src = String::new();
     src.push_str(PRELUDE);
-    src.push_str(&bindings(k.inputs.len()));
     src.push_str(&epilogue_fn(k));
     let simple = |body: &str| -> String {
         format!(
@@ -553,10 +536,75 @@ pub fn generate(k: &Kernel) -> Result<Shader, String> {
             groups = grid(n_out);
         }
     }
+    // Every input read goes through `rd{j}(i)`, which widens f16 storage
+    // to f32 where an input is stored as f16; arithmetic stays f32.
+    let body = route_reads(&src, k.inputs.len());
+    let any_f16 = f16_inputs.iter().any(|&h| h);
+    let mut head = String::new();
+    if any_f16 {
+        head.push_str("enable f16;\n");
+    }
+    for j in 0..k.inputs.len() {
+        let half = f16_inputs.get(j).copied().unwrap_or(false);
+        let ty = if half { "f16" } else { "f32" };
+        let _ = writeln!(
+            head,
+            "@group(0) @binding({j}) var<storage, read_write> in{j}: array<{ty}>;\nfn rd{j}(i: u32) -> f32 {{ return f32(in{j}[i]); }}"
+        );
+    }
+    let _ = writeln!(
+        head,
+        "@group(0) @binding({}) var<storage, read_write> dst: array<f32>;",
+        k.inputs.len()
+    );
+    head.push_str(&body);
     Ok(Shader {
-        source: src,
+        source: head,
         groups,
     })
+}
+
+/// Rewrites every `inJ[expr]` into `rdJ(expr)` (brackets matched).
+fn route_reads(src: &str, n_inputs: usize) -> String {
+    let bytes = src.as_bytes();
+    let mut out = String::with_capacity(src.len());
+    let mut i = 0;
+    // One entry per open `[`: whether it opened a rewritten read.
+    let mut depth_stack: Vec<bool> = Vec::new();
+    while i < bytes.len() {
+        let c = bytes[i] as char;
+        if c == 'i' && src[i..].starts_with("in") && (i == 0 || !is_ident(bytes[i - 1])) {
+            // inN[ ?
+            let mut j = i + 2;
+            while j < bytes.len() && bytes[j].is_ascii_digit() {
+                j += 1;
+            }
+            if j > i + 2 && j < bytes.len() && bytes[j] == b'[' {
+                if let Ok(n) = src[i + 2..j].parse::<usize>() {
+                    if n < n_inputs {
+                        out.push_str(&format!("rd{n}("));
+                        depth_stack.push(true);
+                        i = j + 1;
+                        continue;
+                    }
+                }
+            }
+        }
+        if c == '[' {
+            depth_stack.push(false);
+        } else if c == ']' && depth_stack.pop() == Some(true) {
+            out.push(')');
+            i += 1;
+            continue;
+        }
+        out.push(c);
+        i += 1;
+    }
+    out
+}
+
+fn is_ident(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_'
 }
 
 /// How many leading inputs a concat kernel copies (the rest are epilogue

@@ -115,7 +115,63 @@ fn rank(t: wgpu::DeviceType) -> u8 {
     }
 }
 
+/// Converts f32 to IEEE half, rounding to nearest even (weights stored as
+/// f16 where the adapter has SHADER_F16).
+pub fn f32_to_f16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xff) as i32;
+    let man = b & 0x7f_ffff;
+    if exp == 0xff {
+        return sign | 0x7c00 | if man != 0 { 0x200 } else { 0 };
+    }
+    let e = exp - 127 + 15;
+    if e >= 0x1f {
+        return sign | 0x7c00;
+    }
+    if e <= 0 {
+        if e < -10 {
+            return sign;
+        }
+        let m = man | 0x80_0000;
+        let shift = (14 - e) as u32;
+        let half = 1u32 << (shift - 1);
+        let rest = m & ((1u32 << shift) - 1);
+        let mut v = m >> shift;
+        if rest > half || (rest == half && v & 1 == 1) {
+            v += 1;
+        }
+        return sign | v as u16;
+    }
+    let mut v = ((e as u32) << 10) | (man >> 13);
+    let rest = man & 0x1fff;
+    if rest > 0x1000 || (rest == 0x1000 && v & 1 == 1) {
+        v += 1;
+    }
+    sign | v as u16
+}
+
+/// Backend options.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Adapter name filter (case-insensitive substring).
+    pub adapter: Option<String>,
+    /// Store weights as f16 when the adapter supports SHADER_F16.
+    pub allow_f16: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            adapter: None,
+            allow_f16: true,
+        }
+    }
+}
+
 pub struct WgpuBackend {
+    /// Weights are stored as f16 (compute stays f32).
+    pub f16_weights: bool,
     device: wgpu::Device,
     queue: wgpu::Queue,
     pub adapter: AdapterReport,
@@ -128,6 +184,14 @@ impl WgpuBackend {
     /// CPU software), or the first whose name contains `name`. Requests the
     /// adapter's real limits, not the defaults.
     pub fn new(name: Option<&str>) -> Result<Self, WgpuError> {
+        Self::with_options(&Options {
+            adapter: name.map(str::to_string),
+            ..Options::default()
+        })
+    }
+
+    pub fn with_options(opts: &Options) -> Result<Self, WgpuError> {
+        let name = opts.adapter.as_deref();
         let inst = instance();
         let mut all = pollster::block_on(inst.enumerate_adapters(wgpu::Backends::all()));
         all.sort_by_key(|a| rank(a.get_info().device_type));
@@ -146,14 +210,21 @@ impl WgpuBackend {
             })?,
         };
         let limits = adapter.limits();
+        let f16 = opts.allow_f16 && adapter.features().contains(wgpu::Features::SHADER_F16);
+        let features = if f16 {
+            wgpu::Features::SHADER_F16
+        } else {
+            wgpu::Features::empty()
+        };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("sdkit"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
         .map_err(|e| WgpuError::Device(e.to_string()))?;
         Ok(WgpuBackend {
+            f16_weights: f16,
             device,
             queue,
             adapter: report(&adapter),
@@ -248,8 +319,16 @@ impl WgpuBackend {
                         .ok_or_else(|| WgpuError::MissingWeight(name.clone()))?;
                     let want = prog.buffer(*buffer).len;
                     check_size(name, data.len(), want)?;
-                    self.check_binding(want as u64 * 4)?;
-                    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let mut bytes: Vec<u8> = if self.f16_weights {
+                        data.iter()
+                            .flat_map(|v| f32_to_f16_bits(*v).to_le_bytes())
+                            .collect()
+                    } else {
+                        data.iter().flat_map(|v| v.to_le_bytes()).collect()
+                    };
+                    // Binding sizes are multiples of 4 bytes.
+                    bytes.resize(bytes.len().div_ceil(4) * 4, 0);
+                    self.check_binding(bytes.len() as u64)?;
                     let buf = self
                         .device
                         .create_buffer_init(&wgpu::util::BufferInitDescriptor {
@@ -286,7 +365,14 @@ impl WgpuBackend {
                 kind: k.kind.name(),
                 message: m,
             };
-            let shader = codegen::generate(k).map_err(unsupported)?;
+            let halves: Vec<bool> = k
+                .inputs
+                .iter()
+                .map(|v| {
+                    self.f16_weights && matches!(prog.buffer(v.buffer).kind, BufferKind::Weight(_))
+                })
+                .collect();
+            let shader = codegen::generate(k, &halves).map_err(unsupported)?;
             let pipeline = self
                 .pipeline(&shader.source)
                 .map_err(|m| WgpuError::Unsupported {
@@ -302,7 +388,12 @@ impl WgpuBackend {
                 .enumerate()
             {
                 let b = prog.buffer(v.buffer);
-                let size = (b.len as u64) * 4;
+                let half = halves.get(i).copied().unwrap_or(false);
+                let size = if half {
+                    (b.len as u64 * 2).div_ceil(4) * 4
+                } else {
+                    (b.len as u64) * 4
+                };
                 self.check_binding(size)?;
                 let (buffer, offset) = match b.kind {
                     BufferKind::Arena => (&arena, b.offset as u64 * 4),
@@ -505,4 +596,26 @@ fn read_view(v: &crate::plan::View, data: &[f32]) -> Vec<f32> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::f32_to_f16_bits;
+    use crate::weights::f16_to_f32;
+
+    #[test]
+    fn f16_round_trip_and_rounding() {
+        for h in 0..=u16::MAX {
+            let x = f16_to_f32(h);
+            if x.is_nan() {
+                assert!(f16_to_f32(f32_to_f16_bits(x)).is_nan());
+                continue;
+            }
+            assert_eq!(f32_to_f16_bits(x), h, "{h:#06x} = {x}");
+        }
+        // Halfway cases round to even.
+        assert_eq!(f32_to_f16_bits(1.0 + 1.0 / 2048.0), 0x3c00);
+        assert_eq!(f32_to_f16_bits(1.0 + 3.0 / 2048.0), 0x3c02);
+        assert_eq!(f32_to_f16_bits(65520.0), 0x7c00);
+    }
 }
