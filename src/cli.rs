@@ -72,7 +72,16 @@ pub enum Command {
         /// Only the statistics line.
         #[arg(long)]
         stats: bool,
+        /// Also run the Program (random weights) on a device and time it.
+        #[arg(long, value_enum)]
+        run: Option<DeviceKind>,
     },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Wgpu,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -167,7 +176,8 @@ pub fn main(cli: Cli) -> Result<i32> {
             channels,
             size,
             stats,
-        } => plan_command(graph, batch, channels, size, stats),
+            run,
+        } => plan_command(graph, batch, channels, size, stats, run),
     }
 }
 
@@ -214,6 +224,7 @@ fn plan_command(
     channels: usize,
     size: usize,
     stats_only: bool,
+    run: Option<DeviceKind>,
 ) -> Result<i32> {
     use sdkit_engine::plan::{plan, samples};
     let g = match graph {
@@ -231,7 +242,70 @@ fn plan_command(
         write!(out, "{text}")?;
     }
     writeln!(out, "kernels: {:?}", p.kernel_histogram())?;
+    if let Some(device) = run {
+        drop(out);
+        time_program(&g, &p, device)?;
+    }
     Ok(0)
+}
+
+/// Runs a planned sample graph with deterministic pseudo-random weights
+/// and inputs, and prints the time per run (after one warm-up run).
+fn time_program(
+    g: &sdkit_engine::tensor::TensorGraph,
+    p: &sdkit_engine::plan::Program,
+    device: DeviceKind,
+) -> Result<()> {
+    use sdkit_engine::backend::{cpu, wgpu};
+    use sdkit_engine::tensor::InputKind;
+    let mut bind = cpu::Bindings::default();
+    for kind in [InputKind::Weight, InputKind::Activation] {
+        for (_, name, shape) in g.inputs(kind) {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = (0..n)
+                .map(|i| ((i.wrapping_mul(2_654_435_761) % 2001) as f32 / 1000.0 - 1.0) * 0.05)
+                .collect();
+            let data = Arc::new(data);
+            match kind {
+                InputKind::Weight => bind.weights.insert(name.to_string(), data),
+                InputKind::Activation => bind.inputs.insert(name.to_string(), data),
+            };
+        }
+    }
+    let runs = 3;
+    match device {
+        DeviceKind::Cpu => {
+            cpu::run(p, &bind).context("cpu run failed")?;
+            let t = std::time::Instant::now();
+            for _ in 0..runs {
+                cpu::run(p, &bind).context("cpu run failed")?;
+            }
+            println!(
+                "cpu: {:.2} ms per run ({} threads)",
+                t.elapsed().as_secs_f64() * 1e3 / runs as f64,
+                rayon_threads()
+            );
+        }
+        DeviceKind::Wgpu => {
+            let gpu = wgpu::WgpuBackend::new(None).context("cannot open a GPU adapter")?;
+            let prepared = gpu
+                .prepare(p, &bind)
+                .context("cannot prepare the program")?;
+            prepared.run(&bind).context("wgpu run failed")?;
+            let t = std::time::Instant::now();
+            for _ in 0..runs {
+                prepared.run(&bind).context("wgpu run failed")?;
+            }
+            println!(
+                "wgpu ({}): {:.2} ms per run incl. input upload and readback; {} pipelines, f16 weights: {}",
+                gpu.adapter.name,
+                t.elapsed().as_secs_f64() * 1e3 / runs as f64,
+                gpu.pipelines_compiled(),
+                gpu.f16_weights
+            );
+        }
+    }
+    Ok(())
 }
 
 fn print_json(v: &serde_json::Value) -> Result<i32> {
