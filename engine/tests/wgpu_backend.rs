@@ -92,3 +92,29 @@ fn missing_input_is_a_typed_error() {
     let err = gpu.run(&prog, &b).expect_err("fails");
     assert!(err.to_string().contains("emb"), "{err}");
 }
+
+#[test]
+fn tensors_past_the_binding_limit_are_split() {
+    use sdkit_engine::backend::wgpu::Options;
+    // A 64 KiB binding cap splits the large weights and activations of this
+    // graph over several bindings, as a 128 MiB cap splits a VAE decoder's
+    // activations at 512 px on lavapipe.
+    let gpu = match WgpuBackend::with_options(&Options {
+        max_binding_bytes: Some(64 * 1024),
+        ..Options::default()
+    }) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("skipped: wgpu binding split test: {e}");
+            return;
+        }
+    };
+    let g = samples::unet_like_graph(1, 32, 16, 2).expect("builds");
+    let prog = plan(&g).expect("plans");
+    let b = bindings(&g, 5);
+    let got = gpu.run(&prog, &b).expect("runs split");
+    let want = cpu::run(&prog, &b).expect("cpu runs");
+    let e = nmse(&got[0].data, &want[0].data);
+    assert!(e < 1e-9, "nmse {e}");
+    assert!(gpu.split_operands() > 0, "nothing was split");
+}

@@ -154,7 +154,30 @@ const LINEAR_ID: &str = "let gi = gid.x + gid.y * (nwg.x * 256u);";
 // Each arm sets the launch grid after emitting its source; a late `let`
 // keeps the arms' long bodies flat.
 #[allow(clippy::needless_late_init)]
-pub fn generate(k: &Kernel, f16_inputs: &[bool]) -> Result<Shader, String> {
+/// How one kernel operand is bound: its element type and, for tensors larger
+/// than the device's binding limit, how it is split into several bindings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub f16: bool,
+    /// Number of bindings (1 unless the buffer exceeds the binding limit).
+    pub chunks: usize,
+    /// Elements per binding (all but the last are full).
+    pub chunk_elems: usize,
+}
+
+impl Operand {
+    pub fn whole(f16: bool) -> Self {
+        Operand {
+            f16,
+            chunks: 1,
+            chunk_elems: usize::MAX,
+        }
+    }
+}
+
+/// Generates the shader for a kernel; `operands` describes each input
+/// then the output.
+pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
     let n_out = k.output.numel();
     let mut src = String::new();
     src.push_str(PRELUDE);
@@ -536,27 +559,59 @@ pub fn generate(k: &Kernel, f16_inputs: &[bool]) -> Result<Shader, String> {
             groups = grid(n_out);
         }
     }
-    // Every input read goes through `rd{j}(i)`, which widens f16 storage
-    // to f32 where an input is stored as f16; arithmetic stays f32.
-    let body = route_reads(&src, k.inputs.len());
-    let any_f16 = f16_inputs.iter().any(|&h| h);
+    // Every input read goes through `rd{j}(i)` and every store through
+    // `wr(i, v)`: they widen f16 storage to f32 (arithmetic stays f32) and
+    // pick the binding of a tensor split over several.
+    let body = route_writes(&route_reads(&src, k.inputs.len()));
+    if operands.len() != k.inputs.len() + 1 {
+        return Err(format!(
+            "{} operand layouts for {} inputs and an output",
+            operands.len(),
+            k.inputs.len()
+        ));
+    }
     let mut head = String::new();
-    if any_f16 {
+    if operands.iter().any(|o| o.f16) {
         head.push_str("enable f16;\n");
     }
-    for j in 0..k.inputs.len() {
-        let half = f16_inputs.get(j).copied().unwrap_or(false);
-        let ty = if half { "f16" } else { "f32" };
-        let _ = writeln!(
-            head,
-            "@group(0) @binding({j}) var<storage, read_write> in{j}: array<{ty}>;\nfn rd{j}(i: u32) -> f32 {{ return f32(in{j}[i]); }}"
-        );
+    let mut binding = 0;
+    for (j, op) in operands.iter().enumerate() {
+        let is_out = j == k.inputs.len();
+        let name = if is_out {
+            "dst".to_string()
+        } else {
+            format!("in{j}")
+        };
+        let ty = if op.f16 { "f16" } else { "f32" };
+        for c in 0..op.chunks {
+            let _ = writeln!(
+                head,
+                "@group(0) @binding({binding}) var<storage, read_write> {name}_{c}: array<{ty}>;"
+            );
+            binding += 1;
+        }
+        // Chunk selection; a single chunk compiles to a plain access.
+        let mut access = String::new();
+        for c in 0..op.chunks {
+            let lo = c * op.chunk_elems;
+            let stmt = if is_out {
+                format!("{{ {name}_{c}[i - {lo}u] = v; return; }}")
+            } else {
+                format!("{{ return f32({name}_{c}[i - {lo}u]); }}")
+            };
+            if c + 1 == op.chunks {
+                let _ = write!(access, "{stmt}");
+            } else {
+                let hi = (c + 1) * op.chunk_elems;
+                let _ = write!(access, "if (i < {hi}u) {stmt} ");
+            }
+        }
+        if is_out {
+            let _ = writeln!(head, "fn wr(i: u32, v: f32) {{ {access} }}");
+        } else {
+            let _ = writeln!(head, "fn rd{j}(i: u32) -> f32 {{ {access} }}");
+        }
     }
-    let _ = writeln!(
-        head,
-        "@group(0) @binding({}) var<storage, read_write> dst: array<f32>;",
-        k.inputs.len()
-    );
     head.push_str(&body);
     Ok(Shader {
         source: head,
@@ -600,6 +655,55 @@ fn route_reads(src: &str, n_inputs: usize) -> String {
         out.push(c);
         i += 1;
     }
+    out
+}
+
+/// Rewrites every store `dst[i] = v;` into `wr(i, v);`.
+fn route_writes(src: &str) -> String {
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(p) = rest.find("dst[") {
+        let before_ok = p == 0 || !is_ident(rest.as_bytes()[p - 1]);
+        out.push_str(&rest[..p]);
+        let after = &rest[p + 4..];
+        if !before_ok {
+            out.push_str("dst[");
+            rest = after;
+            continue;
+        }
+        // Index: up to the matching `]`.
+        let mut depth = 1;
+        let mut end = 0;
+        for (i, ch) in after.char_indices() {
+            match ch {
+                '[' => depth += 1,
+                ']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let index = &after[..end];
+        let tail = &after[end + 1..];
+        let Some(eq) = tail.find('=') else {
+            out.push_str("dst[");
+            rest = after;
+            continue;
+        };
+        let value_and_rest = &tail[eq + 1..];
+        let Some(semi) = value_and_rest.find(';') else {
+            out.push_str("dst[");
+            rest = after;
+            continue;
+        };
+        out.push_str(&format!("wr({index}, {});", value_and_rest[..semi].trim()));
+        rest = &value_and_rest[semi + 1..];
+    }
+    out.push_str(rest);
     out
 }
 

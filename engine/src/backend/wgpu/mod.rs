@@ -6,9 +6,11 @@
 //! Weights and inputs are separate buffers. Shaders come from [`codegen`]
 //! and are cached by source, so replaying a Program compiles nothing new.
 //!
-//! Not yet: f16 storage/arithmetic, subgroup and cooperative-matrix paths
-//! (everything runs in f32 with portable kernels), splitting tensors larger
-//! than the device's binding limit, overlapping uploads with compute.
+//! Weights are stored as f16 where the adapter has SHADER_F16 (arithmetic
+//! stays f32). Tensors larger than the device's storage binding limit are
+//! bound as several consecutive ranges, which the generated accessors pick
+//! between. Not yet: f16 arithmetic, subgroup and cooperative-matrix paths,
+//! overlapping uploads with compute.
 
 pub mod codegen;
 
@@ -40,7 +42,7 @@ pub enum WgpuError {
         kind: &'static str,
         message: String,
     },
-    #[error("buffer of {bytes} bytes exceeds the device's binding limit of {limit} bytes (splitting large tensors is not implemented yet)")]
+    #[error("buffer of {bytes} bytes exceeds the device's buffer size limit of {limit} bytes")]
     TooLarge { bytes: u64, limit: u64 },
     #[error("out of device memory: {0}")]
     OutOfMemory(String),
@@ -158,6 +160,9 @@ pub struct Options {
     pub adapter: Option<String>,
     /// Store weights as f16 when the adapter supports SHADER_F16.
     pub allow_f16: bool,
+    /// Bind at most this many bytes per binding (below the adapter's own
+    /// limit), splitting larger tensors; lets tests exercise splitting.
+    pub max_binding_bytes: Option<u64>,
 }
 
 impl Default for Options {
@@ -165,6 +170,7 @@ impl Default for Options {
         Options {
             adapter: None,
             allow_f16: true,
+            max_binding_bytes: None,
         }
     }
 }
@@ -172,6 +178,8 @@ impl Default for Options {
 pub struct WgpuBackend {
     /// Weights are stored as f16 (compute stays f32).
     pub f16_weights: bool,
+    binding_cap: Option<u64>,
+    split_operands: std::sync::atomic::AtomicUsize,
     device: wgpu::Device,
     queue: wgpu::Queue,
     pub adapter: AdapterReport,
@@ -225,6 +233,8 @@ impl WgpuBackend {
         .map_err(|e| WgpuError::Device(e.to_string()))?;
         Ok(WgpuBackend {
             f16_weights: f16,
+            binding_cap: opts.max_binding_bytes,
+            split_operands: std::sync::atomic::AtomicUsize::new(0),
             device,
             queue,
             adapter: report(&adapter),
@@ -266,13 +276,27 @@ impl WgpuBackend {
         Ok(p)
     }
 
+    /// Kernel operands bound as several ranges so far (tensors past the
+    /// binding limit).
+    pub fn split_operands(&self) -> usize {
+        self.split_operands
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Number of distinct pipelines compiled so far.
     pub fn pipelines_compiled(&self) -> usize {
         self.pipelines.lock().map_or(0, |c| c.len())
     }
 
+    /// Bytes one binding may cover.
+    fn binding_limit(&self) -> u64 {
+        let dev = self.limits.max_storage_buffer_binding_size;
+        self.binding_cap.map_or(dev, |c| c.min(dev)).max(256)
+    }
+
+    /// Whole-buffer checks: a single buffer must fit the device.
     fn check_binding(&self, bytes: u64) -> Result<(), WgpuError> {
-        let limit = self.limits.max_storage_buffer_binding_size;
+        let limit = self.limits.max_buffer_size;
         if bytes > limit {
             return Err(WgpuError::TooLarge { bytes, limit });
         }
@@ -365,14 +389,43 @@ impl WgpuBackend {
                 kind: k.kind.name(),
                 message: m,
             };
-            let halves: Vec<bool> = k
-                .inputs
-                .iter()
-                .map(|v| {
-                    self.f16_weights && matches!(prog.buffer(v.buffer).kind, BufferKind::Weight(_))
-                })
-                .collect();
-            let shader = codegen::generate(k, &halves).map_err(unsupported)?;
+            // Each operand's binding layout: f16 for weights where the
+            // adapter has SHADER_F16; split into several bindings past the
+            // binding limit.
+            let views: Vec<&crate::plan::View> =
+                k.inputs.iter().chain(std::iter::once(&k.output)).collect();
+            let mut operands = Vec::new();
+            for v in &views {
+                let b = prog.buffer(v.buffer);
+                let half = self.f16_weights && matches!(b.kind, BufferKind::Weight(_));
+                let elem = if half { 2u64 } else { 4 };
+                let bytes = (b.len as u64 * elem).div_ceil(4) * 4;
+                let limit = self.binding_limit();
+                let op = if bytes <= limit {
+                    codegen::Operand::whole(half)
+                } else {
+                    // Chunks start on the storage offset alignment.
+                    let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
+                    let chunk_bytes = (limit / align) * align;
+                    self.split_operands
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    codegen::Operand {
+                        f16: half,
+                        chunks: bytes.div_ceil(chunk_bytes) as usize,
+                        chunk_elems: (chunk_bytes / elem) as usize,
+                    }
+                };
+                operands.push((op, bytes));
+            }
+            let total_bindings: usize = operands.iter().map(|(o, _)| o.chunks).sum();
+            if total_bindings > self.limits.max_storage_buffers_per_shader_stage as usize {
+                return Err(unsupported(format!(
+                    "needs {total_bindings} storage bindings, the device allows {}",
+                    self.limits.max_storage_buffers_per_shader_stage
+                )));
+            }
+            let layouts: Vec<codegen::Operand> = operands.iter().map(|(o, _)| *o).collect();
+            let shader = codegen::generate(k, &layouts).map_err(unsupported)?;
             let pipeline = self
                 .pipeline(&shader.source)
                 .map_err(|m| WgpuError::Unsupported {
@@ -381,21 +434,9 @@ impl WgpuBackend {
                     message: m,
                 })?;
             let mut entries = Vec::new();
-            for (i, v) in k
-                .inputs
-                .iter()
-                .chain(std::iter::once(&k.output))
-                .enumerate()
-            {
+            for (v, (op, bytes)) in views.iter().zip(&operands) {
                 let b = prog.buffer(v.buffer);
-                let half = halves.get(i).copied().unwrap_or(false);
-                let size = if half {
-                    (b.len as u64 * 2).div_ceil(4) * 4
-                } else {
-                    (b.len as u64) * 4
-                };
-                self.check_binding(size)?;
-                let (buffer, offset) = match b.kind {
+                let (buffer, base) = match b.kind {
                     BufferKind::Arena => (&arena, b.offset as u64 * 4),
                     _ => (
                         external.get(&v.buffer.0).ok_or_else(|| {
@@ -404,14 +445,24 @@ impl WgpuBackend {
                         0,
                     ),
                 };
-                entries.push(wgpu::BindGroupEntry {
-                    binding: i as u32,
-                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                        buffer,
-                        offset,
-                        size: std::num::NonZeroU64::new(size),
-                    }),
-                });
+                let elem = if op.f16 { 2u64 } else { 4 };
+                for c in 0..op.chunks {
+                    let (offset, size) = if op.chunks == 1 {
+                        (base, *bytes)
+                    } else {
+                        let chunk = op.chunk_elems as u64 * elem;
+                        let start = c as u64 * chunk;
+                        (base + start, chunk.min(bytes - start))
+                    };
+                    entries.push(wgpu::BindGroupEntry {
+                        binding: entries.len() as u32,
+                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                            buffer,
+                            offset,
+                            size: std::num::NonZeroU64::new(size),
+                        }),
+                    });
+                }
             }
             let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: None,
