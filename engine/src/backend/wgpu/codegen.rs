@@ -151,9 +151,6 @@ fn grid(threads: usize) -> [u32; 3] {
 const LINEAR_ID: &str = "let gi = gid.x + gid.y * (nwg.x * 256u);";
 
 /// Generates the shader for a kernel, or says what is unsupported.
-// Each arm sets the launch grid after emitting its source; a late `let`
-// keeps the arms' long bodies flat.
-#[allow(clippy::needless_late_init)]
 /// How one kernel operand is bound: its element type and, for tensors larger
 /// than the device's binding limit, how it is split into several bindings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -177,6 +174,9 @@ impl Operand {
 
 /// Generates the shader for a kernel; `operands` describes each input
 /// then the output.
+// Each arm sets the launch grid after emitting its source; a late `let`
+// keeps the arms' long bodies flat.
+#[allow(clippy::needless_late_init)]
 pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
     let n_out = k.output.numel();
     let mut src = String::new();
