@@ -595,7 +595,7 @@ pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
         for c in 0..op.chunks {
             let lo = c * op.chunk_elems;
             let stmt = if is_out {
-                format!("{{ {name}_{c}[i - {lo}u] = v; return; }}")
+                format!("{{ {name}_{c}[i - {lo}u] = {ty}(v); return; }}")
             } else {
                 format!("{{ return f32({name}_{c}[i - {lo}u]); }}")
             };

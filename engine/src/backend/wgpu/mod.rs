@@ -160,6 +160,11 @@ pub struct Options {
     pub adapter: Option<String>,
     /// Store weights as f16 when the adapter supports SHADER_F16.
     pub allow_f16: bool,
+    /// Store activations (and inputs/outputs) as f16 too, where the
+    /// adapter supports SHADER_F16: half the memory traffic, f32 arithmetic
+    /// inside every kernel. Off by default: seed-exact parity with ComfyUI
+    /// is measured in f32.
+    pub f16_activations: bool,
     /// Bind at most this many bytes per binding (below the adapter's own
     /// limit), splitting larger tensors; lets tests exercise splitting.
     pub max_binding_bytes: Option<u64>,
@@ -170,6 +175,7 @@ impl Default for Options {
         Options {
             adapter: None,
             allow_f16: true,
+            f16_activations: false,
             max_binding_bytes: None,
         }
     }
@@ -178,6 +184,8 @@ impl Default for Options {
 pub struct WgpuBackend {
     /// Weights are stored as f16 (compute stays f32).
     pub f16_weights: bool,
+    /// Activations, inputs and outputs are stored as f16 too.
+    pub f16_activations: bool,
     binding_cap: Option<u64>,
     split_operands: std::sync::atomic::AtomicUsize,
     device: wgpu::Device,
@@ -233,6 +241,7 @@ impl WgpuBackend {
         .map_err(|e| WgpuError::Device(e.to_string()))?;
         Ok(WgpuBackend {
             f16_weights: f16,
+            f16_activations: f16 && opts.f16_activations,
             binding_cap: opts.max_binding_bytes,
             split_operands: std::sync::atomic::AtomicUsize::new(0),
             device,
@@ -286,6 +295,16 @@ impl WgpuBackend {
     /// Number of distinct pipelines compiled so far.
     pub fn pipelines_compiled(&self) -> usize {
         self.pipelines.lock().map_or(0, |c| c.len())
+    }
+
+    /// Bytes a buffer of `len` elements occupies (bindings are multiples
+    /// of 4 bytes).
+    fn stored_bytes(&self, len: usize, half: bool) -> u64 {
+        if half {
+            (len as u64 * 2).div_ceil(4) * 4
+        } else {
+            len as u64 * 4
+        }
     }
 
     /// Bytes one binding may cover.
@@ -343,15 +362,7 @@ impl WgpuBackend {
                         .ok_or_else(|| WgpuError::MissingWeight(name.clone()))?;
                     let want = prog.buffer(*buffer).len;
                     check_size(name, data.len(), want)?;
-                    let mut bytes: Vec<u8> = if self.f16_weights {
-                        data.iter()
-                            .flat_map(|v| f32_to_f16_bits(*v).to_le_bytes())
-                            .collect()
-                    } else {
-                        data.iter().flat_map(|v| v.to_le_bytes()).collect()
-                    };
-                    // Binding sizes are multiples of 4 bytes.
-                    bytes.resize(bytes.len().div_ceil(4) * 4, 0);
+                    let bytes = encode(data, self.f16_weights);
                     self.check_binding(bytes.len() as u64)?;
                     let buf = self
                         .device
@@ -364,10 +375,11 @@ impl WgpuBackend {
                 }
                 Command::Bind { buffer, name } => {
                     let len = prog.buffer(*buffer).len;
-                    self.check_binding(len as u64 * 4)?;
+                    let bytes = self.stored_bytes(len, self.f16_activations);
+                    self.check_binding(bytes)?;
                     let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
                         label: Some(name),
-                        size: len as u64 * 4,
+                        size: bytes,
                         usage: storage,
                         mapped_at_creation: false,
                     });
@@ -397,7 +409,10 @@ impl WgpuBackend {
             let mut operands = Vec::new();
             for v in &views {
                 let b = prog.buffer(v.buffer);
-                let half = self.f16_weights && matches!(b.kind, BufferKind::Weight(_));
+                let half = match b.kind {
+                    BufferKind::Weight(_) => self.f16_weights,
+                    _ => self.f16_activations,
+                };
                 let elem = if half { 2u64 } else { 4 };
                 let bytes = (b.len as u64 * elem).div_ceil(4) * 4;
                 let limit = self.binding_limit();
@@ -527,7 +542,7 @@ impl Prepared<'_> {
                 .get(name)
                 .ok_or_else(|| WgpuError::MissingInput(name.clone()))?;
             check_size(name, data.len(), *len)?;
-            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bytes = encode(data, self.backend.f16_activations);
             if let Some(b) = self.external.get(buf) {
                 queue.write_buffer(b, 0, &bytes);
             }
@@ -549,7 +564,11 @@ impl Prepared<'_> {
         let mut staging = Vec::new();
         for v in &self.prog.outputs {
             let b = self.prog.buffer(v.buffer);
-            let size = (b.len as u64) * 4;
+            let half = match b.kind {
+                BufferKind::Weight(_) => self.backend.f16_weights,
+                _ => self.backend.f16_activations,
+            };
+            let size = self.backend.stored_bytes(b.len, half);
             let st = dev.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("readback"),
                 size,
@@ -569,6 +588,10 @@ impl Prepared<'_> {
         queue.submit([encoder.finish()]);
         let mut outs = Vec::new();
         for (v, st) in self.prog.outputs.iter().zip(&staging) {
+            let half = match self.prog.buffer(v.buffer).kind {
+                BufferKind::Weight(_) => self.backend.f16_weights,
+                _ => self.backend.f16_activations,
+            };
             let slice = st.slice(..);
             let (tx, rx) = std::sync::mpsc::channel();
             slice.map_async(wgpu::MapMode::Read, move |r| {
@@ -585,10 +608,7 @@ impl Prepared<'_> {
                 let bytes = slice
                     .get_mapped_range()
                     .map_err(|e| WgpuError::Lost(e.to_string()))?;
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect()
+                decode(&bytes, half)
             };
             st.unmap();
             outs.push(Array::new(v.shape.clone(), read_view(v, &data)));
@@ -622,6 +642,35 @@ impl Prepared<'_> {
         dev.poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| WgpuError::Lost(e.to_string()))?;
         Ok(())
+    }
+}
+
+/// Little-endian bytes of f32 values, or of their f16 roundings (padded to
+/// a multiple of 4 bytes).
+fn encode(data: &[f32], half: bool) -> Vec<u8> {
+    if half {
+        let mut b: Vec<u8> = data
+            .iter()
+            .flat_map(|v| f32_to_f16_bits(*v).to_le_bytes())
+            .collect();
+        b.resize(b.len().div_ceil(4) * 4, 0);
+        b
+    } else {
+        data.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+}
+
+fn decode(bytes: &[u8], half: bool) -> Vec<f32> {
+    if half {
+        bytes
+            .chunks_exact(2)
+            .map(|c| crate::weights::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect()
+    } else {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     }
 }
 
