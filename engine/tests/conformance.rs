@@ -52,16 +52,23 @@ fn gpu_with(allow_f16: bool, f16_activations: bool) -> Option<&'static WgpuBacke
         (false, false) => &PLAIN,
     };
     slot.get_or_init(|| {
+        // The plain path turns off every optional feature.
         let opts = Options {
             allow_f16,
+            allow_subgroups: allow_f16,
             f16_activations,
             ..Options::default()
         };
         match WgpuBackend::with_options(&opts) {
             Ok(b) => {
                 eprintln!(
-                    "conformance: wgpu on {} ({}, {}), f16 weights: {}",
-                    b.adapter.name, b.adapter.backend, b.adapter.device_type, b.f16_weights
+                    "conformance: wgpu on {} ({}, {}), f16 weights: {}, f16 activations: {}, subgroups: {}",
+                    b.adapter.name,
+                    b.adapter.backend,
+                    b.adapter.device_type,
+                    b.f16_weights,
+                    b.f16_activations,
+                    b.subgroups
                 );
                 Some(b)
             }
@@ -114,8 +121,9 @@ fn backends() -> Vec<(&'static str, Runner, f64)> {
     if std::env::var_os("SDKIT_SKIP_WGPU").is_none() {
         if let Some(best) = gpu(true) {
             v.push(("wgpu", run_wgpu, 0.0));
-            // The fallback path only differs where the best path uses f16.
-            if best.f16_weights && gpu(false).is_some() {
+            // The fallback path only differs where the best path uses f16
+            // or subgroups.
+            if (best.f16_weights || best.subgroups) && gpu(false).is_some() {
                 v.push(("wgpu-f32", run_wgpu_f32, 0.0));
             }
             if gpu_with(true, true).is_some_and(|g| g.f16_activations) {

@@ -177,7 +177,7 @@ impl Operand {
 // Each arm sets the launch grid after emitting its source; a late `let`
 // keeps the arms' long bodies flat.
 #[allow(clippy::needless_late_init)]
-pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
+pub fn generate(k: &Kernel, operands: &[Operand], subgroups: bool) -> Result<Shader, String> {
     let n_out = k.output.numel();
     let mut src = String::new();
     src.push_str(PRELUDE);
@@ -290,7 +290,7 @@ pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
             } else {
                 ""
             };
-            let body = ROW_NORM
+            let body = with_reductions(ROW_NORM, subgroups)
                 .replace("ROW_LEN", &format!("{per}u"))
                 .replace("READ(j)", "in0[base + j]")
                 .replace("BASE", &format!("row * {per}u"))
@@ -325,7 +325,7 @@ pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
                 (true, true) => "y = y * in1[j];",
                 _ => "",
             };
-            let body = ROW_NORM
+            let body = with_reductions(ROW_NORM, subgroups)
                 .replace("ROW_LEN", &format!("{cols}u"))
                 .replace("READ(j)", "in0[off0(base + j)]")
                 .replace("BASE", &format!("row * {cols}u"))
@@ -340,7 +340,7 @@ pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
             groups = [(*rows).min(65535) as u32, rows.div_ceil(65535) as u32, 1];
         }
         KernelKind::Softmax { outer, len, inner } => {
-            let body = SOFTMAX
+            let body = with_reductions(SOFTMAX, subgroups)
                 .replace("ROWS", &format!("{}u", outer * inner))
                 .replace("LEN", &format!("{len}u"))
                 .replace("INNER", &format!("{inner}u"));
@@ -574,6 +574,8 @@ pub fn generate(k: &Kernel, operands: &[Operand]) -> Result<Shader, String> {
     if operands.iter().any(|o| o.f16) {
         head.push_str("enable f16;\n");
     }
+    // Subgroup builtins need the device's SUBGROUP feature; naga takes no
+    // `enable subgroups;` directive yet.
     let mut binding = 0;
     for (j, op) in operands.iter().enumerate() {
         let is_out = j == k.inputs.len();
@@ -794,9 +796,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     )
 }
 
-/// A workgroup per row: mean (if CENTER) and variance by tree reduction in
-/// workgroup memory, two passes for accuracy, then normalise and store.
-const ROW_NORM: &str = r#"
+/// Workgroup-wide sum and max of one value per thread (256 threads). The
+/// portable form reduces a tree in workgroup memory; the subgroup form
+/// reduces within each subgroup in registers, then across subgroups.
+const REDUCE_TREE: &str = r#"
 var<workgroup> red: array<f32, 256>;
 fn wg_sum(v: f32, t: u32) -> f32 {
     red[t] = v;
@@ -809,8 +812,70 @@ fn wg_sum(v: f32, t: u32) -> f32 {
     workgroupBarrier();
     return r;
 }
+fn wg_max(v: f32, t: u32) -> f32 {
+    red[t] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s = s >> 1u) {
+        if (t < s) { red[t] = max(red[t], red[t + s]); }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+"#;
+
+const REDUCE_SUBGROUP: &str = r#"
+var<workgroup> red: array<f32, 256>;
+var<private> sg_lane: u32;
+var<private> sg_index: u32;
+var<private> sg_count: u32;
+fn wg_sum(v: f32, t: u32) -> f32 {
+    let s = subgroupAdd(v);
+    if (sg_lane == 0u) { red[sg_index] = s; }
+    workgroupBarrier();
+    var total = 0.0;
+    for (var i = 0u; i < sg_count; i++) { total = total + red[i]; }
+    workgroupBarrier();
+    return total;
+}
+fn wg_max(v: f32, t: u32) -> f32 {
+    let s = subgroupMax(v);
+    if (sg_lane == 0u) { red[sg_index] = s; }
+    workgroupBarrier();
+    var m = -3.4028235e38;
+    for (var i = 0u; i < sg_count; i++) { m = max(m, red[i]); }
+    workgroupBarrier();
+    return m;
+}
+"#;
+
+/// Entry-point parameters and setup for the subgroup reductions.
+const SG_PARAMS: &str = ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_id) sgid: u32, @builtin(num_subgroups) nsg: u32";
+const SG_SETUP: &str = "sg_lane = sgi; sg_index = sgid; sg_count = nsg;";
+
+/// Fills a reduction kernel template for the chosen reduction form.
+fn with_reductions(template: &str, subgroups: bool) -> String {
+    if subgroups {
+        template
+            .replace("REDUCE", REDUCE_SUBGROUP)
+            .replace("MAIN_PARAMS", SG_PARAMS)
+            .replace("MAIN_SETUP", SG_SETUP)
+    } else {
+        template
+            .replace("REDUCE", REDUCE_TREE)
+            .replace("MAIN_PARAMS", "")
+            .replace("MAIN_SETUP", "")
+    }
+}
+
+/// A workgroup per row: mean (if CENTER) and variance in two passes for
+/// accuracy, then normalise and store.
+const ROW_NORM: &str = r#"
+REDUCE
 @compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
+    MAIN_SETUP
     let row = wg.x + wg.y * 65535u;
     if (row >= ROWS) { return; }
     let t = lid.x;
@@ -835,9 +900,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
 
 /// A workgroup per softmax row (stride INNER between elements).
 const SOFTMAX: &str = r#"
-var<workgroup> red: array<f32, 256>;
+REDUCE
 @compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
+    MAIN_SETUP
     let row = wg.x + wg.y * 65535u;
     if (row >= ROWS) { return; }
     let t = lid.x;
@@ -845,23 +911,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let base = o * LEN * INNER + i;
     var m = -3.4028235e38;
     for (var j = t; j < LEN; j = j + 256u) { m = max(m, in0[base + j * INNER]); }
-    red[t] = m;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (t < s) { red[t] = max(red[t], red[t + s]); }
-        workgroupBarrier();
-    }
-    m = red[0];
-    workgroupBarrier();
+    m = wg_max(m, t);
     var sum = 0.0;
     for (var j = t; j < LEN; j = j + 256u) { sum = sum + exp(in0[base + j * INNER] - m); }
-    red[t] = sum;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (t < s) { red[t] = red[t] + red[t + s]; }
-        workgroupBarrier();
-    }
-    sum = red[0];
+    sum = wg_sum(sum, t);
     for (var j = t; j < LEN; j = j + 256u) {
         let oi = base + j * INNER;
         dst[oi] = epi(exp(in0[oi] - m) / sum, oi);

@@ -160,6 +160,8 @@ pub struct Options {
     pub adapter: Option<String>,
     /// Store weights as f16 when the adapter supports SHADER_F16.
     pub allow_f16: bool,
+    /// Use subgroup operations (in reductions) when the adapter has SUBGROUP.
+    pub allow_subgroups: bool,
     /// Store activations (and inputs/outputs) as f16 too, where the
     /// adapter supports SHADER_F16: half the memory traffic, f32 arithmetic
     /// inside every kernel. Off by default: seed-exact parity with ComfyUI
@@ -175,6 +177,7 @@ impl Default for Options {
         Options {
             adapter: None,
             allow_f16: true,
+            allow_subgroups: true,
             f16_activations: false,
             max_binding_bytes: None,
         }
@@ -186,6 +189,8 @@ pub struct WgpuBackend {
     pub f16_weights: bool,
     /// Activations, inputs and outputs are stored as f16 too.
     pub f16_activations: bool,
+    /// Reductions use subgroup operations.
+    pub subgroups: bool,
     binding_cap: Option<u64>,
     split_operands: std::sync::atomic::AtomicUsize,
     device: wgpu::Device,
@@ -227,11 +232,15 @@ impl WgpuBackend {
         };
         let limits = adapter.limits();
         let f16 = opts.allow_f16 && adapter.features().contains(wgpu::Features::SHADER_F16);
-        let features = if f16 {
-            wgpu::Features::SHADER_F16
-        } else {
-            wgpu::Features::empty()
-        };
+        let subgroups =
+            opts.allow_subgroups && adapter.features().contains(wgpu::Features::SUBGROUP);
+        let mut features = wgpu::Features::empty();
+        if f16 {
+            features |= wgpu::Features::SHADER_F16;
+        }
+        if subgroups {
+            features |= wgpu::Features::SUBGROUP;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("sdkit"),
             required_features: features,
@@ -242,6 +251,7 @@ impl WgpuBackend {
         Ok(WgpuBackend {
             f16_weights: f16,
             f16_activations: f16 && opts.f16_activations,
+            subgroups,
             binding_cap: opts.max_binding_bytes,
             split_operands: std::sync::atomic::AtomicUsize::new(0),
             device,
@@ -440,7 +450,7 @@ impl WgpuBackend {
                 )));
             }
             let layouts: Vec<codegen::Operand> = operands.iter().map(|(o, _)| *o).collect();
-            let shader = codegen::generate(k, &layouts).map_err(unsupported)?;
+            let shader = codegen::generate(k, &layouts, self.subgroups).map_err(unsupported)?;
             let pipeline = self
                 .pipeline(&shader.source)
                 .map_err(|m| WgpuError::Unsupported {
