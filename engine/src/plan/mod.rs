@@ -555,7 +555,8 @@ impl<'g> Planner<'g> {
                     .into_iter()
                     .map(|i| self.materialized(i, false))
                     .collect::<Result<Vec<_>, _>>()?;
-                (KernelKind::Concat { axis: *axis }, ins)
+                let parts = ins.len();
+                (KernelKind::Concat { axis: *axis, parts }, ins)
             }
             Op::Pad { pads, value } => {
                 let ins = vec![self.materialized(node.inputs[0], false)?];

@@ -318,8 +318,11 @@ pub enum KernelKind {
         ow: usize,
         mode: UpsampleMode,
     },
+    /// The first `parts` inputs are concatenated (later inputs are
+    /// epilogue leaves).
     Concat {
         axis: usize,
+        parts: usize,
     },
     Pad {
         pads: Vec<(usize, usize)>,

@@ -321,12 +321,7 @@ fn dispatch(
         KernelKind::RmsNorm { affine, .. } => 1 + usize::from(*affine),
         KernelKind::Attention { masked, .. } => 3 + usize::from(*masked),
         KernelKind::Gather { .. } => 2,
-        // Epilogue leaves are numbered after the anchor's own inputs.
-        KernelKind::Concat { .. } => k
-            .epilogue
-            .as_ref()
-            .and_then(min_input)
-            .unwrap_or(k.inputs.len()),
+        KernelKind::Concat { parts, .. } => *parts,
         KernelKind::Softmax { .. }
         | KernelKind::Reduce { .. }
         | KernelKind::Upsample { .. }
@@ -512,7 +507,7 @@ fn dispatch(
             }
             .map_err(|e| fail(e.to_string()))?;
         }
-        KernelKind::Concat { axis } => {
+        KernelKind::Concat { axis, .. } => {
             let shape = &k.output.shape;
             let inner: usize = shape[axis + 1..].iter().product();
             let outer: usize = shape[..*axis].iter().product();
@@ -538,29 +533,6 @@ fn dispatch(
         apply_expr(e, &ins, out, has_acc);
     }
     Ok(())
-}
-
-fn min_input(e: &Expr) -> Option<usize> {
-    let mut used = Vec::new();
-    collect_inputs(e, &mut used);
-    used.into_iter().min()
-}
-
-fn collect_inputs(e: &Expr, out: &mut Vec<usize>) {
-    match e {
-        Expr::Input(i) => out.push(*i),
-        Expr::Acc | Expr::Const(_) => {}
-        Expr::Unary(_, a) | Expr::Clamp(a, _, _) => collect_inputs(a, out),
-        Expr::Binary(_, a, b) => {
-            collect_inputs(a, out);
-            collect_inputs(b, out);
-        }
-        Expr::Where(c, a, b) => {
-            collect_inputs(c, out);
-            collect_inputs(a, out);
-            collect_inputs(b, out);
-        }
-    }
 }
 
 fn softmax_strided(x: &[f32], outer: usize, len: usize, inner: usize, out: &mut [f32]) {

@@ -511,11 +511,11 @@ pub fn generate(k: &Kernel, operands: &[Operand], subgroups: bool) -> Result<Sha
             src.push_str(&simple(&body));
             groups = grid(n_out);
         }
-        KernelKind::Concat { axis } => {
+        KernelKind::Concat { axis, parts } => {
             let shape = &k.output.shape;
             let inner: usize = shape[axis + 1..].iter().product();
             let len = shape[*axis];
-            let anchors = concat_inputs(k);
+            let anchors = *parts;
             let mut body = format!(
                 "    let inner = gi % {inner}u; let a = (gi / {inner}u) % {len}u; let outer = gi / {};\n    var v = 0.0;\n",
                 len * inner
@@ -711,31 +711,6 @@ fn route_writes(src: &str) -> String {
 
 fn is_ident(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'_'
-}
-
-/// How many leading inputs a concat kernel copies (the rest are epilogue
-/// leaves).
-fn concat_inputs(k: &Kernel) -> usize {
-    fn min_input(e: &Expr) -> Option<usize> {
-        match e {
-            Expr::Input(i) => Some(*i),
-            Expr::Acc | Expr::Const(_) => None,
-            Expr::Unary(_, a) | Expr::Clamp(a, _, _) => min_input(a),
-            Expr::Binary(_, a, b) => opt_min(min_input(a), min_input(b)),
-            Expr::Where(c, a, b) => opt_min(opt_min(min_input(c), min_input(a)), min_input(b)),
-        }
-    }
-    fn opt_min(a: Option<usize>, b: Option<usize>) -> Option<usize> {
-        match (a, b) {
-            (Some(x), Some(y)) => Some(x.min(y)),
-            (x, None) => x,
-            (None, y) => y,
-        }
-    }
-    k.epilogue
-        .as_ref()
-        .and_then(min_input)
-        .unwrap_or(k.inputs.len())
 }
 
 /// A 64x64-tiled GEMM (16x16 threads, 4x4 outputs each, K-steps of 16
