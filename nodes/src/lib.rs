@@ -9,6 +9,7 @@ pub mod image;
 pub mod imageops;
 pub mod io;
 pub mod latent;
+pub mod models;
 pub mod specs;
 
 use sdkit_engine::NodeLibrary;

@@ -1,0 +1,386 @@
+//! Model detection: which architecture a checkpoint holds, and every size,
+//! inferred from tensor names and shapes the way ComfyUI's
+//! `model_detection.py` does it. Nothing is assumed from file names, so
+//! pruned, distilled and tiny checkpoints work.
+//!
+//! Input is a map from tensor name to shape (e.g. from
+//! `SafeTensors::tensors()`), so detection never reads tensor data.
+
+use std::collections::BTreeMap;
+
+/// Tensor name → shape.
+pub type Shapes = BTreeMap<String, Vec<usize>>;
+
+/// Architecture families sdkit recognises.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Sd1,
+    Sd2,
+    Sdxl,
+    SdxlRefiner,
+    Sd3,
+    Flux,
+    Chroma,
+}
+
+impl Family {
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Sd1 => "Stable Diffusion 1.x",
+            Family::Sd2 => "Stable Diffusion 2.x",
+            Family::Sdxl => "Stable Diffusion XL",
+            Family::SdxlRefiner => "Stable Diffusion XL refiner",
+            Family::Sd3 => "Stable Diffusion 3",
+            Family::Flux => "Flux",
+            Family::Chroma => "Chroma",
+        }
+    }
+
+    /// Families whose models sdkit can build today.
+    pub fn supported(self) -> bool {
+        matches!(self, Family::Sd1)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DetectError {
+    #[error("no diffusion model found under \"{prefix}\" (no known key such as {prefix}input_blocks.0.0.weight)")]
+    NoModel { prefix: String },
+    #[error("tensor \"{name}\" is missing; the checkpoint looks truncated or converted with a different key layout")]
+    Missing { name: String },
+    #[error("tensor \"{name}\" has shape {shape:?}, expected {expected}")]
+    BadShape {
+        name: String,
+        shape: Vec<usize>,
+        expected: &'static str,
+    },
+    #[error("this is a {} checkpoint, which sdkit does not support yet", .0.name())]
+    Unsupported(Family),
+    #[error("a UNet with context dim {context_dim:?}, model channels {model_channels}, ADM input {adm:?} matches no known family")]
+    UnknownUnet {
+        context_dim: Option<usize>,
+        model_channels: usize,
+        adm: Option<usize>,
+    },
+}
+
+/// ComfyUI's UNet config, as inferred from shapes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnetConfig {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub model_channels: usize,
+    /// Res blocks per level.
+    pub num_res_blocks: Vec<usize>,
+    pub channel_mult: Vec<usize>,
+    /// Transformer depth of each input res block (0 = no attention).
+    pub transformer_depth: Vec<usize>,
+    /// Transformer depth of each output block.
+    pub transformer_depth_output: Vec<usize>,
+    /// Middle block transformer depth; None when the middle has no
+    /// transformer.
+    pub transformer_depth_middle: Option<usize>,
+    /// SD2/SDXL project in/out with linear layers; SD1 with 1×1 convs.
+    pub use_linear_in_transformer: bool,
+    pub context_dim: Option<usize>,
+    /// SDXL's class-embedding input width (`label_emb`).
+    pub adm_in_channels: Option<usize>,
+}
+
+/// The CLIP text encoder of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClipConfig {
+    pub vocab: usize,
+    pub width: usize,
+    pub layers: usize,
+    pub max_positions: usize,
+    /// CLIP uses 64-dimensional heads (not visible in shapes).
+    pub heads: usize,
+    pub intermediate: usize,
+}
+
+/// The KL autoencoder (VAE) of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VaeConfig {
+    pub ch: usize,
+    pub ch_mult: Vec<usize>,
+    pub num_res_blocks: usize,
+    pub z_channels: usize,
+    pub in_channels: usize,
+}
+
+/// Everything detected in a single-file checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Detected {
+    pub family: Family,
+    pub unet: UnetConfig,
+    /// SD1 UNet attention heads (a convention: 8 heads for SD1).
+    pub num_heads: usize,
+    pub clip: Option<ClipConfig>,
+    pub vae: Option<VaeConfig>,
+}
+
+fn has_prefix(s: &Shapes, prefix: &str) -> bool {
+    s.range(prefix.to_string()..)
+        .next()
+        .is_some_and(|(k, _)| k.starts_with(prefix))
+}
+
+/// Number of consecutive `prefix{n}.` groups starting at 0.
+fn count_blocks(s: &Shapes, prefix: &str) -> usize {
+    (0..)
+        .take_while(|n| has_prefix(s, &format!("{prefix}{n}.")))
+        .count()
+}
+
+fn shape<'a>(s: &'a Shapes, name: &str) -> Result<&'a [usize], DetectError> {
+    s.get(name).map(Vec::as_slice).ok_or(DetectError::Missing {
+        name: name.to_string(),
+    })
+}
+
+fn dim(s: &Shapes, name: &str, i: usize, expected: &'static str) -> Result<usize, DetectError> {
+    let sh = shape(s, name)?;
+    sh.get(i).copied().ok_or(DetectError::BadShape {
+        name: name.to_string(),
+        shape: sh.to_vec(),
+        expected,
+    })
+}
+
+/// Transformer depth, context dim and projection kind of a block's
+/// SpatialTransformer (at `{block}1.`), if it has one.
+fn transformer(s: &Shapes, block: &str) -> Result<Option<(usize, usize, bool)>, DetectError> {
+    let tp = format!("{block}1.transformer_blocks.");
+    if !has_prefix(s, &tp) {
+        return Ok(None);
+    }
+    let depth = count_blocks(s, &tp);
+    let context = dim(
+        s,
+        &format!("{tp}0.attn2.to_k.weight"),
+        1,
+        "[inner, context_dim]",
+    )?;
+    let linear = shape(s, &format!("{block}1.proj_in.weight"))?.len() == 2;
+    Ok(Some((depth, context, linear)))
+}
+
+/// Infers a ldm-layout UNet's config (ComfyUI's `detect_unet_config` for
+/// UNets) from the tensors under `prefix`.
+pub fn unet_config(s: &Shapes, prefix: &str) -> Result<UnetConfig, DetectError> {
+    let conv_in = format!("{prefix}input_blocks.0.0.weight");
+    if !s.contains_key(&conv_in) {
+        return Err(DetectError::NoModel {
+            prefix: prefix.to_string(),
+        });
+    }
+    let model_channels = dim(s, &conv_in, 0, "[model_channels, in, 3, 3]")?;
+    let in_channels = dim(s, &conv_in, 1, "[model_channels, in, 3, 3]")?;
+    let out_channels = match s.get(&format!("{prefix}out.2.weight")) {
+        Some(sh) => sh.first().copied().unwrap_or(4),
+        None => 4,
+    };
+    let adm_in_channels = s
+        .get(&format!("{prefix}label_emb.0.0.weight"))
+        .and_then(|sh| sh.get(1).copied());
+
+    let mut num_res_blocks = Vec::new();
+    let mut channel_mult = Vec::new();
+    let mut transformer_depth = Vec::new();
+    let mut transformer_depth_output = Vec::new();
+    let mut context_dim = None;
+    let mut use_linear = false;
+    let (mut last_res, mut last_mult) = (0, 0);
+
+    let n_in = count_blocks(s, &format!("{prefix}input_blocks."));
+    for i in 0..n_in {
+        let p = format!("{prefix}input_blocks.{i}.");
+        // Output blocks mirror input blocks in reverse.
+        let po = format!("{prefix}output_blocks.{}.", n_in - i - 1);
+        if s.contains_key(&format!("{p}0.op.weight")) {
+            // A downsampling block starts a new level.
+            num_res_blocks.push(last_res);
+            channel_mult.push(last_mult);
+            last_res = 0;
+            last_mult = 0;
+            transformer_depth_output.push(transformer(s, &po)?.map_or(0, |t| t.0));
+            continue;
+        }
+        if s.contains_key(&format!("{p}0.in_layers.0.weight")) {
+            last_res += 1;
+            let out = dim(
+                s,
+                &format!("{p}0.out_layers.3.weight"),
+                0,
+                "[out, in, 3, 3]",
+            )?;
+            last_mult = out / model_channels.max(1);
+            match transformer(s, &p)? {
+                Some((d, ctx, lin)) => {
+                    transformer_depth.push(d);
+                    if context_dim.is_none() {
+                        context_dim = Some(ctx);
+                        use_linear = lin;
+                    }
+                }
+                None => transformer_depth.push(0),
+            }
+        }
+        if s.contains_key(&format!("{po}0.in_layers.0.weight")) {
+            transformer_depth_output.push(transformer(s, &po)?.map_or(0, |t| t.0));
+        }
+    }
+    num_res_blocks.push(last_res);
+    channel_mult.push(last_mult);
+    let transformer_depth_middle =
+        if s.contains_key(&format!("{prefix}middle_block.1.proj_in.weight")) {
+            Some(count_blocks(
+                s,
+                &format!("{prefix}middle_block.1.transformer_blocks."),
+            ))
+        } else {
+            None
+        };
+    Ok(UnetConfig {
+        in_channels,
+        out_channels,
+        model_channels,
+        num_res_blocks,
+        channel_mult,
+        transformer_depth,
+        transformer_depth_output,
+        transformer_depth_middle,
+        use_linear_in_transformer: use_linear,
+        context_dim,
+        adm_in_channels,
+    })
+}
+
+/// The UNet family by ComfyUI's supported-model rules.
+fn unet_family(c: &UnetConfig) -> Result<Family, DetectError> {
+    match (
+        c.context_dim,
+        c.model_channels,
+        c.adm_in_channels,
+        c.use_linear_in_transformer,
+    ) {
+        (Some(768), _, None, false) => Ok(Family::Sd1),
+        (Some(1024), _, None, true) => Ok(Family::Sd2),
+        (Some(2048), 320, Some(2816), true) => Ok(Family::Sdxl),
+        (Some(1280), 384, Some(2560), true) => Ok(Family::SdxlRefiner),
+        _ => Err(DetectError::UnknownUnet {
+            context_dim: c.context_dim,
+            model_channels: c.model_channels,
+            adm: c.adm_in_channels,
+        }),
+    }
+}
+
+/// Recognises DiT families by their signature keys.
+fn dit_family(s: &Shapes, prefix: &str) -> Option<Family> {
+    if s.contains_key(&format!(
+        "{prefix}joint_blocks.0.context_block.attn.qkv.weight"
+    )) {
+        return Some(Family::Sd3);
+    }
+    if s.contains_key(&format!(
+        "{prefix}double_blocks.0.img_attn.norm.key_norm.scale"
+    )) {
+        let chroma = has_prefix(s, &format!("{prefix}distilled_guidance_layer."));
+        return Some(if chroma { Family::Chroma } else { Family::Flux });
+    }
+    None
+}
+
+/// CLIP text encoder config under `prefix` (e.g.
+/// `cond_stage_model.transformer.text_model.`).
+pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, DetectError> {
+    let emb = format!("{prefix}embeddings.token_embedding.weight");
+    let Some(sh) = s.get(&emb) else {
+        return Ok(None);
+    };
+    let (vocab, width) = match sh.as_slice() {
+        [v, w] => (*v, *w),
+        other => {
+            return Err(DetectError::BadShape {
+                name: emb,
+                shape: other.to_vec(),
+                expected: "[vocab, width]",
+            })
+        }
+    };
+    let layers = count_blocks(s, &format!("{prefix}encoder.layers."));
+    let max_positions = dim(
+        s,
+        &format!("{prefix}embeddings.position_embedding.weight"),
+        0,
+        "[positions, width]",
+    )?;
+    let intermediate = dim(
+        s,
+        &format!("{prefix}encoder.layers.0.mlp.fc1.weight"),
+        0,
+        "[intermediate, width]",
+    )?;
+    Ok(Some(ClipConfig {
+        vocab,
+        width,
+        layers,
+        max_positions,
+        heads: (width / 64).max(1),
+        intermediate,
+    }))
+}
+
+/// KL-VAE config under `prefix` (e.g. `first_stage_model.`).
+pub fn vae_config(s: &Shapes, prefix: &str) -> Result<Option<VaeConfig>, DetectError> {
+    let conv_in = format!("{prefix}encoder.conv_in.weight");
+    if !s.contains_key(&conv_in) {
+        return Ok(None);
+    }
+    let ch = dim(s, &conv_in, 0, "[ch, in, 3, 3]")?;
+    let in_channels = dim(s, &conv_in, 1, "[ch, in, 3, 3]")?;
+    let levels = count_blocks(s, &format!("{prefix}encoder.down."));
+    let mut ch_mult = Vec::with_capacity(levels);
+    for l in 0..levels {
+        let w = format!("{prefix}encoder.down.{l}.block.0.conv2.weight");
+        ch_mult.push(dim(s, &w, 0, "[out, out, 3, 3]")? / ch.max(1));
+    }
+    let num_res_blocks = count_blocks(s, &format!("{prefix}encoder.down.0.block."));
+    let z_channels = dim(
+        s,
+        &format!("{prefix}decoder.conv_in.weight"),
+        1,
+        "[ch, z_channels, 3, 3]",
+    )?;
+    Ok(Some(VaeConfig {
+        ch,
+        ch_mult,
+        num_res_blocks,
+        z_channels,
+        in_channels,
+    }))
+}
+
+/// Detects a single-file checkpoint in the original (ldm) layout.
+///
+/// Unsupported families are recognised and refused by name.
+pub fn detect_checkpoint(s: &Shapes) -> Result<Detected, DetectError> {
+    let prefix = "model.diffusion_model.";
+    if let Some(f) = dit_family(s, prefix) {
+        return Err(DetectError::Unsupported(f));
+    }
+    let unet = unet_config(s, prefix)?;
+    let family = unet_family(&unet)?;
+    if !family.supported() {
+        return Err(DetectError::Unsupported(family));
+    }
+    Ok(Detected {
+        family,
+        num_heads: 8,
+        clip: clip_config(s, "cond_stage_model.transformer.text_model.")?,
+        vae: vae_config(s, "first_stage_model.")?,
+        unet,
+    })
+}

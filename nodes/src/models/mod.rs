@@ -1,0 +1,4 @@
+//! Model families: detection from checkpoint keys and shapes now; model
+//! builders (CLIP, UNet, VAE as tensor graphs) join here.
+
+pub mod detect;

@@ -1,0 +1,287 @@
+//! Detection on key/shape maps laid out exactly as the original
+//! checkpoints are (ldm names), at real and at tiny sizes.
+
+use sdkit_nodes::models::detect::{detect_checkpoint, DetectError, Family, Shapes};
+
+struct Gen {
+    s: Shapes,
+}
+
+impl Gen {
+    fn put(&mut self, name: String, shape: &[usize]) {
+        self.s.insert(name, shape.to_vec());
+    }
+
+    fn res(&mut self, p: &str, cin: usize, cout: usize, emb: usize) {
+        self.put(format!("{p}in_layers.0.weight"), &[cin]);
+        self.put(format!("{p}in_layers.0.bias"), &[cin]);
+        self.put(format!("{p}in_layers.2.weight"), &[cout, cin, 3, 3]);
+        self.put(format!("{p}in_layers.2.bias"), &[cout]);
+        self.put(format!("{p}emb_layers.1.weight"), &[cout, emb]);
+        self.put(format!("{p}emb_layers.1.bias"), &[cout]);
+        self.put(format!("{p}out_layers.0.weight"), &[cout]);
+        self.put(format!("{p}out_layers.0.bias"), &[cout]);
+        self.put(format!("{p}out_layers.3.weight"), &[cout, cout, 3, 3]);
+        self.put(format!("{p}out_layers.3.bias"), &[cout]);
+        if cin != cout {
+            self.put(format!("{p}skip_connection.weight"), &[cout, cin, 1, 1]);
+            self.put(format!("{p}skip_connection.bias"), &[cout]);
+        }
+    }
+
+    fn st(&mut self, p: &str, c: usize, ctx: usize, linear: bool, depth: usize) {
+        self.put(format!("{p}norm.weight"), &[c]);
+        self.put(format!("{p}norm.bias"), &[c]);
+        let proj: Vec<usize> = if linear { vec![c, c] } else { vec![c, c, 1, 1] };
+        self.put(format!("{p}proj_in.weight"), &proj);
+        self.put(format!("{p}proj_out.weight"), &proj);
+        for d in 0..depth {
+            let b = format!("{p}transformer_blocks.{d}.");
+            for a in ["attn1", "attn2"] {
+                let kv = if a == "attn1" { c } else { ctx };
+                self.put(format!("{b}{a}.to_q.weight"), &[c, c]);
+                self.put(format!("{b}{a}.to_k.weight"), &[c, kv]);
+                self.put(format!("{b}{a}.to_v.weight"), &[c, kv]);
+                self.put(format!("{b}{a}.to_out.0.weight"), &[c, c]);
+                self.put(format!("{b}{a}.to_out.0.bias"), &[c]);
+            }
+            for n in ["norm1", "norm2", "norm3"] {
+                self.put(format!("{b}{n}.weight"), &[c]);
+            }
+            self.put(format!("{b}ff.net.0.proj.weight"), &[8 * c, c]);
+            self.put(format!("{b}ff.net.2.weight"), &[c, 4 * c]);
+        }
+    }
+}
+
+/// An SD1/SD2-style checkpoint's key layout at width `mc`.
+fn sd_unet(
+    mc: usize,
+    mult: &[usize],
+    attn: &[bool],
+    ctx: usize,
+    linear: bool,
+    depth: usize,
+) -> Shapes {
+    let mut g = Gen { s: Shapes::new() };
+    let p = "model.diffusion_model.";
+    let emb = 4 * mc;
+    g.put(format!("{p}time_embed.0.weight"), &[emb, mc]);
+    g.put(format!("{p}input_blocks.0.0.weight"), &[mc, 4, 3, 3]);
+    let mut skips = vec![mc];
+    let mut c = mc;
+    let mut block = 1;
+    for (l, &m) in mult.iter().enumerate() {
+        for _ in 0..2 {
+            let cout = mc * m;
+            g.res(&format!("{p}input_blocks.{block}.0."), c, cout, emb);
+            c = cout;
+            if attn[l] {
+                g.st(
+                    &format!("{p}input_blocks.{block}.1."),
+                    c,
+                    ctx,
+                    linear,
+                    depth,
+                );
+            }
+            skips.push(c);
+            block += 1;
+        }
+        if l + 1 < mult.len() {
+            g.put(
+                format!("{p}input_blocks.{block}.0.op.weight"),
+                &[c, c, 3, 3],
+            );
+            skips.push(c);
+            block += 1;
+        }
+    }
+    g.res(&format!("{p}middle_block.0."), c, c, emb);
+    g.st(&format!("{p}middle_block.1."), c, ctx, linear, depth);
+    g.res(&format!("{p}middle_block.2."), c, c, emb);
+    let mut ob = 0;
+    for (l, &m) in mult.iter().enumerate().rev() {
+        for r in 0..3 {
+            let skip = skips.pop().unwrap_or(mc);
+            let cout = mc * m;
+            g.res(&format!("{p}output_blocks.{ob}.0."), c + skip, cout, emb);
+            c = cout;
+            let mut sub = 1;
+            if attn[l] {
+                g.st(&format!("{p}output_blocks.{ob}.1."), c, ctx, linear, depth);
+                sub = 2;
+            }
+            if l > 0 && r == 2 {
+                g.put(
+                    format!("{p}output_blocks.{ob}.{sub}.conv.weight"),
+                    &[c, c, 3, 3],
+                );
+            }
+            ob += 1;
+        }
+    }
+    g.put(format!("{p}out.0.weight"), &[c]);
+    g.put(format!("{p}out.2.weight"), &[4, c, 3, 3]);
+    g.s
+}
+
+fn add_clip_vae(s: &mut Shapes, width: usize, layers: usize, vae_ch: usize) {
+    let t = "cond_stage_model.transformer.text_model.";
+    s.insert(
+        format!("{t}embeddings.token_embedding.weight"),
+        vec![49408, width],
+    );
+    s.insert(
+        format!("{t}embeddings.position_embedding.weight"),
+        vec![77, width],
+    );
+    for l in 0..layers {
+        s.insert(
+            format!("{t}encoder.layers.{l}.mlp.fc1.weight"),
+            vec![4 * width, width],
+        );
+    }
+    let v = "first_stage_model.";
+    s.insert(format!("{v}encoder.conv_in.weight"), vec![vae_ch, 3, 3, 3]);
+    for (l, m) in [1usize, 2, 4, 4].iter().enumerate() {
+        for b in 0..2 {
+            s.insert(
+                format!("{v}encoder.down.{l}.block.{b}.conv2.weight"),
+                vec![vae_ch * m, vae_ch * m, 3, 3],
+            );
+        }
+    }
+    s.insert(
+        format!("{v}decoder.conv_in.weight"),
+        vec![vae_ch * 4, 4, 3, 3],
+    );
+}
+
+#[test]
+fn sd15_full_size() {
+    let mut s = sd_unet(
+        320,
+        &[1, 2, 4, 4],
+        &[true, true, true, false],
+        768,
+        false,
+        1,
+    );
+    add_clip_vae(&mut s, 768, 12, 128);
+    let d = detect_checkpoint(&s).expect("detects");
+    assert_eq!(d.family, Family::Sd1);
+    let u = &d.unet;
+    assert_eq!(u.model_channels, 320);
+    assert_eq!(u.channel_mult, [1, 2, 4, 4]);
+    assert_eq!(u.num_res_blocks, [2, 2, 2, 2]);
+    assert_eq!(u.transformer_depth, [1, 1, 1, 1, 1, 1, 0, 0]);
+    assert_eq!(
+        u.transformer_depth_output,
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    );
+    assert_eq!(u.transformer_depth_middle, Some(1));
+    assert_eq!(u.context_dim, Some(768));
+    assert!(!u.use_linear_in_transformer);
+    assert_eq!((u.in_channels, u.out_channels), (4, 4));
+    let c = d.clip.expect("clip");
+    assert_eq!(
+        (c.width, c.layers, c.heads, c.intermediate, c.vocab),
+        (768, 12, 12, 3072, 49408)
+    );
+    let v = d.vae.expect("vae");
+    assert_eq!(
+        (v.ch, v.ch_mult.clone(), v.num_res_blocks, v.z_channels),
+        (128, vec![1, 2, 4, 4], 2, 4)
+    );
+}
+
+#[test]
+fn tiny_sd1_infers_every_size_from_shapes() {
+    // A distilled/tiny layout: two levels, attention only on the first.
+    let mut s = sd_unet(32, &[1, 2], &[true, false], 768, false, 2);
+    add_clip_vae(&mut s, 768, 2, 8);
+    let d = detect_checkpoint(&s).expect("detects");
+    let u = &d.unet;
+    assert_eq!(u.model_channels, 32);
+    assert_eq!(u.channel_mult, [1, 2]);
+    assert_eq!(u.num_res_blocks, [2, 2]);
+    assert_eq!(u.transformer_depth, [2, 2, 0, 0]);
+    assert_eq!(u.transformer_depth_output, [2, 2, 2, 0, 0, 0]);
+    assert_eq!(d.clip.map(|c| c.layers), Some(2));
+}
+
+#[test]
+fn other_families_are_named_and_refused() {
+    let sd2 = sd_unet(
+        320,
+        &[1, 2, 4, 4],
+        &[true, true, true, false],
+        1024,
+        true,
+        1,
+    );
+    assert_eq!(
+        detect_checkpoint(&sd2),
+        Err(DetectError::Unsupported(Family::Sd2))
+    );
+
+    let mut xl = sd_unet(320, &[1, 2, 4], &[false, true, true], 2048, true, 2);
+    xl.insert(
+        "model.diffusion_model.label_emb.0.0.weight".into(),
+        vec![1280, 2816],
+    );
+    assert_eq!(
+        detect_checkpoint(&xl),
+        Err(DetectError::Unsupported(Family::Sdxl))
+    );
+
+    let mut flux = Shapes::new();
+    flux.insert(
+        "model.diffusion_model.double_blocks.0.img_attn.norm.key_norm.scale".into(),
+        vec![128],
+    );
+    flux.insert("model.diffusion_model.img_in.weight".into(), vec![3072, 64]);
+    assert_eq!(
+        detect_checkpoint(&flux),
+        Err(DetectError::Unsupported(Family::Flux))
+    );
+    flux.insert(
+        "model.diffusion_model.distilled_guidance_layer.in_proj.weight".into(),
+        vec![5120, 64],
+    );
+    assert_eq!(
+        detect_checkpoint(&flux),
+        Err(DetectError::Unsupported(Family::Chroma))
+    );
+
+    let mut sd3 = Shapes::new();
+    sd3.insert(
+        "model.diffusion_model.joint_blocks.0.context_block.attn.qkv.weight".into(),
+        vec![4608, 1536],
+    );
+    assert_eq!(
+        detect_checkpoint(&sd3),
+        Err(DetectError::Unsupported(Family::Sd3))
+    );
+    let msg = DetectError::Unsupported(Family::Sd3).to_string();
+    assert!(
+        msg.contains("Stable Diffusion 3") && msg.contains("not support"),
+        "{msg}"
+    );
+
+    assert!(matches!(
+        detect_checkpoint(&Shapes::new()),
+        Err(DetectError::NoModel { .. })
+    ));
+}
+
+#[test]
+fn truncated_checkpoint_names_the_missing_tensor() {
+    let mut s = sd_unet(32, &[1, 2], &[true, false], 768, false, 1);
+    s.remove("model.diffusion_model.input_blocks.1.0.out_layers.3.weight");
+    match detect_checkpoint(&s) {
+        Err(DetectError::Missing { name }) => assert!(name.ends_with("out_layers.3.weight")),
+        other => panic!("{other:?}"),
+    }
+}
