@@ -1,4 +1,5 @@
 //! Model families: detection from checkpoint keys and shapes now; model
 //! builders (CLIP, UNet, VAE as tensor graphs) join here.
 
+pub mod clip;
 pub mod detect;

@@ -1,0 +1,97 @@
+//! The CLIP text encoder (OpenAI CLIP ViT-L/14's text tower for SD1) as a
+//! tensor graph, with the original checkpoint key names.
+//!
+//! Pre-LayerNorm transformer: token + position embeddings, `layers` blocks
+//! of causal self-attention and a quick-GELU MLP, final LayerNorm. ComfyUI's
+//! clip skip (CLIPSetLastLayer) takes the hidden state after an earlier
+//! layer and, for SD1, still applies the final LayerNorm to it.
+
+use super::detect::ClipConfig;
+use sdkit_engine::tensor::{GraphBuilder, ShapeError, T};
+
+/// Which hidden state the encoder returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClipLayer {
+    Last,
+    /// ComfyUI's `stop_at_clip_layer`: -1 is the last layer, -2 the one
+    /// before, ...
+    FromEnd(usize),
+}
+
+impl ClipLayer {
+    /// How many encoder layers run.
+    pub fn layers_run(self, total: usize) -> usize {
+        match self {
+            ClipLayer::Last => total,
+            ClipLayer::FromEnd(k) => total + 1 - k.clamp(1, total),
+        }
+    }
+}
+
+/// The additive causal mask: 0 on and below the diagonal, -inf above.
+pub fn causal_mask(len: usize) -> Vec<f32> {
+    let mut m = vec![0.0; len * len];
+    for i in 0..len {
+        for j in i + 1..len {
+            m[i * len + j] = f32::NEG_INFINITY;
+        }
+    }
+    m
+}
+
+/// Builds the encoder. Inputs: `tokens` `[batch, len]` (ids as f32) and
+/// `mask` `[len, len]` ([`causal_mask`]). Weights are named
+/// `{prefix}embeddings.token_embedding.weight`, ... as in the checkpoint.
+/// Returns `[batch, len, width]`.
+pub fn text_encoder<'a>(
+    g: &'a GraphBuilder,
+    cfg: &ClipConfig,
+    prefix: &str,
+    tokens: T<'a>,
+    mask: T<'a>,
+    layer: ClipLayer,
+) -> Result<T<'a>, ShapeError> {
+    let s = tokens.shape();
+    let (b, len) = (s[0], s[1]);
+    let w = cfg.width;
+    let heads = cfg.heads.max(1);
+    let d = w / heads;
+    let wt = |name: &str, shape: &[usize]| g.weight(&format!("{prefix}{name}"), shape);
+    let tok = wt("embeddings.token_embedding.weight", &[cfg.vocab, w])?.gather(tokens)?;
+    let pos = wt(
+        "embeddings.position_embedding.weight",
+        &[cfg.max_positions, w],
+    )?
+    .slice(0, 0, len)?;
+    let mut x = tok.add(pos)?;
+    let ln = |x: T<'a>, name: &str| -> Result<T<'a>, ShapeError> {
+        x.layer_norm(
+            Some(wt(&format!("{name}.weight"), &[w])?),
+            Some(wt(&format!("{name}.bias"), &[w])?),
+            1e-5,
+        )
+    };
+    let linear = |x: T<'a>, name: &str, out: usize, inp: usize| -> Result<T<'a>, ShapeError> {
+        x.linear(
+            wt(&format!("{name}.weight"), &[out, inp])?,
+            Some(wt(&format!("{name}.bias"), &[out])?),
+        )
+    };
+    for l in 0..layer.layers_run(cfg.layers) {
+        let p = format!("encoder.layers.{l}.");
+        let h = ln(x, &format!("{p}layer_norm1"))?;
+        let split = |t: T<'a>| -> Result<T<'a>, ShapeError> {
+            t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
+        };
+        let q = split(linear(h, &format!("{p}self_attn.q_proj"), w, w)?)?;
+        let k = split(linear(h, &format!("{p}self_attn.k_proj"), w, w)?)?;
+        let v = split(linear(h, &format!("{p}self_attn.v_proj"), w, w)?)?;
+        let a = q.attention(k, v, Some(mask), 1.0 / (d as f32).sqrt())?;
+        let a = a.permute(&[0, 2, 1, 3])?.reshape(&[b, len, w])?;
+        x = linear(a, &format!("{p}self_attn.out_proj"), w, w)?.add(x)?;
+        let h = ln(x, &format!("{p}layer_norm2"))?;
+        let h = linear(h, &format!("{p}mlp.fc1"), cfg.intermediate, w)?.quick_gelu();
+        x = linear(h, &format!("{p}mlp.fc2"), w, cfg.intermediate)?.add(x)?;
+    }
+    ln(x, "final_layer_norm")
+}
