@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 const PREFIX: &str = "cond_stage_model.transformer.text_model.";
 
-/// The reference script's weight formula.
+/// The reference script's weight formula. 0.7071 is an arbitrary
+/// frequency shared with the script, not 1/sqrt(2).
+#[allow(clippy::approx_constant)]
 fn value(name: &str, shape: &[usize]) -> Vec<f32> {
     let n: usize = shape.iter().product();
     let seed: f64 = name.bytes().map(f64::from).sum::<f64>() * 0.01;
