@@ -5,11 +5,13 @@
 //! far. Types without an implementation validate, and running one fails
 //! with "not implemented yet".
 
+pub mod clip_tokenizer;
 pub mod image;
 pub mod imageops;
 pub mod io;
 pub mod latent;
 pub mod models;
+pub mod noise;
 pub mod specs;
 
 use sdkit_engine::NodeLibrary;
