@@ -99,7 +99,7 @@ impl Mt19937 {
         for start in (0..=n - 16).step_by(16) {
             box_muller_16(&mut data[start..start + 16]);
         }
-        if n % 16 != 0 {
+        if !n.is_multiple_of(16) {
             // The tail is redrawn as a whole block of the last 16.
             let start = n - 16;
             for v in &mut data[start..] {
