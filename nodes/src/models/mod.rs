@@ -3,3 +3,4 @@
 
 pub mod clip;
 pub mod detect;
+pub mod vae;
