@@ -5,6 +5,7 @@
 //! far. Types without an implementation validate, and running one fails
 //! with "not implemented yet".
 
+pub mod clip_tokenizer;
 pub mod image;
 pub mod imageops;
 pub mod io;
