@@ -12,6 +12,7 @@ pub mod io;
 pub mod latent;
 pub mod models;
 pub mod noise;
+pub mod sampling;
 pub mod specs;
 
 use sdkit_engine::NodeLibrary;

@@ -1,0 +1,155 @@
+//! ComfyUI's `ModelSamplingDiscrete` (eps prediction) and the `normal` and
+//! `karras` schedulers, computed as ComfyUI computes them: betas in f64
+//! from a scaled-linear schedule, sigmas and log-sigmas stored as f32,
+//! sigma↔timestep by nearest log-sigma and log-space interpolation in f32.
+
+/// The discrete noise schedule of an eps/v-prediction model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DiscreteSchedule {
+    pub sigmas: Vec<f32>,
+    pub log_sigmas: Vec<f32>,
+}
+
+/// torch.linspace's formula: the first half counts up from `start`, the
+/// second half down from `end`, so both ends are exact.
+pub fn linspace_f64(start: f64, end: f64, steps: usize) -> Vec<f64> {
+    if steps == 1 {
+        return vec![start];
+    }
+    let step = (end - start) / (steps - 1) as f64;
+    let half = steps / 2;
+    (0..steps)
+        .map(|i| {
+            if i < half {
+                start + step * i as f64
+            } else {
+                end - step * (steps - 1 - i) as f64
+            }
+        })
+        .collect()
+}
+
+/// The same in f32 (torch's default dtype).
+pub fn linspace_f32(start: f32, end: f32, steps: usize) -> Vec<f32> {
+    if steps == 1 {
+        return vec![start];
+    }
+    let step = (end - start) / (steps - 1) as f32;
+    let half = steps / 2;
+    (0..steps)
+        .map(|i| {
+            if i < half {
+                start + step * i as f32
+            } else {
+                end - step * (steps - 1 - i) as f32
+            }
+        })
+        .collect()
+}
+
+impl DiscreteSchedule {
+    /// ldm's "linear" (scaled-linear) beta schedule: betas are the squares
+    /// of a linspace between the square roots of the ends.
+    pub fn scaled_linear(timesteps: usize, linear_start: f64, linear_end: f64) -> Self {
+        let betas: Vec<f64> = linspace_f64(linear_start.sqrt(), linear_end.sqrt(), timesteps)
+            .into_iter()
+            .map(|b| b * b)
+            .collect();
+        let mut cumprod = 1.0f64;
+        let mut sigmas = Vec::with_capacity(timesteps);
+        let mut log_sigmas = Vec::with_capacity(timesteps);
+        for b in betas {
+            cumprod *= 1.0 - b;
+            let s = ((1.0 - cumprod) / cumprod).sqrt();
+            sigmas.push(s as f32);
+            // ComfyUI takes the log of the f64 sigmas, then stores f32.
+            log_sigmas.push(s.ln() as f32);
+        }
+        DiscreteSchedule { sigmas, log_sigmas }
+    }
+
+    /// SD1.x/SD2.x: 1000 steps, betas 0.00085 → 0.012.
+    pub fn sd1() -> Self {
+        Self::scaled_linear(1000, 0.00085, 0.012)
+    }
+
+    pub fn sigma_min(&self) -> f32 {
+        self.sigmas.first().copied().unwrap_or(0.0)
+    }
+
+    pub fn sigma_max(&self) -> f32 {
+        self.sigmas.last().copied().unwrap_or(0.0)
+    }
+
+    /// The timestep fed to the UNet for a sigma: the index of the nearest
+    /// log-sigma (the first on ties).
+    pub fn timestep(&self, sigma: f32) -> f32 {
+        let ls = sigma.ln();
+        let mut best = 0;
+        let mut best_d = f32::INFINITY;
+        for (i, l) in self.log_sigmas.iter().enumerate() {
+            let d = (ls - l).abs();
+            if d < best_d {
+                best_d = d;
+                best = i;
+            }
+        }
+        best as f32
+    }
+
+    /// Sigma for a (fractional) timestep, interpolating log-sigmas.
+    pub fn sigma(&self, t: f32) -> f32 {
+        let n = self.log_sigmas.len();
+        if n == 0 {
+            return 0.0;
+        }
+        let t = t.clamp(0.0, (n - 1) as f32);
+        let lo = t.floor() as usize;
+        let hi = (t.ceil() as usize).min(n - 1);
+        let w = t - t.floor();
+        ((1.0 - w) * self.log_sigmas[lo] + w * self.log_sigmas[hi]).exp()
+    }
+
+    /// ComfyUI's `normal` scheduler: timesteps evenly spaced from the
+    /// largest to the smallest sigma's, then a final 0.
+    pub fn normal(&self, steps: usize) -> Vec<f32> {
+        let start = self.timestep(self.sigma_max());
+        let end = self.timestep(self.sigma_min());
+        let mut steps = steps;
+        let mut append_zero = true;
+        if self.sigma(end).abs() <= 1e-5 {
+            steps += 1;
+            append_zero = false;
+        }
+        let mut sigs: Vec<f32> = linspace_f32(start, end, steps)
+            .into_iter()
+            .map(|t| self.sigma(t))
+            .collect();
+        if append_zero {
+            sigs.push(0.0);
+        }
+        sigs
+    }
+
+    /// ComfyUI's `karras` scheduler over this model's sigma range.
+    pub fn karras(&self, steps: usize) -> Vec<f32> {
+        karras(steps, self.sigma_min(), self.sigma_max(), 7.0)
+    }
+}
+
+/// Karras et al. (2022) sigmas, then a final 0 (k-diffusion's
+/// `get_sigmas_karras`, in f32 as torch computes it).
+pub fn karras(n: usize, sigma_min: f32, sigma_max: f32, rho: f32) -> Vec<f32> {
+    // k-diffusion takes the roots of Python floats (f64) and only the
+    // tensor arithmetic runs in f32.
+    let rho64 = f64::from(rho);
+    let min_inv = f64::from(sigma_min).powf(1.0 / rho64);
+    let max_inv = f64::from(sigma_max).powf(1.0 / rho64);
+    let (base, span) = (max_inv as f32, (min_inv - max_inv) as f32);
+    let mut s: Vec<f32> = linspace_f32(0.0, 1.0, n)
+        .into_iter()
+        .map(|r| (base + r * span).powf(rho))
+        .collect();
+    s.push(0.0);
+    s
+}

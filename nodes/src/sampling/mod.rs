@@ -1,0 +1,5 @@
+//! Sampling maths that knows nothing about UNets: the model's noise
+//! schedule (ComfyUI's ModelSamplingDiscrete) and schedulers. Samplers
+//! (Euler, DPM++, ...) join here.
+
+pub mod discrete;
