@@ -3,3 +3,4 @@
 //! (Euler, DPM++, ...) join here.
 
 pub mod discrete;
+pub mod euler;
