@@ -3,4 +3,5 @@
 
 pub mod clip;
 pub mod detect;
+pub mod unet;
 pub mod vae;

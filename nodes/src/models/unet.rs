@@ -1,0 +1,382 @@
+//! The diffusion UNet (ldm `UNetModel.forward`, as ComfyUI runs it for
+//! SD1/SD2-style checkpoints) as a tensor graph with the checkpoint's key
+//! names. No class/ADM conditioning, no ControlNet or patches.
+//!
+//! Numerical details follow comfy/ldm/modules/diffusionmodules/openaimodel.py
+//! and comfy/ldm/modules/attention.py:
+//! - ResBlocks and the final `out.0` use GroupNorm(32) with PyTorch's default
+//!   eps 1e-5; only the SpatialTransformer's `norm` uses eps 1e-6.
+//! - Transformer LayerNorms use the default eps 1e-5; the feed-forward is
+//!   GEGLU with exact (erf) GELU.
+//! - The timestep embedding is `[cos(t·f), sin(t·f)]` (cos first) with
+//!   `f_i = exp(-ln(10000)·i / half)`.
+
+use super::detect::UnetConfig;
+use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, ShapeError, UpsampleMode, T};
+
+type R<'a> = Result<T<'a>, ShapeError>;
+
+fn bad(op: &'static str, message: String, shapes: &[&[usize]]) -> ShapeError {
+    ShapeError {
+        op,
+        message,
+        shapes: shapes.iter().map(|s| s.to_vec()).collect(),
+    }
+}
+
+struct Ctx<'a, 'p> {
+    g: &'a GraphBuilder,
+    prefix: &'p str,
+    heads: usize,
+    use_linear: bool,
+    emb_dim: usize,
+}
+
+impl<'a> Ctx<'a, '_> {
+    fn w(&self, name: &str, shape: &[usize]) -> R<'a> {
+        self.g.weight(&format!("{}{name}", self.prefix), shape)
+    }
+
+    fn conv(
+        &self,
+        x: T<'a>,
+        name: &str,
+        cin: usize,
+        cout: usize,
+        k: usize,
+        stride: usize,
+    ) -> R<'a> {
+        let p = Conv2dParams {
+            stride: [stride; 2],
+            padding: [k / 2; 2],
+            dilation: [1; 2],
+            groups: 1,
+        };
+        x.conv2d(
+            self.w(&format!("{name}.weight"), &[cout, cin, k, k])?,
+            Some(self.w(&format!("{name}.bias"), &[cout])?),
+            p,
+        )
+    }
+
+    fn linear(&self, x: T<'a>, name: &str, cin: usize, cout: usize, bias: bool) -> R<'a> {
+        let b = if bias {
+            Some(self.w(&format!("{name}.bias"), &[cout])?)
+        } else {
+            None
+        };
+        x.linear(self.w(&format!("{name}.weight"), &[cout, cin])?, b)
+    }
+
+    fn group_norm(&self, x: T<'a>, name: &str, c: usize, eps: f32) -> R<'a> {
+        x.group_norm(
+            32,
+            Some(self.w(&format!("{name}.weight"), &[c])?),
+            Some(self.w(&format!("{name}.bias"), &[c])?),
+            eps,
+        )
+    }
+
+    fn layer_norm(&self, x: T<'a>, name: &str, c: usize) -> R<'a> {
+        x.layer_norm(
+            Some(self.w(&format!("{name}.weight"), &[c])?),
+            Some(self.w(&format!("{name}.bias"), &[c])?),
+            1e-5,
+        )
+    }
+
+    /// ResBlock without scale-shift norm or up/down: `emb_act` is the
+    /// already SiLU-activated embedding (shared by every block, since
+    /// `emb_layers` starts with the SiLU).
+    fn resblock(&self, x: T<'a>, emb_act: T<'a>, name: &str, cin: usize, cout: usize) -> R<'a> {
+        let h = self
+            .group_norm(x, &format!("{name}.in_layers.0"), cin, 1e-5)?
+            .silu();
+        let h = self.conv(h, &format!("{name}.in_layers.2"), cin, cout, 3, 1)?;
+        let e = self.linear(
+            emb_act,
+            &format!("{name}.emb_layers.1"),
+            self.emb_dim,
+            cout,
+            true,
+        )?;
+        let b = e.shape()[0];
+        let h = h.add(e.reshape(&[b, cout, 1, 1])?)?;
+        let h = self
+            .group_norm(h, &format!("{name}.out_layers.0"), cout, 1e-5)?
+            .silu();
+        let h = self.conv(h, &format!("{name}.out_layers.3"), cout, cout, 3, 1)?;
+        let skip = if cin == cout {
+            x
+        } else {
+            self.conv(x, &format!("{name}.skip_connection"), cin, cout, 1, 1)?
+        };
+        skip.add(h)
+    }
+
+    /// CrossAttention: `x` `[b, s, c]` attends to `kv` `[b, skv, c_kv]`
+    /// (itself for self-attention); q/k/v have no bias, `to_out.0` has.
+    fn attention(&self, x: T<'a>, kv: T<'a>, name: &str, c: usize) -> R<'a> {
+        let (xs, ks) = (x.shape(), kv.shape());
+        let (b, s, skv, c_kv) = (xs[0], xs[1], ks[1], ks[2]);
+        let heads = self.heads;
+        let d = c / heads;
+        let split = |t: T<'a>, len: usize| -> R<'a> {
+            t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
+        };
+        let q = split(self.linear(x, &format!("{name}.to_q"), c, c, false)?, s)?;
+        let k = split(
+            self.linear(kv, &format!("{name}.to_k"), c_kv, c, false)?,
+            skv,
+        )?;
+        let v = split(
+            self.linear(kv, &format!("{name}.to_v"), c_kv, c, false)?,
+            skv,
+        )?;
+        let o = q.attention(k, v, None, 1.0 / (d as f32).sqrt())?;
+        let o = o.permute(&[0, 2, 1, 3])?.reshape(&[b, s, c])?;
+        self.linear(o, &format!("{name}.to_out.0"), c, c, true)
+    }
+
+    /// BasicTransformerBlock: self-attention, cross-attention on the
+    /// context, GEGLU feed-forward, each pre-normed and residual.
+    fn transformer_block(&self, x: T<'a>, context: T<'a>, name: &str, c: usize) -> R<'a> {
+        let n = self.layer_norm(x, &format!("{name}.norm1"), c)?;
+        let x = self.attention(n, n, &format!("{name}.attn1"), c)?.add(x)?;
+        let n = self.layer_norm(x, &format!("{name}.norm2"), c)?;
+        let x = self
+            .attention(n, context, &format!("{name}.attn2"), c)?
+            .add(x)?;
+        let n = self.layer_norm(x, &format!("{name}.norm3"), c)?;
+        let inner = 4 * c;
+        let p = self.linear(n, &format!("{name}.ff.net.0.proj"), c, 2 * inner, true)?;
+        // GEGLU: the first half is the value, the second the gate.
+        let ff = p
+            .slice(2, 0, inner)?
+            .mul(p.slice(2, inner, 2 * inner)?.gelu_erf())?;
+        self.linear(ff, &format!("{name}.ff.net.2"), inner, c, true)?
+            .add(x)
+    }
+
+    /// SpatialTransformer with `depth` blocks; projections are 1×1 convs
+    /// (SD1) or linears (SD2/SDXL), applied before/after the token reshape
+    /// respectively, as ComfyUI does.
+    fn spatial_transformer(
+        &self,
+        x: T<'a>,
+        context: T<'a>,
+        name: &str,
+        c: usize,
+        depth: usize,
+    ) -> R<'a> {
+        let s = x.shape();
+        let (b, hh, ww) = (s[0], s[2], s[3]);
+        let mut h = self.group_norm(x, &format!("{name}.norm"), c, 1e-6)?;
+        if !self.use_linear {
+            h = self.conv(h, &format!("{name}.proj_in"), c, c, 1, 1)?;
+        }
+        h = h.reshape(&[b, c, hh * ww])?.permute(&[0, 2, 1])?;
+        if self.use_linear {
+            h = self.linear(h, &format!("{name}.proj_in"), c, c, true)?;
+        }
+        for i in 0..depth {
+            h = self.transformer_block(h, context, &format!("{name}.transformer_blocks.{i}"), c)?;
+        }
+        if self.use_linear {
+            h = self.linear(h, &format!("{name}.proj_out"), c, c, true)?;
+        }
+        h = h.permute(&[0, 2, 1])?.reshape(&[b, c, hh, ww])?;
+        if !self.use_linear {
+            h = self.conv(h, &format!("{name}.proj_out"), c, c, 1, 1)?;
+        }
+        h.add(x)
+    }
+}
+
+/// `[0, 1, …, n-1]` as an f32 vector built from graph ops: there is no
+/// range op, so a `[1]` zero is doubled by concatenating `r` with `r + len`
+/// (exact in f32 for any realistic `n`) and then trimmed.
+fn range<'a>(g: &'a GraphBuilder, n: usize) -> R<'a> {
+    let mut r = g.constant(0.0).reshape(&[1])?;
+    let mut len = 1;
+    while len < n {
+        r = g.concat(&[r, r.add_scalar(len as f32)], 0)?;
+        len *= 2;
+    }
+    if len > n {
+        r = r.slice(0, 0, n)?;
+    }
+    Ok(r)
+}
+
+/// ComfyUI's `timestep_embedding(t, dim)` (max period 10000, cos half
+/// first): `timesteps` `[b]` → `[b, dim]`. The frequencies are computed in
+/// the graph in the same f32 order as PyTorch (`i * -ln(10000)`, `/ half`,
+/// `exp`), so only the backend's `exp`/`sin`/`cos` rounding can differ.
+pub fn timestep_embedding<'a>(g: &'a GraphBuilder, timesteps: T<'a>, dim: usize) -> R<'a> {
+    let ts = timesteps.shape();
+    if ts.len() != 1 || dim < 2 {
+        return Err(bad(
+            "timestep_embedding",
+            format!("needs timesteps [b] and dim ≥ 2 (dim {dim})"),
+            &[&ts],
+        ));
+    }
+    let half = dim / 2;
+    let freqs = range(g, half)?
+        .mul_scalar(-(10000f64.ln() as f32))
+        .div(g.constant(half as f32))?
+        .exp()
+        .reshape(&[1, half])?;
+    let args = timesteps.reshape(&[ts[0], 1])?.mul(freqs)?;
+    let emb = g.concat(&[args.cos(), args.sin()], 1)?;
+    if dim % 2 == 1 {
+        emb.pad(&[(0, 0), (0, 1)], 0.0)
+    } else {
+        Ok(emb)
+    }
+}
+
+/// The UNet: `x` `[b, in_channels, h, w]`, `timesteps` `[b]`, `context`
+/// `[b, tokens, context_dim]` → `[b, out_channels, h, w]`, weights under
+/// `prefix` (e.g. `model.diffusion_model.`). `num_heads` is the head count
+/// of every attention layer (head width = channels / num_heads, as SD1's
+/// `num_heads: 8`; models configured by head width need the count per
+/// level, which this builder does not take).
+pub fn unet<'a>(
+    g: &'a GraphBuilder,
+    cfg: &UnetConfig,
+    num_heads: usize,
+    prefix: &str,
+    x: T<'a>,
+    timesteps: T<'a>,
+    context: T<'a>,
+) -> R<'a> {
+    let (xs, cs) = (x.shape(), context.shape());
+    let levels = cfg.channel_mult.len();
+    let n_res: usize = cfg.num_res_blocks.iter().sum();
+    let valid = xs.len() == 4
+        && xs[1] == cfg.in_channels
+        && cs.len() == 3
+        && cs[0] == xs[0]
+        && cfg.context_dim.is_none_or(|d| d == cs[2])
+        && num_heads > 0
+        && levels > 0
+        && cfg.num_res_blocks.len() == levels
+        && cfg.transformer_depth.len() == n_res
+        && cfg.transformer_depth_output.len() == n_res + levels;
+    if !valid {
+        return Err(bad(
+            "unet",
+            format!(
+                "inputs or config do not fit: x must be [b, {}, h, w], context \
+                 [b, tokens, {:?}], and the per-block lists must match \
+                 num_res_blocks {:?}",
+                cfg.in_channels, cfg.context_dim, cfg.num_res_blocks
+            ),
+            &[&xs, &cs],
+        ));
+    }
+    let mc = cfg.model_channels;
+    let cx = Ctx {
+        g,
+        prefix,
+        heads: num_heads,
+        use_linear: cfg.use_linear_in_transformer,
+        emb_dim: 4 * mc,
+    };
+    let check_heads = |c: usize| -> Result<(), ShapeError> {
+        if c.is_multiple_of(num_heads) {
+            Ok(())
+        } else {
+            Err(bad(
+                "unet",
+                format!("{c} channels do not split into {num_heads} heads"),
+                &[&xs],
+            ))
+        }
+    };
+
+    let t_emb = timestep_embedding(g, timesteps, mc)?;
+    let emb = cx.linear(t_emb, "time_embed.0", mc, 4 * mc, true)?.silu();
+    let emb = cx.linear(emb, "time_embed.2", 4 * mc, 4 * mc, true)?;
+    let emb_act = emb.silu();
+
+    let mut h = cx.conv(x, "input_blocks.0.0", cfg.in_channels, mc, 3, 1)?;
+    let mut skips = vec![h];
+    let mut ch = mc;
+    let mut id = 1;
+    let mut depths = cfg.transformer_depth.iter();
+    for (level, &mult) in cfg.channel_mult.iter().enumerate() {
+        for _ in 0..cfg.num_res_blocks[level] {
+            let cout = mult * mc;
+            h = cx.resblock(h, emb_act, &format!("input_blocks.{id}.0"), ch, cout)?;
+            ch = cout;
+            let depth = depths.next().copied().unwrap_or(0);
+            if depth > 0 {
+                check_heads(ch)?;
+                h =
+                    cx.spatial_transformer(h, context, &format!("input_blocks.{id}.1"), ch, depth)?;
+            }
+            skips.push(h);
+            id += 1;
+        }
+        if level + 1 != levels {
+            h = cx.conv(h, &format!("input_blocks.{id}.0.op"), ch, ch, 3, 2)?;
+            skips.push(h);
+            id += 1;
+        }
+    }
+
+    h = cx.resblock(h, emb_act, "middle_block.0", ch, ch)?;
+    if let Some(depth) = cfg.transformer_depth_middle {
+        check_heads(ch)?;
+        h = cx.spatial_transformer(h, context, "middle_block.1", ch, depth)?;
+        h = cx.resblock(h, emb_act, "middle_block.2", ch, ch)?;
+    }
+
+    // ComfyUI pops the output depths from the end: output block k uses
+    // transformer_depth_output[len - 1 - k].
+    let mut out_depths = cfg.transformer_depth_output.iter().rev();
+    let mut id = 0;
+    for level in (0..levels).rev() {
+        for i in 0..=cfg.num_res_blocks[level] {
+            let Some(skip) = skips.pop() else {
+                return Err(bad("unet", "ran out of skip connections".into(), &[&xs]));
+            };
+            let ich = skip.shape()[1];
+            h = g.concat(&[h, skip], 1)?;
+            let cout = mc * cfg.channel_mult[level];
+            let name = format!("output_blocks.{id}");
+            h = cx.resblock(h, emb_act, &format!("{name}.0"), ch + ich, cout)?;
+            ch = cout;
+            let mut layer = 1;
+            let depth = out_depths.next().copied().unwrap_or(0);
+            if depth > 0 {
+                check_heads(ch)?;
+                h = cx.spatial_transformer(h, context, &format!("{name}.1"), ch, depth)?;
+                layer += 1;
+            }
+            if level > 0 && i == cfg.num_res_blocks[level] {
+                // Upsample to the next skip's size (2x, or the odd size the
+                // downsampling produced), as ComfyUI passes `output_shape`.
+                let (oh, ow) = match skips.last() {
+                    Some(s) => {
+                        let s = s.shape();
+                        (s[2], s[3])
+                    }
+                    None => {
+                        let s = h.shape();
+                        (2 * s[2], 2 * s[3])
+                    }
+                };
+                h = h.upsample(UpsampleMode::Nearest, oh, ow)?;
+                h = cx.conv(h, &format!("{name}.{layer}.conv"), ch, ch, 3, 1)?;
+            }
+            id += 1;
+        }
+    }
+
+    let h = cx.group_norm(h, "out.0", ch, 1e-5)?.silu();
+    cx.conv(h, "out.2", ch, cfg.out_channels, 3, 1)
+}
