@@ -1609,37 +1609,8 @@ pub fn upsample_bilinear2d(
 /// Conversions split into pieces of this many elements across threads.
 const CONVERT_PIECE: usize = 1 << 16;
 
-/// IEEE binary16 bits to f32, exactly (subnormals, ±inf and NaN included).
-/// Every case is computed and one selected, so slice loops vectorize.
-#[inline(always)]
-pub fn f16_bits_to_f32(h: u16) -> f32 {
-    let h = u32::from(h);
-    let sign = (h & 0x8000) << 16;
-    // Exponent and mantissa moved into f32 position.
-    let em = (h & 0x7fff) << 13;
-    let exp = em & (0x7c00 << 13);
-    // Rebias the exponent from 15 to 127.
-    let normal = em + ((127 - 15) << 23);
-    // Inf/NaN: exponent all ones in f32 too; the mantissa (NaN payload) stays.
-    let inf_nan = normal + ((128 - 16) << 23);
-    // Subnormal (and zero): mantissa · 2^-24, computed exactly as
-    // (2^-14 · (1 + m/1024)) - 2^-14 by the FPU.
-    let sub = (f32::from_bits(normal + (1 << 23)) - f32::from_bits(113 << 23)).to_bits();
-    let bits = if exp == 0x7c00 << 13 {
-        inf_nan
-    } else if exp == 0 {
-        sub
-    } else {
-        normal
-    };
-    f32::from_bits(bits | sign)
-}
-
-/// bfloat16 bits to f32: bf16 is the top half of an f32, so this is exact.
-#[inline(always)]
-pub fn bf16_bits_to_f32(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
-}
+// The per-value conversions are `crate::weights`'s, where the dtypes
+// live; these are the parallel slice forms.
 
 // Generic over the converter (not a fn pointer) so it inlines and the loop
 // vectorizes.
@@ -1667,11 +1638,11 @@ fn convert(
 /// safetensors F16 buffer read as little-endian `u16`s) to f32, exactly.
 /// `dst.len()` must equal `src.len()`.
 pub fn f16_to_f32(src: &[u16], dst: &mut [f32]) -> Result {
-    convert("f16_to_f32", src, dst, f16_bits_to_f32)
+    convert("f16_to_f32", src, dst, crate::weights::f16_to_f32)
 }
 
 /// Converts bfloat16 values (as bit patterns) to f32, exactly.
 /// `dst.len()` must equal `src.len()`.
 pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) -> Result {
-    convert("bf16_to_f32", src, dst, bf16_bits_to_f32)
+    convert("bf16_to_f32", src, dst, crate::weights::bf16_to_f32)
 }
