@@ -7,6 +7,7 @@
 //! never overlap.
 
 use super::kernels::{self, MatView};
+use crate::backend::BindError;
 use crate::plan::{BufferKind, Command, Expr, Kernel, KernelKind, Program, View};
 use crate::tensor::reference::{binary, unary, Array};
 use crate::tensor::{contiguous_strides, ReduceOp, UpsampleMode};
@@ -17,16 +18,8 @@ use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CpuError {
-    #[error("input \"{0}\" is not bound")]
-    MissingInput(String),
-    #[error("weight \"{0}\" is not bound")]
-    MissingWeight(String),
-    #[error("\"{name}\" has {got} values, the program expects {want}")]
-    WrongSize {
-        name: String,
-        got: usize,
-        want: usize,
-    },
+    #[error(transparent)]
+    Bind(#[from] crate::backend::BindError),
     #[error("weight \"{name}\": {message}")]
     Weight { name: String, message: String },
     #[error("kernel k{kernel} ({kind}): {message}")]
@@ -64,7 +57,7 @@ impl Bindings {
                 name: name.clone(),
                 message: e.to_string(),
             })?;
-            check_len(name, data.len(), prog.buffer(*buffer).len)?;
+            BindError::check_len(name, data.len(), prog.buffer(*buffer).len)?;
             self.weights.insert(name.clone(), Arc::new(data));
         }
         Ok(())
@@ -85,16 +78,16 @@ pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
                 let w = bind
                     .weights
                     .get(name)
-                    .ok_or_else(|| CpuError::MissingWeight(name.clone()))?;
-                check_len(name, w.len(), prog.buffer(*buffer).len)?;
+                    .ok_or_else(|| BindError::MissingWeight(name.clone()))?;
+                BindError::check_len(name, w.len(), prog.buffer(*buffer).len)?;
                 external.insert(buffer.0, w.clone());
             }
             Command::Bind { buffer, name } => {
                 let v = bind
                     .inputs
                     .get(name)
-                    .ok_or_else(|| CpuError::MissingInput(name.clone()))?;
-                check_len(name, v.len(), prog.buffer(*buffer).len)?;
+                    .ok_or_else(|| BindError::MissingInput(name.clone()))?;
+                BindError::check_len(name, v.len(), prog.buffer(*buffer).len)?;
                 external.insert(buffer.0, v.clone());
             }
             Command::Dispatch { kernel } => {
@@ -113,18 +106,6 @@ pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
         outs.push(Array::new(v.shape.clone(), data));
     }
     Ok(outs)
-}
-
-fn check_len(name: &str, got: usize, want: usize) -> Result<(), CpuError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(CpuError::WrongSize {
-            name: name.to_string(),
-            got,
-            want,
-        })
-    }
 }
 
 /// The whole storage of the buffer a view reads. `left`/`right` are the

@@ -15,6 +15,7 @@
 pub mod codegen;
 
 use crate::backend::cpu::Bindings;
+use crate::backend::BindError;
 use crate::plan::{BufferKind, Command, Program};
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
@@ -26,16 +27,8 @@ pub enum WgpuError {
     NoAdapter(String),
     #[error("cannot open the device: {0}")]
     Device(String),
-    #[error("input \"{0}\" is not bound")]
-    MissingInput(String),
-    #[error("weight \"{0}\" is not bound")]
-    MissingWeight(String),
-    #[error("\"{name}\" has {got} values, the program expects {want}")]
-    WrongSize {
-        name: String,
-        got: usize,
-        want: usize,
-    },
+    #[error(transparent)]
+    Bind(#[from] crate::backend::BindError),
     #[error("kernel k{kernel} ({kind}): {message}")]
     Unsupported {
         kernel: usize,
@@ -369,9 +362,9 @@ impl WgpuBackend {
                     let data = bind
                         .weights
                         .get(name)
-                        .ok_or_else(|| WgpuError::MissingWeight(name.clone()))?;
+                        .ok_or_else(|| BindError::MissingWeight(name.clone()))?;
                     let want = prog.buffer(*buffer).len;
-                    check_size(name, data.len(), want)?;
+                    BindError::check_len(name, data.len(), want)?;
                     let bytes = encode(data, self.f16_weights);
                     self.check_binding(bytes.len() as u64)?;
                     let buf = self
@@ -465,7 +458,7 @@ impl WgpuBackend {
                     BufferKind::Arena => (&arena, b.offset as u64 * 4),
                     _ => (
                         external.get(&v.buffer.0).ok_or_else(|| {
-                            WgpuError::MissingInput(format!("buffer b{}", v.buffer.0))
+                            BindError::MissingInput(format!("buffer b{}", v.buffer.0))
                         })?,
                         0,
                     ),
@@ -513,18 +506,6 @@ impl WgpuBackend {
     }
 }
 
-fn check_size(name: &str, got: usize, want: usize) -> Result<(), WgpuError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(WgpuError::WrongSize {
-            name: name.to_string(),
-            got,
-            want,
-        })
-    }
-}
-
 type Dispatch = (Arc<wgpu::ComputePipeline>, wgpu::BindGroup, [u32; 3]);
 
 /// A Program made resident: weights uploaded, pipelines and bind groups
@@ -550,8 +531,8 @@ impl Prepared<'_> {
             let data = bind
                 .inputs
                 .get(name)
-                .ok_or_else(|| WgpuError::MissingInput(name.clone()))?;
-            check_size(name, data.len(), *len)?;
+                .ok_or_else(|| BindError::MissingInput(name.clone()))?;
+            BindError::check_len(name, data.len(), *len)?;
             let bytes = encode(data, self.backend.f16_activations);
             if let Some(b) = self.external.get(buf) {
                 queue.write_buffer(b, 0, &bytes);
@@ -589,7 +570,11 @@ impl Prepared<'_> {
                 BufferKind::Arena => (&self.arena, b.offset as u64 * 4),
                 _ => match self.external.get(&v.buffer.0) {
                     Some(e) => (e, 0),
-                    None => return Err(WgpuError::MissingInput(format!("buffer b{}", v.buffer.0))),
+                    None => {
+                        return Err(
+                            BindError::MissingInput(format!("buffer b{}", v.buffer.0)).into()
+                        )
+                    }
                 },
             };
             encoder.copy_buffer_to_buffer(src, off, &st, 0, size);
