@@ -203,6 +203,13 @@ fn devices_command() -> Result<i32> {
                 a.features.join(", ")
             }
         )?;
+        if !a.cooperative_matrix.is_empty() {
+            writeln!(
+                out,
+                "  cooperative matrix: {}",
+                a.cooperative_matrix.join(", ")
+            )?;
+        }
         writeln!(
             out,
             "  max storage binding {} MiB, max buffer {} MiB, workgroup memory {} KiB",

@@ -53,6 +53,9 @@ pub struct AdapterReport {
     pub device_type: String,
     pub driver: String,
     pub features: Vec<String>,
+    /// Cooperative-matrix shapes (M×N×K, input → accumulator types), where
+    /// the adapter has the experimental feature.
+    pub cooperative_matrix: Vec<String>,
     pub max_storage_buffer_binding_size: u64,
     pub max_buffer_size: u64,
     pub max_compute_workgroup_storage_size: u32,
@@ -68,17 +71,36 @@ fn report(a: &wgpu::Adapter) -> AdapterReport {
         (wgpu::Features::SUBGROUP, "SUBGROUP"),
         (wgpu::Features::TIMESTAMP_QUERY, "TIMESTAMP_QUERY"),
         (wgpu::Features::PIPELINE_CACHE, "PIPELINE_CACHE"),
+        (
+            wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+            "EXPERIMENTAL_COOPERATIVE_MATRIX",
+        ),
     ] {
         if feats.contains(f) {
             features.push(name.to_string());
         }
     }
+    // The tile shapes a cooperative-matrix kernel would be built from.
+    let cooperative_matrix = if feats.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+        a.cooperative_matrix_properties()
+            .iter()
+            .map(|p| {
+                format!(
+                    "{}x{}x{} {:?}->{:?}",
+                    p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type
+                )
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     AdapterReport {
         name: info.name,
         backend: format!("{:?}", info.backend),
         device_type: format!("{:?}", info.device_type),
         driver: format!("{} {}", info.driver, info.driver_info),
         features,
+        cooperative_matrix,
         max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
         max_buffer_size: limits.max_buffer_size,
         max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,

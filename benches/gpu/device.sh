@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU check for a lent machine that has no Rust toolchain: binaries are
+# built here first (benches/gpu/build.sh puts them in .gpubin/), the Vulkan
+# loader travels as .deb files in .gl/, and this script runs them there.
+# Same content as run.sh: devices, conformance on the real adapter, then
+# GEMM/conv/attention and an SD1.5 UNet step beside PyTorch.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-/tmp}"
+report="$out/gpu-report.txt"
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
+if ! ldconfig -p | grep -q libvulkan.so.1; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+fi
+icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+if [ -f "$icd" ] && ! ls /usr/share/vulkan/icd.d/*nvidia* /etc/vulkan/icd.d/*nvidia* >/dev/null 2>&1; then
+    export VK_DRIVER_FILES="$icd"
+fi
+export SDKIT_ADAPTER="${SDKIT_ADAPTER:-nvidia}"
+b=.gpubin
+{
+    echo "== machine"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+    echo "== devices"
+    timeout 60 $b/sdkit devices
+    echo "== conformance + backend tests on the real adapter"
+    timeout 150 $b/conformance -q 2>&1 | tail -n 25
+    timeout 60 $b/wgpu_backend -q 2>&1 | tail -n 25
+    echo "== wgpu_ops (GEMM, conv, attention, UNet-shaped) vs torch"
+    timeout 120 $b/wgpu_ops --bench 2>&1
+    echo "== SD1.5 UNet step vs torch fp16"
+    timeout 180 $b/unet_step --bench 2>&1
+} 2>&1 | tee "$report"

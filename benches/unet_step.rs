@@ -1,0 +1,218 @@
+//! One denoiser step of a full-size SD1.5 UNet (ldm layout, random
+//! weights): batch 2 (CFG), 64×64 latent (a 512² image), 77-token context,
+//! on the wgpu backend, beside PyTorch running the same architecture in
+//! fp16 on the same GPU in the same run (benches/gpu/unet_torch.py).
+//!
+//! `cargo bench --bench unet_step` (best adapter, or `SDKIT_ADAPTER=name`).
+//! `SDKIT_BENCH_SMALL=1` runs a width-32, 16×16 version for software
+//! adapters; `SDKIT_BENCH_PLAN_ONLY=1` stops after planning. PyTorch is
+//! `python3` or `SDKIT_BENCH_PYTHON`. Times cover
+//! dispatch through completion of one step, weights and inputs resident.
+
+use sdkit_engine::backend::cpu::Bindings;
+use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+use sdkit_engine::plan::plan;
+use sdkit_engine::tensor::{GraphBuilder, InputKind, TensorGraph};
+use sdkit_nodes::models::detect::UnetConfig;
+use sdkit_nodes::models::unet::unet;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn sd15(model_channels: usize) -> UnetConfig {
+    UnetConfig {
+        in_channels: 4,
+        out_channels: 4,
+        model_channels,
+        num_res_blocks: vec![2; 4],
+        channel_mult: vec![1, 2, 4, 4],
+        transformer_depth: vec![1, 1, 1, 1, 1, 1, 0, 0],
+        // ComfyUI pops this list from the end: the first output blocks
+        // (the deepest level, no attention) take the trailing zeros.
+        transformer_depth_output: vec![1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+        transformer_depth_middle: Some(1),
+        use_linear_in_transformer: false,
+        context_dim: Some(768),
+        adm_in_channels: None,
+    }
+}
+
+/// Small values from a fixed hash: scaled by 1/sqrt(fan-in) so 25 blocks
+/// deep stay in f16 range; norm scales near 1.
+fn fill(name: &str, shape: &[usize]) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    let fan_in = (n / shape.first().copied().unwrap_or(1).max(1)).max(1) as f32;
+    let mut s: u64 = name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let u = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            if shape.len() == 1 && !name.ends_with("bias") {
+                1.0 + 0.1 * u
+            } else if shape.len() == 1 {
+                0.05 * u
+            } else {
+                u / fan_in.sqrt()
+            }
+        })
+        .collect()
+}
+
+fn graph(small: bool) -> (TensorGraph, String) {
+    let (mc, hw) = if small { (32, 16) } else { (320, 64) };
+    let cfg = sd15(mc);
+    let g = GraphBuilder::new();
+    let out = (|| {
+        let x = g.input("x", &[2, 4, hw, hw])?;
+        let t = g.input("t", &[2])?;
+        let c = g.input("context", &[2, 77, 768])?;
+        unet(&g, &cfg, 8, "model.diffusion_model.", x, t, c)
+    })();
+    let y = out.expect("SD1.5 UNet graph");
+    (
+        g.finish(&[y]),
+        format!("SD1.5 UNet, batch 2, {hw}x{hw} latent, width {mc}"),
+    )
+}
+
+fn bindings(g: &TensorGraph) -> Bindings {
+    let mut b = Bindings::default();
+    for (_, name, shape) in g.inputs(InputKind::Weight) {
+        b.weights
+            .insert(name.to_string(), Arc::new(fill(name, &shape)));
+    }
+    for (_, name, shape) in g.inputs(InputKind::Activation) {
+        let data = if name == "t" {
+            vec![999.0, 999.0]
+        } else {
+            fill(name, &shape)
+        };
+        b.inputs.insert(name.to_string(), Arc::new(data));
+    }
+    b
+}
+
+fn torch_time(py: &str, small: bool) -> Result<f64, String> {
+    // From the working directory first: the bench binary may run on another
+    // machine than the one it was built on (benches/gpu/device.sh).
+    let rel = "benches/gpu/unet_torch.py";
+    let script = if std::path::Path::new(rel).exists() {
+        rel
+    } else {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/benches/gpu/unet_torch.py")
+    };
+    let mut cmd = Command::new(py);
+    cmd.arg(script);
+    if small {
+        cmd.arg("--small");
+    }
+    let out = cmd.output().map_err(|e| format!("{py}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("seconds_per_step "))
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| {
+            let err = String::from_utf8_lossy(&out.stderr);
+            format!(
+                "no timing from {script}: {}",
+                err.lines().last().unwrap_or("")
+            )
+        })
+}
+
+fn main() {
+    let small = std::env::var_os("SDKIT_BENCH_SMALL").is_some();
+    let adapter = std::env::var("SDKIT_ADAPTER").ok();
+    let py = std::env::var("SDKIT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let (g, what) = graph(small);
+    let t = Instant::now();
+    let prog = match plan(&g) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("unet_step: plan failed: {e}");
+            return;
+        }
+    };
+    println!(
+        "unet_step: {what}: planned in {:.2} s, {} dispatches, arena {:.1} MiB",
+        t.elapsed().as_secs_f64(),
+        prog.stats.dispatches,
+        prog.stats.arena_bytes as f64 / (1 << 20) as f64
+    );
+    let params: usize = g
+        .inputs(InputKind::Weight)
+        .iter()
+        .map(|(_, _, s)| s.iter().product::<usize>())
+        .sum();
+    println!("unet_step: {:.1} M parameters", params as f64 / 1e6);
+    if std::env::var_os("SDKIT_BENCH_PLAN_ONLY").is_some() {
+        return;
+    }
+    let bind = bindings(&g);
+    let variants = [
+        ("f16 weights, f32 activations", false),
+        ("f16 weights and activations", true),
+    ];
+    let mut best = f64::INFINITY;
+    for (label, f16_act) in variants {
+        let opts = Options {
+            adapter: adapter.clone(),
+            f16_activations: f16_act,
+            ..Options::default()
+        };
+        let gpu = match WgpuBackend::with_options(&opts) {
+            Ok(b) => b,
+            Err(e) => {
+                println!("unet_step: skipped, no adapter: {e}");
+                return;
+            }
+        };
+        if f16_act && !gpu.f16_activations {
+            println!("unet_step [{label}]: skipped, adapter lacks SHADER_F16");
+            continue;
+        }
+        let t = Instant::now();
+        let prepared = match gpu.prepare(&prog, &bind) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("unet_step [{label}]: prepare failed: {e}");
+                continue;
+            }
+        };
+        let prep = t.elapsed().as_secs_f64();
+        if let Err(e) = prepared.dispatch_only(2) {
+            println!("unet_step [{label}]: failed: {e}");
+            continue;
+        }
+        let t = Instant::now();
+        let _ = prepared.dispatch_only(1);
+        let once = t.elapsed().as_secs_f64().max(1e-6);
+        let iters = ((2.0 / once) as usize).clamp(2, 50);
+        let t = Instant::now();
+        let _ = prepared.dispatch_only(iters);
+        let secs = t.elapsed().as_secs_f64() / iters as f64;
+        best = best.min(secs);
+        println!(
+            "unet_step [{label}] on {} ({}): {:.2} ms/step (prepare+upload {:.2} s, {} pipelines)",
+            gpu.adapter.name,
+            gpu.adapter.backend,
+            secs * 1e3,
+            prep,
+            gpu.pipelines_compiled()
+        );
+    }
+    match torch_time(&py, small) {
+        Ok(tt) if best.is_finite() => println!(
+            "unet_step: torch fp16 {:.2} ms/step, sdkit best {:.2} ms/step, sdkit/torch time {:.2}x",
+            tt * 1e3,
+            best * 1e3,
+            best / tt
+        ),
+        Ok(tt) => println!("unet_step: torch fp16 {:.2} ms/step", tt * 1e3),
+        Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+    }
+}
