@@ -83,13 +83,13 @@ fn bindings(g: &TensorGraph) -> Bindings {
     let mut b = Bindings::default();
     for (_, name, shape) in g.inputs(InputKind::Weight) {
         b.weights
-            .insert(name.to_string(), Arc::new(fill(name, &shape)));
+            .insert(name.to_string(), Arc::new(fill(name, shape)));
     }
     for (_, name, shape) in g.inputs(InputKind::Activation) {
         let data = if name == "t" {
             vec![999.0, 999.0]
         } else {
-            fill(name, &shape)
+            fill(name, shape)
         };
         b.inputs.insert(name.to_string(), Arc::new(data));
     }
