@@ -154,6 +154,20 @@ pub struct RunArgs {
     /// No progress display.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Where models run: auto (a hardware GPU if present, else the CPU),
+    /// cpu, wgpu (best adapter, software ones included) or an adapter name
+    /// from `sdkit devices`.
+    #[arg(long, value_name = "auto|cpu|wgpu|NAME", default_value = "auto")]
+    pub device: String,
+}
+
+impl RunArgs {
+    /// The executor for this run's library, folders and device.
+    pub fn executor(&self, lib: Arc<sdkit_engine::NodeLibrary>, paths: Paths) -> Result<Executor> {
+        let runtime = sdkit_engine::Runtime::select(&self.device)?;
+        tracing::info!("models run on {}", runtime.describe());
+        Ok(Executor::new(lib, Arc::new(paths)).with_runtime(runtime))
+    }
 }
 
 pub fn main(cli: Cli) -> Result<i32> {
@@ -531,7 +545,7 @@ fn run_command(args: RunArgs) -> Result<i32> {
     };
     print_diagnostics(&args.file, &graph.warnings);
     let (sink, progress) = event_sink(&args)?;
-    let exec = Executor::new(lib, Arc::new(paths));
+    let exec = args.executor(lib, paths)?;
     let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     let code = rt.block_on(run_graph(&exec, &graph, sink, CancelToken::new()));
     if let Some(p) = progress {

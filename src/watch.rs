@@ -8,7 +8,7 @@
 use crate::cli::{event_sink, load_and_validate, print_diagnostics, run_graph, Loaded, RunArgs};
 use anyhow::{Context, Result};
 use notify::{RecursiveMode, Watcher};
-use sdkit_engine::{CancelToken, Executor};
+use sdkit_engine::CancelToken;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +25,7 @@ pub fn watch(args: RunArgs) -> Result<i32> {
 async fn watch_async(args: RunArgs) -> Result<i32> {
     let lib = Arc::new(sdkit_nodes::library());
     let paths = args.dirs.paths()?;
-    let exec = Executor::new(lib.clone(), Arc::new(paths.clone()));
+    let exec = args.executor(lib.clone(), paths.clone())?;
     let (sink, progress) = event_sink(&args)?;
 
     let file = std::path::absolute(&args.file)

@@ -12,6 +12,7 @@ use crate::event::{now_ms, Event, EventSink};
 use crate::graph::{Graph, GraphInput};
 use crate::node::{CancelToken, Inputs, NodeContext, NodeError, NodeLibrary, NodeOutput};
 use crate::paths::Paths;
+use crate::runtime::Runtime;
 use crate::value::Value;
 use serde_json::{Map, Value as Json};
 use std::collections::hash_map::DefaultHasher;
@@ -76,6 +77,7 @@ struct CacheEntry {
 pub struct Executor {
     library: Arc<NodeLibrary>,
     paths: Arc<Paths>,
+    runtime: Runtime,
     cache: Mutex<HashMap<u64, CacheEntry>>,
 }
 
@@ -120,8 +122,19 @@ impl Executor {
         Executor {
             library,
             paths,
+            runtime: Runtime::cpu(),
             cache: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Runs nodes' tensor programs on `runtime` (the CPU by default).
+    pub fn with_runtime(mut self, runtime: Runtime) -> Self {
+        self.runtime = runtime;
+        self
+    }
+
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
     }
 
     pub fn library(&self) -> &Arc<NodeLibrary> {
@@ -163,6 +176,7 @@ impl Executor {
             extra_pnginfo: Arc::new(extra),
             cancel: opts.cancel.clone(),
             events: opts.events.clone(),
+            runtime: self.runtime.clone(),
         }
     }
 

@@ -8,7 +8,8 @@
 //! * [`paths`]: ComfyUI's folder layout.
 //! * [`tensor`]: the tensor graph models are built as (op IR + builder).
 //! * [`plan`]: the planner: fusion, views, activation memory → `Program`.
-//! * [`backend`]: backends that replay Programs (`cpu`).
+//! * [`backend`]: backends that replay Programs (`cpu`, `wgpu`).
+//! * [`runtime`]: the device a run's nodes use, over the backends.
 //! * [`weights`]: safetensors files, memory-mapped and lazy.
 
 pub mod backend;
@@ -18,6 +19,7 @@ pub mod graph;
 pub mod node;
 pub mod paths;
 pub mod plan;
+pub mod runtime;
 pub mod tensor;
 pub mod value;
 pub mod weights;
@@ -27,4 +29,5 @@ pub use exec::{Executor, RunError, RunOptions, RunReport};
 pub use graph::{validate, Graph, GraphInput, GraphNode};
 pub use node::{CancelToken, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary, NodeOutput};
 pub use paths::Paths;
+pub use runtime::{Runtime, RuntimeError};
 pub use value::{Latent, Tensor, Value};

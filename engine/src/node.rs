@@ -79,6 +79,8 @@ pub struct NodeContext {
     pub extra_pnginfo: Arc<serde_json::Map<String, Json>>,
     pub cancel: CancelToken,
     pub events: EventSink,
+    /// The device nodes run tensor programs on.
+    pub runtime: crate::runtime::Runtime,
 }
 
 impl NodeContext {

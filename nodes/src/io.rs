@@ -73,7 +73,7 @@ pub fn image_to_tensors(img: &DynamicImage) -> (Tensor, Tensor) {
     (image, mask)
 }
 
-fn input_path(ctx: &NodeContext, name: &str) -> Result<PathBuf, NodeError> {
+pub(crate) fn input_path(ctx: &NodeContext, name: &str) -> Result<PathBuf, NodeError> {
     ctx.paths
         .annotated_input(name)
         .ok_or_else(|| NodeError::invalid(format!("Invalid image file: {name}")))
@@ -204,11 +204,11 @@ fn python_float(f: f64) -> String {
 
 /// Serialises counter selection and renames, so concurrent saves never
 /// pick the same file name.
-static SAVE_LOCK: Mutex<()> = Mutex::new(());
+pub(crate) static SAVE_LOCK: Mutex<()> = Mutex::new(());
 
 /// ComfyUI's `get_save_image_path`: the folder, base name and the next
 /// counter after existing `{name}_{counter:05}_` files.
-fn save_target(
+pub(crate) fn save_target(
     root: &Path,
     prefix: &str,
     width: usize,

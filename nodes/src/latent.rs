@@ -1,6 +1,10 @@
 //! Latent nodes that need no model.
 
+use crate::io::{input_path, python_json, save_target, SAVE_LOCK};
+use sdkit_engine::weights::{write_safetensors, DType, SafeTensors, TensorData};
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
+use serde_json::json;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// ComfyUI's EmptyLatentImage: zeros of shape [batch, 4, height/8, width/8].
@@ -17,5 +21,88 @@ impl NodeImpl for EmptyLatentImage {
             batch_index: None,
             noise_mask: None,
         }))]))
+    }
+}
+
+/// ComfyUI's SaveLatent: `{prefix}_{counter:05}_.latent` in the output
+/// folder, a safetensors file with `latent_tensor` (f32) and the empty
+/// `latent_format_version_0` marker, the prompt and extra info as metadata.
+/// Written atomically.
+pub struct SaveLatent;
+
+impl NodeImpl for SaveLatent {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let latent = inputs.latent("samples")?;
+        let prefix = inputs.string("filename_prefix")?;
+        let mut meta = BTreeMap::new();
+        meta.insert("prompt".to_string(), python_json(&ctx.prompt));
+        for (k, v) in ctx.extra_pnginfo.iter() {
+            meta.insert(k.clone(), python_json(v));
+        }
+        let bytes: Vec<u8> = latent
+            .samples
+            .data
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let root = &ctx.paths.output;
+        let _guard = SAVE_LOCK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (folder, name, subfolder, counter) = save_target(root, prefix, 0, 0)?;
+        let file = format!("{name}_{counter:05}_.latent");
+        let path = folder.join(&file);
+        let tensors: [TensorData<'_>; 2] = [
+            ("latent_tensor", DType::F32, &latent.samples.shape, &bytes),
+            ("latent_format_version_0", DType::F32, &[0], &[]),
+        ];
+        write_safetensors(&path, &tensors, &meta).map_err(|e| NodeError::file(&path, e))?;
+        Ok(NodeOutput {
+            values: Vec::new(),
+            ui: Some(
+                json!({"latents": [{"filename": file, "subfolder": subfolder, "type": "output"}]}),
+            ),
+        })
+    }
+}
+
+/// ComfyUI's LoadLatent: a `.latent` file from the input folder; files
+/// without the version marker hold scaled SD1 latents and are divided by
+/// 0.18215.
+pub struct LoadLatent;
+
+impl NodeImpl for LoadLatent {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let path = input_path(ctx, inputs.string("latent")?)?;
+        let file = SafeTensors::open(&path).map_err(|e| NodeError::file(&path, e))?;
+        let info = file
+            .get("latent_tensor")
+            .ok_or_else(|| NodeError::file(&path, "no latent_tensor in this file"))?;
+        let shape = info.shape.clone();
+        let mut data = file
+            .to_f32("latent_tensor")
+            .map_err(|e| NodeError::file(&path, e))?;
+        if file.get("latent_format_version_0").is_none() {
+            for v in &mut data {
+                *v *= 1.0 / 0.18215f32;
+            }
+        }
+        let samples = Tensor::new(shape, data).map_err(|e| NodeError::file(&path, e))?;
+        Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
+            samples,
+            batch_index: None,
+            noise_mask: None,
+        }))]))
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        let path = input_path(ctx, inputs.string("latent").ok()?).ok()?;
+        let meta = std::fs::metadata(path).ok()?;
+        let modified = meta
+            .modified()
+            .ok()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?;
+        Some(format!("{}:{}", meta.len(), modified.as_nanos()))
     }
 }

@@ -6,6 +6,7 @@
 //! with "not implemented yet".
 
 pub mod clip_tokenizer;
+pub mod diffusion;
 pub mod image;
 pub mod imageops;
 pub mod io;
@@ -29,6 +30,21 @@ pub fn library() -> NodeLibrary {
     lib.implement("SaveImage", io::SaveImage);
     lib.implement("PreviewImage", io::PreviewImage);
     lib.implement("EmptyLatentImage", latent::EmptyLatentImage);
+    lib.implement("SaveLatent", latent::SaveLatent);
+    lib.implement("LoadLatent", latent::LoadLatent);
+    lib.implement(
+        "CheckpointLoaderSimple",
+        diffusion::loaders::CheckpointLoaderSimple,
+    );
+    lib.implement("VAELoader", diffusion::loaders::VaeLoader);
+    lib.implement(
+        "CLIPSetLastLayer",
+        diffusion::conditioning::ClipSetLastLayer,
+    );
+    lib.implement("CLIPTextEncode", diffusion::conditioning::ClipTextEncode);
+    lib.implement("KSampler", diffusion::ksampler::KSampler);
+    lib.implement("VAEDecode", diffusion::vae::VaeDecode);
+    lib.implement("VAEEncode", diffusion::vae::VaeEncode);
     lib.implement("ImageScale", image::ImageScale);
     lib.implement("ImageScaleBy", image::ImageScaleBy);
     lib.implement("ImageInvert", image::ImageInvert);

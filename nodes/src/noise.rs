@@ -128,3 +128,24 @@ fn box_muller_16(d: &mut [f32]) {
 pub fn prepare_noise(seed: u64, shape: &[usize]) -> Vec<f32> {
     Mt19937::new(seed).randn(shape.iter().product())
 }
+
+/// ComfyUI's `prepare_noise` with batch indices (a latent from
+/// LatentFromBatch/RepeatLatentBatch): one `torch.randn([1, ...])` per index
+/// from 0 to the largest, in order from one generator, each sample taking
+/// the noise of its index.
+pub fn prepare_noise_indexed(seed: u64, shape: &[usize], indices: &[i64]) -> Vec<f32> {
+    let per: usize = shape.iter().skip(1).product();
+    let max = indices.iter().copied().max().unwrap_or(-1);
+    let mut gen = Mt19937::new(seed);
+    let draws: Vec<Vec<f32>> = (0..=max).map(|_| gen.randn(per)).collect();
+    indices
+        .iter()
+        .flat_map(|&i| {
+            usize::try_from(i)
+                .ok()
+                .and_then(|i| draws.get(i))
+                .cloned()
+                .unwrap_or_else(|| vec![0.0; per])
+        })
+        .collect()
+}

@@ -5,7 +5,7 @@ use sdkit_engine::backend::cpu;
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::{GraphBuilder, InputKind};
 use sdkit_nodes::models::detect::VaeConfig;
-use sdkit_nodes::models::vae::decode_image;
+use sdkit_nodes::models::vae::decoder;
 use std::sync::Arc;
 
 const PREFIX: &str = "first_stage_model.decoder.";
@@ -63,7 +63,16 @@ fn matches_comfyui_decoder() {
     };
     let g = GraphBuilder::new();
     let latent = g.input("latent", &[1, 4, 4, 4]).expect("input");
-    let y = decode_image(&g, &cfg, PREFIX, latent).expect("builds");
+    // The decoder proper (decode_image adds post_quant_conv, which this
+    // fixture's Decoder-only reference lacks) with VAEDecode's output map.
+    let y = decoder(&g, &cfg, PREFIX, latent)
+        .and_then(|x| {
+            x.add_scalar(1.0)
+                .mul_scalar(0.5)
+                .clamp(0.0, 1.0)
+                .permute(&[0, 2, 3, 1])
+        })
+        .expect("builds");
     let graph = g.finish(&[y]);
     let prog = plan(&graph).expect("plans");
     let mut bind = cpu::Bindings::default();
@@ -72,8 +81,9 @@ fn matches_comfyui_decoder() {
         bind.weights
             .insert(name.to_string(), Arc::new(value(rest, shape)));
     }
-    bind.inputs
-        .insert("latent".into(), Arc::new(floats("latent")));
+    // The reference decodes latent / 0.18215 (f32 division, as torch).
+    let latent: Vec<f32> = floats("latent").iter().map(|v| v / 0.18215f32).collect();
+    bind.inputs.insert("latent".into(), Arc::new(latent));
     let got = cpu::run(&prog, &bind).expect("runs");
     assert_eq!(got[0].shape, [1, 8, 8, 3]);
     let want = floats("image");

@@ -265,7 +265,10 @@ fn unet_family(c: &UnetConfig) -> Result<Family, DetectError> {
         c.adm_in_channels,
         c.use_linear_in_transformer,
     ) {
-        (Some(768), _, None, false) => Ok(Family::Sd1),
+        // Full-size SD1 has context 768; any other width with SD1's
+        // structure (no ADM input, 1×1 conv projections) is a tiny or
+        // distilled SD1, built the same way.
+        (Some(_), _, None, false) => Ok(Family::Sd1),
         (Some(1024), _, None, true) => Ok(Family::Sd2),
         (Some(2048), 320, Some(2816), true) => Ok(Family::Sdxl),
         (Some(1280), 384, Some(2560), true) => Ok(Family::SdxlRefiner),

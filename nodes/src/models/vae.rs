@@ -1,6 +1,8 @@
-//! The KL autoencoder's decoder (ldm `Decoder`, as ComfyUI runs it) as a
-//! tensor graph with the checkpoint's key names, and ComfyUI's VAEDecode
-//! around it: latent / 0.18215 in, `clamp((x + 1) / 2, 0, 1)` out.
+//! The KL autoencoder (ldm `Encoder`/`Decoder` with `quant_conv` and
+//! `post_quant_conv`, as ComfyUI runs them) as tensor graphs with the
+//! checkpoint's key names, and ComfyUI's VAEEncode/VAEDecode around them.
+//! Latents on links are unscaled (ComfyUI applies the 0.18215 scale inside
+//! sampling, not in the VAE nodes).
 
 use super::detect::VaeConfig;
 use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, ShapeError, UpsampleMode, T};
@@ -105,16 +107,71 @@ pub fn decoder<'a>(g: &'a GraphBuilder, cfg: &VaeConfig, prefix: &str, z: T<'a>)
     cx.conv(h, "conv_out", c, cfg.in_channels, 3)
 }
 
-/// ComfyUI's VAEDecode for SD1: scale the latent, decode, map to 0..1 and
-/// return an IMAGE `[b, H, W, 3]`.
+/// The encoder: `x` `[b, in_channels, H, W]` → moments `[b, 2 z_channels,
+/// H/8, W/8]` (for four levels), weights under `prefix` (e.g.
+/// `first_stage_model.encoder.`).
+pub fn encoder<'a>(g: &'a GraphBuilder, cfg: &VaeConfig, prefix: &str, x: T<'a>) -> R<'a> {
+    let cx = Ctx { g, prefix };
+    let levels = cfg.ch_mult.len();
+    let mut c = cfg.ch;
+    let mut h = cx.conv(x, "conv_in", cfg.in_channels, c, 3)?;
+    for level in 0..levels {
+        let cout = cfg.ch * cfg.ch_mult[level];
+        for block in 0..cfg.num_res_blocks {
+            h = cx.resnet(h, &format!("down.{level}.block.{block}"), c, cout)?;
+            c = cout;
+        }
+        if level + 1 != levels {
+            // ldm's Downsample pads right and bottom only, then a 3×3
+            // stride-2 convolution without padding.
+            h = h.pad(&[(0, 0), (0, 0), (0, 1), (0, 1)], 0.0)?;
+            let name = format!("down.{level}.downsample.conv");
+            h = h.conv2d(
+                cx.w(&format!("{name}.weight"), &[c, c, 3, 3])?,
+                Some(cx.w(&format!("{name}.bias"), &[c])?),
+                Conv2dParams {
+                    stride: [2; 2],
+                    padding: [0; 2],
+                    dilation: [1; 2],
+                    groups: 1,
+                },
+            )?;
+        }
+    }
+    h = cx.resnet(h, "mid.block_1", c, c)?;
+    h = cx.attn(h, "mid.attn_1", c)?;
+    h = cx.resnet(h, "mid.block_2", c, c)?;
+    let h = cx.norm(h, "norm_out", c)?.silu();
+    cx.conv(h, "conv_out", c, 2 * cfg.z_channels, 3)
+}
+
+/// ComfyUI's VAEEncode for the KL VAE (`first_stage_model.` prefix):
+/// IMAGE `[b, H, W, 3]` (H, W multiples of 8) → `x * 2 - 1` → encoder →
+/// `quant_conv` → the posterior's mode (the mean: the first `z_channels`
+/// moments). The latent is unscaled, as ComfyUI stores it.
+pub fn encode_image<'a>(g: &'a GraphBuilder, cfg: &VaeConfig, prefix: &str, image: T<'a>) -> R<'a> {
+    let x = image
+        .permute(&[0, 3, 1, 2])?
+        .mul_scalar(2.0)
+        .add_scalar(-1.0);
+    let moments = encoder(g, cfg, &format!("{prefix}encoder."), x)?;
+    let zc = 2 * cfg.z_channels;
+    let moments = Ctx { g, prefix }.conv(moments, "quant_conv", zc, zc, 1)?;
+    moments.slice(1, 0, cfg.z_channels)
+}
+
+/// ComfyUI's VAEDecode for the KL VAE (`first_stage_model.` prefix): the
+/// unscaled latent → `post_quant_conv` → decoder → `clamp((x + 1) / 2, 0,
+/// 1)` as an IMAGE `[b, H, W, 3]`.
 pub fn decode_image<'a>(
     g: &'a GraphBuilder,
     cfg: &VaeConfig,
     prefix: &str,
     latent: T<'a>,
 ) -> R<'a> {
-    let z = latent.mul_scalar(1.0 / SD1_SCALE);
-    let x = decoder(g, cfg, prefix, z)?;
+    let zc = cfg.z_channels;
+    let z = Ctx { g, prefix }.conv(latent, "post_quant_conv", zc, zc, 1)?;
+    let x = decoder(g, cfg, &format!("{prefix}decoder."), z)?;
     x.add_scalar(1.0)
         .mul_scalar(0.5)
         .clamp(0.0, 1.0)

@@ -1,0 +1,158 @@
+//! Where node implementations run their tensor programs: the CPU backend or
+//! one wgpu adapter, chosen once per executor (`--device`).
+//!
+//! A model use that runs one Program many times (a sampler's denoiser
+//! steps) prepares a [`Session`] once: on wgpu the weights are uploaded and
+//! the pipelines compiled then, and each step only uploads its inputs.
+
+use crate::backend::cpu::{self, Bindings, CpuError};
+use crate::backend::wgpu::{Options, Prepared, WgpuBackend, WgpuError};
+use crate::plan::Program;
+use crate::tensor::reference::Array;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Cpu(#[from] CpuError),
+    #[error(transparent)]
+    Wgpu(#[from] WgpuError),
+    #[error("device {choice:?}: {message}")]
+    Select { choice: String, message: String },
+}
+
+#[derive(Clone)]
+enum Device {
+    Cpu,
+    Wgpu(Arc<WgpuBackend>),
+}
+
+/// The device programs run on. Cheap to clone.
+#[derive(Clone)]
+pub struct Runtime {
+    device: Device,
+}
+
+impl Default for Runtime {
+    fn default() -> Self {
+        Runtime::cpu()
+    }
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Runtime({})", self.describe())
+    }
+}
+
+impl Runtime {
+    pub fn cpu() -> Self {
+        Runtime {
+            device: Device::Cpu,
+        }
+    }
+
+    /// `cpu`, `wgpu` (the best adapter, software ones included), `auto` (a
+    /// hardware GPU if there is one, else the CPU: a software adapter such
+    /// as lavapipe is slower than the CPU backend) or an adapter name
+    /// (case-insensitive substring).
+    pub fn select(choice: &str) -> Result<Self, RuntimeError> {
+        let err = |message: String| RuntimeError::Select {
+            choice: choice.to_string(),
+            message,
+        };
+        match choice.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Runtime::cpu()),
+            "auto" => {
+                let hardware = crate::backend::wgpu::adapters()
+                    .into_iter()
+                    .any(|a| a.device_type != "Cpu");
+                if !hardware {
+                    return Ok(Runtime::cpu());
+                }
+                match WgpuBackend::new(None) {
+                    Ok(b) if b.adapter.device_type != "Cpu" => Ok(Runtime::wgpu(b)),
+                    _ => Ok(Runtime::cpu()),
+                }
+            }
+            "wgpu" | "gpu" => WgpuBackend::new(None)
+                .map(Runtime::wgpu)
+                .map_err(|e| err(e.to_string())),
+            name => WgpuBackend::with_options(&Options {
+                adapter: Some(name.to_string()),
+                ..Options::default()
+            })
+            .map(Runtime::wgpu)
+            .map_err(|e| err(format!("{e} (`sdkit devices` lists the adapters)"))),
+        }
+    }
+
+    pub fn wgpu(backend: WgpuBackend) -> Self {
+        Runtime {
+            device: Device::Wgpu(Arc::new(backend)),
+        }
+    }
+
+    /// "cpu" or the adapter's name and API.
+    pub fn describe(&self) -> String {
+        match &self.device {
+            Device::Cpu => "cpu".to_string(),
+            Device::Wgpu(b) => format!("{} ({})", b.adapter.name, b.adapter.backend),
+        }
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        matches!(self.device, Device::Cpu)
+    }
+
+    /// Runs a program once.
+    pub fn run(&self, prog: &Program, bind: &Bindings) -> Result<Vec<Array>, RuntimeError> {
+        match &self.device {
+            Device::Cpu => Ok(cpu::run(prog, bind)?),
+            Device::Wgpu(b) => Ok(b.run(prog, bind)?),
+        }
+    }
+
+    /// Binds a program's weights for repeated runs.
+    pub fn prepare<'a>(
+        &'a self,
+        prog: &'a Program,
+        weights: &Bindings,
+    ) -> Result<Session<'a>, RuntimeError> {
+        match &self.device {
+            Device::Cpu => Ok(Session::Cpu {
+                prog,
+                bind: Bindings {
+                    weights: weights.weights.clone(),
+                    inputs: HashMap::new(),
+                },
+            }),
+            Device::Wgpu(b) => Ok(Session::Wgpu(b.prepare(prog, weights)?)),
+        }
+    }
+}
+
+/// A program with its weights bound, run with fresh inputs each time.
+pub enum Session<'a> {
+    Cpu { prog: &'a Program, bind: Bindings },
+    Wgpu(Prepared<'a>),
+}
+
+impl Session<'_> {
+    pub fn run(
+        &mut self,
+        inputs: HashMap<String, Arc<Vec<f32>>>,
+    ) -> Result<Vec<Array>, RuntimeError> {
+        match self {
+            Session::Cpu { prog, bind } => {
+                bind.inputs = inputs;
+                Ok(cpu::run(prog, bind)?)
+            }
+            Session::Wgpu(p) => Ok(p.run(&Bindings {
+                weights: HashMap::new(),
+                inputs,
+            })?),
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! KSampler: ComfyUI's `common_ksampler` over an eps-prediction model.
+//!
+//! The order of operations follows ComfyUI (comfy/sample.py,
+//! comfy/samplers.py, comfy/model_sampling.py) so the same seed gives the
+//! same latent:
+//! 1. sigmas from the scheduler; for denoise < 1, `int(steps / denoise)`
+//!    steps are scheduled and the last `steps + 1` sigmas kept;
+//! 2. noise: `torch.manual_seed(seed)` then `randn` of the latent's shape
+//!    (per batch index when the latent carries one);
+//! 3. the latent is scaled into the model's space (× 0.18215 for SD1) when
+//!    it is not all zeros, and noised: `noise · sqrt(1 + σ₀²)` when σ₀ is
+//!    the model's largest sigma ("max denoise"), else `noise · σ₀`, plus the
+//!    latent;
+//! 4. each step's denoiser runs positive and negative conditioning as one
+//!    batch: input `x / sqrt(σ² + 1)`, timestep = the index of the nearest
+//!    log-sigma, denoised = `x − eps · σ`; several entries in one
+//!    conditioning are averaged by strength; CFG `u + (c − u) · cfg`
+//!    (negative skipped at cfg 1);
+//! 5. the sampler (Euler) steps through the sigmas; the result is scaled
+//!    back (÷ 0.18215).
+
+use super::{graph_error, input, run_error, Conditioning, Model};
+use crate::models::unet::unet;
+use crate::noise::{prepare_noise, prepare_noise_indexed};
+use crate::sampling::euler::sample_euler;
+use sdkit_engine::plan::{plan, Program};
+use sdkit_engine::runtime::Session;
+use sdkit_engine::tensor::GraphBuilder;
+use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Samplers built so far (the full set is listed by the node spec).
+const BUILT_SAMPLERS: &[&str] = &["euler"];
+/// Schedulers built so far.
+const BUILT_SCHEDULERS: &[&str] = &["normal", "karras"];
+
+/// The sigmas KSampler uses for `steps` at `denoise` (ComfyUI's
+/// `KSampler.set_steps`).
+pub fn ksampler_sigmas(
+    model: &Model,
+    scheduler: &str,
+    steps: usize,
+    denoise: f64,
+) -> Result<Vec<f32>, NodeError> {
+    let schedule = |n: usize| -> Result<Vec<f32>, NodeError> {
+        match scheduler {
+            "normal" => Ok(model.schedule.normal(n)),
+            "karras" => Ok(model.schedule.karras(n)),
+            other => Err(NodeError::invalid(format!(
+                "scheduler {other:?} is not built yet in sdkit (built: {})",
+                BUILT_SCHEDULERS.join(", ")
+            ))),
+        }
+    };
+    if denoise > 0.9999 {
+        return schedule(steps);
+    }
+    if denoise <= 0.0 {
+        return Ok(Vec::new());
+    }
+    // Python's int(steps / denoise): truncation of the f64 quotient.
+    let total = (steps as f64 / denoise) as usize;
+    let sigmas = schedule(total)?;
+    let keep = (steps + 1).min(sigmas.len());
+    Ok(sigmas[sigmas.len() - keep..].to_vec())
+}
+
+/// One denoiser input row group: conditioning entries run together.
+struct Group {
+    /// (conditioning index 0 = positive / 1 = negative, entry index)
+    items: Vec<(usize, usize)>,
+    tokens: usize,
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Groups entries the way ComfyUI's `CONDCrossAttn.can_concat` allows:
+/// contexts of different lengths are batched by repeating each to the
+/// least common multiple, unless that is more than 4× the shorter one.
+fn group(conds: &[&Conditioning]) -> Vec<Group> {
+    let mut groups: Vec<Group> = Vec::new();
+    for (ci, c) in conds.iter().enumerate() {
+        for (ei, e) in c.0.iter().enumerate() {
+            let t = e.cross_attn.dim(1);
+            let fits = |g: &Group| {
+                let l = g.tokens / gcd(g.tokens, t) * t;
+                l / g.tokens.min(t) <= 4
+            };
+            match groups.iter_mut().find(|g| fits(g)) {
+                Some(g) => {
+                    g.tokens = g.tokens / gcd(g.tokens, t) * t;
+                    g.items.push((ci, ei));
+                }
+                None => groups.push(Group {
+                    items: vec![(ci, ei)],
+                    tokens: t,
+                }),
+            }
+        }
+    }
+    groups
+}
+
+fn unet_program(
+    model: &Model,
+    batch: usize,
+    h: usize,
+    w: usize,
+    tokens: usize,
+    dim: usize,
+) -> Result<Program, NodeError> {
+    let g = GraphBuilder::new();
+    let out = (|| {
+        let x = g.input("x", &[batch, model.unet.in_channels, h, w])?;
+        let t = g.input("t", &[batch])?;
+        let c = g.input("context", &[batch, tokens, dim])?;
+        unet(&g, &model.unet, model.num_heads, &model.prefix, x, t, c)
+    })()
+    .map_err(|e| graph_error("UNet", e))?;
+    plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))
+}
+
+/// ComfyUI's KSampler node.
+pub struct KSampler;
+
+impl NodeImpl for KSampler {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let positive: Arc<Conditioning> = input(inputs, "positive", "CONDITIONING")?;
+        let negative: Arc<Conditioning> = input(inputs, "negative", "CONDITIONING")?;
+        let latent = inputs.latent("latent_image")?;
+        let seed = inputs.int("seed")?;
+        let seed = u64::try_from(seed)
+            .map_err(|_| NodeError::invalid(format!("seed {seed} is out of range")))?;
+        let steps = inputs.usize("steps")?;
+        let cfg = inputs.float("cfg")?;
+        let sampler = inputs.string("sampler_name")?;
+        let scheduler = inputs.string("scheduler")?;
+        let denoise = inputs.float("denoise")?;
+        if !BUILT_SAMPLERS.contains(&sampler) {
+            return Err(NodeError::invalid(format!(
+                "sampler {sampler:?} is not built yet in sdkit (built: {})",
+                BUILT_SAMPLERS.join(", ")
+            )));
+        }
+        if latent.noise_mask.is_some() {
+            return Err(NodeError::invalid(
+                "latents with a noise mask (inpainting) are not supported yet",
+            ));
+        }
+        let sigmas = ksampler_sigmas(&model, scheduler, steps, denoise)?;
+        let samples = sample(
+            ctx, &model, &positive, &negative, latent, seed, cfg, &sigmas,
+        )?;
+        Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
+            samples,
+            batch_index: latent.batch_index.clone(),
+            noise_mask: latent.noise_mask.clone(),
+        }))]))
+    }
+}
+
+/// Samples `latent` over `sigmas` with Euler and CFG; returns the new
+/// latent (unscaled, as on links).
+#[allow(clippy::too_many_arguments)]
+pub fn sample(
+    ctx: &NodeContext,
+    model: &Model,
+    positive: &Conditioning,
+    negative: &Conditioning,
+    latent: &Latent,
+    seed: u64,
+    cfg: f64,
+    sigmas: &[f32],
+) -> Result<Tensor, NodeError> {
+    let shape = latent.samples.shape.clone();
+    if shape.len() != 4 || shape[1] != model.unet.in_channels {
+        return Err(NodeError::invalid(format!(
+            "latent_image has shape {shape:?}; this model takes [batch, {}, height, width]",
+            model.unet.in_channels
+        )));
+    }
+    if sigmas.len() < 2 {
+        // Nothing to denoise (denoise 0): the latent passes through.
+        return Ok(latent.samples.clone());
+    }
+    if positive.0.is_empty() {
+        return Err(NodeError::invalid("positive conditioning is empty"));
+    }
+    let (b, h, w) = (shape[0], shape[2], shape[3]);
+    let per_item = latent.samples.numel();
+    let noise = match &latent.batch_index {
+        Some(inds) => prepare_noise_indexed(seed, &shape, inds),
+        None => prepare_noise(seed, &shape),
+    };
+    let scale = model.latent_scale;
+    let zero = latent.samples.data.iter().all(|&v| v == 0.0);
+    let latent_in: Vec<f32> = if zero {
+        latent.samples.data.clone()
+    } else {
+        latent.samples.data.iter().map(|v| v * scale).collect()
+    };
+    // noise_scaling: max denoise when σ₀ is (within 1e-5) the largest sigma.
+    let s0 = sigmas[0];
+    let smax = model.schedule.sigma_max();
+    let max_denoise = (f64::from(smax) - f64::from(s0)).abs()
+        <= 1e-5 * f64::from(smax).abs().max(f64::from(s0).abs())
+        || s0 > smax;
+    let k = if max_denoise {
+        (1.0f32 + s0 * s0).sqrt()
+    } else {
+        s0
+    };
+    let x0: Vec<f32> = noise
+        .iter()
+        .zip(&latent_in)
+        .map(|(n, l)| n * k + l)
+        .collect();
+
+    // math.isclose(cfg, 1.0): ComfyUI skips the negative prediction then.
+    let cfg_is_one = (cfg - 1.0).abs() <= 1e-9 * cfg.abs().max(1.0);
+    let use_uncond = !cfg_is_one;
+    let conds: Vec<&Conditioning> = if use_uncond {
+        vec![positive, negative]
+    } else {
+        vec![positive]
+    };
+    let dim = positive.0[0].cross_attn.dim(2);
+    for c in &conds {
+        for e in &c.0 {
+            if e.cross_attn.shape.len() != 3 || e.cross_attn.dim(2) != dim {
+                return Err(NodeError::invalid(format!(
+                    "conditioning of shape {:?} does not match {dim}-wide conditioning",
+                    e.cross_attn.shape
+                )));
+            }
+        }
+    }
+    if model.unet.context_dim.is_some_and(|d| d != dim) {
+        return Err(NodeError::invalid(format!(
+            "the conditioning is {dim} wide but the model expects {:?} (text encoder and model do not belong together)",
+            model.unet.context_dim
+        )));
+    }
+    let groups = group(&conds);
+    let progs: Vec<Program> = groups
+        .iter()
+        .map(|g| unet_program(model, g.items.len() * b, h, w, g.tokens, dim))
+        .collect::<Result<_, _>>()?;
+    let bind = match progs.first() {
+        Some(p) => model.file.bindings(p)?,
+        None => return Err(NodeError::invalid("nothing to sample")),
+    };
+    // Contexts per group, repeated to the group's length and the batch.
+    let contexts: Vec<Arc<Vec<f32>>> = groups
+        .iter()
+        .map(|g| {
+            let mut v = Vec::with_capacity(g.items.len() * b * g.tokens * dim);
+            for &(ci, ei) in &g.items {
+                let c = &conds[ci].0[ei].cross_attn;
+                let reps = g.tokens / c.dim(1);
+                for _ in 0..b {
+                    for _ in 0..reps {
+                        v.extend_from_slice(&c.data);
+                    }
+                }
+            }
+            Arc::new(v)
+        })
+        .collect();
+    let mut sessions: Vec<Session<'_>> = progs
+        .iter()
+        .map(|p| ctx.runtime.prepare(p, &bind))
+        .collect::<Result<_, _>>()
+        .map_err(|e| run_error("UNet", e))?;
+
+    let total = sigmas.len() - 1;
+    let denoise = |x: &[f32], sigma: f32| -> Result<Vec<f32>, NodeError> {
+        ctx.check_cancel()?;
+        let c_in = (sigma * sigma + 1.0).sqrt();
+        let xin: Vec<f32> = x.iter().map(|v| v / c_in).collect();
+        let t = model.schedule.timestep(sigma);
+        // Per conditioning: Σ pred·strength and 1e-37 + Σ strength.
+        let mut sums = vec![vec![0f32; per_item]; conds.len()];
+        let mut counts = vec![1e-37f32; conds.len()];
+        for ((g, session), context) in groups.iter().zip(sessions.iter_mut()).zip(&contexts) {
+            let n = g.items.len();
+            let mut xs = Vec::with_capacity(n * per_item);
+            for _ in 0..n {
+                xs.extend_from_slice(&xin);
+            }
+            let mut feed = HashMap::new();
+            feed.insert("x".to_string(), Arc::new(xs));
+            feed.insert("t".to_string(), Arc::new(vec![t; n * b]));
+            feed.insert("context".to_string(), Arc::clone(context));
+            let out = session.run(feed).map_err(|e| run_error("UNet", e))?;
+            let eps = &out[0].data;
+            for (i, &(ci, ei)) in g.items.iter().enumerate() {
+                let strength = conds[ci].0[ei].strength;
+                let eps = &eps[i * per_item..(i + 1) * per_item];
+                for ((s, e), xv) in sums[ci].iter_mut().zip(eps).zip(x) {
+                    // calculate_denoised: x - eps * sigma.
+                    *s += (xv - e * sigma) * strength;
+                }
+                counts[ci] += strength;
+            }
+        }
+        let pred = |ci: usize| -> Vec<f32> { sums[ci].iter().map(|s| s / counts[ci]).collect() };
+        let cond = pred(0);
+        if !use_uncond {
+            return Ok(cond);
+        }
+        let uncond = pred(1);
+        let cfg = cfg as f32;
+        Ok(uncond
+            .iter()
+            .zip(&cond)
+            .map(|(u, c)| u + (c - u) * cfg)
+            .collect())
+    };
+    let x = sample_euler(x0, sigmas, denoise, |i, n| ctx.progress(i as u64, n as u64))?;
+    debug_assert_eq!(total, sigmas.len() - 1);
+    let out: Vec<f32> = x.iter().map(|v| v / scale).collect();
+    Tensor::new(shape, out).map_err(NodeError::invalid)
+}

@@ -1,0 +1,177 @@
+//! The diffusion pipeline nodes: checkpoint and VAE loading, text encoding,
+//! sampling and the VAE, over the model graphs in [`crate::models`].
+//!
+//! Model-side values travel on links as `Value::Opaque` holding the types
+//! here: [`Model`] (MODEL), [`Clip`] (CLIP), [`Vae`] (VAE) and
+//! [`Conditioning`] (CONDITIONING). Weights stay in the memory-mapped file
+//! until a program first needs them; their f32 copies are cached per file
+//! so a sampler's steps and later runs convert each tensor once.
+
+pub mod conditioning;
+pub mod ksampler;
+pub mod loaders;
+pub mod vae;
+
+use crate::clip_tokenizer::ClipTokenizer;
+use crate::models::detect::{ClipConfig, UnetConfig, VaeConfig};
+use crate::sampling::discrete::DiscreteSchedule;
+use sdkit_engine::backend::cpu::Bindings;
+use sdkit_engine::plan::{Command, Program};
+use sdkit_engine::weights::WeightStore;
+use sdkit_engine::{Inputs, NodeError, Tensor, Value};
+use sdkit_schema::SocketType;
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// A model file's tensors, shared by every handle made from it.
+pub struct ModelFile {
+    /// The file name as the workflow gave it (for messages).
+    pub name: String,
+    pub store: WeightStore,
+    f32_cache: Mutex<HashMap<String, Arc<Vec<f32>>>>,
+}
+
+impl std::fmt::Debug for ModelFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ModelFile({})", self.name)
+    }
+}
+
+impl ModelFile {
+    pub fn new(name: impl Into<String>, store: WeightStore) -> Self {
+        ModelFile {
+            name: name.into(),
+            store,
+            f32_cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The f32 weights `prog` uploads, converted once per tensor.
+    pub fn bindings(&self, prog: &Program) -> Result<Bindings, NodeError> {
+        let mut cache = self
+            .f32_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut b = Bindings::default();
+        for c in &prog.commands {
+            let Command::Upload { name, .. } = c else {
+                continue;
+            };
+            let data = match cache.get(name) {
+                Some(d) => Arc::clone(d),
+                None => {
+                    let d = Arc::new(self.store.to_f32(name).map_err(|e| {
+                        NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
+                    })?);
+                    cache.insert(name.clone(), Arc::clone(&d));
+                    d
+                }
+            };
+            b.weights.insert(name.clone(), data);
+        }
+        Ok(b)
+    }
+}
+
+/// MODEL: a denoiser (SD1 UNet, eps prediction) and its noise schedule.
+#[derive(Debug)]
+pub struct Model {
+    pub file: Arc<ModelFile>,
+    pub prefix: String,
+    pub unet: UnetConfig,
+    pub num_heads: usize,
+    pub schedule: DiscreteSchedule,
+    /// The latent format's scale factor (SD1: 0.18215).
+    pub latent_scale: f32,
+}
+
+/// CLIP: a text encoder with its tokenizer and the clip-skip setting.
+#[derive(Debug, Clone)]
+pub struct Clip {
+    pub file: Arc<ModelFile>,
+    pub prefix: String,
+    pub cfg: ClipConfig,
+    /// ComfyUI's `layer_idx`: None for the last layer, or a negative index
+    /// from CLIPSetLastLayer.
+    pub layer_idx: Option<i64>,
+}
+
+/// VAE: the KL autoencoder.
+#[derive(Debug)]
+pub struct Vae {
+    pub file: Arc<ModelFile>,
+    pub prefix: String,
+    pub cfg: VaeConfig,
+}
+
+/// One CONDITIONING entry: the cross-attention context `[1, tokens, dim]`
+/// and its options.
+#[derive(Debug, Clone)]
+pub struct CondEntry {
+    pub cross_attn: Tensor,
+    /// ComfyUI's `strength` (ConditioningSetAreaStrength); 1 by default.
+    pub strength: f32,
+}
+
+/// CONDITIONING: ComfyUI's list of `[cond, options]` pairs.
+#[derive(Debug, Clone, Default)]
+pub struct Conditioning(pub Vec<CondEntry>);
+
+/// The SD1 tokenizer, parsed once per process.
+pub fn sd1_tokenizer() -> Result<&'static ClipTokenizer, NodeError> {
+    static TOKENIZER: OnceLock<Result<ClipTokenizer, String>> = OnceLock::new();
+    TOKENIZER
+        .get_or_init(|| ClipTokenizer::sd1().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| NodeError::invalid(format!("the bundled CLIP tokenizer data: {e}")))
+}
+
+/// Wraps a model-side value for a link.
+pub fn opaque<T: Any + Send + Sync>(ty: SocketType, v: T) -> Value {
+    Value::Opaque {
+        ty,
+        value: Arc::new(v),
+    }
+}
+
+/// Reads a model-side input of type `T`.
+pub fn input<T: Any + Send + Sync>(
+    inputs: &Inputs,
+    name: &str,
+    expected: &'static str,
+) -> Result<Arc<T>, NodeError> {
+    match inputs.require(name)? {
+        Value::Opaque { value, .. } => {
+            if let Some(m) = value.downcast_ref::<loaders::MissingPart>() {
+                return Err(NodeError::invalid(format!(
+                    "input \"{name}\": checkpoint {} contains no {} (load one separately)",
+                    m.file, m.what
+                )));
+            }
+            Arc::clone(value)
+                .downcast::<T>()
+                .map_err(|_| NodeError::InputType {
+                    name: name.to_string(),
+                    expected,
+                    found: "another model type".to_string(),
+                })
+        }
+        v => Err(NodeError::InputType {
+            name: name.to_string(),
+            expected,
+            found: v.socket_type().name().to_string(),
+        }),
+    }
+}
+
+/// A tensor-graph construction error inside a node: the model's files and
+/// the node's inputs do not fit together.
+pub(crate) fn graph_error(what: &str, e: impl std::fmt::Display) -> NodeError {
+    NodeError::invalid(format!("{what}: {e}"))
+}
+
+/// A backend error while running a model's program.
+pub(crate) fn run_error(what: &str, e: impl std::fmt::Display) -> NodeError {
+    NodeError::invalid(format!("{what} failed on the device: {e}"))
+}
