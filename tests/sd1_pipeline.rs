@@ -255,3 +255,118 @@ fn txt2img_on_wgpu_matches_comfyui() {
     run(base.path(), "tiny_sd1_txt2img", "wgpu");
     check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1", 1e-4);
 }
+
+/// The workflow with its VAE from VAELoader: a standalone file holding the
+/// checkpoint's VAE without the `first_stage_model.` prefix (as VAE files
+/// are shipped) decodes to the same image.
+#[test]
+fn standalone_vae_file_decodes_the_same() {
+    let (base, fx) = setup();
+    let ckpt = base.path().join("models/checkpoints/tiny_sd1.safetensors");
+    let file = SafeTensors::open(&ckpt).expect("checkpoint");
+    let mut blobs = Vec::new();
+    for t in file.tensors() {
+        if let Some(rest) = t.name.strip_prefix("first_stage_model.") {
+            blobs.push((
+                rest.to_string(),
+                t.shape.clone(),
+                file.raw(&t.name).expect("raw").to_vec(),
+            ));
+        }
+    }
+    let tensors: Vec<TensorData<'_>> = blobs
+        .iter()
+        .map(|(n, s, b)| (n.as_str(), DType::F16, s.as_slice(), b.as_slice()))
+        .collect();
+    std::fs::create_dir_all(base.path().join("models/vae")).expect("mkdir");
+    write_safetensors(
+        &base.path().join("models/vae/tiny_vae.safetensors"),
+        &tensors,
+        &BTreeMap::new(),
+    )
+    .expect("writes vae");
+    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
+    let mut g: serde_json::Value = serde_json::from_str(&text).expect("json");
+    g["20"] = serde_json::json!({"class_type": "VAELoader", "inputs": {"vae_name": "tiny_vae.safetensors"}});
+    g["7"]["inputs"]["vae"] = serde_json::json!(["20", 0]);
+    let graph = base.path().join("vae_loader.json");
+    std::fs::write(&graph, g.to_string()).expect("write graph");
+    let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+        .args(["run", "-q", "--device", "cpu"])
+        .arg(&graph)
+        .arg("--base-dir")
+        .arg(base.path())
+        .output()
+        .expect("runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1", 1e-4);
+}
+
+/// Bad model files fail the loader with a message naming the file and the
+/// problem; nothing panics.
+#[test]
+fn bad_checkpoints_are_clear_errors() {
+    let base = tempfile::tempdir().expect("tempdir");
+    let dir = base.path().join("models/checkpoints");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(dir.join("old.ckpt"), b"PK\x03\x04 pickle inside").expect("write");
+    std::fs::write(
+        dir.join("cut.safetensors"),
+        [200u8, 0, 0, 0, 0, 0, 0, 0, b'{'],
+    )
+    .expect("write");
+    // A valid file that holds an SDXL-shaped UNet key set in miniature.
+    let keys: &[(&str, &[usize])] = &[
+        (
+            "model.diffusion_model.input_blocks.0.0.weight",
+            &[320, 4, 3, 3],
+        ),
+        ("model.diffusion_model.label_emb.0.0.weight", &[1280, 2816]),
+    ];
+    let blobs: Vec<(String, Vec<usize>, Vec<u8>)> = keys
+        .iter()
+        .map(|(k, s)| {
+            (
+                k.to_string(),
+                s.to_vec(),
+                vec![0u8; s.iter().product::<usize>() * 2],
+            )
+        })
+        .collect();
+    let tensors: Vec<TensorData<'_>> = blobs
+        .iter()
+        .map(|(n, s, b)| (n.as_str(), DType::F16, s.as_slice(), b.as_slice()))
+        .collect();
+    write_safetensors(&dir.join("partial.safetensors"), &tensors, &BTreeMap::new()).expect("write");
+    for (name, expect) in [
+        ("old.ckpt", "pickle"),
+        ("cut.safetensors", "cut.safetensors"),
+        ("partial.safetensors", "partial.safetensors"),
+        ("missing.safetensors", "Value not in list"),
+    ] {
+        let graph = base.path().join("g.json");
+        let g = serde_json::json!({
+            "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": name}},
+            "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "x"}},
+            "3": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+            "4": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["2", 0], "latent_image": ["3", 0], "seed": 1, "steps": 1, "cfg": 1.0, "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
+            "5": {"class_type": "SaveLatent", "inputs": {"samples": ["4", 0], "filename_prefix": "x"}}
+        });
+        std::fs::write(&graph, g.to_string()).expect("write graph");
+        let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+            .args(["run", "-q", "--device", "cpu"])
+            .arg(&graph)
+            .arg("--base-dir")
+            .arg(base.path())
+            .output()
+            .expect("runs");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{name} loaded");
+        assert!(!err.contains("panicked"), "{name}: {err}");
+        assert!(
+            err.contains(expect),
+            "{name}: expected {expect:?} in: {err}"
+        );
+        assert!(err.contains("CheckpointLoaderSimple"), "{name}: {err}");
+    }
+}

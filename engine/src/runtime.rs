@@ -65,6 +65,9 @@ impl Runtime {
         match choice.trim().to_ascii_lowercase().as_str() {
             "cpu" => Ok(Runtime::cpu()),
             "auto" => {
+                if !gpu_device_nodes() {
+                    return Ok(Runtime::cpu());
+                }
                 let hardware = crate::backend::wgpu::adapters()
                     .into_iter()
                     .any(|a| a.device_type != "Cpu");
@@ -131,6 +134,20 @@ impl Runtime {
             Device::Wgpu(b) => Ok(Session::Wgpu(b.prepare(prog, weights)?)),
         }
     }
+}
+
+/// Whether the OS shows any GPU device. On Linux without /dev/dri or
+/// /dev/nvidia* there is none, so `auto` skips the Vulkan probe (whose
+/// software drivers print warnings on headless machines).
+fn gpu_device_nodes() -> bool {
+    if !cfg!(target_os = "linux") {
+        return true;
+    }
+    let dri = std::fs::read_dir("/dev/dri")
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
+    dri || std::path::Path::new("/dev/nvidia0").exists()
+        || std::path::Path::new("/dev/kfd").exists()
 }
 
 /// A program with its weights bound, run with fresh inputs each time.

@@ -52,9 +52,10 @@ fn file_fingerprint(ctx: &NodeContext, folder: &str, name: &str) -> Option<Strin
 }
 
 fn open(path: &std::path::Path) -> Result<Arc<SafeTensors>, NodeError> {
+    // The weight errors name the file themselves.
     SafeTensors::open(path)
         .map(Arc::new)
-        .map_err(|e| NodeError::file(path, e))
+        .map_err(|e| NodeError::invalid(e.to_string()))
 }
 
 fn shapes(file: &SafeTensors) -> Shapes {
