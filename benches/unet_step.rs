@@ -3,7 +3,9 @@
 //! on the wgpu backend, beside PyTorch running the same architecture in
 //! fp16 on the same GPU in the same run (benches/gpu/unet_torch.py).
 //!
-//! `cargo bench --bench unet_step` (best adapter, or `SDKIT_ADAPTER=name`).
+//! `cargo bench --bench unet_step` (best adapter, or `SDKIT_ADAPTER=name`);
+//! `SDKIT_BENCH_DEVICE=cpu` runs it on the CPU backend in f32 beside
+//! PyTorch's CPU f32 (both on all cores, or `RAYON_NUM_THREADS`).
 //! `SDKIT_BENCH_SMALL=1` runs a width-32, 16×16 version for software
 //! adapters; `SDKIT_BENCH_PLAN_ONLY=1` stops after planning. PyTorch is
 //! `python3` or `SDKIT_BENCH_PYTHON`. Times cover
@@ -96,7 +98,7 @@ fn bindings(g: &TensorGraph) -> Bindings {
     b
 }
 
-fn torch_time(py: &str, small: bool) -> Result<f64, String> {
+fn torch_time(py: &str, small: bool, cpu: bool) -> Result<f64, String> {
     // From the working directory first: the bench binary may run on another
     // machine than the one it was built on (benches/gpu/device.sh).
     let rel = "benches/gpu/unet_torch.py";
@@ -109,6 +111,9 @@ fn torch_time(py: &str, small: bool) -> Result<f64, String> {
     cmd.arg(script);
     if small {
         cmd.arg("--small");
+    }
+    if cpu {
+        cmd.arg("--cpu");
     }
     let out = cmd.output().map_err(|e| format!("{py}: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -153,6 +158,10 @@ fn main() {
         return;
     }
     let bind = bindings(&g);
+    if std::env::var("SDKIT_BENCH_DEVICE").is_ok_and(|d| d == "cpu") {
+        cpu_step(&prog, &bind, &py, small);
+        return;
+    }
     let variants = [
         ("f16 weights, f32 activations", false),
         ("f16 weights and activations", true),
@@ -205,7 +214,7 @@ fn main() {
             gpu.pipelines_compiled()
         );
     }
-    match torch_time(&py, small) {
+    match torch_time(&py, small, false) {
         Ok(tt) if best.is_finite() => println!(
             "unet_step: torch fp16 {:.2} ms/step, sdkit best {:.2} ms/step, sdkit/torch time {:.2}x",
             tt * 1e3,
@@ -215,4 +224,41 @@ fn main() {
         Ok(tt) => println!("unet_step: torch fp16 {:.2} ms/step", tt * 1e3),
         Err(e) => println!("unet_step: torch peer unavailable: {e}"),
     }
+}
+
+/// The step on the CPU backend (f32), beside PyTorch on the CPU.
+fn cpu_step(prog: &sdkit_engine::plan::Program, bind: &Bindings, py: &str, small: bool) {
+    let threads = rayon_threads();
+    let _ = sdkit_engine::backend::cpu::run(prog, bind);
+    let runs = if small { 5 } else { 3 };
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        let t = Instant::now();
+        if let Err(e) = sdkit_engine::backend::cpu::run(prog, bind) {
+            println!("unet_step [cpu]: failed: {e}");
+            return;
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let secs = times[times.len() / 2];
+    println!(
+        "unet_step [cpu f32, {threads} threads]: {:.1} ms/step (median of {runs})",
+        secs * 1e3
+    );
+    match torch_time(py, small, true) {
+        Ok(tt) => println!(
+            "unet_step: torch cpu f32 {:.1} ms/step, sdkit/torch time {:.2}x",
+            tt * 1e3,
+            secs / tt
+        ),
+        Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+    }
+}
+
+fn rayon_threads() -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }

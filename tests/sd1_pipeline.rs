@@ -177,10 +177,15 @@ fn rel_diff(got: &[f32], want: &[f32]) -> f32 {
         / scale
 }
 
-/// Checks one workflow's SaveLatent and SaveImage outputs; returns the
-/// latent's relative difference and the worst pixel difference.
-fn check(base: &Path, fx: &serde_json::Value, graph: &str, image_prefix: &str, latent_tol: f32) {
+/// Checks one workflow's SaveLatent and SaveImage outputs against the
+/// reference. The latent tolerance is 10× the reference's own float32
+/// spread: how far ComfyUI's latent moves when only its UNet runs in
+/// float64 (recorded by the reference script). Pixels may differ by one
+/// level where a value sits at a rounding boundary.
+fn check(base: &Path, fx: &serde_json::Value, graph: &str, image_prefix: &str) {
     let w = &fx["workflows"][graph];
+    let spread = w["f32_vs_f64_unet_rel"].as_f64().expect("spread") as f32;
+    let latent_tol = 10.0 * spread;
     let want_latent = f32s(w["latent_f32"].as_str().expect("latent"));
     let latent_shape: Vec<usize> =
         serde_json::from_value(w["latent_shape"].clone()).expect("shape");
@@ -214,7 +219,8 @@ fn check(base: &Path, fx: &serde_json::Value, graph: &str, image_prefix: &str, l
         }
     }
     eprintln!(
-        "{graph}: latent max rel diff {dl:e}; image worst {worst}/255, {off} of {} values differ",
+        "{graph}: latent max rel diff {dl:e} (reference f32-vs-f64 spread {spread:e}); \
+         image worst {worst}/255, {off} of {} values differ",
         b * per
     );
     assert!(
@@ -228,7 +234,7 @@ fn check(base: &Path, fx: &serde_json::Value, graph: &str, image_prefix: &str, l
 fn txt2img_matches_comfyui() {
     let (base, fx) = setup();
     run(base.path(), "tiny_sd1_txt2img", "cpu");
-    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1", 1e-4);
+    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
 }
 
 #[test]
@@ -253,7 +259,7 @@ fn txt2img_on_wgpu_matches_comfyui() {
     }
     let (base, fx) = setup();
     run(base.path(), "tiny_sd1_txt2img", "wgpu");
-    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1", 1e-4);
+    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
 }
 
 /// The workflow with its VAE from VAELoader: a standalone file holding the
@@ -299,7 +305,7 @@ fn standalone_vae_file_decodes_the_same() {
         .output()
         .expect("runs");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1", 1e-4);
+    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
 }
 
 /// Bad model files fail the loader with a message naming the file and the

@@ -1,12 +1,13 @@
 """PyTorch peer for benches/unet_step.rs: the SD1.5 UNet architecture (ldm
 layout: ResBlocks, SpatialTransformers with conv projections, GEGLU, 8
-heads, nearest upsampling), random weights, fp16 on CUDA, one denoiser step
+heads, nearest upsampling), random weights, fp16 on CUDA (or f32 on the CPU with --cpu), one denoiser step
 at batch 2, 64x64 latent, 77x768 context. Prints `seconds_per_step S`.
 
 Written for timing only: same layers and shapes as sdkit's graph, not a
 numerics reference (those live in tools/reference/)."""
 
 import math
+import os
 import sys
 import time
 
@@ -135,8 +136,15 @@ class UNet(nn.Module):
 
 def main():
     small = "--small" in sys.argv
-    assert torch.cuda.is_available(), "needs CUDA"
-    dev, dt = "cuda", torch.float16
+    cpu = "--cpu" in sys.argv
+    if cpu:
+        dev, dt = "cpu", torch.float32
+        threads = os.environ.get("RAYON_NUM_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+    else:
+        assert torch.cuda.is_available(), "needs CUDA"
+        dev, dt = "cuda", torch.float16
     mc, hw = (32, 16) if small else (320, 64)
     torch.manual_seed(0)
     model = UNet(mc).to(dev, dt).eval()
@@ -144,20 +152,30 @@ def main():
     x = torch.randn(2, 4, hw, hw, device=dev, dtype=dt)
     t = torch.full((2,), 999.0, device=dev)
     ctx = torch.randn(2, 77, 768, device=dev, dtype=dt)
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
     with torch.inference_mode():
-        for _ in range(3):
+        for _ in range(1 if cpu else 3):
             model(x, t, ctx)
-        torch.cuda.synchronize()
+        sync()
         once = time.perf_counter()
         model(x, t, ctx)
-        torch.cuda.synchronize()
+        sync()
         once = time.perf_counter() - once
-        iters = max(5, min(50, int(2.0 / max(once, 1e-6))))
-        start = time.perf_counter()
-        for _ in range(iters):
-            model(x, t, ctx)
-        torch.cuda.synchronize()
-        secs = (time.perf_counter() - start) / iters
+        if cpu:
+            # Few, long runs: the median, like the Rust side.
+            times = [once]
+            for _ in range(4 if small else 2):
+                start = time.perf_counter()
+                model(x, t, ctx)
+                times.append(time.perf_counter() - start)
+            secs = sorted(times)[len(times) // 2]
+        else:
+            iters = max(5, min(50, int(2.0 / max(once, 1e-6))))
+            start = time.perf_counter()
+            for _ in range(iters):
+                model(x, t, ctx)
+            sync()
+            secs = (time.perf_counter() - start) / iters
     print(f"params {params / 1e6:.1f} M")
     print(f"seconds_per_step {secs}")
 

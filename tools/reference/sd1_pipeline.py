@@ -237,9 +237,14 @@ def b64(a):
 
 
 def main():
+    # `--fp64-unet`: the same run with ComfyUI's UNet in float64, printing
+    # the latents as JSON; the normal run calls itself this way to measure
+    # how far float32 rounding alone moves the reference (the spread the
+    # tests' tolerances are set against).
+    fp64 = "--fp64-unet" in sys.argv
     sys.meta_path.insert(0, _StubFinder())
     sys.path.insert(0, COMFY)
-    sys.argv = [sys.argv[0], "--cpu"]
+    sys.argv = [sys.argv[0], "--cpu"] + (["--fp64-unet"] if fp64 else [])
     import comfy.options
     comfy.options.enable_args_parsing()
     import torch
@@ -259,6 +264,11 @@ def main():
         folder_paths.set_input_directory(os.path.join(ROOT, "graphs", "input"))
 
         out = {"checkpoint": CKPT, "keys": keys, "checksum_f16": str(digest), "workflows": {}}
+        if not fp64:
+            import subprocess
+            res = subprocess.run([sys.executable, os.path.abspath(__file__), "--fp64-unet"],
+                                 check=True, capture_output=True, text=True)
+            f64_latents = json.loads(res.stdout.strip().splitlines()[-1])
         for name in WORKFLOWS:
             with open(os.path.join(ROOT, "graphs", name + ".json")) as f:
                 prompt = json.load(f)
@@ -267,12 +277,21 @@ def main():
             img = image.float().numpy()
             (latent,) = latents
             lat = latent.float().numpy()
+            if fp64:
+                out["workflows"][name] = b64(lat.astype("<f4"))
+                continue
+            ref64 = np.frombuffer(base64.b64decode(f64_latents[name]), "<f4")
+            spread = float(np.abs(lat.reshape(-1) - ref64).max() / np.abs(ref64).max())
             out["workflows"][name] = {
+                "f32_vs_f64_unet_rel": spread,
                 "latent_shape": list(lat.shape), "latent_f32": b64(lat.astype("<f4")),
                 "image_shape": list(img.shape), "image_f32": b64(img.astype("<f4")),
             }
             print(name, "latent", lat.shape, float(np.abs(lat).mean()),
-                  "image", img.shape, float(img.mean()))
+                  "image", img.shape, float(img.mean()), "f32 vs f64 UNet", spread)
+        if fp64:
+            print(json.dumps(out["workflows"]))
+            return
         dst = os.path.join(ROOT, "tests", "reference", "sd1")
         os.makedirs(dst, exist_ok=True)
         with open(os.path.join(dst, "expected.json"), "w") as f:
