@@ -10,7 +10,7 @@ use super::kernels::{self, MatView};
 use crate::backend::BindError;
 use crate::plan::{BufferKind, Command, Expr, Kernel, KernelKind, Program, View};
 use crate::tensor::reference::{binary, unary, Array};
-use crate::tensor::{contiguous_strides, ReduceOp, UpsampleMode};
+use crate::tensor::{contiguous_strides, BinaryOp, ReduceOp, UnaryOp, UpsampleMode};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -70,6 +70,9 @@ const CHUNK: usize = 4096;
 
 /// Runs a program; returns the graph outputs.
 pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
+    // SDKIT_PROFILE=1: time per kernel kind, printed to stderr after the run.
+    let profile = std::env::var_os("SDKIT_PROFILE").is_some();
+    let mut times: Vec<(&'static str, f64, usize)> = Vec::new();
     let mut arena = vec![0f32; prog.stats.arena_bytes / 4];
     let mut external: HashMap<u32, Arc<Vec<f32>>> = HashMap::new();
     for c in &prog.commands {
@@ -92,9 +95,44 @@ pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
             }
             Command::Dispatch { kernel } => {
                 let k = &prog.kernels[kernel.0 as usize];
+                let t = profile.then(std::time::Instant::now);
                 dispatch(prog, k, kernel.0 as usize, &mut arena, &external)?;
+                if let Some(t) = t {
+                    let name = if k.epilogue.is_some() && matches!(k.kind, KernelKind::Elementwise)
+                    {
+                        "elementwise"
+                    } else {
+                        k.kind.name()
+                    };
+                    let secs = t.elapsed().as_secs_f64();
+                    if std::env::var_os("SDKIT_PROFILE_KERNELS").is_some() {
+                        eprintln!(
+                            "profile: k{} {name} {:?} {:.1} ms {:?}",
+                            kernel.0,
+                            k.output.shape,
+                            secs * 1e3,
+                            k.epilogue
+                        );
+                    }
+                    match times.iter_mut().find(|e| e.0 == name) {
+                        Some(e) => {
+                            e.1 += secs;
+                            e.2 += 1;
+                        }
+                        None => times.push((name, secs, 1)),
+                    }
+                }
             }
             Command::Download { .. } => {}
+        }
+    }
+    if profile {
+        times.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (name, secs, n) in &times {
+            eprintln!(
+                "profile: {name:<12} {:9.1} ms in {n} dispatches",
+                secs * 1e3
+            );
         }
     }
     let mut outs = Vec::new();
@@ -216,6 +254,43 @@ fn apply_expr(e: &Expr, inputs: &[(&View, &[f32])], out: &mut [f32], has_acc: bo
         });
 }
 
+/// `unary` over a slice, the op matched once so the loop can vectorise.
+fn unary_slice(op: UnaryOp, x: &mut [f32]) {
+    macro_rules! each {
+        ($f:expr) => {
+            for v in x.iter_mut() {
+                *v = $f(*v);
+            }
+        };
+    }
+    match op {
+        UnaryOp::Neg => each!(|v: f32| -v),
+        UnaryOp::Abs => each!(f32::abs),
+        UnaryOp::Recip => each!(|v: f32| 1.0 / v),
+        UnaryOp::Sqrt => each!(f32::sqrt),
+        UnaryOp::Silu => each!(|v: f32| v / (1.0 + (-v).exp())),
+        op => each!(|v| unary(op, v)),
+    }
+}
+
+/// `binary` over slices, the op matched once so the loop can vectorise.
+fn binary_slice(op: BinaryOp, a: &mut [f32], b: &[f32]) {
+    macro_rules! each {
+        ($f:expr) => {
+            for (p, q) in a.iter_mut().zip(b) {
+                *p = $f(*p, *q);
+            }
+        };
+    }
+    match op {
+        BinaryOp::Add => each!(|p: f32, q: f32| p + q),
+        BinaryOp::Sub => each!(|p: f32, q: f32| p - q),
+        BinaryOp::Mul => each!(|p: f32, q: f32| p * q),
+        BinaryOp::Div => each!(|p: f32, q: f32| p / q),
+        op => each!(|p, q| binary(op, p, q)),
+    }
+}
+
 fn eval_chunk(
     e: &Expr,
     start: usize,
@@ -235,17 +310,13 @@ fn eval_chunk(
         Expr::Const(c) => vec![*c; len],
         Expr::Unary(u, a) => {
             let mut x = eval_chunk(a, start, len, inputs, acc_chunk);
-            for v in &mut x {
-                *v = unary(*u, *v);
-            }
+            unary_slice(*u, &mut x);
             x
         }
         Expr::Binary(b, x, y) => {
             let mut a = eval_chunk(x, start, len, inputs, acc_chunk);
             let bb = eval_chunk(y, start, len, inputs, acc_chunk);
-            for (p, q) in a.iter_mut().zip(&bb) {
-                *p = binary(*b, *p, *q);
-            }
+            binary_slice(*b, &mut a, &bb);
             a
         }
         Expr::Where(c, x, y) => {
