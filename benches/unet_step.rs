@@ -6,6 +6,9 @@
 //! `cargo bench --bench unet_step` (best adapter, or `SDKIT_ADAPTER=name`);
 //! `SDKIT_BENCH_DEVICE=cpu` runs it on the CPU backend in f32 beside
 //! PyTorch's CPU f32 (both on all cores, or `RAYON_NUM_THREADS`).
+//! `SDKIT_BENCH_BUDGETS=1` runs it under device budgets of 100%, 50% and
+//! 25% of the UNet's weights: time and bytes moved per step beside the
+//! residency planner's lower bound.
 //! `SDKIT_BENCH_SMALL=1` runs a width-32, 16×16 version for software
 //! adapters; `SDKIT_BENCH_PLAN_ONLY=1` stops after planning. PyTorch is
 //! `python3` or `SDKIT_BENCH_PYTHON`. Times cover
@@ -162,6 +165,10 @@ fn main() {
         cpu_step(&prog, &bind, &py, small);
         return;
     }
+    if std::env::var_os("SDKIT_BENCH_BUDGETS").is_some() {
+        budgets(&prog, &bind, adapter.as_deref());
+        return;
+    }
     let variants = [
         ("f16 weights, f32 activations", false),
         ("f16 weights and activations", true),
@@ -261,4 +268,72 @@ fn rayon_threads() -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The step under budgets of 100%, 50% and 25% of the weights (plus the
+/// activations): measured time and bytes moved per step, the plan's
+/// streamed bytes and lower bound.
+fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<&str>) {
+    let probe = match WgpuBackend::new(adapter) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("unet_step budgets: skipped, no adapter: {e}");
+            return;
+        }
+    };
+    let act = probe.activation_bytes(prog);
+    let weights: u64 =
+        sdkit_engine::plan::residency::weight_uses(prog, if probe.f16_weights { 2 } else { 4 })
+            .iter()
+            .map(|w| w.bytes)
+            .sum();
+    drop(probe);
+    println!(
+        "unet_step budgets: weights {:.1} MiB, activations {:.1} MiB",
+        weights as f64 / 1048576.0,
+        act as f64 / 1048576.0
+    );
+    for pct in [100u64, 50, 25] {
+        let budget = act + weights * pct / 100;
+        let gpu = match WgpuBackend::with_options(&Options {
+            adapter: adapter.map(str::to_string),
+            budget: Some(budget),
+            ..Options::default()
+        }) {
+            Ok(b) => b,
+            Err(e) => {
+                println!("  {pct}%: no adapter: {e}");
+                continue;
+            }
+        };
+        let p = match gpu.prepare(prog, bind) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("  {pct}%: {e}");
+                continue;
+            }
+        };
+        let Some(plan) = p.residency().cloned() else {
+            continue;
+        };
+        let _ = p.dispatch_only(1);
+        let before = gpu.bytes_uploaded();
+        let runs = 3;
+        let t = Instant::now();
+        if let Err(e) = p.dispatch_only(runs) {
+            println!("  {pct}%: {e}");
+            continue;
+        }
+        let secs = t.elapsed().as_secs_f64() / runs as f64;
+        let moved = (gpu.bytes_uploaded() - before) / runs as u64;
+        println!(
+            "  {pct:>3}% budget: {:8.1} ms/step, moved {:7.1} MiB/step (plan {:.1}, lower bound {:.1}), resident {:.1} MiB, stream arena {:.1} MiB",
+            secs * 1e3,
+            moved as f64 / 1048576.0,
+            plan.streamed_bytes_per_run as f64 / 1048576.0,
+            plan.lower_bound_per_run as f64 / 1048576.0,
+            plan.resident_bytes as f64 / 1048576.0,
+            plan.stream_arena_bytes as f64 / 1048576.0,
+        );
+    }
 }

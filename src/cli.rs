@@ -159,12 +159,32 @@ pub struct RunArgs {
     /// from `sdkit devices`.
     #[arg(long, value_name = "auto|cpu|wgpu|NAME", default_value = "auto")]
     pub device: String,
+    /// GPU memory the run may use (e.g. 6G, 512MiB, or bytes); weights that
+    /// do not fit stream from host memory each step. `auto`: 4 GiB (wgpu
+    /// does not report an adapter's memory size). Default: no limit.
+    #[arg(long, value_name = "BYTES|auto")]
+    pub vram_budget: Option<String>,
 }
 
 impl RunArgs {
     /// The executor for this run's library, folders and device.
     pub fn executor(&self, lib: Arc<sdkit_engine::NodeLibrary>, paths: Paths) -> Result<Executor> {
-        let runtime = sdkit_engine::Runtime::select(&self.device)?;
+        let budget = match self.vram_budget.as_deref() {
+            None => None,
+            Some(text) => match sdkit_engine::runtime::parse_budget(text)
+                .map_err(|e| anyhow::anyhow!("--vram-budget {e}"))?
+            {
+                Some(b) => Some(b),
+                None => {
+                    eprintln!(
+                        "note: the GPU backend reports no memory size; --vram-budget auto uses {} MiB",
+                        sdkit_engine::runtime::AUTO_BUDGET >> 20
+                    );
+                    Some(sdkit_engine::runtime::AUTO_BUDGET)
+                }
+            },
+        };
+        let runtime = sdkit_engine::Runtime::select_with(&self.device, budget)?;
         tracing::info!("models run on {}", runtime.describe());
         Ok(Executor::new(lib, Arc::new(paths)).with_runtime(runtime))
     }

@@ -370,3 +370,140 @@ fn bad_checkpoints_are_clear_errors() {
         assert!(err.contains("CheckpointLoaderSimple"), "{name}: {err}");
     }
 }
+
+/// The tiny UNet on wgpu under a budget below its weights: the same output
+/// as without a budget, streaming exactly what the plan says each run; a
+/// smaller budget streams more.
+#[test]
+fn unet_streams_under_a_budget() {
+    use sdkit_engine::backend::cpu::Bindings;
+    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_engine::plan::plan;
+    use sdkit_engine::tensor::GraphBuilder;
+    use std::sync::Arc;
+
+    let Ok(open) = WgpuBackend::new(None) else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    drop(open);
+    let (base, _fx) = setup();
+    let file = SafeTensors::open(&base.path().join("models/checkpoints/tiny_sd1.safetensors"))
+        .expect("checkpoint");
+    let shapes = file
+        .tensors()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    let d = sdkit_nodes::models::detect::detect_checkpoint(&shapes).expect("detects");
+    let g = GraphBuilder::new();
+    let y = (|| {
+        let x = g.input("x", &[2, 4, 8, 8])?;
+        let t = g.input("t", &[2])?;
+        let c = g.input("context", &[2, 77, 64])?;
+        sdkit_nodes::models::unet::unet(&g, &d.unet, d.num_heads, "model.diffusion_model.", x, t, c)
+    })()
+    .expect("unet graph");
+    let prog = plan(&g.finish(&[y])).expect("plans");
+    let mut bind = Bindings::default();
+    for c in &prog.commands {
+        if let sdkit_engine::plan::Command::Upload { name, .. } = c {
+            bind.weights
+                .insert(name.clone(), Arc::new(file.to_f32(name).expect("weight")));
+        }
+    }
+    let wave = |n: usize, f: f32| -> Arc<Vec<f32>> {
+        Arc::new((0..n).map(|i| (i as f32 * f).sin()).collect())
+    };
+    bind.inputs.insert("x".into(), wave(2 * 4 * 64, 0.37));
+    bind.inputs.insert("t".into(), Arc::new(vec![981.0, 981.0]));
+    bind.inputs
+        .insert("context".into(), wave(2 * 77 * 64, 0.113));
+
+    let full = WgpuBackend::new(None).expect("adapter");
+    let want = full.run(&prog, &bind).expect("runs")[0].data.clone();
+    let weight_bytes = full.bytes_uploaded();
+    let act = full.activation_bytes(&prog);
+    let mut last_streamed = 0;
+    for frac in [2u64, 4] {
+        let budget = act + weight_bytes / frac;
+        let gpu = WgpuBackend::with_options(&Options {
+            budget: Some(budget),
+            ..Options::default()
+        })
+        .expect("adapter");
+        let p = gpu
+            .prepare(&prog, &bind)
+            .expect("prepares under the budget");
+        let plan = p.residency().expect("a plan").clone();
+        assert!(plan.device_bytes <= budget);
+        assert!(
+            plan.streamed_bytes_per_run > 0,
+            "1/{frac} of the weights cannot all stay"
+        );
+        assert!(
+            plan.streamed_bytes_per_run >= last_streamed,
+            "a smaller budget streamed less"
+        );
+        last_streamed = plan.streamed_bytes_per_run;
+        let after_prepare = gpu.bytes_uploaded();
+        assert_eq!(after_prepare, plan.resident_bytes);
+        for run in 1..=2u64 {
+            let got = p.run(&bind).expect("runs")[0].data.clone();
+            assert_eq!(
+                got, want,
+                "streamed run {run} differs from the resident run"
+            );
+            assert_eq!(
+                gpu.bytes_uploaded() - after_prepare,
+                run * plan.streamed_bytes_per_run,
+                "bytes moved differ from the plan"
+            );
+        }
+        eprintln!(
+            "budget {budget}: resident {} + stream arena {} of {weight_bytes} weight bytes, \
+             {} streamed per run (lower bound {})",
+            plan.resident_bytes,
+            plan.stream_arena_bytes,
+            plan.streamed_bytes_per_run,
+            plan.lower_bound_per_run
+        );
+    }
+}
+
+/// Across runs in one process (watch, server): a prompt edit re-runs the
+/// text encoder and the sampler but uploads no UNet weights again.
+#[test]
+fn prompt_edit_uploads_no_unet_weights() {
+    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
+    use std::sync::{Arc, Mutex};
+
+    let Ok(runtime) = Runtime::select_with("wgpu", Some(1 << 30)) else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    let (base, _fx) = setup();
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = Paths::under(base.path());
+    let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime);
+    let uploads: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let sink_uploads = uploads.clone();
+    let events: EventSink = Arc::new(move |e: &Event| {
+        if let Event::Residency { uploaded_bytes, .. } = e {
+            sink_uploads.lock().expect("lock").push(*uploaded_bytes);
+        }
+    });
+    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    for prompt in ["a lighthouse", "a lighthouse at night"] {
+        let mut wf: serde_json::Value = serde_json::from_str(&text).expect("json");
+        wf["3"]["inputs"]["text"] = serde_json::json!(prompt);
+        let wf = sdkit_schema::workflow::load(&wf.to_string(), &lib.registry).expect("loads");
+        let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+        rt.block_on(exec.run(&graph, RunOptions::new(events.clone(), CancelToken::new())))
+            .expect("runs");
+    }
+    let uploads = uploads.lock().expect("lock").clone();
+    assert_eq!(uploads.len(), 2, "one residency event per KSampler run");
+    assert!(uploads[0] > 0, "the first run uploads the UNet");
+    assert_eq!(uploads[1], 0, "the edited run uploaded UNet weights again");
+}

@@ -58,6 +58,22 @@ pub enum Event {
         prompt_id: String,
         timestamp: u64,
     },
+    /// sdkit's own (ComfyUI clients ignore unknown types): how a node's
+    /// model use placed its weights under the device memory budget, with
+    /// the planner's numbers and the bytes actually uploaded.
+    #[serde(rename = "sdkit_residency")]
+    Residency {
+        prompt_id: String,
+        node: String,
+        model: String,
+        budget: u64,
+        weight_bytes: u64,
+        resident_bytes: u64,
+        streamed_bytes_per_run: u64,
+        lower_bound_per_run: u64,
+        runs: u64,
+        uploaded_bytes: u64,
+    },
 }
 
 impl Event {
@@ -72,6 +88,7 @@ impl Event {
             Event::ExecutionError { .. } => "execution_error",
             Event::ExecutionInterrupted { .. } => "execution_interrupted",
             Event::ExecutionSuccess { .. } => "execution_success",
+            Event::Residency { .. } => "sdkit_residency",
         }
     }
 }

@@ -7,6 +7,7 @@
 
 use crate::backend::cpu::{self, Bindings, CpuError};
 use crate::backend::wgpu::{Options, Prepared, WgpuBackend, WgpuError};
+use crate::plan::residency::ResidencyPlan;
 use crate::plan::Program;
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
@@ -58,6 +59,12 @@ impl Runtime {
     /// as lavapipe is slower than the CPU backend) or an adapter name
     /// (case-insensitive substring).
     pub fn select(choice: &str) -> Result<Self, RuntimeError> {
+        Self::select_with(choice, None)
+    }
+
+    /// [`Runtime::select`] with a device memory budget for the GPU (see
+    /// [`parse_budget`]); the CPU backend ignores it.
+    pub fn select_with(choice: &str, budget: Option<u64>) -> Result<Self, RuntimeError> {
         let err = |message: String| RuntimeError::Select {
             choice: choice.to_string(),
             message,
@@ -74,16 +81,23 @@ impl Runtime {
                 if !hardware {
                     return Ok(Runtime::cpu());
                 }
-                match WgpuBackend::new(None) {
+                match WgpuBackend::with_options(&Options {
+                    budget,
+                    ..Options::default()
+                }) {
                     Ok(b) if b.adapter.device_type != "Cpu" => Ok(Runtime::wgpu(b)),
                     _ => Ok(Runtime::cpu()),
                 }
             }
-            "wgpu" | "gpu" => WgpuBackend::new(None)
-                .map(Runtime::wgpu)
-                .map_err(|e| err(e.to_string())),
+            "wgpu" | "gpu" => WgpuBackend::with_options(&Options {
+                budget,
+                ..Options::default()
+            })
+            .map(Runtime::wgpu)
+            .map_err(|e| err(e.to_string())),
             name => WgpuBackend::with_options(&Options {
                 adapter: Some(name.to_string()),
+                budget,
                 ..Options::default()
             })
             .map(Runtime::wgpu)
@@ -109,6 +123,29 @@ impl Runtime {
         matches!(self.device, Device::Cpu)
     }
 
+    /// Weight bytes uploaded to the device so far (0 on the CPU).
+    pub fn bytes_uploaded(&self) -> u64 {
+        match &self.device {
+            Device::Cpu => 0,
+            Device::Wgpu(b) => b.bytes_uploaded(),
+        }
+    }
+
+    /// The device memory budget, if one is set (GPU only).
+    pub fn budget(&self) -> Option<u64> {
+        match &self.device {
+            Device::Cpu => None,
+            Device::Wgpu(b) => b.budget(),
+        }
+    }
+
+    /// Drops weights kept resident on the device between runs.
+    pub fn free(&self) {
+        if let Device::Wgpu(b) = &self.device {
+            b.free_weights();
+        }
+    }
+
     /// Runs a program once.
     pub fn run(&self, prog: &Program, bind: &Bindings) -> Result<Vec<Array>, RuntimeError> {
         match &self.device {
@@ -131,7 +168,7 @@ impl Runtime {
                     inputs: HashMap::new(),
                 },
             }),
-            Device::Wgpu(b) => Ok(Session::Wgpu(b.prepare(prog, weights)?)),
+            Device::Wgpu(b) => Ok(Session::Wgpu(Box::new(b.prepare(prog, weights)?))),
         }
     }
 }
@@ -153,7 +190,7 @@ fn gpu_device_nodes() -> bool {
 /// A program with its weights bound, run with fresh inputs each time.
 pub enum Session<'a> {
     Cpu { prog: &'a Program, bind: Bindings },
-    Wgpu(Prepared<'a>),
+    Wgpu(Box<Prepared<'a>>),
 }
 
 impl Session<'_> {
@@ -172,4 +209,48 @@ impl Session<'_> {
             })?),
         }
     }
+
+    /// The residency plan the session runs under (GPU with a budget).
+    pub fn residency(&self) -> Option<&ResidencyPlan> {
+        match self {
+            Session::Cpu { .. } => None,
+            Session::Wgpu(p) => p.residency(),
+        }
+    }
 }
+
+/// Parses a `--vram-budget` value: bytes, with an optional K/M/G/T suffix
+/// (powers of 1024; `KiB`, `MB`... also read as powers of 1024), or `auto`.
+/// `auto` is None here: wgpu reports no memory size, so the caller applies
+/// [`AUTO_BUDGET`] and says so.
+pub fn parse_budget(text: &str) -> Result<Option<u64>, String> {
+    let t = text.trim();
+    if t.eq_ignore_ascii_case("auto") {
+        return Ok(None);
+    }
+    let digits = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count (e.g. 6G, 512MiB, 2000000000)"))?;
+    let scale = match unit.trim().to_ascii_lowercase().trim_end_matches('b') {
+        "" => 1u64,
+        "k" | "ki" => 1 << 10,
+        "m" | "mi" => 1 << 20,
+        "g" | "gi" => 1 << 30,
+        "t" | "ti" => 1 << 40,
+        _ => {
+            return Err(format!(
+                "{text:?}: unknown unit {unit:?} (use K, M, G or T)"
+            ))
+        }
+    };
+    Ok(Some((value * scale as f64) as u64))
+}
+
+/// The budget `--vram-budget auto` uses: wgpu does not report how much
+/// memory an adapter has, so a conservative 4 GiB (most discrete GPUs
+/// sold since 2016 have at least that).
+pub const AUTO_BUDGET: u64 = 4 << 30;

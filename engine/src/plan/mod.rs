@@ -18,6 +18,7 @@
 
 mod memory;
 mod program;
+pub mod residency;
 pub mod samples;
 
 pub use memory::{assign_offsets, lower_bound, Lifetime};

@@ -1,7 +1,7 @@
 //! CLIPTextEncode and CLIPSetLastLayer, with ComfyUI's semantics.
 
 use super::{graph_error, input, opaque, run_error, sd1_tokenizer, Clip, CondEntry, Conditioning};
-use crate::models::clip::{causal_mask, text_encoder, ClipLayer};
+use crate::models::clip::{causal_mask, text_encoder_embedded, ClipLayer};
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::GraphBuilder;
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
@@ -50,18 +50,33 @@ impl Clip {
                 len, self.cfg.max_positions
             )));
         }
+        let width = self.cfg.width;
         let g = GraphBuilder::new();
         let out = (|| {
-            let t = g.input("tokens", &[rows.len(), len])?;
+            let e = g.input("embeddings", &[rows.len(), len, width])?;
             let m = g.input("mask", &[len, len])?;
-            text_encoder(&g, &self.cfg, &self.prefix, t, m, self.layer())
+            text_encoder_embedded(&g, &self.cfg, &self.prefix, e, m, self.layer())
         })()
         .map_err(|e| graph_error("CLIP text encoder", e))?;
         let graph = g.finish(&[out]);
         let prog = plan(&graph).map_err(|e| graph_error("CLIP text encoder", e))?;
         let mut bind = self.file.bindings(&prog)?;
-        let ids: Vec<f32> = rows.iter().flatten().map(|&t| t as f32).collect();
-        bind.inputs.insert("tokens".into(), Arc::new(ids));
+        // The token embedding lookup happens here, on the host.
+        let table = self
+            .file
+            .tensor_f32(&format!("{}embeddings.token_embedding.weight", self.prefix))?;
+        let mut embeds = Vec::with_capacity(rows.len() * len * width);
+        for &id in rows.iter().flatten() {
+            let at = id as usize * width;
+            let row = table.get(at..at + width).ok_or_else(|| {
+                NodeError::invalid(format!(
+                    "token id {id} is outside the text encoder's {}-token vocabulary",
+                    self.cfg.vocab
+                ))
+            })?;
+            embeds.extend_from_slice(row);
+        }
+        bind.inputs.insert("embeddings".into(), Arc::new(embeds));
         bind.inputs
             .insert("mask".into(), Arc::new(causal_mask(len)));
         ctx.check_cancel()?;

@@ -275,6 +275,7 @@ pub fn sample(
             Arc::new(v)
         })
         .collect();
+    let before_prepare = ctx.runtime.bytes_uploaded();
     let mut sessions: Vec<Session<'_>> = progs
         .iter()
         .map(|p| ctx.runtime.prepare(p, &bind))
@@ -326,7 +327,23 @@ pub fn sample(
             .collect())
     };
     let x = sample_euler(x0, sigmas, denoise, |i, n| ctx.progress(i as u64, n as u64))?;
-    debug_assert_eq!(total, sigmas.len() - 1);
+    if let (Some(budget), Some(plan)) = (
+        ctx.runtime.budget(),
+        sessions.first().and_then(|s| s.residency()),
+    ) {
+        (ctx.events)(&sdkit_engine::Event::Residency {
+            prompt_id: ctx.prompt_id.clone(),
+            node: ctx.node_id.clone(),
+            model: model.file.name.clone(),
+            budget,
+            weight_bytes: plan.resident_bytes + plan.streamed_bytes_per_run,
+            resident_bytes: plan.resident_bytes,
+            streamed_bytes_per_run: plan.streamed_bytes_per_run,
+            lower_bound_per_run: plan.lower_bound_per_run,
+            runs: (total * sessions.len()) as u64,
+            uploaded_bytes: ctx.runtime.bytes_uploaded() - before_prepare,
+        });
+    }
     let out: Vec<f32> = x.iter().map(|v| v / scale).collect();
     Tensor::new(shape, out).map_err(NodeError::invalid)
 }

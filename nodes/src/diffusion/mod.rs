@@ -47,6 +47,23 @@ impl ModelFile {
         }
     }
 
+    /// One tensor in f32, converted once.
+    pub fn tensor_f32(&self, name: &str) -> Result<Arc<Vec<f32>>, NodeError> {
+        let mut cache = self
+            .f32_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(d) = cache.get(name) {
+            return Ok(Arc::clone(d));
+        }
+        let d =
+            Arc::new(self.store.to_f32(name).map_err(|e| {
+                NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
+            })?);
+        cache.insert(name.to_string(), Arc::clone(&d));
+        Ok(d)
+    }
+
     /// The f32 weights `prog` uploads, converted once per tensor.
     pub fn bindings(&self, prog: &Program) -> Result<Bindings, NodeError> {
         let mut cache = self

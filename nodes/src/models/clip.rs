@@ -51,13 +51,33 @@ pub fn text_encoder<'a>(
     mask: T<'a>,
     layer: ClipLayer,
 ) -> Result<T<'a>, ShapeError> {
-    let s = tokens.shape();
+    let tok = g
+        .weight(
+            &format!("{prefix}embeddings.token_embedding.weight"),
+            &[cfg.vocab, cfg.width],
+        )?
+        .gather(tokens)?;
+    text_encoder_embedded(g, cfg, prefix, tok, mask, layer)
+}
+
+/// The encoder from token embeddings `[batch, len, width]` (the rows of
+/// `embeddings.token_embedding.weight` for the ids, looked up by the
+/// caller: a 77-row lookup needs no device, and the table is the largest
+/// tensor of a text encoder).
+pub fn text_encoder_embedded<'a>(
+    g: &'a GraphBuilder,
+    cfg: &ClipConfig,
+    prefix: &str,
+    tok: T<'a>,
+    mask: T<'a>,
+    layer: ClipLayer,
+) -> Result<T<'a>, ShapeError> {
+    let s = tok.shape();
     let (b, len) = (s[0], s[1]);
     let w = cfg.width;
     let heads = cfg.heads.max(1);
     let d = w / heads;
     let wt = |name: &str, shape: &[usize]| g.weight(&format!("{prefix}{name}"), shape);
-    let tok = wt("embeddings.token_embedding.weight", &[cfg.vocab, w])?.gather(tokens)?;
     let pos = wt(
         "embeddings.position_embedding.weight",
         &[cfg.max_positions, w],

@@ -16,6 +16,7 @@ pub mod codegen;
 
 use crate::backend::cpu::Bindings;
 use crate::backend::BindError;
+use crate::plan::residency::{self, ResidencyPlan};
 use crate::plan::{BufferKind, Command, Program};
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
@@ -185,6 +186,10 @@ pub struct Options {
     /// Bind at most this many bytes per binding (below the adapter's own
     /// limit), splitting larger tensors; lets tests exercise splitting.
     pub max_binding_bytes: Option<u64>,
+    /// Device memory a prepared program may use (activations, resident
+    /// weights, the stream arena). Weights that do not fit stream from host
+    /// memory every run ([`crate::plan::residency`]). None: no limit.
+    pub budget: Option<u64>,
 }
 
 impl Default for Options {
@@ -195,6 +200,7 @@ impl Default for Options {
             allow_subgroups: true,
             f16_activations: false,
             max_binding_bytes: None,
+            budget: None,
         }
     }
 }
@@ -213,6 +219,21 @@ pub struct WgpuBackend {
     pub adapter: AdapterReport,
     limits: wgpu::Limits,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    budget: Option<u64>,
+    /// Resident weight buffers kept across prepares (the next sampler run,
+    /// the next prompt), keyed by name and keeping the host data they were
+    /// made from alive, so the same data is never uploaded twice.
+    resident: Mutex<HashMap<String, ResidentWeight>>,
+    uploaded: std::sync::atomic::AtomicU64,
+    uses: std::sync::atomic::AtomicU64,
+}
+
+struct ResidentWeight {
+    data: Arc<Vec<f32>>,
+    buffer: Arc<wgpu::Buffer>,
+    bytes: u64,
+    /// The prepare that last used it (for least-recently-used eviction).
+    last_used: u64,
 }
 
 impl WgpuBackend {
@@ -274,7 +295,38 @@ impl WgpuBackend {
             adapter: report(&adapter),
             limits,
             pipelines: Mutex::new(HashMap::new()),
+            budget: opts.budget,
+            resident: Mutex::new(HashMap::new()),
+            uploaded: std::sync::atomic::AtomicU64::new(0),
+            uses: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Weight bytes copied host → device so far (resident uploads and
+    /// streamed copies).
+    pub fn bytes_uploaded(&self) -> u64 {
+        self.uploaded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The device memory budget, if any.
+    pub fn budget(&self) -> Option<u64> {
+        self.budget
+    }
+
+    /// Drops every resident weight (`/free`, or before a model switch).
+    pub fn free_weights(&self) {
+        self.lock_resident().clear();
+    }
+
+    /// Bytes of weights kept resident between prepares.
+    pub fn resident_bytes(&self) -> u64 {
+        self.lock_resident().values().map(|r| r.bytes).sum()
+    }
+
+    fn lock_resident(&self) -> std::sync::MutexGuard<'_, HashMap<String, ResidentWeight>> {
+        self.resident
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn pipeline(&self, source: &str) -> Result<Arc<wgpu::ComputePipeline>, String> {
@@ -376,26 +428,140 @@ impl WgpuBackend {
             usage: storage,
             mapped_at_creation: false,
         });
-        let mut external: HashMap<u32, wgpu::Buffer> = HashMap::new();
+        let mut external: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
         let mut inputs = Vec::new();
+        let residency = self.plan_residency(prog)?;
+        let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
+        // Streamed weights: their bytes in one host-visible staging buffer
+        // (the master copy stays in host memory), a slot in the stream
+        // arena, and a copy recorded before the kernel their plan names.
+        let mut stream_slot: HashMap<u32, u64> = HashMap::new();
+        let mut copies: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); prog.stats.dispatches];
+        let mut staging_bytes: Vec<u8> = Vec::new();
+        let mut streamed_per_run = 0;
+        if let Some((plan, uses)) = &residency {
+            let by_name: HashMap<&str, u32> = prog
+                .commands
+                .iter()
+                .filter_map(|c| match c {
+                    Command::Upload { buffer, name } => Some((name.as_str(), buffer.0)),
+                    _ => None,
+                })
+                .collect();
+            for s in &plan.streamed {
+                let w = &uses[s.weight];
+                let data = bind
+                    .weights
+                    .get(&w.name)
+                    .ok_or_else(|| BindError::MissingWeight(w.name.clone()))?;
+                let bytes = encode(data, self.f16_weights);
+                let at = staging_bytes.len() as u64;
+                staging_bytes.extend_from_slice(&bytes);
+                staging_bytes.resize(
+                    staging_bytes.len().div_ceil(align as usize) * align as usize,
+                    0,
+                );
+                if let Some(&buf) = by_name.get(w.name.as_str()) {
+                    stream_slot.insert(buf, s.offset);
+                }
+                if let Some(list) = copies.get_mut(s.upload_before) {
+                    list.push((at, s.offset, bytes.len() as u64));
+                }
+                streamed_per_run += bytes.len() as u64;
+            }
+        }
+        let stream = match &residency {
+            Some((plan, _)) if !plan.streamed.is_empty() => {
+                let arena = self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("stream arena"),
+                    size: plan.stream_arena_bytes.max(4),
+                    usage: storage,
+                    mapped_at_creation: false,
+                });
+                let staging = self
+                    .device
+                    .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                        label: Some("stream staging"),
+                        contents: &staging_bytes,
+                        usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::MAP_WRITE,
+                    });
+                Some(Stream {
+                    arena,
+                    staging,
+                    copies,
+                    bytes_per_run: streamed_per_run,
+                })
+            }
+            _ => None,
+        };
+        let mut cache = self.lock_resident();
+        // Drop resident weights whose host data nobody else holds (their
+        // model is gone); under a budget, also every other model's weights.
+        let wanted: std::collections::HashSet<&str> = prog
+            .commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::Upload { name, .. } => Some(name.as_str()),
+                _ => None,
+            })
+            .collect();
+        cache.retain(|_, r| Arc::strong_count(&r.data) > 1);
+        // Under a budget, other models' resident weights make room for this
+        // program's plan, least recently used first.
+        if let (Some(budget), Some((plan, _))) = (self.budget, &residency) {
+            let mut others: Vec<(u64, String, u64)> = cache
+                .iter()
+                .filter(|(name, _)| !wanted.contains(name.as_str()))
+                .map(|(name, r)| (r.last_used, name.clone(), r.bytes))
+                .collect();
+            others.sort();
+            let mut held: u64 = others.iter().map(|o| o.2).sum();
+            for (_, name, bytes) in others {
+                if plan.device_bytes + held <= budget {
+                    break;
+                }
+                cache.remove(&name);
+                held -= bytes;
+            }
+        }
+        let tick = self.uses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for c in &prog.commands {
             match c {
                 Command::Upload { buffer, name } => {
+                    if stream_slot.contains_key(&buffer.0) {
+                        continue;
+                    }
                     let data = bind
                         .weights
                         .get(name)
                         .ok_or_else(|| BindError::MissingWeight(name.clone()))?;
                     let want = prog.buffer(*buffer).len;
                     BindError::check_len(name, data.len(), want)?;
+                    if let Some(r) = cache.get_mut(name).filter(|r| Arc::ptr_eq(&r.data, data)) {
+                        r.last_used = tick;
+                        external.insert(buffer.0, Arc::clone(&r.buffer));
+                        continue;
+                    }
                     let bytes = encode(data, self.f16_weights);
                     self.check_binding(bytes.len() as u64)?;
-                    let buf = self
-                        .device
-                        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    let buf = Arc::new(self.device.create_buffer_init(
+                        &wgpu::util::BufferInitDescriptor {
                             label: Some(name),
                             contents: &bytes,
                             usage: storage,
-                        });
+                        },
+                    ));
+                    self.uploaded
+                        .fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                    cache.insert(
+                        name.clone(),
+                        ResidentWeight {
+                            data: Arc::clone(data),
+                            buffer: Arc::clone(&buf),
+                            bytes: bytes.len() as u64,
+                            last_used: tick,
+                        },
+                    );
                     external.insert(buffer.0, buf);
                 }
                 Command::Bind { buffer, name } => {
@@ -408,7 +574,7 @@ impl WgpuBackend {
                         usage: storage,
                         mapped_at_creation: false,
                     });
-                    external.insert(buffer.0, buf);
+                    external.insert(buffer.0, Arc::new(buf));
                     inputs.push((buffer.0, name.clone(), len));
                 }
                 _ => {}
@@ -476,12 +642,16 @@ impl WgpuBackend {
             let mut entries = Vec::new();
             for (v, (op, bytes)) in views.iter().zip(&operands) {
                 let b = prog.buffer(v.buffer);
-                let (buffer, base) = match b.kind {
-                    BufferKind::Arena => (&arena, b.offset as u64 * 4),
+                let (buffer, base) = match (&b.kind, stream_slot.get(&v.buffer.0), &stream) {
+                    (BufferKind::Arena, _, _) => (&arena, b.offset as u64 * 4),
+                    (_, Some(&offset), Some(s)) => (&s.arena, offset),
                     _ => (
-                        external.get(&v.buffer.0).ok_or_else(|| {
-                            BindError::MissingInput(format!("buffer b{}", v.buffer.0))
-                        })?,
+                        external
+                            .get(&v.buffer.0)
+                            .map(|b| b.as_ref())
+                            .ok_or_else(|| {
+                                BindError::MissingInput(format!("buffer b{}", v.buffer.0))
+                            })?,
                         0,
                     ),
                 };
@@ -517,6 +687,7 @@ impl WgpuBackend {
         if let Some(e) = pollster::block_on(oom.pop()) {
             return Err(WgpuError::OutOfMemory(e.to_string()));
         }
+        drop(cache);
         Ok(Prepared {
             backend: self,
             prog,
@@ -524,8 +695,51 @@ impl WgpuBackend {
             external,
             inputs,
             dispatches: prepared,
+            stream,
+            residency: residency.map(|(p, _)| p),
         })
     }
+
+    /// Device bytes a prepared program needs besides its weights: the
+    /// activation arena and the input and readback buffers.
+    pub fn activation_bytes(&self, prog: &Program) -> u64 {
+        let arena = self.stored_bytes(prog.stats.arena_bytes / 4, self.f16_activations);
+        let io: usize =
+            prog.stats.input_bytes / 4 + prog.outputs.iter().map(|v| v.numel()).sum::<usize>();
+        arena + self.stored_bytes(io, self.f16_activations)
+    }
+
+    /// The residency plan for `prog` under the budget, or None when there
+    /// is no budget.
+    fn plan_residency(
+        &self,
+        prog: &Program,
+    ) -> Result<Option<(ResidencyPlan, Vec<residency::WeightUse>)>, WgpuError> {
+        let Some(budget) = self.budget else {
+            return Ok(None);
+        };
+        let elem = if self.f16_weights { 2 } else { 4 };
+        let uses = residency::weight_uses(prog, elem);
+        let u = residency::ModelUse {
+            weights: uses.clone(),
+            kernels: prog.stats.dispatches,
+            activation_bytes: self.activation_bytes(prog),
+            runs: 1,
+        };
+        let align = u64::from(self.limits.min_storage_buffer_offset_alignment);
+        let plan = residency::plan_residency(&u, budget, align, self.binding_limit())
+            .map_err(|e| WgpuError::OutOfMemory(e.to_string()))?;
+        Ok(Some((plan, uses)))
+    }
+}
+
+/// The streamed weights of a prepared program.
+struct Stream {
+    arena: wgpu::Buffer,
+    staging: wgpu::Buffer,
+    /// Per dispatch: (staging offset, arena offset, bytes) copied before it.
+    copies: Vec<Vec<(u64, u64, u64)>>,
+    bytes_per_run: u64,
 }
 
 type Dispatch = (Arc<wgpu::ComputePipeline>, wgpu::BindGroup, [u32; 3]);
@@ -537,9 +751,11 @@ pub struct Prepared<'a> {
     backend: &'a WgpuBackend,
     prog: &'a Program,
     arena: wgpu::Buffer,
-    external: HashMap<u32, wgpu::Buffer>,
+    external: HashMap<u32, Arc<wgpu::Buffer>>,
     inputs: Vec<(u32, String, usize)>,
     dispatches: Vec<Dispatch>,
+    stream: Option<Stream>,
+    residency: Option<ResidencyPlan>,
 }
 
 impl Prepared<'_> {
@@ -562,17 +778,7 @@ impl Prepared<'_> {
         }
         let mut encoder =
             dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("program"),
-                timestamp_writes: None,
-            });
-            for (pipeline, group, g) in &self.dispatches {
-                pass.set_pipeline(pipeline);
-                pass.set_bind_group(0, group, &[]);
-                pass.dispatch_workgroups(g[0], g[1], g[2]);
-            }
-        }
+        self.record(&mut encoder, 1);
         // Read back the outputs' whole buffers, then apply their views.
         let mut staging = Vec::new();
         for v in &self.prog.outputs {
@@ -591,7 +797,7 @@ impl Prepared<'_> {
             let (src, off) = match b.kind {
                 BufferKind::Arena => (&self.arena, b.offset as u64 * 4),
                 _ => match self.external.get(&v.buffer.0) {
-                    Some(e) => (e, 0),
+                    Some(e) => (e.as_ref(), 0),
                     None => {
                         return Err(
                             BindError::MissingInput(format!("buffer b{}", v.buffer.0)).into()
@@ -636,25 +842,65 @@ impl Prepared<'_> {
         Ok(outs)
     }
 
+    /// The residency plan this program runs under (with a budget).
+    pub fn residency(&self) -> Option<&ResidencyPlan> {
+        self.residency.as_ref()
+    }
+
+    /// Weight bytes copied host → device each run (streamed weights).
+    pub fn streamed_bytes_per_run(&self) -> u64 {
+        self.stream.as_ref().map_or(0, |s| s.bytes_per_run)
+    }
+
+    /// Records every dispatch `times` times: one compute pass, split where
+    /// streamed weights are copied into their slots.
+    fn record(&self, encoder: &mut wgpu::CommandEncoder, times: usize) {
+        for _ in 0..times {
+            // Passes forget the encoder borrow so copies can be recorded
+            // between them.
+            let mut pass = Some(
+                encoder
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("program"),
+                        timestamp_writes: None,
+                    })
+                    .forget_lifetime(),
+            );
+            for (i, (pipeline, group, g)) in self.dispatches.iter().enumerate() {
+                if let Some(s) = self.stream.as_ref().filter(|s| !s.copies[i].is_empty()) {
+                    drop(pass.take());
+                    for &(from, to, bytes) in &s.copies[i] {
+                        encoder.copy_buffer_to_buffer(&s.staging, from, &s.arena, to, bytes);
+                    }
+                    self.backend.uploaded.fetch_add(
+                        s.copies[i].iter().map(|c| c.2).sum(),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    pass = Some(
+                        encoder
+                            .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                label: Some("program"),
+                                timestamp_writes: None,
+                            })
+                            .forget_lifetime(),
+                    );
+                }
+                if let Some(p) = pass.as_mut() {
+                    p.set_pipeline(pipeline);
+                    p.set_bind_group(0, group, &[]);
+                    p.dispatch_workgroups(g[0], g[1], g[2]);
+                }
+            }
+        }
+    }
+
     /// Records and submits every dispatch `times` times and waits, without
     /// uploads or readback: the kernel time benchmarks measure.
     pub fn dispatch_only(&self, times: usize) -> Result<(), WgpuError> {
         let dev = &self.backend.device;
         let mut encoder =
             dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("bench"),
-                timestamp_writes: None,
-            });
-            for _ in 0..times {
-                for (pipeline, group, g) in &self.dispatches {
-                    pass.set_pipeline(pipeline);
-                    pass.set_bind_group(0, group, &[]);
-                    pass.dispatch_workgroups(g[0], g[1], g[2]);
-                }
-            }
-        }
+        self.record(&mut encoder, times);
         self.backend.queue.submit([encoder.finish()]);
         dev.poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| WgpuError::Lost(e.to_string()))?;
