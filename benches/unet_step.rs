@@ -158,6 +158,9 @@ fn main() {
         .sum();
     println!("unet_step: {:.1} M parameters", params as f64 / 1e6);
     if std::env::var_os("SDKIT_BENCH_PLAN_ONLY").is_some() {
+        if std::env::var_os("SDKIT_BENCH_BUDGETS").is_some() {
+            planned_budgets(&prog);
+        }
         return;
     }
     let bind = bindings(&g);
@@ -335,5 +338,39 @@ fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<
             plan.resident_bytes as f64 / 1048576.0,
             plan.stream_arena_bytes as f64 / 1048576.0,
         );
+    }
+}
+
+/// The residency plans alone (no device): f16 weights, f32 activations,
+/// 256-byte slot alignment, 2 GiB bindings.
+fn planned_budgets(prog: &sdkit_engine::plan::Program) {
+    use sdkit_engine::plan::residency::{plan_residency, weight_uses, ModelUse};
+    let weights = weight_uses(prog, 2);
+    let total: u64 = weights.iter().map(|w| w.bytes).sum();
+    let act = prog.stats.arena_bytes as u64 + prog.stats.input_bytes as u64;
+    let u = ModelUse {
+        weights,
+        kernels: prog.stats.dispatches,
+        activation_bytes: act,
+        runs: 1,
+    };
+    let mib = |b: u64| b as f64 / 1048576.0;
+    println!(
+        "unet_step planned budgets: weights {:.1} MiB (f16), activations {:.1} MiB",
+        mib(total),
+        mib(act)
+    );
+    for pct in [100u64, 50, 25] {
+        let budget = act + total * pct / 100;
+        match plan_residency(&u, budget, 256, 2 << 30) {
+            Ok(p) => println!(
+                "  {pct:>3}% budget: streams {:.1} MiB/step (lower bound {:.1}), resident {:.1} MiB, stream arena {:.1} MiB",
+                mib(p.streamed_bytes_per_run),
+                mib(p.lower_bound_per_run),
+                mib(p.resident_bytes),
+                mib(p.stream_arena_bytes)
+            ),
+            Err(e) => println!("  {pct:>3}% budget: {e}"),
+        }
     }
 }
