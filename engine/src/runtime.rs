@@ -168,7 +168,30 @@ impl Runtime {
                     inputs: HashMap::new(),
                 },
             }),
-            Device::Wgpu(b) => Ok(Session::Wgpu(Box::new(b.prepare(prog, weights)?))),
+            Device::Wgpu(b) => {
+                // Out of device memory is not the end: free the weights
+                // kept from earlier runs and re-plan under half the budget
+                // (streaming more), down to what the planner can fit.
+                let mut budget = b.budget();
+                let mut attempt = 0;
+                loop {
+                    match b.prepare_within(prog, weights, budget) {
+                        Err(WgpuError::OutOfMemory(e)) if attempt < 5 => {
+                            attempt += 1;
+                            b.free_weights();
+                            let now = budget.unwrap_or_else(|| {
+                                b.activation_bytes(prog) + prog.stats.weight_bytes as u64
+                            });
+                            budget = Some(now / 2);
+                            tracing::warn!(
+                                "out of device memory ({e}); re-planning under {} MiB",
+                                (now / 2) >> 20
+                            );
+                        }
+                        r => return Ok(Session::Wgpu(Box::new(r?))),
+                    }
+                }
+            }
         }
     }
 }

@@ -40,6 +40,8 @@ pub enum WgpuError {
     TooLarge { bytes: u64, limit: u64 },
     #[error("out of device memory: {0}")]
     OutOfMemory(String),
+    #[error("{0}")]
+    Budget(#[from] residency::ResidencyError),
     #[error("device error: {0}")]
     Validation(String),
     #[error("device lost or readback failed: {0}")]
@@ -415,6 +417,17 @@ impl WgpuBackend {
         prog: &'a Program,
         bind: &Bindings,
     ) -> Result<Prepared<'a>, WgpuError> {
+        self.prepare_within(prog, bind, self.budget)
+    }
+
+    /// [`WgpuBackend::prepare`] under another budget (a re-plan after the
+    /// device ran out of memory).
+    pub fn prepare_within<'a>(
+        &'a self,
+        prog: &'a Program,
+        bind: &Bindings,
+        budget: Option<u64>,
+    ) -> Result<Prepared<'a>, WgpuError> {
         use wgpu::util::DeviceExt;
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -430,7 +443,7 @@ impl WgpuBackend {
         });
         let mut external: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
         let mut inputs = Vec::new();
-        let residency = self.plan_residency(prog)?;
+        let residency = self.plan_residency(prog, budget)?;
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
         // Streamed weights: their bytes in one host-visible staging buffer
         // (the master copy stays in host memory), a slot in the stream
@@ -508,7 +521,7 @@ impl WgpuBackend {
         cache.retain(|_, r| Arc::strong_count(&r.data) > 1);
         // Under a budget, other models' resident weights make room for this
         // program's plan, least recently used first.
-        if let (Some(budget), Some((plan, _))) = (self.budget, &residency) {
+        if let (Some(budget), Some((plan, _))) = (budget, &residency) {
             let mut others: Vec<(u64, String, u64)> = cache
                 .iter()
                 .filter(|(name, _)| !wanted.contains(name.as_str()))
@@ -714,8 +727,9 @@ impl WgpuBackend {
     fn plan_residency(
         &self,
         prog: &Program,
+        budget: Option<u64>,
     ) -> Result<Option<(ResidencyPlan, Vec<residency::WeightUse>)>, WgpuError> {
-        let Some(budget) = self.budget else {
+        let Some(budget) = budget else {
             return Ok(None);
         };
         let elem = if self.f16_weights { 2 } else { 4 };
@@ -727,8 +741,7 @@ impl WgpuBackend {
             runs: 1,
         };
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment);
-        let plan = residency::plan_residency(&u, budget, align, self.binding_limit())
-            .map_err(|e| WgpuError::OutOfMemory(e.to_string()))?;
+        let plan = residency::plan_residency(&u, budget, align, self.binding_limit())?;
         Ok(Some((plan, uses)))
     }
 }
