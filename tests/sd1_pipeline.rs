@@ -244,6 +244,16 @@ fn img2img_matches_comfyui() {
     check(base.path(), &fx, "tiny_sd1_img2img", "tiny_sd1_img2img");
 }
 
+/// An ancestral sampler that also drops the penultimate sigma
+/// (dpm_2_ancestral) with the exponential scheduler: the KSampler glue
+/// around the samplers (sigma rule, noise generator) is ComfyUI's.
+#[test]
+fn ancestral_sampler_matches_comfyui() {
+    let (base, fx) = setup();
+    run(base.path(), "tiny_sd1_ancestral", "cpu");
+    check(base.path(), &fx, "tiny_sd1_ancestral", "tiny_sd1_ancestral");
+}
+
 /// The same workflow on the wgpu backend (lavapipe on CI).
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {

@@ -16,13 +16,15 @@
 //!    log-sigma, denoised = `x − eps · σ`; several entries in one
 //!    conditioning are averaged by strength; CFG `u + (c − u) · cfg`
 //!    (negative skipped at cfg 1);
-//! 5. the sampler (Euler) steps through the sigmas; the result is scaled
-//!    back (÷ 0.18215).
+//! 5. the sampler steps through the sigmas (ancestral ones drawing noise
+//!    from a fresh generator seeded with the seed, as k-diffusion's default
+//!    noise sampler does); the result is scaled back (÷ 0.18215).
 
 use super::{graph_error, input, run_error, Conditioning, Model};
 use crate::models::unet::unet;
-use crate::noise::{prepare_noise, prepare_noise_indexed};
-use crate::sampling::euler::sample_euler;
+use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
+use crate::sampling::discrete::BUILT_SCHEDULERS;
+use crate::sampling::samplers::Sampler;
 use sdkit_engine::plan::{plan, Program};
 use sdkit_engine::runtime::Session;
 use sdkit_engine::tensor::GraphBuilder;
@@ -30,28 +32,31 @@ use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput,
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Samplers built so far (the full set is listed by the node spec).
-const BUILT_SAMPLERS: &[&str] = &["euler"];
-/// Schedulers built so far.
-const BUILT_SCHEDULERS: &[&str] = &["normal", "karras"];
-
 /// The sigmas KSampler uses for `steps` at `denoise` (ComfyUI's
-/// `KSampler.set_steps`).
+/// `KSampler.set_steps` and `calculate_sigmas`, with the extra step and
+/// dropped penultimate sigma of DPM-2 samplers).
 pub fn ksampler_sigmas(
     model: &Model,
+    sampler: Sampler,
     scheduler: &str,
     steps: usize,
     denoise: f64,
 ) -> Result<Vec<f32>, NodeError> {
     let schedule = |n: usize| -> Result<Vec<f32>, NodeError> {
-        match scheduler {
-            "normal" => Ok(model.schedule.normal(n)),
-            "karras" => Ok(model.schedule.karras(n)),
-            other => Err(NodeError::invalid(format!(
-                "scheduler {other:?} is not built yet in sdkit (built: {})",
-                BUILT_SCHEDULERS.join(", ")
-            ))),
+        let discard = sampler.discards_penultimate_sigma();
+        let mut s = model
+            .schedule
+            .schedule(scheduler, if discard { n + 1 } else { n })
+            .ok_or_else(|| {
+                NodeError::invalid(format!(
+                    "scheduler {scheduler:?} is not built yet in sdkit (built: {})",
+                    BUILT_SCHEDULERS.join(", ")
+                ))
+            })?;
+        if discard && s.len() >= 2 {
+            s.remove(s.len() - 2);
         }
+        Ok(s)
     };
     if denoise > 0.9999 {
         return schedule(steps);
@@ -144,20 +149,20 @@ impl NodeImpl for KSampler {
         let sampler = inputs.string("sampler_name")?;
         let scheduler = inputs.string("scheduler")?;
         let denoise = inputs.float("denoise")?;
-        if !BUILT_SAMPLERS.contains(&sampler) {
-            return Err(NodeError::invalid(format!(
+        let sampler = Sampler::from_name(sampler).ok_or_else(|| {
+            NodeError::invalid(format!(
                 "sampler {sampler:?} is not built yet in sdkit (built: {})",
-                BUILT_SAMPLERS.join(", ")
-            )));
-        }
+                Sampler::BUILT.join(", ")
+            ))
+        })?;
         if latent.noise_mask.is_some() {
             return Err(NodeError::invalid(
                 "latents with a noise mask (inpainting) are not supported yet",
             ));
         }
-        let sigmas = ksampler_sigmas(&model, scheduler, steps, denoise)?;
+        let sigmas = ksampler_sigmas(&model, sampler, scheduler, steps, denoise)?;
         let samples = sample(
-            ctx, &model, &positive, &negative, latent, seed, cfg, &sigmas,
+            ctx, &model, &positive, &negative, latent, seed, cfg, sampler, &sigmas,
         )?;
         Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
             samples,
@@ -178,6 +183,7 @@ pub fn sample(
     latent: &Latent,
     seed: u64,
     cfg: f64,
+    sampler: Sampler,
     sigmas: &[f32],
 ) -> Result<Tensor, NodeError> {
     let shape = latent.samples.shape.clone();
@@ -326,7 +332,13 @@ pub fn sample(
             .map(|(u, c)| u + (c - u) * cfg)
             .collect())
     };
-    let x = sample_euler(x0, sigmas, denoise, |i, n| ctx.progress(i as u64, n as u64))?;
+    // k-diffusion's default noise sampler: a generator seeded with the
+    // seed, fresh for this sampling call (ComfyUI's on the CPU).
+    let mut gen = Mt19937::new(seed);
+    let noise = || gen.randn(per_item);
+    let x = sampler.run(x0, sigmas, denoise, noise, |i, n| {
+        ctx.progress(i as u64, n as u64)
+    })?;
     if let (Some(budget), Some(plan)) = (
         ctx.runtime.budget(),
         sessions.first().and_then(|s| s.residency()),

@@ -135,7 +135,145 @@ impl DiscreteSchedule {
     pub fn karras(&self, steps: usize) -> Vec<f32> {
         karras(steps, self.sigma_min(), self.sigma_max(), 7.0)
     }
+
+    /// ComfyUI's `simple`: every (len / steps)-th sigma from the top.
+    pub fn simple(&self, steps: usize) -> Vec<f32> {
+        let n = self.sigmas.len();
+        let ss = n as f64 / steps as f64;
+        let mut s: Vec<f32> = (0..steps)
+            .map(|x| {
+                let idx = (x as f64 * ss) as usize;
+                self.sigmas[n - 1 - idx.min(n - 1)]
+            })
+            .collect();
+        s.push(0.0);
+        s
+    }
+
+    /// ComfyUI's `sgm_uniform`: `steps + 1` evenly spaced timesteps from
+    /// the largest sigma's, the last dropped, then 0.
+    pub fn sgm_uniform(&self, steps: usize) -> Vec<f32> {
+        let start = self.timestep(self.sigma_max());
+        let end = self.timestep(self.sigma_min());
+        let mut s: Vec<f32> = linspace_f32(start, end, steps + 1)
+            .into_iter()
+            .take(steps)
+            .map(|t| self.sigma(t))
+            .collect();
+        s.push(0.0);
+        s
+    }
+
+    /// ComfyUI's `ddim_uniform`: every (len / steps)-th sigma from the
+    /// second, reversed, with a final 0 unless the table reaches 0.
+    pub fn ddim_uniform(&self, steps: usize) -> Vec<f32> {
+        let n = self.sigmas.len();
+        let mut steps = steps.max(1);
+        let mut s: Vec<f32> = Vec::new();
+        if n > 1 && f64::from(self.sigmas[1]).abs() <= 1e-5 {
+            steps += 1;
+        } else {
+            s.push(0.0);
+        }
+        let ss = (n / steps).max(1);
+        let mut x = 1;
+        while x < n {
+            s.push(self.sigmas[x]);
+            x += ss;
+        }
+        s.reverse();
+        s
+    }
+
+    /// k-diffusion's `get_sigmas_exponential`: log-linear from the largest
+    /// to the smallest sigma, then 0.
+    pub fn exponential(&self, steps: usize) -> Vec<f32> {
+        let (lo, hi) = (
+            f64::from(self.sigma_min()).ln(),
+            f64::from(self.sigma_max()).ln(),
+        );
+        let mut s: Vec<f32> = linspace_f32(hi as f32, lo as f32, steps)
+            .into_iter()
+            .map(f32::exp)
+            .collect();
+        s.push(0.0);
+        s
+    }
+
+    /// ComfyUI's `linear_quadratic` (Mochi's schedule, threshold 0.025):
+    /// Python float maths, then f32 × the largest sigma.
+    pub fn linear_quadratic(&self, steps: usize) -> Vec<f32> {
+        let smax = self.sigma_max();
+        let sched: Vec<f64> = if steps <= 1 {
+            vec![1.0, 0.0]
+        } else {
+            let threshold = 0.025f64;
+            let linear_steps = steps / 2;
+            let mut v: Vec<f64> = (0..linear_steps)
+                .map(|i| i as f64 * threshold / linear_steps as f64)
+                .collect();
+            let diff = linear_steps as f64 - threshold * steps as f64;
+            let quad_steps = (steps - linear_steps) as f64;
+            let quad = diff / (linear_steps as f64 * quad_steps.powi(2));
+            let lin = threshold / linear_steps as f64 - 2.0 * diff / quad_steps.powi(2);
+            let c = quad * (linear_steps as f64).powi(2);
+            v.extend((linear_steps..steps).map(|i| {
+                let i = i as f64;
+                quad * (i * i) + lin * i + c
+            }));
+            v.push(1.0);
+            v.into_iter().map(|x| 1.0 - x).collect()
+        };
+        sched.into_iter().map(|x| x as f32 * smax).collect()
+    }
+
+    /// ComfyUI's `kl_optimal`: tan of a linear blend of atan(σ_min) and
+    /// atan(σ_max), then 0.
+    pub fn kl_optimal(&self, steps: usize) -> Vec<f32> {
+        let (amin, amax) = (
+            f64::from(self.sigma_min()).atan() as f32,
+            f64::from(self.sigma_max()).atan() as f32,
+        );
+        // One step: ComfyUI divides 0 by 0 (NaN); the blend's start is meant.
+        let denom = steps.saturating_sub(1).max(1) as f32;
+        let mut s: Vec<f32> = (0..steps)
+            .map(|i| {
+                let a = i as f32 / denom;
+                (a * amin + (1.0 - a) * amax).tan()
+            })
+            .collect();
+        s.push(0.0);
+        s
+    }
+
+    /// A scheduler by ComfyUI name; None for names not built.
+    pub fn schedule(&self, name: &str, steps: usize) -> Option<Vec<f32>> {
+        Some(match name {
+            "normal" => self.normal(steps),
+            "karras" => self.karras(steps),
+            "simple" => self.simple(steps),
+            "sgm_uniform" => self.sgm_uniform(steps),
+            "ddim_uniform" => self.ddim_uniform(steps),
+            "exponential" => self.exponential(steps),
+            "linear_quadratic" => self.linear_quadratic(steps),
+            "kl_optimal" => self.kl_optimal(steps),
+            _ => return None,
+        })
+    }
 }
+
+/// Schedulers built so far (ComfyUI's `beta` needs the beta distribution's
+/// inverse CDF and is not yet).
+pub const BUILT_SCHEDULERS: &[&str] = &[
+    "normal",
+    "karras",
+    "simple",
+    "sgm_uniform",
+    "ddim_uniform",
+    "exponential",
+    "linear_quadratic",
+    "kl_optimal",
+];
 
 /// Karras et al. (2022) sigmas, then a final 0 (k-diffusion's
 /// `get_sigmas_karras`, in f32 as torch computes it).

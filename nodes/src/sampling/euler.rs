@@ -8,24 +8,12 @@
 /// called after each step (progress, cancellation) and may stop the run by
 /// returning an error.
 pub fn sample_euler<E>(
-    mut x: Vec<f32>,
+    x: Vec<f32>,
     sigmas: &[f32],
-    mut denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
-    mut step: impl FnMut(usize, usize) -> Result<(), E>,
+    denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
+    step: impl FnMut(usize, usize) -> Result<(), E>,
 ) -> Result<Vec<f32>, E> {
-    let total = sigmas.len().saturating_sub(1);
-    for i in 0..total {
-        let sigma = sigmas[i];
-        let denoised = denoise(&x, sigma)?;
-        let dt = sigmas[i + 1] - sigma;
-        for (xv, dv) in x.iter_mut().zip(&denoised) {
-            // to_d: (x - denoised) / sigma; then x + d * dt.
-            let d = (*xv - dv) / sigma;
-            *xv += d * dt;
-        }
-        step(i + 1, total)?;
-    }
-    Ok(x)
+    super::samplers::Sampler::Euler.run(x, sigmas, denoise, Vec::new, step)
 }
 
 /// Classifier-free guidance as ComfyUI combines it:

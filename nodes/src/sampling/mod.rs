@@ -4,3 +4,4 @@
 
 pub mod discrete;
 pub mod euler;
+pub mod samplers;

@@ -1,0 +1,300 @@
+//! k-diffusion's samplers as ComfyUI runs them, over any denoiser (noisy
+//! latent and sigma → denoised estimate) and noise source.
+//!
+//! Scalar maths is f32, as k-diffusion does it on 0-d float32 tensors, and
+//! every tensor expression keeps PyTorch's evaluation order, so results
+//! follow ComfyUI's to float rounding (tests/reference: samplers.py).
+//! Ancestral samplers draw noise from `noise()`, which ComfyUI backs with a
+//! generator seeded with the seed (k-diffusion's `default_noise_sampler`),
+//! fresh for each sampling call; on the CPU that is torch's MT19937, which
+//! `crate::noise` reproduces. (ComfyUI on a GPU draws from the GPU's
+//! generator, a different stream.)
+
+/// A sampler by ComfyUI name (`_gpu` names alias their base; `ddim` is
+/// Euler, as in ComfyUI).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sampler {
+    Euler,
+    EulerAncestral,
+    Heun,
+    Dpm2,
+    Dpm2Ancestral,
+    DpmPp2sAncestral,
+    DpmPp2m,
+    Ddpm,
+    Lcm,
+    Ipndm,
+}
+
+impl Sampler {
+    pub fn from_name(name: &str) -> Option<Sampler> {
+        Some(match name.strip_suffix("_gpu").unwrap_or(name) {
+            "euler" | "ddim" => Sampler::Euler,
+            "euler_ancestral" => Sampler::EulerAncestral,
+            "heun" => Sampler::Heun,
+            "dpm_2" => Sampler::Dpm2,
+            "dpm_2_ancestral" => Sampler::Dpm2Ancestral,
+            "dpmpp_2s_ancestral" => Sampler::DpmPp2sAncestral,
+            "dpmpp_2m" => Sampler::DpmPp2m,
+            "ddpm" => Sampler::Ddpm,
+            "lcm" => Sampler::Lcm,
+            "ipndm" => Sampler::Ipndm,
+            _ => return None,
+        })
+    }
+
+    /// The names built so far, for error messages.
+    pub const BUILT: &'static [&'static str] = &[
+        "euler",
+        "ddim",
+        "euler_ancestral",
+        "heun",
+        "dpm_2",
+        "dpm_2_ancestral",
+        "dpmpp_2s_ancestral",
+        "dpmpp_2m",
+        "ddpm",
+        "lcm",
+        "ipndm",
+    ];
+
+    /// ComfyUI schedules one extra step and drops the penultimate sigma
+    /// for these (`DISCARD_PENULTIMATE_SIGMA_SAMPLERS`).
+    pub fn discards_penultimate_sigma(self) -> bool {
+        matches!(self, Sampler::Dpm2 | Sampler::Dpm2Ancestral)
+    }
+
+    /// Runs the sampler. `denoise(x, sigma)` is the model; `noise()`
+    /// returns a fresh standard-normal draw of x's size; `step(i, total)`
+    /// reports progress after each step and may stop the run.
+    pub fn run<E>(
+        self,
+        x: Vec<f32>,
+        sigmas: &[f32],
+        mut denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
+        mut noise: impl FnMut() -> Vec<f32>,
+        mut step: impl FnMut(usize, usize) -> Result<(), E>,
+    ) -> Result<Vec<f32>, E> {
+        let n = sigmas.len().saturating_sub(1);
+        let mut x = x;
+        // Multistep history.
+        let mut old_denoised: Option<Vec<f32>> = None;
+        let mut buffer: Vec<Vec<f32>> = Vec::new();
+        for i in 0..n {
+            let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+            let denoised = denoise(&x, s)?;
+            match self {
+                Sampler::Euler => {
+                    let dt = s_next - s;
+                    for (xv, dv) in x.iter_mut().zip(&denoised) {
+                        *xv += to_d(*xv, s, *dv) * dt;
+                    }
+                }
+                Sampler::EulerAncestral => {
+                    let (down, up) = ancestral_step(s, s_next);
+                    if down == 0.0 {
+                        x = denoised;
+                    } else {
+                        let dt = down - s;
+                        let z = noise();
+                        for ((xv, dv), zv) in x.iter_mut().zip(&denoised).zip(&z) {
+                            *xv = *xv + to_d(*xv, s, *dv) * dt + *zv * up;
+                        }
+                    }
+                }
+                Sampler::Heun | Sampler::Dpm2 => {
+                    let d: Vec<f32> = x
+                        .iter()
+                        .zip(&denoised)
+                        .map(|(a, b)| to_d(*a, s, *b))
+                        .collect();
+                    if s_next == 0.0 {
+                        let dt = s_next - s;
+                        axpy(&mut x, &d, dt);
+                    } else if self == Sampler::Heun {
+                        let dt = s_next - s;
+                        let x2: Vec<f32> = x.iter().zip(&d).map(|(a, b)| a + b * dt).collect();
+                        let den2 = denoise(&x2, s_next)?;
+                        for (((xv, dv), x2v), e2) in x.iter_mut().zip(&d).zip(&x2).zip(&den2) {
+                            let d2 = to_d(*x2v, s_next, *e2);
+                            *xv += (dv + d2) / 2.0 * dt;
+                        }
+                    } else {
+                        let mid = log_mid(s, s_next);
+                        let (dt1, dt2) = (mid - s, s_next - s);
+                        let x2: Vec<f32> = x.iter().zip(&d).map(|(a, b)| a + b * dt1).collect();
+                        let den2 = denoise(&x2, mid)?;
+                        for ((xv, x2v), e2) in x.iter_mut().zip(&x2).zip(&den2) {
+                            *xv += to_d(*x2v, mid, *e2) * dt2;
+                        }
+                    }
+                }
+                Sampler::Dpm2Ancestral => {
+                    let (down, up) = ancestral_step(s, s_next);
+                    let d: Vec<f32> = x
+                        .iter()
+                        .zip(&denoised)
+                        .map(|(a, b)| to_d(*a, s, *b))
+                        .collect();
+                    if down == 0.0 {
+                        axpy(&mut x, &d, down - s);
+                    } else {
+                        let mid = log_mid(s, down);
+                        let (dt1, dt2) = (mid - s, down - s);
+                        let x2: Vec<f32> = x.iter().zip(&d).map(|(a, b)| a + b * dt1).collect();
+                        let den2 = denoise(&x2, mid)?;
+                        for ((xv, x2v), e2) in x.iter_mut().zip(&x2).zip(&den2) {
+                            *xv += to_d(*x2v, mid, *e2) * dt2;
+                        }
+                        let z = noise();
+                        axpy(&mut x, &z, up);
+                    }
+                }
+                Sampler::DpmPp2sAncestral => {
+                    let (down, up) = ancestral_step(s, s_next);
+                    if down == 0.0 {
+                        let dt = down - s;
+                        for (xv, dv) in x.iter_mut().zip(&denoised) {
+                            *xv += to_d(*xv, s, *dv) * dt;
+                        }
+                    } else {
+                        // t = −log σ; σ(t) = exp(−t).
+                        let (t, t_next) = (-s.ln(), -down.ln());
+                        let h = t_next - t;
+                        let sm = t + 0.5 * h;
+                        let sig = |t: f32| (-t).exp();
+                        let (a, b) = (sig(sm) / sig(t), (-h * 0.5).exp_m1());
+                        let x2: Vec<f32> = x
+                            .iter()
+                            .zip(&denoised)
+                            .map(|(xv, dv)| a * xv - b * dv)
+                            .collect();
+                        let den2 = denoise(&x2, sig(sm))?;
+                        let (a, b) = (sig(t_next) / sig(t), (-h).exp_m1());
+                        for (xv, dv) in x.iter_mut().zip(&den2) {
+                            *xv = a * *xv - b * dv;
+                        }
+                    }
+                    if s_next > 0.0 {
+                        let z = noise();
+                        axpy(&mut x, &z, up);
+                    }
+                }
+                Sampler::DpmPp2m => {
+                    let (t, t_next) = (-s.ln(), -s_next.ln());
+                    let h = t_next - t;
+                    let sig = |t: f32| (-t).exp();
+                    let (a, b) = (sig(t_next) / sig(t), (-h).exp_m1());
+                    match old_denoised.as_ref().filter(|_| s_next != 0.0) {
+                        None => {
+                            for (xv, dv) in x.iter_mut().zip(&denoised) {
+                                *xv = a * *xv - b * dv;
+                            }
+                        }
+                        Some(old) => {
+                            let h_last = t - (-sigmas[i - 1].ln());
+                            let r = h_last / h;
+                            let c = 1.0 / (2.0 * r);
+                            let c1 = 1.0 + c;
+                            for ((xv, dv), ov) in x.iter_mut().zip(&denoised).zip(old) {
+                                let dd = c1 * dv - c * ov;
+                                *xv = a * *xv - b * dd;
+                            }
+                        }
+                    }
+                    old_denoised = Some(denoised);
+                }
+                Sampler::Ddpm => {
+                    let k = (1.0f32 + s * s).sqrt();
+                    let ac = 1.0 / ((s * s) + 1.0);
+                    let acp = 1.0 / ((s_next * s_next) + 1.0);
+                    let alpha = ac / acp;
+                    let c0 = (1.0 / alpha).sqrt();
+                    let c1 = 1.0 - alpha;
+                    let c2 = (1.0 - ac).sqrt();
+                    let z = (s_next > 0.0).then(&mut noise);
+                    let c3 = ((1.0 - alpha) * (1.0 - acp) / (1.0 - ac)).sqrt();
+                    let k_next = (1.0f32 + s_next * s_next).sqrt();
+                    for (j, (xv, dv)) in x.iter_mut().zip(&denoised).enumerate() {
+                        let eps = (*xv - dv) / s;
+                        let xs = *xv / k;
+                        let mut mu = c0 * (xs - c1 * eps / c2);
+                        if let Some(z) = &z {
+                            mu += c3 * z[j];
+                        }
+                        *xv = if s_next != 0.0 { mu * k_next } else { mu };
+                    }
+                }
+                Sampler::Lcm => {
+                    x = denoised;
+                    if s_next > 0.0 {
+                        // The model's noise_scaling (eps): noise · σ + x.
+                        let z = noise();
+                        for (xv, zv) in x.iter_mut().zip(&z) {
+                            *xv += zv * s_next;
+                        }
+                    }
+                }
+                Sampler::Ipndm => {
+                    let d: Vec<f32> = x.iter().zip(&denoised).map(|(a, b)| (a - b) / s).collect();
+                    let order = (i + 1).min(4);
+                    let dt = s_next - s;
+                    if s_next == 0.0 {
+                        x = denoised;
+                    } else {
+                        let b = &buffer;
+                        let l = b.len();
+                        for (j, xv) in x.iter_mut().enumerate() {
+                            let dc = d[j];
+                            let inc = match order {
+                                1 => dt * dc,
+                                2 => dt * (3.0 * dc - b[l - 1][j]) / 2.0,
+                                3 => {
+                                    dt * (23.0 * dc - 16.0 * b[l - 1][j] + 5.0 * b[l - 2][j]) / 12.0
+                                }
+                                _ => {
+                                    dt * (55.0 * dc - 59.0 * b[l - 1][j] + 37.0 * b[l - 2][j]
+                                        - 9.0 * b[l - 3][j])
+                                        / 24.0
+                                }
+                            };
+                            *xv += inc;
+                        }
+                    }
+                    if buffer.len() == 3 {
+                        buffer.remove(0);
+                    }
+                    buffer.push(d);
+                }
+            }
+            step(i + 1, n)?;
+        }
+        Ok(x)
+    }
+}
+
+/// k-diffusion's `to_d`: (x − denoised) / σ.
+fn to_d(x: f32, sigma: f32, denoised: f32) -> f32 {
+    (x - denoised) / sigma
+}
+
+fn axpy(x: &mut [f32], d: &[f32], a: f32) {
+    for (xv, dv) in x.iter_mut().zip(d) {
+        *xv += dv * a;
+    }
+}
+
+/// exp(lerp(log a, log b, 0.5)), with torch's lerp (weight ≥ 0.5 computes
+/// from the end: b − (b − a)·(1 − w)).
+fn log_mid(a: f32, b: f32) -> f32 {
+    let (la, lb) = (a.ln(), b.ln());
+    (lb - (lb - la) * 0.5).exp()
+}
+
+/// k-diffusion's `get_ancestral_step` with eta 1: (σ_down, σ_up).
+pub fn ancestral_step(from: f32, to: f32) -> (f32, f32) {
+    let up = (to * to * (from * from - to * to) / (from * from)).sqrt();
+    let up = if to < up { to } else { up };
+    let down = (to * to - up * up).sqrt();
+    (down, up)
+}

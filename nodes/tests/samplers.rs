@@ -1,0 +1,164 @@
+//! Schedulers and samplers against ComfyUI's own code
+//! (tools/reference/samplers.py → fixtures/sampling/samplers.json), and
+//! each sampler's convergence order on the analytic denoiser.
+
+use sdkit_nodes::noise::Mt19937;
+use sdkit_nodes::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
+use sdkit_nodes::sampling::samplers::Sampler;
+
+fn fixture() -> serde_json::Value {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/sampling/samplers.json"
+    ))
+    .expect("fixture");
+    serde_json::from_str(&text).expect("json")
+}
+
+fn b64(s: &str) -> Vec<f32> {
+    let val = |c: u8| -> u32 {
+        match c {
+            b'A'..=b'Z' => u32::from(c - b'A'),
+            b'a'..=b'z' => u32::from(c - b'a') + 26,
+            b'0'..=b'9' => u32::from(c - b'0') + 52,
+            b'+' => 62,
+            _ => 63,
+        }
+    };
+    let bytes: Vec<u8> = s.bytes().filter(|&c| c != b'=').collect();
+    let mut out = Vec::new();
+    for chunk in bytes.chunks(4) {
+        let mut acc = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            acc |= val(c) << (18 - 6 * i);
+        }
+        for i in 0..chunk.len() * 6 / 8 {
+            out.push((acc >> (16 - 8 * i)) as u8);
+        }
+    }
+    out.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("number") as f32)
+        .collect()
+}
+
+#[test]
+fn schedulers_match_comfyui() {
+    let fx = fixture();
+    let s = DiscreteSchedule::sd1();
+    let mut worst = 0f32;
+    for name in BUILT_SCHEDULERS {
+        let cases = fx["schedulers"][*name].as_object().expect(name);
+        for (steps, want) in cases {
+            let n: usize = steps.parse().expect("steps");
+            let got = s.schedule(name, n).expect("built");
+            let want = floats(want);
+            assert_eq!(got.len(), want.len(), "{name} {n}: {got:?} vs {want:?}");
+            for (g, w) in got.iter().zip(&want) {
+                let rel = (g - w).abs() / w.abs().max(1e-6);
+                worst = worst.max(rel);
+                assert!(rel < 2e-6, "{name} {n}: {got:?} vs {want:?}");
+            }
+        }
+    }
+    eprintln!("schedulers: worst relative difference {worst:e}");
+}
+
+/// The analytic denoiser the reference uses, in its order of operations.
+fn denoiser<'a>(
+    mu: &'a [f32],
+    s2: &'a [f32],
+) -> impl FnMut(&[f32], f32) -> Result<Vec<f32>, ()> + 'a {
+    move |x: &[f32], sigma: f32| {
+        Ok(x.iter()
+            .zip(mu)
+            .zip(s2)
+            .map(|((x, m), v)| m + (v / (v + sigma * sigma)) * (x - m))
+            .collect())
+    }
+}
+
+#[test]
+fn samplers_match_comfyui() {
+    let fx = fixture();
+    let x0 = b64(fx["x0"].as_str().expect("x0"));
+    let mu = b64(fx["mu"].as_str().expect("mu"));
+    let s2 = b64(fx["s2"].as_str().expect("s2"));
+    let sigmas = floats(&fx["sigmas"]);
+    for (name, want) in fx["samplers"].as_object().expect("samplers") {
+        let sampler = Sampler::from_name(name).expect("built");
+        let want = b64(want.as_str().expect("b64"));
+        let mut gen = Mt19937::new(42);
+        let n = x0.len();
+        let got = sampler
+            .run(
+                x0.clone(),
+                &sigmas,
+                denoiser(&mu, &s2),
+                || gen.randn(n),
+                |_, _| Ok(()),
+            )
+            .expect("runs");
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{name:<20} max abs diff {diff:e} (values up to {scale:.3})");
+        assert!(diff <= 2e-6 * scale.max(1.0), "{name}: {diff}");
+    }
+}
+
+/// Error against the exact probability-flow ODE solution falls at each
+/// deterministic sampler's order when the step count doubles.
+#[test]
+fn deterministic_samplers_converge_at_their_order() {
+    // One element, data N(0.3, 0.5); from sigma 10 to 0.5 (no final 0).
+    let (mu, s2) = (vec![0.3f32], vec![0.5f32]);
+    let exact = |x0: f32, s0: f32, s1: f32| -> f64 {
+        let (m, v) = (f64::from(mu[0]), f64::from(s2[0]));
+        m + (v + f64::from(s1).powi(2)).sqrt() / (v + f64::from(s0).powi(2)).sqrt()
+            * (f64::from(x0) - m)
+    };
+    let karras = |n: usize| -> Vec<f32> {
+        let mut s = sdkit_nodes::sampling::discrete::karras(n, 0.5, 10.0, 7.0);
+        s.pop();
+        s
+    };
+    for (name, order) in [
+        ("euler", 1.0),
+        ("heun", 2.0),
+        ("dpm_2", 2.0),
+        ("dpmpp_2m", 2.0),
+    ] {
+        let sampler = Sampler::from_name(name).expect("built");
+        let err = |n: usize| -> f64 {
+            let s = karras(n + 1);
+            let x = sampler
+                .run(
+                    vec![8.0],
+                    &s,
+                    denoiser(&mu, &s2),
+                    || vec![0.0],
+                    |_, _| Ok(()),
+                )
+                .expect("runs");
+            (f64::from(x[0]) - exact(8.0, s[0], *s.last().expect("sigma"))).abs()
+        };
+        let (e1, e2) = (err(8), err(16));
+        let rate = (e1 / e2).log2();
+        eprintln!("{name:<10} error {e1:.2e} → {e2:.2e}: order {rate:.2}");
+        assert!(
+            rate > order - 0.35,
+            "{name}: observed order {rate}, expected {order}"
+        );
+    }
+}

@@ -1,0 +1,101 @@
+"""Reference outputs for sdkit's schedulers and samplers
+(nodes/src/sampling/{discrete,samplers}.rs, nodes/tests/samplers.rs).
+
+Runs ComfyUI's own code: `comfy.samplers.calculate_sigmas` on SD1's
+ModelSamplingDiscrete for every scheduler sdkit builds and several step
+counts, and k-diffusion's samplers from `comfy/k_diffusion/sampling.py` on
+an analytic denoiser: the exact denoiser of Gaussian data N(mu, s2) per
+element, D(x, sigma) = mu + s2 / (s2 + sigma^2) * (x - mu). Initial noise
+and mu/s2 are stored; ancestral noise is k-diffusion's default noise
+sampler for seed 42 (a CPU generator seeded with 42), which the test
+reproduces with sdkit's torch-compatible generator.
+
+    COMFY_DIR=/path/to/ComfyUI python tools/reference/samplers.py
+"""
+import base64
+import importlib.util
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCHEDULERS = ["normal", "karras", "simple", "sgm_uniform", "ddim_uniform", "exponential",
+              "linear_quadratic", "kl_optimal"]
+STEPS = [1, 2, 3, 5, 10, 20, 33]
+SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral",
+            "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm"]
+SEED = 42
+
+
+def b64(t):
+    import numpy as np
+    return base64.b64encode(t.detach().numpy().astype("<f4").tobytes()).decode()
+
+
+def main():
+    path = os.path.join(ROOT, "tools", "reference", "sd1_pipeline.py")
+    spec = importlib.util.spec_from_file_location("sd1_pipeline", path)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    sys.meta_path.insert(0, ref._StubFinder())
+    sys.path.insert(0, ref.COMFY)
+    sys.argv = [sys.argv[0], "--cpu"]
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    import torch
+    torch.set_grad_enabled(False)
+    import comfy.model_sampling as ms_mod
+    import comfy.samplers
+    from comfy.k_diffusion import sampling as kd
+
+    class Discrete(ms_mod.ModelSamplingDiscrete, ms_mod.EPS):
+        pass
+
+    ms = Discrete()
+    out = {"schedulers": {}, "samplers": {}}
+    for name in SCHEDULERS:
+        # kl_optimal divides by steps - 1: ComfyUI gives NaN for one step
+        # (sdkit gives the largest sigma then 0).
+        out["schedulers"][name] = {
+            str(n): [float(v) for v in comfy.samplers.calculate_sigmas(ms, name, n).float()]
+            for n in STEPS if not (name == "kl_optimal" and n == 1)
+        }
+
+    shape = (2, 4, 8, 8)
+    count = math.prod(shape)
+    mu = torch.tensor([0.5 * math.sin(i * 0.3) for i in range(count)], dtype=torch.float32).reshape(shape)
+    s2 = torch.tensor([0.25 + 0.2 * math.cos(i * 0.7) for i in range(count)],
+                      dtype=torch.float32).reshape(shape)
+
+    class Model:
+        """The wrapper chain k-diffusion looks through for model_sampling."""
+        def __init__(self):
+            self.inner_model = self
+            self.model_sampling = ms
+
+        def __call__(self, x, sigma, **kwargs):
+            sigma = sigma.reshape(-1, 1, 1, 1)
+            return mu + (s2 / (s2 + sigma ** 2)) * (x - mu)
+
+    sigmas = comfy.samplers.calculate_sigmas(ms, "karras", 10).float()
+    torch.manual_seed(0)
+    x0 = torch.randn(shape) * sigmas[0]
+    out["x0"] = b64(x0)
+    out["mu"] = b64(mu)
+    out["s2"] = b64(s2)
+    out["sigmas"] = [float(v) for v in sigmas]
+    model = Model()
+    for name in SAMPLERS:
+        fn = getattr(kd, "sample_" + name)
+        x = fn(model, x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True)
+        out["samplers"][name] = b64(x)
+    dst = os.path.join(ROOT, "nodes", "tests", "fixtures", "sampling", "samplers.json")
+    with open(dst, "w") as f:
+        json.dump(out, f)
+        f.write("\n")
+    print("wrote", dst)
+
+
+if __name__ == "__main__":
+    main()
