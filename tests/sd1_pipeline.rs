@@ -254,6 +254,15 @@ fn ancestral_sampler_matches_comfyui() {
     check(base.path(), &fx, "tiny_sd1_ancestral", "tiny_sd1_ancestral");
 }
 
+/// Two KSamplerAdvanced nodes splitting one schedule (the first keeps its
+/// leftover noise, the second adds none), with two samplers.
+#[test]
+fn advanced_two_stage_matches_comfyui() {
+    let (base, fx) = setup();
+    run(base.path(), "tiny_sd1_advanced", "cpu");
+    check(base.path(), &fx, "tiny_sd1_advanced", "tiny_sd1_advanced");
+}
+
 /// The same workflow on the wgpu backend (lavapipe on CI).
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {

@@ -43,6 +43,7 @@ pub fn library() -> NodeLibrary {
     );
     lib.implement("CLIPTextEncode", diffusion::conditioning::ClipTextEncode);
     lib.implement("KSampler", diffusion::ksampler::KSampler);
+    lib.implement("KSamplerAdvanced", diffusion::ksampler::KSamplerAdvanced);
     lib.implement("VAEDecode", diffusion::vae::VaeDecode);
     lib.implement("VAEEncode", diffusion::vae::VaeEncode);
     lib.implement("ImageScale", image::ImageScale);

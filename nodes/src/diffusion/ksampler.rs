@@ -132,48 +132,131 @@ fn unet_program(
     plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))
 }
 
-/// ComfyUI's KSampler node.
-pub struct KSampler;
+/// What `common_ksampler` takes besides the model and conditioning.
+struct Settings<'a> {
+    seed: u64,
+    steps: usize,
+    cfg: f64,
+    sampler: Sampler,
+    scheduler: &'a str,
+    denoise: f64,
+    add_noise: bool,
+    start_step: Option<usize>,
+    last_step: Option<usize>,
+    force_full_denoise: bool,
+}
 
-impl NodeImpl for KSampler {
-    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
-        let positive: Arc<Conditioning> = input(inputs, "positive", "CONDITIONING")?;
-        let negative: Arc<Conditioning> = input(inputs, "negative", "CONDITIONING")?;
-        let latent = inputs.latent("latent_image")?;
-        let seed = inputs.int("seed")?;
-        let seed = u64::try_from(seed)
-            .map_err(|_| NodeError::invalid(format!("seed {seed} is out of range")))?;
-        let steps = inputs.usize("steps")?;
-        let cfg = inputs.float("cfg")?;
-        let sampler = inputs.string("sampler_name")?;
-        let scheduler = inputs.string("scheduler")?;
-        let denoise = inputs.float("denoise")?;
-        let sampler = Sampler::from_name(sampler).ok_or_else(|| {
-            NodeError::invalid(format!(
-                "sampler {sampler:?} is not built yet in sdkit (built: {})",
-                Sampler::BUILT.join(", ")
-            ))
-        })?;
-        if latent.noise_mask.is_some() {
-            return Err(NodeError::invalid(
-                "latents with a noise mask (inpainting) are not supported yet",
-            ));
+fn settings<'a>(inputs: &'a Inputs, seed_name: &str) -> Result<Settings<'a>, NodeError> {
+    let seed = inputs.int(seed_name)?;
+    let seed = u64::try_from(seed)
+        .map_err(|_| NodeError::invalid(format!("seed {seed} is out of range")))?;
+    let name = inputs.string("sampler_name")?;
+    let sampler = Sampler::from_name(name).ok_or_else(|| {
+        NodeError::invalid(format!(
+            "sampler {name:?} is not built yet in sdkit (built: {})",
+            Sampler::BUILT.join(", ")
+        ))
+    })?;
+    Ok(Settings {
+        seed,
+        steps: inputs.usize("steps")?,
+        cfg: inputs.float("cfg")?,
+        sampler,
+        scheduler: inputs.string("scheduler")?,
+        denoise: 1.0,
+        add_noise: true,
+        start_step: None,
+        last_step: None,
+        force_full_denoise: false,
+    })
+}
+
+/// ComfyUI's `common_ksampler`: sigmas, the start/last step cut, noise,
+/// sampling; the output latent keeps the input's batch index and mask.
+fn common_ksampler(
+    ctx: &NodeContext,
+    inputs: &Inputs,
+    s: &Settings<'_>,
+) -> Result<NodeOutput, NodeError> {
+    let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+    let positive: Arc<Conditioning> = input(inputs, "positive", "CONDITIONING")?;
+    let negative: Arc<Conditioning> = input(inputs, "negative", "CONDITIONING")?;
+    let latent = inputs.latent("latent_image")?;
+    if latent.noise_mask.is_some() {
+        return Err(NodeError::invalid(
+            "latents with a noise mask (inpainting) are not supported yet",
+        ));
+    }
+    let mut sigmas = ksampler_sigmas(&model, s.sampler, s.scheduler, s.steps, s.denoise)?;
+    // KSampler.sample: cut at last_step (zeroing the end unless leftover
+    // noise is wanted), then start at start_step.
+    if let Some(last) = s.last_step.filter(|&l| l + 1 < sigmas.len()) {
+        sigmas.truncate(last + 1);
+        if s.force_full_denoise {
+            if let Some(end) = sigmas.last_mut() {
+                *end = 0.0;
+            }
         }
-        let sigmas = ksampler_sigmas(&model, sampler, scheduler, steps, denoise)?;
-        let samples = sample(
-            ctx, &model, &positive, &negative, latent, seed, cfg, sampler, &sigmas,
-        )?;
+    }
+    let output = |samples: Tensor| {
         Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
             samples,
             batch_index: latent.batch_index.clone(),
             noise_mask: latent.noise_mask.clone(),
         }))]))
+    };
+    if let Some(start) = s.start_step {
+        if start + 1 < sigmas.len() {
+            sigmas.drain(..start);
+        } else {
+            // Nothing left to sample: ComfyUI returns the latent as given.
+            return output(latent.samples.clone());
+        }
+    }
+    let samples = sample(
+        ctx,
+        &model,
+        &positive,
+        &negative,
+        latent,
+        s.add_noise.then_some(s.seed),
+        s.seed,
+        s.cfg,
+        s.sampler,
+        &sigmas,
+    )?;
+    output(samples)
+}
+
+/// ComfyUI's KSampler node.
+pub struct KSampler;
+
+impl NodeImpl for KSampler {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let mut s = settings(inputs, "seed")?;
+        s.denoise = inputs.float("denoise")?;
+        common_ksampler(ctx, inputs, &s)
     }
 }
 
-/// Samples `latent` over `sigmas` with Euler and CFG; returns the new
-/// latent (unscaled, as on links).
+/// ComfyUI's KSamplerAdvanced: noise on or off, a step range of the full
+/// schedule, and optionally leftover noise for a later sampler.
+pub struct KSamplerAdvanced;
+
+impl NodeImpl for KSamplerAdvanced {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let mut s = settings(inputs, "noise_seed")?;
+        s.add_noise = inputs.string("add_noise")? != "disable";
+        s.start_step = Some(inputs.usize("start_at_step")?);
+        s.last_step = Some(inputs.usize("end_at_step")?);
+        s.force_full_denoise = inputs.string("return_with_leftover_noise")? != "enable";
+        common_ksampler(ctx, inputs, &s)
+    }
+}
+
+/// Samples `latent` over `sigmas` with `sampler` and CFG, starting from
+/// `noise_seed`'s noise (None: no noise); `seed` seeds the sampler's own
+/// noise. Returns the new latent (unscaled, as on links).
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
     ctx: &NodeContext,
@@ -181,6 +264,7 @@ pub fn sample(
     positive: &Conditioning,
     negative: &Conditioning,
     latent: &Latent,
+    noise_seed: Option<u64>,
     seed: u64,
     cfg: f64,
     sampler: Sampler,
@@ -202,9 +286,11 @@ pub fn sample(
     }
     let (b, h, w) = (shape[0], shape[2], shape[3]);
     let per_item = latent.samples.numel();
-    let noise = match &latent.batch_index {
-        Some(inds) => prepare_noise_indexed(seed, &shape, inds),
-        None => prepare_noise(seed, &shape),
+    // Initial noise (zeros when disabled, as common_ksampler does).
+    let noise = match (noise_seed, &latent.batch_index) {
+        (None, _) => vec![0.0; latent.samples.numel()],
+        (Some(seed), Some(inds)) => prepare_noise_indexed(seed, &shape, inds),
+        (Some(seed), None) => prepare_noise(seed, &shape),
     };
     let scale = model.latent_scale;
     let zero = latent.samples.data.iter().all(|&v| v == 0.0);
