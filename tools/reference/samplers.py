@@ -24,7 +24,7 @@ SCHEDULERS = ["normal", "karras", "simple", "sgm_uniform", "ddim_uniform", "expo
               "linear_quadratic", "kl_optimal"]
 STEPS = [1, 2, 3, 5, 10, 20, 33]
 SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral",
-            "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm"]
+            "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm", "lms", "heunpp2"]
 SEED = 42
 
 

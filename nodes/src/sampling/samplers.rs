@@ -24,6 +24,8 @@ pub enum Sampler {
     Ddpm,
     Lcm,
     Ipndm,
+    Lms,
+    HeunPp2,
 }
 
 impl Sampler {
@@ -39,6 +41,8 @@ impl Sampler {
             "ddpm" => Sampler::Ddpm,
             "lcm" => Sampler::Lcm,
             "ipndm" => Sampler::Ipndm,
+            "lms" => Sampler::Lms,
+            "heunpp2" => Sampler::HeunPp2,
             _ => return None,
         })
     }
@@ -56,6 +60,8 @@ impl Sampler {
         "ddpm",
         "lcm",
         "ipndm",
+        "lms",
+        "heunpp2",
     ];
 
     /// ComfyUI schedules one extra step and drops the penultimate sigma
@@ -235,6 +241,73 @@ impl Sampler {
                         }
                     }
                 }
+                Sampler::Lms => {
+                    let d: Vec<f32> = x
+                        .iter()
+                        .zip(&denoised)
+                        .map(|(a, b)| to_d(*a, s, *b))
+                        .collect();
+                    buffer.push(d);
+                    if buffer.len() > 4 {
+                        buffer.remove(0);
+                    }
+                    if s_next == 0.0 {
+                        x = denoised;
+                    } else {
+                        let order = (i + 1).min(4);
+                        let coeffs: Vec<f32> = (0..order)
+                            .map(|j| lms_coeff(order, sigmas, i, j) as f32)
+                            .collect();
+                        for (k, xv) in x.iter_mut().enumerate() {
+                            // sum(coeff * d for coeff, d in zip(coeffs, reversed(ds)))
+                            let mut acc = 0f32;
+                            for (c, d) in coeffs.iter().zip(buffer.iter().rev()) {
+                                acc += c * d[k];
+                            }
+                            *xv += acc;
+                        }
+                    }
+                }
+                Sampler::HeunPp2 => {
+                    let s_end = sigmas[n];
+                    let dt = s_next - s;
+                    let d: Vec<f32> = x
+                        .iter()
+                        .zip(&denoised)
+                        .map(|(a, b)| to_d(*a, s, *b))
+                        .collect();
+                    if s_next == s_end {
+                        axpy(&mut x, &d, dt);
+                    } else {
+                        let x2: Vec<f32> = x.iter().zip(&d).map(|(a, b)| a + b * dt).collect();
+                        let den2 = denoise(&x2, s_next)?;
+                        let d2: Vec<f32> = x2
+                            .iter()
+                            .zip(&den2)
+                            .map(|(a, b)| to_d(*a, s_next, *b))
+                            .collect();
+                        let s2 = sigmas[i + 2];
+                        if s2 == s_end {
+                            let w2 = s_next / (2.0 * sigmas[0]);
+                            let w1 = 1.0 - w2;
+                            for ((xv, dv), d2v) in x.iter_mut().zip(&d).zip(&d2) {
+                                *xv += (dv * w1 + d2v * w2) * dt;
+                            }
+                        } else {
+                            let dt2 = s2 - s_next;
+                            let x3: Vec<f32> =
+                                x2.iter().zip(&d2).map(|(a, b)| a + b * dt2).collect();
+                            let den3 = denoise(&x3, s2)?;
+                            let w = 3.0 * sigmas[0];
+                            let (w2, w3) = (s_next / w, s2 / w);
+                            let w1 = 1.0 - w2 - w3;
+                            for (j, xv) in x.iter_mut().enumerate() {
+                                let d3 = to_d(x3[j], s2, den3[j]);
+                                *xv += (w1 * d[j] + w2 * d2[j] + w3 * d3) * dt;
+                            }
+                        }
+                    }
+                }
                 Sampler::Ipndm => {
                     let d: Vec<f32> = x.iter().zip(&denoised).map(|(a, b)| (a - b) / s).collect();
                     let order = (i + 1).min(4);
@@ -271,6 +344,37 @@ impl Sampler {
         }
         Ok(x)
     }
+}
+
+/// k-diffusion's `linear_multistep_coeff`: the integral over
+/// [σ_i, σ_{i+1}] of the Lagrange basis polynomial j on the last `order`
+/// sigmas, in f64. The integrand is a polynomial of degree < 4, which
+/// 4-point Gauss–Legendre integrates exactly (scipy's quad agrees to
+/// rounding).
+fn lms_coeff(order: usize, t: &[f32], i: usize, j: usize) -> f64 {
+    let basis = |tau: f64| -> f64 {
+        let mut prod = 1.0;
+        for k in 0..order {
+            if k != j {
+                let (tk, tj) = (f64::from(t[i - k]), f64::from(t[i - j]));
+                prod *= (tau - tk) / (tj - tk);
+            }
+        }
+        prod
+    };
+    const NODES: [(f64, f64); 4] = [
+        (-0.861_136_311_594_052_6, 0.347_854_845_137_453_85),
+        (-0.339_981_043_584_856_26, 0.652_145_154_862_546_1),
+        (0.339_981_043_584_856_26, 0.652_145_154_862_546_1),
+        (0.861_136_311_594_052_6, 0.347_854_845_137_453_85),
+    ];
+    let (a, b) = (f64::from(t[i]), f64::from(t[i + 1]));
+    let (half, mid) = ((b - a) / 2.0, (a + b) / 2.0);
+    NODES
+        .iter()
+        .map(|(x, w)| w * basis(mid + half * x))
+        .sum::<f64>()
+        * half
 }
 
 /// k-diffusion's `to_d`: (x − denoised) / σ.
