@@ -21,7 +21,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEDULERS = ["normal", "karras", "simple", "sgm_uniform", "ddim_uniform", "exponential",
-              "linear_quadratic", "kl_optimal"]
+              "linear_quadratic", "kl_optimal", "beta"]
 STEPS = [1, 2, 3, 5, 10, 20, 33]
 SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral",
             "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm", "lms", "heunpp2"]

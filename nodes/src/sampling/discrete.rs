@@ -246,6 +246,27 @@ impl DiscreteSchedule {
         s
     }
 
+    /// ComfyUI's `beta` (arXiv 2407.12173, α = β = 0.6): timesteps at the
+    /// Beta(0.6, 0.6) quantiles of 1, 1 − 1/n, …, 1/n, rounded, repeats
+    /// dropped, then 0.
+    pub fn beta(&self, steps: usize) -> Vec<f32> {
+        let total = self.sigmas.len().saturating_sub(1) as f64;
+        let step = 1.0 / steps as f64;
+        let mut s = Vec::new();
+        let mut last = -1.0;
+        for i in 0..steps {
+            let q = 1.0 - i as f64 * step;
+            // numpy's rint: round half to even.
+            let t = (beta_ppf(q, 0.6, 0.6) * total).round_ties_even();
+            if t != last {
+                s.push(self.sigmas[(t as usize).min(self.sigmas.len() - 1)]);
+            }
+            last = t;
+        }
+        s.push(0.0);
+        s
+    }
+
     /// A scheduler by ComfyUI name; None for names not built.
     pub fn schedule(&self, name: &str, steps: usize) -> Option<Vec<f32>> {
         Some(match name {
@@ -257,14 +278,15 @@ impl DiscreteSchedule {
             "exponential" => self.exponential(steps),
             "linear_quadratic" => self.linear_quadratic(steps),
             "kl_optimal" => self.kl_optimal(steps),
+            "beta" => self.beta(steps),
             _ => return None,
         })
     }
 }
 
-/// Schedulers built so far (ComfyUI's `beta` needs the beta distribution's
-/// inverse CDF and is not yet).
+/// Every ComfyUI scheduler.
 pub const BUILT_SCHEDULERS: &[&str] = &[
+    "beta",
     "normal",
     "karras",
     "simple",
@@ -290,4 +312,96 @@ pub fn karras(n: usize, sigma_min: f32, sigma_max: f32, rho: f32) -> Vec<f32> {
         .collect();
     s.push(0.0);
     s
+}
+
+/// ln Γ(x) for x > 0 (Lanczos, g = 7; ~1e-15 relative).
+fn ln_gamma(x: f64) -> f64 {
+    const G: [f64; 9] = [
+        0.999_999_999_999_809_9,
+        676.520_368_121_885_1,
+        -1_259.139_216_722_402_8,
+        771.323_428_777_653_1,
+        -176.615_029_162_140_6,
+        12.507_343_278_686_905,
+        -0.138_571_095_265_720_12,
+        9.984_369_578_019_572e-6,
+        1.505_632_735_149_311_6e-7,
+    ];
+    if x < 0.5 {
+        // Reflection.
+        let pi = std::f64::consts::PI;
+        return (pi / (pi * x).sin()).ln() - ln_gamma(1.0 - x);
+    }
+    let x = x - 1.0;
+    let mut a = G[0];
+    let t = x + 7.5;
+    for (i, g) in G.iter().enumerate().skip(1) {
+        a += g / (x + i as f64);
+    }
+    0.5 * (2.0 * std::f64::consts::PI).ln() + (x + 0.5) * t.ln() - t + a.ln()
+}
+
+/// The regularized incomplete beta function I_x(a, b), by its continued
+/// fraction (modified Lentz).
+fn inc_beta(x: f64, a: f64, b: f64) -> f64 {
+    if x <= 0.0 {
+        return 0.0;
+    }
+    if x >= 1.0 {
+        return 1.0;
+    }
+    if x > (a + 1.0) / (a + b + 2.0) {
+        return 1.0 - inc_beta(1.0 - x, b, a);
+    }
+    let front =
+        (ln_gamma(a + b) - ln_gamma(a) - ln_gamma(b) + a * x.ln() + b * (1.0 - x).ln()).exp() / a;
+    let tiny = 1e-300;
+    let (mut c, mut d) = (1.0, 1.0 - (a + b) * x / (a + 1.0));
+    d = if d.abs() < tiny { tiny } else { d };
+    d = 1.0 / d;
+    let mut f = d;
+    for m in 1..500 {
+        let m = m as f64;
+        for k in 0..2 {
+            let num = if k == 0 {
+                m * (b - m) * x / ((a + 2.0 * m - 1.0) * (a + 2.0 * m))
+            } else {
+                -(a + m) * (a + b + m) * x / ((a + 2.0 * m) * (a + 2.0 * m + 1.0))
+            };
+            d = 1.0 + num * d;
+            d = if d.abs() < tiny { tiny } else { d };
+            c = 1.0 + num / c;
+            c = if c.abs() < tiny { tiny } else { c };
+            d = 1.0 / d;
+            f *= c * d;
+        }
+        if (c * d - 1.0).abs() < 1e-16 {
+            break;
+        }
+    }
+    front * f
+}
+
+/// The Beta(a, b) quantile function (scipy's `beta.ppf`), by bisection on
+/// the CDF to full f64 precision.
+pub fn beta_ppf(q: f64, a: f64, b: f64) -> f64 {
+    if q <= 0.0 {
+        return 0.0;
+    }
+    if q >= 1.0 {
+        return 1.0;
+    }
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if mid <= lo || mid >= hi {
+            break;
+        }
+        if inc_beta(mid, a, b) < q {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
 }
