@@ -24,7 +24,8 @@ SCHEDULERS = ["normal", "karras", "simple", "sgm_uniform", "ddim_uniform", "expo
               "linear_quadratic", "kl_optimal", "beta"]
 STEPS = [1, 2, 3, 5, 10, 20, 33]
 SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral",
-            "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm", "lms", "heunpp2"]
+            "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm", "lms", "heunpp2",
+            "ipndm_v", "res_multistep", "res_multistep_ancestral"]
 SEED = 42
 
 

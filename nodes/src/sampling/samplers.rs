@@ -26,6 +26,9 @@ pub enum Sampler {
     Ipndm,
     Lms,
     HeunPp2,
+    IpndmV,
+    ResMultistep,
+    ResMultistepAncestral,
 }
 
 impl Sampler {
@@ -43,6 +46,9 @@ impl Sampler {
             "ipndm" => Sampler::Ipndm,
             "lms" => Sampler::Lms,
             "heunpp2" => Sampler::HeunPp2,
+            "ipndm_v" => Sampler::IpndmV,
+            "res_multistep" => Sampler::ResMultistep,
+            "res_multistep_ancestral" => Sampler::ResMultistepAncestral,
             _ => return None,
         })
     }
@@ -62,6 +68,9 @@ impl Sampler {
         "ipndm",
         "lms",
         "heunpp2",
+        "ipndm_v",
+        "res_multistep",
+        "res_multistep_ancestral",
     ];
 
     /// ComfyUI schedules one extra step and drops the penultimate sigma
@@ -85,6 +94,7 @@ impl Sampler {
         let mut x = x;
         // Multistep history.
         let mut old_denoised: Option<Vec<f32>> = None;
+        let mut old_sigma_down = 0f32;
         let mut buffer: Vec<Vec<f32>> = Vec::new();
         for i in 0..n {
             let (s, s_next) = (sigmas[i], sigmas[i + 1]);
@@ -308,6 +318,70 @@ impl Sampler {
                         }
                     }
                 }
+                Sampler::ResMultistep | Sampler::ResMultistepAncestral => {
+                    let (down, up) = if self == Sampler::ResMultistep {
+                        (s_next, 0.0)
+                    } else {
+                        ancestral_step(s, s_next)
+                    };
+                    match old_denoised.as_ref().filter(|_| down != 0.0) {
+                        None => {
+                            let dt = down - s;
+                            for (xv, dv) in x.iter_mut().zip(&denoised) {
+                                *xv += to_d(*xv, s, *dv) * dt;
+                            }
+                        }
+                        Some(old) => {
+                            // Second-order multistep (arXiv 2308.02157).
+                            let t_fn = |sigma: f32| -sigma.ln();
+                            let (t, t_old, t_next, t_prev) = (
+                                t_fn(s),
+                                t_fn(old_sigma_down),
+                                t_fn(down),
+                                t_fn(sigmas[i - 1]),
+                            );
+                            let h = t_next - t;
+                            let c2 = (t_prev - t_old) / h;
+                            let phi1 = (-h).exp_m1() / -h;
+                            let phi2 = (phi1 - 1.0) / -h;
+                            let b1 = nan_to_num(phi1 - phi2 / c2);
+                            let b2 = nan_to_num(phi2 / c2);
+                            let e = (-h).exp();
+                            for ((xv, dv), ov) in x.iter_mut().zip(&denoised).zip(old) {
+                                *xv = e * *xv + h * (b1 * dv + b2 * ov);
+                            }
+                        }
+                    }
+                    if s_next > 0.0 && up != 0.0 {
+                        let z = noise();
+                        axpy(&mut x, &z, up);
+                    }
+                    old_denoised = Some(denoised);
+                    old_sigma_down = down;
+                }
+                Sampler::IpndmV => {
+                    let d: Vec<f32> = x.iter().zip(&denoised).map(|(a, b)| (a - b) / s).collect();
+                    let order = (i + 1).min(4);
+                    if s_next == 0.0 {
+                        x = denoised;
+                    } else {
+                        let c = ipndm_v_coeffs(order, sigmas, i);
+                        let dt = s_next - s;
+                        let b = &buffer;
+                        let l = b.len();
+                        for (j, xv) in x.iter_mut().enumerate() {
+                            let mut acc = c[0] * d[j];
+                            for (k, ck) in c.iter().enumerate().skip(1) {
+                                acc += ck * b[l - k][j];
+                            }
+                            *xv += dt * acc;
+                        }
+                    }
+                    if buffer.len() == 3 {
+                        buffer.remove(0);
+                    }
+                    buffer.push(d);
+                }
                 Sampler::Ipndm => {
                     let d: Vec<f32> = x.iter().zip(&denoised).map(|(a, b)| (a - b) / s).collect();
                     let order = (i + 1).min(4);
@@ -375,6 +449,57 @@ fn lms_coeff(order: usize, t: &[f32], i: usize, j: usize) -> f64 {
         .map(|(x, w)| w * basis(mid + half * x))
         .sum::<f64>()
         * half
+}
+
+/// torch.nan_to_num with nan = 0: NaN → 0, ±inf → the largest finite.
+fn nan_to_num(v: f32) -> f32 {
+    if v.is_nan() {
+        0.0
+    } else if v == f32::INFINITY {
+        f32::MAX
+    } else if v == f32::NEG_INFINITY {
+        f32::MIN
+    } else {
+        v
+    }
+}
+
+/// ipndm_v's variable-step Adams–Bashforth coefficients for `order`
+/// (1–4), on the current and up to three earlier derivatives; f32 in the
+/// reference's evaluation order.
+fn ipndm_v_coeffs(order: usize, t: &[f32], i: usize) -> Vec<f32> {
+    let hn = t[i + 1] - t[i];
+    if order == 1 {
+        return vec![1.0];
+    }
+    let hn1 = t[i] - t[i - 1];
+    let r = hn / hn1;
+    let base1 = (2.0 + r) / 2.0;
+    let base2 = -r / 2.0;
+    if order == 2 {
+        return vec![base1, base2];
+    }
+    let hn2 = t[i - 1] - t[i - 2];
+    let temp1 = (1.0 - hn / (3.0 * (hn + hn1)) * (hn * (hn + hn1)) / (hn1 * (hn1 + hn2))) / 2.0;
+    if order == 3 {
+        return vec![
+            base1 + temp1,
+            base2 - (1.0 + hn1 / hn2) * temp1,
+            temp1 * hn1 / hn2,
+        ];
+    }
+    let hn3 = t[i - 2] - t[i - 3];
+    let temp2 = ((1.0 - hn / (3.0 * (hn + hn1))) / 2.0
+        + (1.0 - hn / (2.0 * (hn + hn1))) * hn / (6.0 * (hn + hn1 + hn2)))
+        * (hn * (hn + hn1) * (hn + hn1 + hn2))
+        / (hn1 * (hn1 + hn2) * (hn1 + hn2 + hn3));
+    let q = hn1 * (hn1 + hn2) / (hn2 * (hn2 + hn3));
+    vec![
+        base1 + temp1 + temp2,
+        base2 - (1.0 + hn1 / hn2) * temp1 - (1.0 + (hn1 / hn2) + q) * temp2,
+        temp1 * hn1 / hn2 + ((hn1 / hn2) + q * (1.0 + hn2 / hn3)) * temp2,
+        -temp2 * q * hn1 / hn2,
+    ]
 }
 
 /// k-diffusion's `to_d`: (x − denoised) / σ.
