@@ -263,6 +263,15 @@ fn advanced_two_stage_matches_comfyui() {
     check(base.path(), &fx, "tiny_sd1_advanced", "tiny_sd1_advanced");
 }
 
+/// A CFG++ sampler at cfg 1 (the negative still runs: ComfyUI disables its
+/// cfg-1 shortcut for these) with the beta scheduler.
+#[test]
+fn cfg_pp_sampler_matches_comfyui() {
+    let (base, fx) = setup();
+    run(base.path(), "tiny_sd1_cfgpp", "cpu");
+    check(base.path(), &fx, "tiny_sd1_cfgpp", "tiny_sd1_cfgpp");
+}
+
 /// The same workflow on the wgpu backend (lavapipe on CI).
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {

@@ -162,3 +162,51 @@ fn deterministic_samplers_converge_at_their_order() {
         );
     }
 }
+
+/// CFG++ samplers on a CFG of two analytic denoisers, reading the
+/// unconditional prediction as ComfyUI's post-CFG hook hands it over.
+#[test]
+fn cfg_pp_samplers_match_comfyui() {
+    let fx = fixture();
+    let x0 = b64(fx["x0"].as_str().expect("x0"));
+    let mu = b64(fx["mu"].as_str().expect("mu"));
+    let mu_u = b64(fx["mu_u"].as_str().expect("mu_u"));
+    let s2 = b64(fx["s2"].as_str().expect("s2"));
+    let cfg = fx["cfg"].as_f64().expect("cfg") as f32;
+    let sigmas = floats(&fx["sigmas"]);
+    for (name, want) in fx["cfg_pp"].as_object().expect("cfg_pp") {
+        let sampler = Sampler::from_name(name).expect("built");
+        assert!(sampler.needs_uncond());
+        let want = b64(want.as_str().expect("b64"));
+        let last_uncond = std::cell::RefCell::new(None);
+        let mut cond = denoiser(&mu, &s2);
+        let mut uncond = denoiser(&mu_u, &s2);
+        let combined = |x: &[f32], sigma: f32| -> Result<Vec<f32>, ()> {
+            let c = cond(x, sigma)?;
+            let u = uncond(x, sigma)?;
+            let out = u.iter().zip(&c).map(|(u, c)| u + (c - u) * cfg).collect();
+            *last_uncond.borrow_mut() = Some(u);
+            Ok(out)
+        };
+        let mut gen = Mt19937::new(42);
+        let n = x0.len();
+        let got = sampler
+            .run_with_uncond(
+                x0.clone(),
+                &sigmas,
+                combined,
+                || last_uncond.borrow().clone(),
+                || gen.randn(n),
+                |_, _| Ok(()),
+            )
+            .expect("runs");
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{name:<32} max abs diff {diff:e} (values up to {scale:.3})");
+        assert!(diff <= 2e-6 * scale.max(1.0), "{name}: {diff}");
+    }
+}

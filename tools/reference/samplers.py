@@ -26,6 +26,11 @@ STEPS = [1, 2, 3, 5, 10, 20, 33]
 SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral",
             "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm", "lms", "heunpp2",
             "ipndm_v", "res_multistep", "res_multistep_ancestral"]
+# Run on a CFG combination of two analytic denoisers (scale 3), reading the
+# unconditional one through ComfyUI's post-CFG hook.
+CFG_PP = ["euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
+          "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp", "res_multistep_ancestral_cfg_pp"]
+CFG_SCALE = 3.0
 SEED = 42
 
 
@@ -69,15 +74,34 @@ def main():
     s2 = torch.tensor([0.25 + 0.2 * math.cos(i * 0.7) for i in range(count)],
                       dtype=torch.float32).reshape(shape)
 
-    class Model:
-        """The wrapper chain k-diffusion looks through for model_sampling."""
-        def __init__(self):
-            self.inner_model = self
-            self.model_sampling = ms
+    mu_u = torch.tensor([0.4 * math.cos(i * 0.17) for i in range(count)],
+                        dtype=torch.float32).reshape(shape)
 
-        def __call__(self, x, sigma, **kwargs):
+    class Model:
+        """The wrapper chain k-diffusion looks through for model_sampling;
+        with `cfg`, a CFG of two analytic denoisers that calls ComfyUI's
+        post-CFG functions as `sampling_function` does."""
+        def __init__(self, cfg=None):
+            self.inner_model = self
+            self.model_patcher = self
+            self.model_sampling = ms
+            self.cfg = cfg
+
+        def get_model_object(self, name):
+            return ms
+
+        def __call__(self, x, sigma, model_options=None, **kwargs):
             sigma = sigma.reshape(-1, 1, 1, 1)
-            return mu + (s2 / (s2 + sigma ** 2)) * (x - mu)
+            cond = mu + (s2 / (s2 + sigma ** 2)) * (x - mu)
+            if self.cfg is None:
+                return cond
+            uncond = mu_u + (s2 / (s2 + sigma ** 2)) * (x - mu_u)
+            out = uncond + (cond - uncond) * self.cfg
+            for fn in (model_options or {}).get("sampler_post_cfg_function", []):
+                out = fn({"denoised": out, "cond_denoised": cond, "uncond_denoised": uncond,
+                          "sigma": sigma, "input": x, "model": None, "model_options": model_options,
+                          "cond": None, "uncond": None, "cond_scale": self.cfg})
+            return out
 
     sigmas = comfy.samplers.calculate_sigmas(ms, "karras", 10).float()
     torch.manual_seed(0)
@@ -86,6 +110,13 @@ def main():
     out["mu"] = b64(mu)
     out["s2"] = b64(s2)
     out["sigmas"] = [float(v) for v in sigmas]
+    out["mu_u"] = b64(mu_u)
+    out["cfg"] = CFG_SCALE
+    out["cfg_pp"] = {}
+    for name in CFG_PP:
+        fn = getattr(kd, "sample_" + name)
+        x = fn(Model(CFG_SCALE), x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True)
+        out["cfg_pp"][name] = b64(x)
     model = Model()
     for name in SAMPLERS:
         fn = getattr(kd, "sample_" + name)

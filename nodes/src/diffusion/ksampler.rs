@@ -318,7 +318,10 @@ pub fn sample(
 
     // math.isclose(cfg, 1.0): ComfyUI skips the negative prediction then.
     let cfg_is_one = (cfg - 1.0).abs() <= 1e-9 * cfg.abs().max(1.0);
-    let use_uncond = !cfg_is_one;
+    // CFG++ samplers need the negative prediction even at cfg 1 (ComfyUI's
+    // disable_cfg1_optimization).
+    let use_uncond = !cfg_is_one || sampler.needs_uncond();
+    let last_uncond: std::cell::RefCell<Option<Vec<f32>>> = std::cell::RefCell::new(None);
     let conds: Vec<&Conditioning> = if use_uncond {
         vec![positive, negative]
     } else {
@@ -412,19 +415,26 @@ pub fn sample(
         }
         let uncond = pred(1);
         let cfg = cfg as f32;
-        Ok(uncond
+        let out = uncond
             .iter()
             .zip(&cond)
             .map(|(u, c)| u + (c - u) * cfg)
-            .collect())
+            .collect();
+        *last_uncond.borrow_mut() = Some(uncond);
+        Ok(out)
     };
     // k-diffusion's default noise sampler: a generator seeded with the
     // seed, fresh for this sampling call (ComfyUI's on the CPU).
     let mut gen = Mt19937::new(seed);
     let noise = || gen.randn(per_item);
-    let x = sampler.run(x0, sigmas, denoise, noise, |i, n| {
-        ctx.progress(i as u64, n as u64)
-    })?;
+    let x = sampler.run_with_uncond(
+        x0,
+        sigmas,
+        denoise,
+        || last_uncond.borrow().clone(),
+        noise,
+        |i, n| ctx.progress(i as u64, n as u64),
+    )?;
     if let (Some(budget), Some(plan)) = (
         ctx.runtime.budget(),
         sessions.first().and_then(|s| s.residency()),

@@ -29,6 +29,12 @@ pub enum Sampler {
     IpndmV,
     ResMultistep,
     ResMultistepAncestral,
+    EulerCfgPp,
+    EulerAncestralCfgPp,
+    DpmPp2mCfgPp,
+    DpmPp2sAncestralCfgPp,
+    ResMultistepCfgPp,
+    ResMultistepAncestralCfgPp,
 }
 
 impl Sampler {
@@ -49,6 +55,12 @@ impl Sampler {
             "ipndm_v" => Sampler::IpndmV,
             "res_multistep" => Sampler::ResMultistep,
             "res_multistep_ancestral" => Sampler::ResMultistepAncestral,
+            "euler_cfg_pp" => Sampler::EulerCfgPp,
+            "euler_ancestral_cfg_pp" => Sampler::EulerAncestralCfgPp,
+            "dpmpp_2m_cfg_pp" => Sampler::DpmPp2mCfgPp,
+            "dpmpp_2s_ancestral_cfg_pp" => Sampler::DpmPp2sAncestralCfgPp,
+            "res_multistep_cfg_pp" => Sampler::ResMultistepCfgPp,
+            "res_multistep_ancestral_cfg_pp" => Sampler::ResMultistepAncestralCfgPp,
             _ => return None,
         })
     }
@@ -71,7 +83,27 @@ impl Sampler {
         "ipndm_v",
         "res_multistep",
         "res_multistep_ancestral",
+        "euler_cfg_pp",
+        "euler_ancestral_cfg_pp",
+        "dpmpp_2m_cfg_pp",
+        "dpmpp_2s_ancestral_cfg_pp",
+        "res_multistep_cfg_pp",
+        "res_multistep_ancestral_cfg_pp",
     ];
+
+    /// CFG++ samplers read the unconditional prediction of each model call
+    /// too (ComfyUI's post-CFG hook; the negative runs even at cfg 1).
+    pub fn needs_uncond(self) -> bool {
+        matches!(
+            self,
+            Sampler::EulerCfgPp
+                | Sampler::EulerAncestralCfgPp
+                | Sampler::DpmPp2mCfgPp
+                | Sampler::DpmPp2sAncestralCfgPp
+                | Sampler::ResMultistepCfgPp
+                | Sampler::ResMultistepAncestralCfgPp
+        )
+    }
 
     /// ComfyUI schedules one extra step and drops the penultimate sigma
     /// for these (`DISCARD_PENULTIMATE_SIGMA_SAMPLERS`).
@@ -86,10 +118,27 @@ impl Sampler {
         self,
         x: Vec<f32>,
         sigmas: &[f32],
+        denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
+        noise: impl FnMut() -> Vec<f32>,
+        step: impl FnMut(usize, usize) -> Result<(), E>,
+    ) -> Result<Vec<f32>, E> {
+        self.run_with_uncond(x, sigmas, denoise, || None, noise, step)
+    }
+
+    /// [`Sampler::run`] for CFG++ samplers: `uncond()` returns the
+    /// unconditional prediction of the latest `denoise` call (zeros where
+    /// the caller has none).
+    pub fn run_with_uncond<E>(
+        self,
+        x: Vec<f32>,
+        sigmas: &[f32],
         mut denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
+        uncond: impl Fn() -> Option<Vec<f32>>,
         mut noise: impl FnMut() -> Vec<f32>,
         mut step: impl FnMut(usize, usize) -> Result<(), E>,
     ) -> Result<Vec<f32>, E> {
+        let len = x.len();
+        let uncond = || uncond().unwrap_or_else(|| vec![0.0; len]);
         let n = sigmas.len().saturating_sub(1);
         let mut x = x;
         // Multistep history.
@@ -381,6 +430,123 @@ impl Sampler {
                         buffer.remove(0);
                     }
                     buffer.push(d);
+                }
+                Sampler::EulerCfgPp | Sampler::EulerAncestralCfgPp => {
+                    if s_next == 0.0 {
+                        x = denoised;
+                    } else {
+                        let u = uncond();
+                        // alpha = σ·exp(half-logSNR) (1 up to rounding for eps).
+                        let alpha_s = s * (-s.ln()).exp();
+                        let alpha_t = s_next * (-s_next.ln()).exp();
+                        let ancestral = self == Sampler::EulerAncestralCfgPp;
+                        let (down, up) = if ancestral {
+                            ancestral_step(s / alpha_s, s_next / alpha_t)
+                        } else {
+                            (s_next / alpha_t, 0.0)
+                        };
+                        let down = alpha_t * down;
+                        let z = ancestral.then(&mut noise);
+                        for (j, xv) in x.iter_mut().enumerate() {
+                            let d = to_d(*xv, s, alpha_s * u[j]);
+                            let mut v = alpha_t * denoised[j] + down * d;
+                            if let Some(z) = &z {
+                                v += alpha_t * z[j] * up;
+                            }
+                            *xv = v;
+                        }
+                    }
+                }
+                Sampler::DpmPp2mCfgPp => {
+                    let u = uncond();
+                    let (t, t_next) = (-s.ln(), -s_next.ln());
+                    let h = t_next - t;
+                    let e = (-h).exp();
+                    let em1 = (-h).exp_m1();
+                    let old = old_denoised.as_ref().filter(|_| s_next != 0.0);
+                    let c = old.map(|_| {
+                        let h_last = t - (-sigmas[i - 1].ln());
+                        1.0 / (2.0 * (h_last / h))
+                    });
+                    for (j, xv) in x.iter_mut().enumerate() {
+                        let mut mix = -e * u[j];
+                        if let (Some(o), Some(c)) = (old, c) {
+                            mix -= em1 * c * (denoised[j] - o[j]);
+                        }
+                        *xv = denoised[j] + mix + e * *xv;
+                    }
+                    old_denoised = Some(u);
+                }
+                Sampler::DpmPp2sAncestralCfgPp => {
+                    let u = uncond();
+                    let (down, up) = ancestral_step(s, s_next);
+                    if down == 0.0 {
+                        for (j, xv) in x.iter_mut().enumerate() {
+                            *xv = denoised[j] + to_d(*xv, s, u[j]) * down;
+                        }
+                    } else {
+                        let (t, t_next) = (-s.ln(), -down.ln());
+                        let h = t_next - t;
+                        let sm = t + 0.5 * h;
+                        let sig = |t: f32| (-t).exp();
+                        let (a, b) = (sig(sm) / sig(t), (-h * 0.5).exp_m1());
+                        let x2: Vec<f32> = (0..x.len())
+                            .map(|j| a * (x[j] + (denoised[j] - u[j])) - b * denoised[j])
+                            .collect();
+                        let den2 = denoise(&x2, sig(sm))?;
+                        // ComfyUI's hook has replaced the unconditional
+                        // prediction with the midpoint call's by now.
+                        let u = uncond();
+                        let (a, b) = (sig(t_next) / sig(t), (-h).exp_m1());
+                        for (j, xv) in x.iter_mut().enumerate() {
+                            *xv = a * (*xv + (denoised[j] - u[j])) - b * den2[j];
+                        }
+                    }
+                    if s_next > 0.0 {
+                        let z = noise();
+                        axpy(&mut x, &z, up);
+                    }
+                }
+                Sampler::ResMultistepCfgPp | Sampler::ResMultistepAncestralCfgPp => {
+                    let u = uncond();
+                    let (down, up) = if self == Sampler::ResMultistepCfgPp {
+                        (s_next, 0.0)
+                    } else {
+                        ancestral_step(s, s_next)
+                    };
+                    match old_denoised.as_ref().filter(|_| down != 0.0) {
+                        None => {
+                            for (j, xv) in x.iter_mut().enumerate() {
+                                *xv = denoised[j] + to_d(*xv, s, u[j]) * down;
+                            }
+                        }
+                        Some(old) => {
+                            let t_fn = |sigma: f32| -sigma.ln();
+                            let (t, t_old, t_next, t_prev) = (
+                                t_fn(s),
+                                t_fn(old_sigma_down),
+                                t_fn(down),
+                                t_fn(sigmas[i - 1]),
+                            );
+                            let h = t_next - t;
+                            let c2 = (t_prev - t_old) / h;
+                            let phi1 = (-h).exp_m1() / -h;
+                            let phi2 = (phi1 - 1.0) / -h;
+                            let b1 = nan_to_num(phi1 - phi2 / c2);
+                            let b2 = nan_to_num(phi2 / c2);
+                            let e = (-h).exp();
+                            for (j, xv) in x.iter_mut().enumerate() {
+                                let xs = *xv + (denoised[j] - u[j]);
+                                *xv = e * xs + h * (b1 * u[j] + b2 * old[j]);
+                            }
+                        }
+                    }
+                    if s_next > 0.0 && up != 0.0 {
+                        let z = noise();
+                        axpy(&mut x, &z, up);
+                    }
+                    old_denoised = Some(u);
+                    old_sigma_down = down;
                 }
                 Sampler::Ipndm => {
                     let d: Vec<f32> = x.iter().zip(&denoised).map(|(a, b)| (a - b) / s).collect();
