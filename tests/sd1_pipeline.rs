@@ -230,18 +230,21 @@ fn check(base: &Path, fx: &serde_json::Value, graph: &str, image_prefix: &str) {
     assert!(worst <= 1, "{graph}: pixels differ by up to {worst}");
 }
 
+/// Runs `graph` with `sdkit run --device cpu` and checks its outputs.
+fn matches_on_cpu(graph: &str, image_prefix: &str) {
+    let (base, fx) = setup();
+    run(base.path(), graph, "cpu");
+    check(base.path(), &fx, graph, image_prefix);
+}
+
 #[test]
 fn txt2img_matches_comfyui() {
-    let (base, fx) = setup();
-    run(base.path(), "tiny_sd1_txt2img", "cpu");
-    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
+    matches_on_cpu("tiny_sd1_txt2img", "tiny_sd1");
 }
 
 #[test]
 fn img2img_matches_comfyui() {
-    let (base, fx) = setup();
-    run(base.path(), "tiny_sd1_img2img", "cpu");
-    check(base.path(), &fx, "tiny_sd1_img2img", "tiny_sd1_img2img");
+    matches_on_cpu("tiny_sd1_img2img", "tiny_sd1_img2img");
 }
 
 /// An ancestral sampler that also drops the penultimate sigma
@@ -249,27 +252,21 @@ fn img2img_matches_comfyui() {
 /// around the samplers (sigma rule, noise generator) is ComfyUI's.
 #[test]
 fn ancestral_sampler_matches_comfyui() {
-    let (base, fx) = setup();
-    run(base.path(), "tiny_sd1_ancestral", "cpu");
-    check(base.path(), &fx, "tiny_sd1_ancestral", "tiny_sd1_ancestral");
+    matches_on_cpu("tiny_sd1_ancestral", "tiny_sd1_ancestral");
 }
 
 /// Two KSamplerAdvanced nodes splitting one schedule (the first keeps its
 /// leftover noise, the second adds none), with two samplers.
 #[test]
 fn advanced_two_stage_matches_comfyui() {
-    let (base, fx) = setup();
-    run(base.path(), "tiny_sd1_advanced", "cpu");
-    check(base.path(), &fx, "tiny_sd1_advanced", "tiny_sd1_advanced");
+    matches_on_cpu("tiny_sd1_advanced", "tiny_sd1_advanced");
 }
 
 /// A CFG++ sampler at cfg 1 (the negative still runs: ComfyUI disables its
 /// cfg-1 shortcut for these) with the beta scheduler.
 #[test]
 fn cfg_pp_sampler_matches_comfyui() {
-    let (base, fx) = setup();
-    run(base.path(), "tiny_sd1_cfgpp", "cpu");
-    check(base.path(), &fx, "tiny_sd1_cfgpp", "tiny_sd1_cfgpp");
+    matches_on_cpu("tiny_sd1_cfgpp", "tiny_sd1_cfgpp");
 }
 
 /// The same workflow on the wgpu backend (lavapipe on CI).

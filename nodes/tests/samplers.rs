@@ -85,6 +85,18 @@ fn denoiser<'a>(
     }
 }
 
+/// Within a few float32 ulps of the reference's largest value.
+fn assert_close(name: &str, got: &[f32], want: &[f32]) {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("{name:<32} max abs diff {diff:e} (values up to {scale:.3})");
+    assert!(diff <= 2e-6 * scale.max(1.0), "{name}: {diff}");
+}
+
 #[test]
 fn samplers_match_comfyui() {
     let fx = fixture();
@@ -106,14 +118,7 @@ fn samplers_match_comfyui() {
                 |_, _| Ok(()),
             )
             .expect("runs");
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        eprintln!("{name:<20} max abs diff {diff:e} (values up to {scale:.3})");
-        assert!(diff <= 2e-6 * scale.max(1.0), "{name}: {diff}");
+        assert_close(name, &got, &want);
     }
 }
 
@@ -200,13 +205,6 @@ fn cfg_pp_samplers_match_comfyui() {
                 |_, _| Ok(()),
             )
             .expect("runs");
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        eprintln!("{name:<32} max abs diff {diff:e} (values up to {scale:.3})");
-        assert!(diff <= 2e-6 * scale.max(1.0), "{name}: {diff}");
+        assert_close(name, &got, &want);
     }
 }

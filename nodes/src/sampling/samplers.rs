@@ -367,13 +367,31 @@ impl Sampler {
                         }
                     }
                 }
-                Sampler::ResMultistep | Sampler::ResMultistepAncestral => {
-                    let (down, up) = if self == Sampler::ResMultistep {
-                        (s_next, 0.0)
-                    } else {
+                Sampler::ResMultistep
+                | Sampler::ResMultistepAncestral
+                | Sampler::ResMultistepCfgPp
+                | Sampler::ResMultistepAncestralCfgPp => {
+                    let cfg_pp = matches!(
+                        self,
+                        Sampler::ResMultistepCfgPp | Sampler::ResMultistepAncestralCfgPp
+                    );
+                    let ancestral = matches!(
+                        self,
+                        Sampler::ResMultistepAncestral | Sampler::ResMultistepAncestralCfgPp
+                    );
+                    // CFG++ steps from the unconditional prediction.
+                    let u = if cfg_pp { uncond() } else { Vec::new() };
+                    let (down, up) = if ancestral {
                         ancestral_step(s, s_next)
+                    } else {
+                        (s_next, 0.0)
                     };
                     match old_denoised.as_ref().filter(|_| down != 0.0) {
+                        None if cfg_pp => {
+                            for (j, xv) in x.iter_mut().enumerate() {
+                                *xv = denoised[j] + to_d(*xv, s, u[j]) * down;
+                            }
+                        }
                         None => {
                             let dt = down - s;
                             for (xv, dv) in x.iter_mut().zip(&denoised) {
@@ -381,23 +399,14 @@ impl Sampler {
                             }
                         }
                         Some(old) => {
-                            // Second-order multistep (arXiv 2308.02157).
-                            let t_fn = |sigma: f32| -sigma.ln();
-                            let (t, t_old, t_next, t_prev) = (
-                                t_fn(s),
-                                t_fn(old_sigma_down),
-                                t_fn(down),
-                                t_fn(sigmas[i - 1]),
-                            );
-                            let h = t_next - t;
-                            let c2 = (t_prev - t_old) / h;
-                            let phi1 = (-h).exp_m1() / -h;
-                            let phi2 = (phi1 - 1.0) / -h;
-                            let b1 = nan_to_num(phi1 - phi2 / c2);
-                            let b2 = nan_to_num(phi2 / c2);
-                            let e = (-h).exp();
-                            for ((xv, dv), ov) in x.iter_mut().zip(&denoised).zip(old) {
-                                *xv = e * *xv + h * (b1 * dv + b2 * ov);
+                            let (e, h, b1, b2) = res_coeffs(s, old_sigma_down, down, sigmas[i - 1]);
+                            for (j, xv) in x.iter_mut().enumerate() {
+                                *xv = if cfg_pp {
+                                    let xs = *xv + (denoised[j] - u[j]);
+                                    e * xs + h * (b1 * u[j] + b2 * old[j])
+                                } else {
+                                    e * *xv + h * (b1 * denoised[j] + b2 * old[j])
+                                };
                             }
                         }
                     }
@@ -405,7 +414,7 @@ impl Sampler {
                         let z = noise();
                         axpy(&mut x, &z, up);
                     }
-                    old_denoised = Some(denoised);
+                    old_denoised = Some(if cfg_pp { u } else { denoised });
                     old_sigma_down = down;
                 }
                 Sampler::IpndmV => {
@@ -507,47 +516,6 @@ impl Sampler {
                         axpy(&mut x, &z, up);
                     }
                 }
-                Sampler::ResMultistepCfgPp | Sampler::ResMultistepAncestralCfgPp => {
-                    let u = uncond();
-                    let (down, up) = if self == Sampler::ResMultistepCfgPp {
-                        (s_next, 0.0)
-                    } else {
-                        ancestral_step(s, s_next)
-                    };
-                    match old_denoised.as_ref().filter(|_| down != 0.0) {
-                        None => {
-                            for (j, xv) in x.iter_mut().enumerate() {
-                                *xv = denoised[j] + to_d(*xv, s, u[j]) * down;
-                            }
-                        }
-                        Some(old) => {
-                            let t_fn = |sigma: f32| -sigma.ln();
-                            let (t, t_old, t_next, t_prev) = (
-                                t_fn(s),
-                                t_fn(old_sigma_down),
-                                t_fn(down),
-                                t_fn(sigmas[i - 1]),
-                            );
-                            let h = t_next - t;
-                            let c2 = (t_prev - t_old) / h;
-                            let phi1 = (-h).exp_m1() / -h;
-                            let phi2 = (phi1 - 1.0) / -h;
-                            let b1 = nan_to_num(phi1 - phi2 / c2);
-                            let b2 = nan_to_num(phi2 / c2);
-                            let e = (-h).exp();
-                            for (j, xv) in x.iter_mut().enumerate() {
-                                let xs = *xv + (denoised[j] - u[j]);
-                                *xv = e * xs + h * (b1 * u[j] + b2 * old[j]);
-                            }
-                        }
-                    }
-                    if s_next > 0.0 && up != 0.0 {
-                        let z = noise();
-                        axpy(&mut x, &z, up);
-                    }
-                    old_denoised = Some(u);
-                    old_sigma_down = down;
-                }
                 Sampler::Ipndm => {
                     let d: Vec<f32> = x.iter().zip(&denoised).map(|(a, b)| (a - b) / s).collect();
                     let order = (i + 1).min(4);
@@ -615,6 +583,20 @@ fn lms_coeff(order: usize, t: &[f32], i: usize, j: usize) -> f64 {
         .map(|(x, w)| w * basis(mid + half * x))
         .sum::<f64>()
         * half
+}
+
+/// res_multistep's second-order step (arXiv 2308.02157) from σ to σ_down,
+/// given the previous step's σ and σ_down: (exp(−h), h, b1, b2).
+fn res_coeffs(s: f32, old_down: f32, down: f32, prev: f32) -> (f32, f32, f32, f32) {
+    let t_fn = |sigma: f32| -sigma.ln();
+    let (t, t_old, t_next, t_prev) = (t_fn(s), t_fn(old_down), t_fn(down), t_fn(prev));
+    let h = t_next - t;
+    let c2 = (t_prev - t_old) / h;
+    let phi1 = (-h).exp_m1() / -h;
+    let phi2 = (phi1 - 1.0) / -h;
+    let b1 = nan_to_num(phi1 - phi2 / c2);
+    let b2 = nan_to_num(phi2 / c2);
+    ((-h).exp(), h, b1, b2)
 }
 
 /// torch.nan_to_num with nan = 0: NaN → 0, ±inf → the largest finite.
