@@ -208,3 +208,31 @@ fn cfg_pp_samplers_match_comfyui() {
         assert_close(name, &got, &want);
     }
 }
+
+/// SDE samplers, with the reference given the same generator noise sdkit
+/// uses in place of torchsde's Brownian tree.
+#[test]
+fn sde_samplers_match_comfyui_given_the_same_noise() {
+    let fx = fixture();
+    let x0 = b64(fx["x0"].as_str().expect("x0"));
+    let mu = b64(fx["mu"].as_str().expect("mu"));
+    let s2 = b64(fx["s2"].as_str().expect("s2"));
+    let sigmas = floats(&fx["sigmas"]);
+    for (name, want) in fx["sde"].as_object().expect("sde") {
+        let sampler = Sampler::from_name(name).expect("built");
+        assert!(sampler.brownian());
+        let want = b64(want.as_str().expect("b64"));
+        let mut gen = Mt19937::new(42);
+        let n = x0.len();
+        let got = sampler
+            .run(
+                x0.clone(),
+                &sigmas,
+                denoiser(&mu, &s2),
+                || gen.randn(n),
+                |_, _| Ok(()),
+            )
+            .expect("runs");
+        assert_close(name, &got, &want);
+    }
+}

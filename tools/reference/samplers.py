@@ -117,6 +117,15 @@ def main():
         fn = getattr(kd, "sample_" + name)
         x = fn(Model(CFG_SCALE), x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True)
         out["cfg_pp"][name] = b64(x)
+    # SDE samplers with the generator noise sdkit uses instead of torchsde's
+    # Brownian tree, handed in as k-diffusion's noise_sampler.
+    out["sde"] = {}
+    for name in ["dpmpp_2m_sde", "dpmpp_2m_sde_heun", "dpmpp_3m_sde"]:
+        g = torch.Generator().manual_seed(SEED)
+        ns = lambda s, sn: torch.randn(shape, generator=g)
+        fn = getattr(kd, "sample_" + name)
+        x = fn(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True, noise_sampler=ns)
+        out["sde"][name] = b64(x)
     model = Model()
     for name in SAMPLERS:
         fn = getattr(kd, "sample_" + name)

@@ -35,6 +35,9 @@ pub enum Sampler {
     DpmPp2sAncestralCfgPp,
     ResMultistepCfgPp,
     ResMultistepAncestralCfgPp,
+    DpmPp2mSde,
+    DpmPp2mSdeHeun,
+    DpmPp3mSde,
 }
 
 impl Sampler {
@@ -61,6 +64,9 @@ impl Sampler {
             "dpmpp_2s_ancestral_cfg_pp" => Sampler::DpmPp2sAncestralCfgPp,
             "res_multistep_cfg_pp" => Sampler::ResMultistepCfgPp,
             "res_multistep_ancestral_cfg_pp" => Sampler::ResMultistepAncestralCfgPp,
+            "dpmpp_2m_sde" => Sampler::DpmPp2mSde,
+            "dpmpp_2m_sde_heun" => Sampler::DpmPp2mSdeHeun,
+            "dpmpp_3m_sde" => Sampler::DpmPp3mSde,
             _ => return None,
         })
     }
@@ -89,6 +95,9 @@ impl Sampler {
         "dpmpp_2s_ancestral_cfg_pp",
         "res_multistep_cfg_pp",
         "res_multistep_ancestral_cfg_pp",
+        "dpmpp_2m_sde",
+        "dpmpp_2m_sde_heun",
+        "dpmpp_3m_sde",
     ];
 
     /// CFG++ samplers read the unconditional prediction of each model call
@@ -102,6 +111,18 @@ impl Sampler {
                 | Sampler::DpmPp2sAncestralCfgPp
                 | Sampler::ResMultistepCfgPp
                 | Sampler::ResMultistepAncestralCfgPp
+        )
+    }
+
+    /// SDE samplers: ComfyUI draws their noise from torchsde's Brownian
+    /// tree; sdkit from the same generator as ancestral samplers. Each
+    /// step queries one interval, consecutive and disjoint, so the tree's
+    /// normalized increments are independent standard normals too: the
+    /// same distribution, not the same numbers.
+    pub fn brownian(self) -> bool {
+        matches!(
+            self,
+            Sampler::DpmPp2mSde | Sampler::DpmPp2mSdeHeun | Sampler::DpmPp3mSde
         )
     }
 
@@ -144,6 +165,9 @@ impl Sampler {
         // Multistep history.
         let mut old_denoised: Option<Vec<f32>> = None;
         let mut old_sigma_down = 0f32;
+        // SDE multistep history: the last two step sizes in half-logSNR.
+        let (mut h_1, mut h_2): (Option<f32>, Option<f32>) = (None, None);
+        let mut denoised_2: Option<Vec<f32>> = None;
         let mut buffer: Vec<Vec<f32>> = Vec::new();
         for i in 0..n {
             let (s, s_next) = (sigmas[i], sigmas[i + 1]);
@@ -416,6 +440,69 @@ impl Sampler {
                     }
                     old_denoised = Some(if cfg_pp { u } else { denoised });
                     old_sigma_down = down;
+                }
+                Sampler::DpmPp2mSde | Sampler::DpmPp2mSdeHeun | Sampler::DpmPp3mSde => {
+                    // eta = 1, s_noise = 1; lambda = −log σ (eps models).
+                    let mut h = None;
+                    if s_next == 0.0 {
+                        x = denoised.clone();
+                    } else {
+                        let (ls, lt) = (-s.ln(), -s_next.ln());
+                        let hv = lt - ls;
+                        h = Some(hv);
+                        let h_eta = hv * 2.0;
+                        let alpha_t = s_next * lt.exp();
+                        let a = s_next / s * (-hv).exp();
+                        let em = -(-h_eta).exp_m1();
+                        let b = alpha_t * em;
+                        for (xv, dv) in x.iter_mut().zip(&denoised) {
+                            *xv = a * *xv + b * dv;
+                        }
+                        let phi_2 = (-h_eta).exp_m1() / h_eta + 1.0;
+                        match (self, old_denoised.as_ref(), h_1, denoised_2.as_ref(), h_2) {
+                            (Sampler::DpmPp3mSde, Some(d1v), Some(h1), Some(d2v), Some(h2)) => {
+                                let (r0, r1) = (h1 / hv, h2 / hv);
+                                let phi_3 = phi_2 / h_eta - 0.5;
+                                let (c1, c2) = (alpha_t * phi_2, alpha_t * phi_3);
+                                for (j, xv) in x.iter_mut().enumerate() {
+                                    let d1_0 = (denoised[j] - d1v[j]) / r0;
+                                    let d1_1 = (d1v[j] - d2v[j]) / r1;
+                                    let d1 = d1_0 + (d1_0 - d1_1) * r0 / (r0 + r1);
+                                    let d2 = (d1_0 - d1_1) / (r0 + r1);
+                                    *xv = *xv + c1 * d1 - c2 * d2;
+                                }
+                            }
+                            (Sampler::DpmPp3mSde, Some(d1v), Some(h1), _, _) => {
+                                let r = h1 / hv;
+                                let c = alpha_t * phi_2;
+                                for (j, xv) in x.iter_mut().enumerate() {
+                                    *xv += c * ((denoised[j] - d1v[j]) / r);
+                                }
+                            }
+                            (Sampler::DpmPp3mSde, ..) => {}
+                            (_, Some(old), Some(h_last), _, _) => {
+                                let r = h_last / hv;
+                                let c = if self == Sampler::DpmPp2mSdeHeun {
+                                    alpha_t * (em / -h_eta + 1.0) * (1.0 / r)
+                                } else {
+                                    0.5 * alpha_t * em * (1.0 / r)
+                                };
+                                for (j, xv) in x.iter_mut().enumerate() {
+                                    *xv += c * (denoised[j] - old[j]);
+                                }
+                            }
+                            _ => {}
+                        }
+                        let z = noise();
+                        let k = (-(-2.0 * hv).exp_m1()).sqrt();
+                        for (xv, zv) in x.iter_mut().zip(&z) {
+                            *xv += zv * s_next * k;
+                        }
+                    }
+                    denoised_2 = old_denoised.take();
+                    old_denoised = Some(denoised);
+                    h_2 = h_1;
+                    h_1 = h;
                 }
                 Sampler::IpndmV => {
                     let d: Vec<f32> = x.iter().zip(&denoised).map(|(a, b)| (a - b) / s).collect();
