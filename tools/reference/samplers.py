@@ -126,6 +126,36 @@ def main():
         fn = getattr(kd, "sample_" + name)
         x = fn(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True, noise_sampler=ns)
         out["sde"][name] = b64(x)
+    class PairNoise:
+        """dpmpp_sde's two queries per step, as sdkit draws them: z_a for
+        [sigma_s1, sigma]; for [sigma_next, sigma] the Brownian sum
+        (sqrt(w1) z_a + sqrt(w2) z_b) / sqrt(w1 + w2)."""
+        def __init__(self):
+            self.g = torch.Generator().manual_seed(SEED)
+            self.pending = None
+
+        def __call__(self, s0, s1):
+            if self.pending is None:
+                za = torch.randn(shape, generator=self.g)
+                zb = torch.randn(shape, generator=self.g)
+                self.pending = (za, zb, float(s0 - s1), s1)
+                return za
+            za, zb, w1, s_1 = self.pending
+            self.pending = None
+            w2 = float(s_1 - s1)
+            ka, kb = math.sqrt(w1 / (w1 + w2)), math.sqrt(w2 / (w1 + w2))
+            return ka * za + kb * zb
+
+    x = kd.sample_dpmpp_sde(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True,
+                            noise_sampler=PairNoise())
+    out["sde"]["dpmpp_sde"] = b64(x)
+    for name in ["gradient_estimation"]:
+        x = getattr(kd, "sample_" + name)(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
+                                          disable=True)
+        out["samplers"][name] = b64(x)
+    x = kd.sample_gradient_estimation_cfg_pp(Model(CFG_SCALE), x0.clone(), sigmas,
+                                             extra_args={"seed": SEED}, disable=True)
+    out["cfg_pp"]["gradient_estimation_cfg_pp"] = b64(x)
     model = Model()
     for name in SAMPLERS:
         fn = getattr(kd, "sample_" + name)
