@@ -547,7 +547,8 @@ impl Sampler {
                         let (ls, lt) = (-s.ln(), -s_next.ln());
                         let h = lt - ls;
                         let ls1 = ls + 0.5 * h;
-                        let fac = 1.0 / (2.0 * 0.5f32);
+                        // fac = 1 / (2r) = 1 for r = 1/2.
+                        let fac = 1.0f32;
                         let s1 = (-ls1).exp();
                         let alpha_s = s * ls.exp();
                         let alpha_s1 = s1 * ls1.exp();
