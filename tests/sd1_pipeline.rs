@@ -269,6 +269,13 @@ fn cfg_pp_sampler_matches_comfyui() {
     matches_on_cpu("tiny_sd1_cfgpp", "tiny_sd1_cfgpp");
 }
 
+/// The custom-sampling nodes: KSamplerSelect, BasicScheduler, SplitSigmas
+/// and two SamplerCustom stages (noise added only in the first).
+#[test]
+fn custom_sampling_matches_comfyui() {
+    matches_on_cpu("tiny_sd1_custom", "tiny_sd1_custom");
+}
+
 /// The same workflow on the wgpu backend (lavapipe on CI).
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {

@@ -44,6 +44,17 @@ pub fn library() -> NodeLibrary {
     lib.implement("CLIPTextEncode", diffusion::conditioning::ClipTextEncode);
     lib.implement("KSampler", diffusion::ksampler::KSampler);
     lib.implement("KSamplerAdvanced", diffusion::ksampler::KSamplerAdvanced);
+    lib.implement("KSamplerSelect", diffusion::custom::KSamplerSelect);
+    lib.implement("BasicScheduler", diffusion::custom::BasicScheduler);
+    lib.implement("KarrasScheduler", diffusion::custom::KarrasScheduler);
+    lib.implement(
+        "ExponentialScheduler",
+        diffusion::custom::ExponentialScheduler,
+    );
+    lib.implement("SplitSigmas", diffusion::custom::SplitSigmas);
+    lib.implement("FlipSigmas", diffusion::custom::FlipSigmas);
+    lib.implement("SetFirstSigma", diffusion::custom::SetFirstSigma);
+    lib.implement("SamplerCustom", diffusion::custom::SamplerCustom);
     lib.implement("VAEDecode", diffusion::vae::VaeDecode);
     lib.implement("VAEEncode", diffusion::vae::VaeEncode);
     lib.implement("ImageScale", image::ImageScale);

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 COMFY = os.environ.get("COMFY_DIR", "/work/comfyfull")
 CKPT = "tiny_sd1.safetensors"
 WORKFLOWS = ["tiny_sd1_txt2img", "tiny_sd1_img2img", "tiny_sd1_ancestral",
-             "tiny_sd1_advanced", "tiny_sd1_cfgpp"]
+             "tiny_sd1_advanced", "tiny_sd1_cfgpp", "tiny_sd1_custom"]
 
 UNET = dict(in_channels=4, out_channels=4, model_channels=32, channel_mult=[1, 2],
             num_res_blocks=[1, 1], transformer_depth=[1, 1],
@@ -206,6 +206,8 @@ def run_workflow(prompt, nodes, torch):
     resolved depth-first, each node's FUNCTION called once, SaveImage
     SaveLatent captured instead of written."""
     results, saved, latents = {}, [], []
+    import comfy_extras.nodes_custom_sampler as custom
+    EXTRA = custom.NODE_CLASS_MAPPINGS
 
     def output(nid):
         if nid not in results:
@@ -223,7 +225,7 @@ def run_workflow(prompt, nodes, torch):
                 latents.append(kwargs["samples"]["samples"])
                 results[nid] = ()
             else:
-                cls = nodes.NODE_CLASS_MAPPINGS[node["class_type"]]
+                cls = nodes.NODE_CLASS_MAPPINGS.get(node["class_type"]) or EXTRA[node["class_type"]]
                 obj = cls()
                 results[nid] = getattr(obj, cls.FUNCTION)(**kwargs)
         return results[nid]

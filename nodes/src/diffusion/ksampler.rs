@@ -213,7 +213,7 @@ fn common_ksampler(
             return output(latent.samples.clone());
         }
     }
-    let samples = sample(
+    let (samples, _) = sample(
         ctx,
         &model,
         &positive,
@@ -256,7 +256,8 @@ impl NodeImpl for KSamplerAdvanced {
 
 /// Samples `latent` over `sigmas` with `sampler` and CFG, starting from
 /// `noise_seed`'s noise (None: no noise); `seed` seeds the sampler's own
-/// noise. Returns the new latent (unscaled, as on links).
+/// noise. Returns the new latent and the last step's denoised estimate
+/// (both unscaled, as on links).
 #[allow(clippy::too_many_arguments)]
 pub fn sample(
     ctx: &NodeContext,
@@ -269,7 +270,7 @@ pub fn sample(
     cfg: f64,
     sampler: Sampler,
     sigmas: &[f32],
-) -> Result<Tensor, NodeError> {
+) -> Result<(Tensor, Option<Tensor>), NodeError> {
     let shape = latent.samples.shape.clone();
     if shape.len() != 4 || shape[1] != model.unet.in_channels {
         return Err(NodeError::invalid(format!(
@@ -279,7 +280,7 @@ pub fn sample(
     }
     if sigmas.len() < 2 {
         // Nothing to denoise (denoise 0): the latent passes through.
-        return Ok(latent.samples.clone());
+        return Ok((latent.samples.clone(), None));
     }
     if positive.0.is_empty() {
         return Err(NodeError::invalid("positive conditioning is empty"));
@@ -427,13 +428,28 @@ pub fn sample(
     // seed, fresh for this sampling call (ComfyUI's on the CPU).
     let mut gen = Mt19937::new(seed);
     let noise = || gen.randn(per_item);
+    // The first prediction of each step (what ComfyUI's sampler callback
+    // sees as x0; SamplerCustom returns the last one).
+    let step_x0: std::cell::RefCell<Option<Vec<f32>>> = std::cell::RefCell::new(None);
+    let new_step = std::cell::Cell::new(true);
+    let mut model_call = denoise;
+    let denoise = |x: &[f32], sigma: f32| -> Result<Vec<f32>, NodeError> {
+        let out = model_call(x, sigma)?;
+        if new_step.replace(false) {
+            *step_x0.borrow_mut() = Some(out.clone());
+        }
+        Ok(out)
+    };
     let x = sampler.run_with_uncond(
         x0,
         sigmas,
         denoise,
         || last_uncond.borrow().clone(),
         noise,
-        |i, n| ctx.progress(i as u64, n as u64),
+        |i, n| {
+            new_step.set(true);
+            ctx.progress(i as u64, n as u64)
+        },
     )?;
     if let (Some(budget), Some(plan)) = (
         ctx.runtime.budget(),
@@ -453,5 +469,10 @@ pub fn sample(
         });
     }
     let out: Vec<f32> = x.iter().map(|v| v / scale).collect();
-    Tensor::new(shape, out).map_err(NodeError::invalid)
+    let x0 = step_x0
+        .into_inner()
+        .map(|d| Tensor::new(shape.clone(), d.iter().map(|v| v / scale).collect()))
+        .transpose()
+        .map_err(NodeError::invalid)?;
+    Ok((Tensor::new(shape, out).map_err(NodeError::invalid)?, x0))
 }

@@ -8,6 +8,7 @@
 //! so a sampler's steps and later runs convert each tensor once.
 
 pub mod conditioning;
+pub mod custom;
 pub mod ksampler;
 pub mod loaders;
 pub mod vae;

@@ -300,11 +300,21 @@ pub const BUILT_SCHEDULERS: &[&str] = &[
 /// Karras et al. (2022) sigmas, then a final 0 (k-diffusion's
 /// `get_sigmas_karras`, in f32 as torch computes it).
 pub fn karras(n: usize, sigma_min: f32, sigma_max: f32, rho: f32) -> Vec<f32> {
+    karras_f64(
+        n,
+        f64::from(sigma_min),
+        f64::from(sigma_max),
+        f64::from(rho),
+    )
+}
+
+/// [`karras`] from Python floats (KarrasScheduler's widget values).
+pub fn karras_f64(n: usize, sigma_min: f64, sigma_max: f64, rho64: f64) -> Vec<f32> {
     // k-diffusion takes the roots of Python floats (f64) and only the
     // tensor arithmetic runs in f32.
-    let rho64 = f64::from(rho);
-    let min_inv = f64::from(sigma_min).powf(1.0 / rho64);
-    let max_inv = f64::from(sigma_max).powf(1.0 / rho64);
+    let rho = rho64 as f32;
+    let min_inv = sigma_min.powf(1.0 / rho64);
+    let max_inv = sigma_max.powf(1.0 / rho64);
     let (base, span) = (max_inv as f32, (min_inv - max_inv) as f32);
     let mut s: Vec<f32> = linspace_f32(0.0, 1.0, n)
         .into_iter()
