@@ -55,6 +55,10 @@ pub fn library() -> NodeLibrary {
     lib.implement("FlipSigmas", diffusion::custom::FlipSigmas);
     lib.implement("SetFirstSigma", diffusion::custom::SetFirstSigma);
     lib.implement("SamplerCustom", diffusion::custom::SamplerCustom);
+    lib.implement(
+        "AlignYourStepsScheduler",
+        diffusion::custom::AlignYourStepsScheduler,
+    );
     lib.implement("VAEDecode", diffusion::vae::VaeDecode);
     lib.implement("VAEEncode", diffusion::vae::VaeEncode);
     lib.implement("ImageScale", image::ImageScale);

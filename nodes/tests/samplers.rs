@@ -236,3 +236,26 @@ fn sde_samplers_match_comfyui_given_the_same_noise() {
         assert_close(name, &got, &want);
     }
 }
+
+#[test]
+fn align_your_steps_matches_comfyui() {
+    let fx = fixture();
+    for (key, want) in fx["ays"].as_object().expect("ays") {
+        let parts: Vec<&str> = key.split('/').collect();
+        let (kind, n, denoise) = (
+            parts[0],
+            parts[1].parse::<usize>().expect("steps"),
+            parts[2].parse::<f64>().expect("denoise"),
+        );
+        let got =
+            sdkit_nodes::diffusion::custom::align_your_steps(kind, n, denoise).expect("known");
+        let want = floats(want);
+        assert_eq!(got.len(), want.len(), "{key}: {got:?} vs {want:?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 2e-7 * w.abs().max(1.0),
+                "{key}: {got:?} vs {want:?}"
+            );
+        }
+    }
+}

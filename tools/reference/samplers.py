@@ -68,6 +68,14 @@ def main():
             for n in STEPS if not (name == "kl_optimal" and n == 1)
         }
 
+    from comfy_extras.nodes_align_your_steps import AlignYourStepsScheduler
+    out["ays"] = {}
+    for kind in ["SD1", "SDXL", "SVD"]:
+        for n in [1, 5, 10, 11, 20, 33]:
+            for denoise in [1.0, 0.5, 0.73]:
+                s = AlignYourStepsScheduler.execute(kind, n, denoise).result[0]
+                out["ays"][f"{kind}/{n}/{denoise}"] = [float(v) for v in s]
+
     shape = (2, 4, 8, 8)
     count = math.prod(shape)
     mu = torch.tensor([0.5 * math.sin(i * 0.3) for i in range(count)], dtype=torch.float32).reshape(shape)

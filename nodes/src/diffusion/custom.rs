@@ -188,3 +188,122 @@ impl NodeImpl for SamplerCustom {
         Ok(NodeOutput::values(vec![out, denoised]))
     }
 }
+
+/// NVIDIA's Align Your Steps noise levels (11 per model type).
+const AYS: [(&str, [f64; 11]); 3] = [
+    (
+        "SD1",
+        [
+            14.614_641_229_3,
+            6.474_576_095_6,
+            3.863_674_598_5,
+            2.694_615_152_0,
+            1.884_192_117_7,
+            1.394_380_509_2,
+            0.964_258_390_4,
+            0.652_368_601_6,
+            0.397_745_627_2,
+            0.151_523_266_2,
+            0.029_167_158_2,
+        ],
+    ),
+    (
+        "SDXL",
+        [
+            14.614_641_229_3,
+            6.318_448_528_7,
+            3.768_179_031_5,
+            2.181_148_076_9,
+            1.340_524_494_5,
+            0.862_072_114_1,
+            0.555_069_328_9,
+            0.379_854_070_8,
+            0.233_236_413_4,
+            0.111_418_817_7,
+            0.029_167_158_2,
+        ],
+    ),
+    (
+        "SVD",
+        [
+            700.00, 54.5, 15.886, 7.977, 4.248, 1.789, 0.981, 0.403, 0.173, 0.034, 0.002,
+        ],
+    ),
+];
+
+/// numpy's `linspace(0, 1, n)` (the last point exactly 1).
+fn unit_linspace(n: usize) -> Vec<f64> {
+    let step = 1.0 / (n.max(2) - 1) as f64;
+    let mut v: Vec<f64> = (0..n).map(|i| i as f64 * step).collect();
+    if let Some(last) = v.last_mut().filter(|_| n > 1) {
+        *last = 1.0;
+    }
+    v
+}
+
+/// AlignYourSteps' `loglinear_interp`: `n` points log-linearly between the
+/// given decreasing levels (numpy's `interp` arithmetic).
+fn loglinear_interp(levels: &[f64], n: usize) -> Vec<f64> {
+    let xs = unit_linspace(levels.len());
+    let ys: Vec<f64> = levels.iter().rev().map(|v| v.ln()).collect();
+    let mut out: Vec<f64> = unit_linspace(n)
+        .into_iter()
+        .map(|x| {
+            if x >= xs[xs.len() - 1] {
+                return ys[ys.len() - 1].exp();
+            }
+            let j = xs.partition_point(|&p| p <= x).saturating_sub(1);
+            let slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]);
+            (slope * (x - xs[j]) + ys[j]).exp()
+        })
+        .collect();
+    out.reverse();
+    out
+}
+
+/// AlignYourStepsScheduler: NVIDIA's optimized levels, interpolated to the
+/// step count; below denoise 1 the last round(steps · denoise) steps.
+pub struct AlignYourStepsScheduler;
+
+impl NodeImpl for AlignYourStepsScheduler {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let s = align_your_steps(
+            inputs.string("model_type")?,
+            inputs.usize("steps")?,
+            inputs.float("denoise")?,
+        )
+        .map_err(NodeError::invalid)?;
+        Ok(NodeOutput::values(vec![sigmas_out(s)]))
+    }
+}
+
+/// The AlignYourStepsScheduler's sigmas.
+pub fn align_your_steps(kind: &str, steps: usize, denoise: f64) -> Result<Vec<f32>, String> {
+    let levels = AYS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map(|(_, l)| l)
+        .ok_or_else(|| format!("model_type {kind:?} is not SD1, SDXL or SVD"))?;
+    let mut total = steps;
+    if denoise < 1.0 {
+        if denoise <= 0.0 {
+            return Ok(Vec::new());
+        }
+        // Python's round: half to even.
+        total = (steps as f64 * denoise).round_ties_even() as usize;
+    }
+    let sigmas = if steps + 1 != levels.len() {
+        loglinear_interp(levels, steps + 1)
+    } else {
+        levels.to_vec()
+    };
+    let keep = (total + 1).min(sigmas.len());
+    let mut s: Vec<f32> = sigmas[sigmas.len() - keep..]
+        .iter()
+        .map(|&v| v as f32)
+        .collect();
+    if let Some(last) = s.last_mut() {
+        *last = 0.0;
+    }
+    Ok(s)
+}

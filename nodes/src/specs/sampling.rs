@@ -143,6 +143,15 @@ pub(super) fn custom_sampling(v: &mut Vec<NodeSpec>) {
             .returns(T::Sigmas)
             .build(),
     );
+    // comfy_extras/nodes_align_your_steps.py
+    v.push(
+        node("AlignYourStepsScheduler", SCHED)
+            .combo("model_type", &["SD1", "SDXL", "SVD"])
+            .int("steps", 10, 1, 10000, 1)
+            .float("denoise", 1.0, 0.0, 1.0, 0.01)
+            .returns(T::Sigmas)
+            .build(),
+    );
     v.push(
         node("SDTurboScheduler", SCHED)
             .socket("model", T::Model)
