@@ -59,6 +59,17 @@ pub fn library() -> NodeLibrary {
         "AlignYourStepsScheduler",
         diffusion::custom::AlignYourStepsScheduler,
     );
+    lib.implement(
+        "PolyexponentialScheduler",
+        diffusion::custom::PolyexponentialScheduler,
+    );
+    lib.implement("LaplaceScheduler", diffusion::custom::LaplaceScheduler);
+    lib.implement("VPScheduler", diffusion::custom::VpScheduler);
+    lib.implement(
+        "BetaSamplingScheduler",
+        diffusion::custom::BetaSamplingScheduler,
+    );
+    lib.implement("SDTurboScheduler", diffusion::custom::SdTurboScheduler);
     lib.implement("VAEDecode", diffusion::vae::VaeDecode);
     lib.implement("VAEEncode", diffusion::vae::VaeEncode);
     lib.implement("ImageScale", image::ImageScale);

@@ -259,3 +259,31 @@ fn align_your_steps_matches_comfyui() {
         }
     }
 }
+
+#[test]
+fn scheduler_nodes_match_comfyui() {
+    use sdkit_nodes::sampling::discrete::{laplace, polyexponential, vp};
+    let fx = fixture();
+    let s = DiscreteSchedule::sd1();
+    for (key, want) in fx["schedule_nodes"].as_object().expect("schedule_nodes") {
+        let p: Vec<&str> = key.split('/').collect();
+        let n: usize = p[1].parse().expect("steps");
+        let num = |i: usize| p[i].parse::<f64>().expect("number");
+        let got = match p[0] {
+            "poly" => polyexponential(n, 0.0291675, 14.614642, num(2)),
+            "vp" => vp(n, 19.9, 0.1, 0.001),
+            "laplace" => laplace(n, 0.0291675, 14.614642, 0.0, 0.5),
+            "beta" => s.beta_with(n, num(2), num(3)),
+            "turbo" => s.sd_turbo(n, num(2)),
+            other => panic!("unknown case {other}"),
+        };
+        let want = floats(want);
+        assert_eq!(got.len(), want.len(), "{key}: {got:?} vs {want:?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 4e-7 * w.abs().max(1.0),
+                "{key}: {got:?} vs {want:?}"
+            );
+        }
+    }
+}

@@ -76,6 +76,22 @@ def main():
                 s = AlignYourStepsScheduler.execute(kind, n, denoise).result[0]
                 out["ays"][f"{kind}/{n}/{denoise}"] = [float(v) for v in s]
 
+    out["schedule_nodes"] = {}
+    for n in [1, 4, 13]:
+        sn = out["schedule_nodes"]
+        sn[f"poly/{n}/1.0"] = [float(v) for v in kd.get_sigmas_polyexponential(n, 0.0291675, 14.614642, 1.0)]
+        sn[f"poly/{n}/2.5"] = [float(v) for v in kd.get_sigmas_polyexponential(n, 0.0291675, 14.614642, 2.5)]
+        sn[f"vp/{n}"] = [float(v) for v in kd.get_sigmas_vp(n, 19.9, 0.1, 0.001)]
+        sn[f"laplace/{n}"] = [float(v) for v in kd.get_sigmas_laplace(n, 0.0291675, 14.614642, 0.0, 0.5)]
+        sn[f"beta/{n}/0.4/0.9"] = [float(v) for v in comfy.samplers.beta_scheduler(ms, n, alpha=0.4, beta=0.9)]
+    from comfy_extras.nodes_custom_sampler import SDTurboScheduler
+
+    class MS:
+        def get_model_object(self, name):
+            return ms
+    for n, d in [(1, 1.0), (4, 1.0), (3, 0.55), (10, 0.25)]:
+        out["schedule_nodes"][f"turbo/{n}/{d}"] = [float(v) for v in SDTurboScheduler().get_sigmas(MS(), n, d)[0]]
+
     shape = (2, 4, 8, 8)
     count = math.prod(shape)
     mu = torch.tensor([0.5 * math.sin(i * 0.3) for i in range(count)], dtype=torch.float32).reshape(shape)

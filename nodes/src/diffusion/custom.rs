@@ -4,7 +4,9 @@
 
 use super::ksampler::sample;
 use super::{input, opaque, Conditioning, Model};
-use crate::sampling::discrete::{karras_f64, linspace_f32, BUILT_SCHEDULERS};
+use crate::sampling::discrete::{
+    karras_f64, laplace, linspace_f32, polyexponential, vp, BUILT_SCHEDULERS,
+};
 use crate::sampling::samplers::Sampler;
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Value};
 use sdkit_schema::SocketType;
@@ -306,4 +308,78 @@ pub fn align_your_steps(kind: &str, steps: usize, denoise: f64) -> Result<Vec<f3
         *last = 0.0;
     }
     Ok(s)
+}
+
+/// PolyexponentialScheduler.
+pub struct PolyexponentialScheduler;
+
+impl NodeImpl for PolyexponentialScheduler {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let s = polyexponential(
+            inputs.usize("steps")?,
+            inputs.float("sigma_min")?,
+            inputs.float("sigma_max")?,
+            inputs.float("rho")?,
+        );
+        Ok(NodeOutput::values(vec![sigmas_out(s)]))
+    }
+}
+
+/// LaplaceScheduler.
+pub struct LaplaceScheduler;
+
+impl NodeImpl for LaplaceScheduler {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let s = laplace(
+            inputs.usize("steps")?,
+            inputs.float("sigma_min")?,
+            inputs.float("sigma_max")?,
+            inputs.float("mu")?,
+            inputs.float("beta")?,
+        );
+        Ok(NodeOutput::values(vec![sigmas_out(s)]))
+    }
+}
+
+/// VPScheduler.
+pub struct VpScheduler;
+
+impl NodeImpl for VpScheduler {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let s = vp(
+            inputs.usize("steps")?,
+            inputs.float("beta_d")?,
+            inputs.float("beta_min")?,
+            inputs.float("eps_s")?,
+        );
+        Ok(NodeOutput::values(vec![sigmas_out(s)]))
+    }
+}
+
+/// BetaSamplingScheduler: the beta schedule with chosen shape parameters.
+pub struct BetaSamplingScheduler;
+
+impl NodeImpl for BetaSamplingScheduler {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let s = model.schedule.beta_with(
+            inputs.usize("steps")?,
+            inputs.float("alpha")?,
+            inputs.float("beta")?,
+        );
+        Ok(NodeOutput::values(vec![sigmas_out(s)]))
+    }
+}
+
+/// SDTurboScheduler.
+pub struct SdTurboScheduler;
+
+impl NodeImpl for SdTurboScheduler {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let s = model
+            .schedule
+            .sd_turbo(inputs.usize("steps")?, inputs.float("denoise")?);
+        Ok(NodeOutput::values(vec![sigmas_out(s)]))
+    }
 }

@@ -250,6 +250,12 @@ impl DiscreteSchedule {
     /// Beta(0.6, 0.6) quantiles of 1, 1 − 1/n, …, 1/n, rounded, repeats
     /// dropped, then 0.
     pub fn beta(&self, steps: usize) -> Vec<f32> {
+        self.beta_with(steps, 0.6, 0.6)
+    }
+
+    /// The beta schedule with other shape parameters
+    /// (BetaSamplingScheduler).
+    pub fn beta_with(&self, steps: usize, alpha: f64, beta: f64) -> Vec<f32> {
         let total = self.sigmas.len().saturating_sub(1) as f64;
         let step = 1.0 / steps as f64;
         let mut s = Vec::new();
@@ -257,12 +263,26 @@ impl DiscreteSchedule {
         for i in 0..steps {
             let q = 1.0 - i as f64 * step;
             // numpy's rint: round half to even.
-            let t = (beta_ppf(q, 0.6, 0.6) * total).round_ties_even();
+            let t = (beta_ppf(q, alpha, beta) * total).round_ties_even();
             if t != last {
                 s.push(self.sigmas[(t as usize).min(self.sigmas.len() - 1)]);
             }
             last = t;
         }
+        s.push(0.0);
+        s
+    }
+
+    /// SDTurboScheduler: timesteps 999, 899, …, 99 from `10 − int(10 ·
+    /// denoise)` on, `steps` of them, then 0.
+    pub fn sd_turbo(&self, steps: usize, denoise: f64) -> Vec<f32> {
+        let start = 10usize.saturating_sub((10.0 * denoise) as usize);
+        let mut s: Vec<f32> = (0..10)
+            .map(|i| (999 - 100 * i) as f32)
+            .skip(start)
+            .take(steps)
+            .map(|t| self.sigma(t))
+            .collect();
         s.push(0.0);
         s
     }
@@ -414,4 +434,63 @@ pub fn beta_ppf(q: f64, a: f64, b: f64) -> f64 {
         }
     }
     0.5 * (lo + hi)
+}
+
+/// torch's `tensor ** p` for f32: the exponents it special-cases are exact
+/// products or roots, the rest `powf`.
+fn torch_pow(x: f32, p: f32) -> f32 {
+    match p {
+        1.0 => x,
+        2.0 => x * x,
+        3.0 => x * x * x,
+        0.5 => x.sqrt(),
+        -1.0 => 1.0 / x,
+        -2.0 => 1.0 / (x * x),
+        -0.5 => 1.0 / x.sqrt(),
+        _ => x.powf(p),
+    }
+}
+
+/// k-diffusion's `get_sigmas_polyexponential`: a polynomial in log sigma.
+pub fn polyexponential(n: usize, sigma_min: f64, sigma_max: f64, rho: f64) -> Vec<f32> {
+    let span = (sigma_max.ln() - sigma_min.ln()) as f32;
+    let lo = sigma_min.ln() as f32;
+    let mut s: Vec<f32> = linspace_f32(1.0, 0.0, n)
+        .into_iter()
+        .map(|r| (torch_pow(r, rho as f32) * span + lo).exp())
+        .collect();
+    s.push(0.0);
+    s
+}
+
+/// k-diffusion's `get_sigmas_vp`: the continuous VP schedule.
+pub fn vp(n: usize, beta_d: f64, beta_min: f64, eps_s: f64) -> Vec<f32> {
+    let (bd, bm) = (beta_d as f32, beta_min as f32);
+    let mut s: Vec<f32> = linspace_f32(1.0, eps_s as f32, n)
+        .into_iter()
+        .map(|t| (bd * (t * t) / 2.0 + bm * t).exp_m1().sqrt())
+        .collect();
+    s.push(0.0);
+    s
+}
+
+/// k-diffusion's `get_sigmas_laplace` (Tiankai et al. 2024), clamped to
+/// [sigma_min, sigma_max]; no final 0, as there.
+pub fn laplace(n: usize, sigma_min: f64, sigma_max: f64, mu: f64, beta: f64) -> Vec<f32> {
+    let (lo, hi, mu, beta) = (sigma_min as f32, sigma_max as f32, mu as f32, beta as f32);
+    linspace_f32(0.0, 1.0, n)
+        .into_iter()
+        .map(|x| {
+            let c = 0.5 - x;
+            let sign = if c > 0.0 {
+                1.0
+            } else if c < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
+            let lmb = mu - beta * sign * (1.0 - 2.0 * c.abs() + 1e-5).ln();
+            lmb.exp().max(lo).min(hi)
+        })
+        .collect()
 }
