@@ -181,6 +181,12 @@ def main():
     x = kd.sample_gradient_estimation_cfg_pp(Model(CFG_SCALE), x0.clone(), sigmas,
                                              extra_args={"seed": SEED}, disable=True)
     out["cfg_pp"]["gradient_estimation_cfg_pp"] = b64(x)
+    # dpm_fast through ComfyUI's KSAMPLER wrapper (sigma range and step
+    # count from the sigmas).
+    ks = comfy.samplers.ksampler("dpm_fast")
+    x = ks.sampler_function(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, callback=None,
+                            disable=True)
+    out["samplers"]["dpm_fast"] = b64(x)
     model = Model()
     for name in SAMPLERS:
         fn = getattr(kd, "sample_" + name)
