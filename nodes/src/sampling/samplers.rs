@@ -1027,7 +1027,7 @@ fn dpm_fast<E>(
     let (t_start, t_end) = (-sigmas[0].ln(), -smin.ln());
     let m = nfe / 3 + 1;
     let ts = linspace_f32(t_start, t_end, m + 1);
-    let mut orders = if nfe % 3 == 0 {
+    let mut orders = if nfe.is_multiple_of(3) {
         let mut o = vec![3; m.saturating_sub(2)];
         o.extend([2, 1]);
         o
