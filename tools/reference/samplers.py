@@ -187,6 +187,10 @@ def main():
     x = ks.sampler_function(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, callback=None,
                             disable=True)
     out["samplers"]["dpm_fast"] = b64(x)
+    ks = comfy.samplers.ksampler("dpm_adaptive")
+    x = ks.sampler_function(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, callback=None,
+                            disable=True)
+    out["samplers"]["dpm_adaptive"] = b64(x)
     model = Model()
     for name in SAMPLERS:
         fn = getattr(kd, "sample_" + name)

@@ -48,6 +48,7 @@ pub enum Sampler {
     Seeds2,
     Seeds3,
     DpmFast,
+    DpmAdaptive,
 }
 
 impl Sampler {
@@ -85,6 +86,7 @@ impl Sampler {
             "seeds_2" => Sampler::Seeds2,
             "seeds_3" => Sampler::Seeds3,
             "dpm_fast" => Sampler::DpmFast,
+            "dpm_adaptive" => Sampler::DpmAdaptive,
             _ => return None,
         })
     }
@@ -124,6 +126,7 @@ impl Sampler {
         "seeds_2",
         "seeds_3",
         "dpm_fast",
+        "dpm_adaptive",
     ];
 
     /// CFG++ samplers read the unconditional prediction of each model call
@@ -189,6 +192,9 @@ impl Sampler {
         let uncond = || uncond().unwrap_or_else(|| vec![0.0; len]);
         if self == Sampler::DpmFast {
             return dpm_fast(x, sigmas, denoise, step);
+        }
+        if self == Sampler::DpmAdaptive {
+            return dpm_adaptive(x, sigmas, denoise, step);
         }
         let n = sigmas.len().saturating_sub(1);
         let mut x = x;
@@ -661,8 +667,8 @@ impl Sampler {
                     }
                     old_denoised = Some(denoised);
                 }
-                // Runs whole in `dpm_fast` before the loop.
-                Sampler::DpmFast => {}
+                // Run whole before the loop.
+                Sampler::DpmFast | Sampler::DpmAdaptive => {}
                 Sampler::Seeds2 | Sampler::Seeds3 if s_next == 0.0 => {
                     x = denoised;
                 }
@@ -1020,11 +1026,7 @@ fn dpm_fast<E>(
         return Ok(x);
     }
     let nfe = sigmas.len() - 1;
-    let mut smin = sigmas[nfe];
-    if smin == 0.0 {
-        smin = sigmas[nfe - 1];
-    }
-    let (t_start, t_end) = (-sigmas[0].ln(), -smin.ln());
+    let (t_start, t_end) = dpm_range(sigmas);
     let m = nfe / 3 + 1;
     let ts = linspace_f32(t_start, t_end, m + 1);
     let mut orders = if nfe.is_multiple_of(3) {
@@ -1087,6 +1089,117 @@ fn dpm_fast<E>(
             }
         }
         step(i + 1, total)?;
+    }
+    Ok(x)
+}
+
+/// The sigma range ComfyUI's DPM-Solver wrappers use: first sigma to the
+/// last nonzero one, as t = −log σ.
+fn dpm_range(sigmas: &[f32]) -> (f32, f32) {
+    let n = sigmas.len() - 1;
+    let mut smin = sigmas[n];
+    if smin == 0.0 {
+        smin = sigmas[n - 1];
+    }
+    (-sigmas[0].ln(), -smin.ln())
+}
+
+/// A DPM-Solver step's scalars: h = t_next − t, σ(t_next), expm1(h).
+struct DpmStep {
+    h: f32,
+    sn: f32,
+    em: f32,
+}
+
+/// DPM-Solver-23 with adaptive step size (eta 0; rtol 0.05, atol 0.0078,
+/// h_init 0.05, PID with integral gain 1, accept safety 0.81), as
+/// ComfyUI's `dpm_adaptive` runs it. The step controller works in f64 and
+/// the error norm in f32, as there; the step callback reports accepted
+/// steps (their count is not known ahead).
+fn dpm_adaptive<E>(
+    mut x: Vec<f32>,
+    sigmas: &[f32],
+    mut denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
+    mut step: impl FnMut(usize, usize) -> Result<(), E>,
+) -> Result<Vec<f32>, E> {
+    if sigmas.len() <= 1 {
+        return Ok(x);
+    }
+    let (t_start, t_end) = dpm_range(sigmas);
+    let sig = |t: f32| (-t).exp();
+    let mut eps_at = |x: &[f32], t: f32| -> Result<Vec<f32>, E> {
+        let s = sig(t);
+        let d = denoise(x, s)?;
+        Ok(x.iter().zip(&d).map(|(a, b)| (a - b) / s).collect())
+    };
+    let (atol, rtol) = (0.0078f32, 0.05f32);
+    // PID: b1 = 1/order, b2 = b3 = 0; errs as k-diffusion keeps them.
+    let (b1, b2, b3) = (1.0 / 3.0, -0.0, 0.0);
+    let mut h = 0.05f64;
+    let mut errs: Vec<f64> = Vec::new();
+    let mut s = t_start;
+    let mut x_prev = x.clone();
+    let mut accepted = 0;
+    let n = x.len();
+    while s < t_end - 1e-5 {
+        let t = t_end.min(s + h as f32);
+        let st = DpmStep {
+            h: t - s,
+            sn: sig(t),
+            em: (t - s).exp_m1(),
+        };
+        let eps = eps_at(&x, s)?;
+        let (r1, r2) = ((1.0f64 / 3.0) as f32, (2.0f64 / 3.0) as f32);
+        let (s1, s2) = (s + r1 * st.h, s + r2 * st.h);
+        let c1 = sig(s1) * (r1 * st.h).exp_m1();
+        let u1: Vec<f32> = x.iter().zip(&eps).map(|(a, e)| a - c1 * e).collect();
+        let e1 = eps_at(&u1, s1)?;
+        // Low order: the 2-step with r1 = 1/3.
+        let c_low = st.sn / ((2.0 * (1.0f64 / 3.0)) as f32) * st.em;
+        let x_low: Vec<f32> = (0..n)
+            .map(|j| x[j] - st.sn * st.em * eps[j] - c_low * (e1[j] - eps[j]))
+            .collect();
+        // High order: the 3-step.
+        let (ca, cb) = (
+            sig(s2) * (r2 * st.h).exp_m1(),
+            sig(s2) * (2.0f64 as f32) * ((r2 * st.h).exp_m1() / (r2 * st.h) - 1.0),
+        );
+        let u2: Vec<f32> = (0..n)
+            .map(|j| x[j] - ca * eps[j] - cb * (e1[j] - eps[j]))
+            .collect();
+        let e2 = eps_at(&u2, s2)?;
+        let c_high = st.sn / r2 * (st.em / st.h - 1.0);
+        let x_high: Vec<f32> = (0..n)
+            .map(|j| x[j] - st.sn * st.em * eps[j] - c_high * (e2[j] - eps[j]))
+            .collect();
+        let sq: f64 = (0..n)
+            .map(|j| {
+                let delta = atol.max(rtol * x_low[j].abs().max(x_prev[j].abs()));
+                let v = (x_low[j] - x_high[j]) / delta;
+                f64::from(v * v)
+            })
+            .sum();
+        let error = f64::from((sq.sqrt() as f32) / (n as f32).sqrt());
+        let inv = 1.0 / (error + 1e-8);
+        if errs.is_empty() {
+            errs = vec![inv; 3];
+        }
+        errs[0] = inv;
+        let factor = errs[0].powf(b1) * errs[1].powf(b2) * errs[2].powf(b3);
+        let factor = 1.0 + (factor - 1.0).atan();
+        let accept = factor >= 0.81;
+        if accept {
+            errs[2] = errs[1];
+            errs[1] = errs[0];
+        }
+        h *= factor;
+        if accept {
+            x_prev = x_low;
+            x = x_high;
+            s = t;
+            accepted += 1;
+            step(accepted, accepted)?;
+        }
     }
     Ok(x)
 }
