@@ -429,6 +429,29 @@ proptest! {
     }
 }
 
+/// A dilated tap that lies wholly in the padding for a run (proptest found
+/// it: the unit-stride copy range went negative).
+#[test]
+fn conv2d_tap_entirely_in_padding() {
+    check_conv(
+        ConvCase {
+            n: 1,
+            c: 1,
+            h: 1,
+            w: 3,
+            o: 1,
+            kh: 2,
+            kw: 4,
+            stride: [1, 1],
+            padding: [2, 2],
+            dilation: [1, 2],
+            groups: 1,
+            bias: false,
+        },
+        0,
+    );
+}
+
 #[test]
 fn conv2d_tiles_pointwise_and_strided_cases() {
     let base = ConvCase {

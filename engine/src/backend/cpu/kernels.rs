@@ -546,11 +546,17 @@ impl ConvGeom {
                     let (start, end) = (ox0 as isize, (ox0 + run) as isize);
                     let lo = (-base).clamp(start, end);
                     let hi = (w - base).clamp(lo, end);
-                    let (lo_i, hi_i) = ((lo - start) as usize, (hi - start) as usize);
-                    seg[..lo_i].fill(0.0);
-                    seg[lo_i..hi_i]
-                        .copy_from_slice(&row[(lo + base) as usize..(hi + base) as usize]);
-                    seg[hi_i..].fill(0.0);
+                    if hi <= lo {
+                        // The tap reads only padding for this whole run
+                        // (lo may then sit outside the row).
+                        seg.fill(0.0);
+                    } else {
+                        let (lo_i, hi_i) = ((lo - start) as usize, (hi - start) as usize);
+                        seg[..lo_i].fill(0.0);
+                        seg[lo_i..hi_i]
+                            .copy_from_slice(&row[(lo + base) as usize..(hi + base) as usize]);
+                        seg[hi_i..].fill(0.0);
+                    }
                 } else {
                     let sw = self.stride[1] as isize;
                     for (t, v) in seg.iter_mut().enumerate() {
