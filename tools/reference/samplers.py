@@ -26,7 +26,7 @@ STEPS = [1, 2, 3, 5, 10, 20, 33]
 SAMPLERS = ["euler", "euler_ancestral", "heun", "dpm_2", "dpm_2_ancestral",
             "dpmpp_2s_ancestral", "dpmpp_2m", "ddpm", "lcm", "ipndm", "lms", "heunpp2",
             "ipndm_v", "res_multistep", "res_multistep_ancestral", "deis", "er_sde",
-            "seeds_2", "seeds_3"]
+            "seeds_2", "seeds_3", "sa_solver", "sa_solver_pece"]
 # Run on a CFG combination of two analytic denoisers (scale 3), reading the
 # unconditional one through ComfyUI's post-CFG hook.
 CFG_PP = ["euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
