@@ -539,3 +539,38 @@ fn prompt_edit_uploads_no_unet_weights() {
     assert!(uploads[0] > 0, "the first run uploads the UNet");
     assert_eq!(uploads[1], 0, "the edited run uploaded UNet weights again");
 }
+
+/// Every sampler name ComfyUI lists runs an SD1 workflow through KSampler
+/// (5 steps) and gives a finite latent.
+#[test]
+fn every_sampler_runs_an_sd1_workflow() {
+    let (base, _fx) = setup();
+    // The KSampler spec's list: ComfyUI's SAMPLER_NAMES.
+    let names = sdkit_nodes::specs::SAMPLERS;
+    assert!(names.len() >= 40, "{names:?}");
+    for (k, name) in names.iter().enumerate() {
+        let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+            .args(["run", "-q", "--device", "cpu", "--set"])
+            .arg(format!("6.sampler_name={name}"))
+            .arg(root().join("graphs/tiny_sd1_ancestral.json"))
+            .arg("--base-dir")
+            .arg(base.path())
+            .output()
+            .expect("runs");
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let path = base
+            .path()
+            .join(format!("output/latents/tiny_sd1_{:05}_.latent", k + 1));
+        let latent = SafeTensors::open(&path)
+            .and_then(|f| f.to_f32("latent_tensor"))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            latent.iter().all(|v| v.is_finite()),
+            "{name}: non-finite latent"
+        );
+    }
+}

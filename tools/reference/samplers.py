@@ -191,6 +191,12 @@ def main():
     x = ks.sampler_function(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, callback=None,
                             disable=True)
     out["samplers"]["dpm_adaptive"] = b64(x)
+    from comfy.extra_samplers import uni_pc
+    # KSampler drops the penultimate sigma for these; the sampler itself
+    # takes the sigmas as given.
+    for name, fn in [("uni_pc", uni_pc.sample_unipc), ("uni_pc_bh2", uni_pc.sample_unipc_bh2)]:
+        x = fn(Model(), x0.clone(), sigmas.clone(), extra_args={"seed": SEED}, disable=True)
+        out["samplers"][name] = b64(x)
     model = Model()
     for name in SAMPLERS:
         fn = getattr(kd, "sample_" + name)

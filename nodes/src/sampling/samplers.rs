@@ -51,6 +51,8 @@ pub enum Sampler {
     DpmAdaptive,
     SaSolver,
     SaSolverPece,
+    UniPc,
+    UniPcBh2,
 }
 
 impl Sampler {
@@ -91,6 +93,8 @@ impl Sampler {
             "dpm_adaptive" => Sampler::DpmAdaptive,
             "sa_solver" => Sampler::SaSolver,
             "sa_solver_pece" => Sampler::SaSolverPece,
+            "uni_pc" => Sampler::UniPc,
+            "uni_pc_bh2" => Sampler::UniPcBh2,
             _ => return None,
         })
     }
@@ -133,6 +137,8 @@ impl Sampler {
         "dpm_adaptive",
         "sa_solver",
         "sa_solver_pece",
+        "uni_pc",
+        "uni_pc_bh2",
     ];
 
     /// CFG++ samplers read the unconditional prediction of each model call
@@ -165,7 +171,10 @@ impl Sampler {
     /// ComfyUI schedules one extra step and drops the penultimate sigma
     /// for these (`DISCARD_PENULTIMATE_SIGMA_SAMPLERS`).
     pub fn discards_penultimate_sigma(self) -> bool {
-        matches!(self, Sampler::Dpm2 | Sampler::Dpm2Ancestral)
+        matches!(
+            self,
+            Sampler::Dpm2 | Sampler::Dpm2Ancestral | Sampler::UniPc | Sampler::UniPcBh2
+        )
     }
 
     /// Runs the sampler. `denoise(x, sigma)` is the model; `noise()`
@@ -201,6 +210,9 @@ impl Sampler {
         }
         if self == Sampler::DpmAdaptive {
             return dpm_adaptive(x, sigmas, denoise, step);
+        }
+        if matches!(self, Sampler::UniPc | Sampler::UniPcBh2) {
+            return uni_pc(x, sigmas, self == Sampler::UniPcBh2, denoise, step);
         }
         if matches!(self, Sampler::SaSolver | Sampler::SaSolverPece) {
             let pece = self == Sampler::SaSolverPece;
@@ -681,7 +693,9 @@ impl Sampler {
                 Sampler::DpmFast
                 | Sampler::DpmAdaptive
                 | Sampler::SaSolver
-                | Sampler::SaSolverPece => {}
+                | Sampler::SaSolverPece
+                | Sampler::UniPc
+                | Sampler::UniPcBh2 => {}
                 Sampler::Seeds2 | Sampler::Seeds3 if s_next == 0.0 => {
                     x = denoised;
                 }
@@ -1397,6 +1411,235 @@ fn sa_solver<E>(
         step(i + 1, total)?;
     }
     Ok(x)
+}
+
+/// Solves a small dense system in f64 (torch solves these in f32).
+fn solve_small(a: &[Vec<f32>], b: &[f32]) -> Vec<f32> {
+    let n = b.len();
+    let mut m: Vec<Vec<f64>> = (0..n)
+        .map(|r| {
+            let mut row: Vec<f64> = a[r].iter().map(|&v| f64::from(v)).collect();
+            row.push(f64::from(b[r]));
+            row
+        })
+        .collect();
+    for col in 0..n {
+        let piv = (col..n)
+            .max_by(|&x, &y| m[x][col].abs().total_cmp(&m[y][col].abs()))
+            .unwrap_or(col);
+        m.swap(col, piv);
+        for r in 0..n {
+            if r != col && m[col][col] != 0.0 {
+                let f = m[r][col] / m[col][col];
+                let pivot_row = m[col].clone();
+                for (v, p) in m[r][col..].iter_mut().zip(&pivot_row[col..]) {
+                    *v -= f * p;
+                }
+            }
+        }
+    }
+    (0..n).map(|i| (m[i][n] / m[i][i]) as f32).collect()
+}
+
+/// A model call inside a sampler: x and sigma to a prediction.
+type ModelFn<'a, E> = dyn FnMut(&[f32], f32) -> Result<Vec<f32>, E> + 'a;
+
+/// UniPC (bh1 or bh2 variant), as ComfyUI's `uni_pc` runs it: data
+/// prediction in VP form over sigmas as times (the last 0 replaced by
+/// 0.001), multistep order min(3, steps − 1) with lower orders at the end,
+/// corrector on every step but the last.
+fn uni_pc<E>(
+    x: Vec<f32>,
+    sigmas: &[f32],
+    bh2: bool,
+    mut denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
+    mut step: impl FnMut(usize, usize) -> Result<(), E>,
+) -> Result<Vec<f32>, E> {
+    let mut ts = sigmas.to_vec();
+    if ts.len() < 2 {
+        return Ok(x);
+    }
+    if let Some(last) = ts.last_mut().filter(|v| **v == 0.0) {
+        *last = 0.001;
+    }
+    // SigmaConvert: VP coefficients for a sigma used as time.
+    let lmc = |s: f32| 0.5 * (1.0 / ((s * s) + 1.0)).ln();
+    let alpha = |s: f32| lmc(s).exp();
+    let std = |s: f32| (1.0 - (2.0 * lmc(s)).exp()).sqrt();
+    let lambda = |s: f32| {
+        let l = lmc(s);
+        l - 0.5 * (1.0 - (2.0 * l).exp()).ln()
+    };
+    // data_prediction_fn over predict_eps_sigma.
+    let mut model_fn = |x: &[f32], s: f32| -> Result<Vec<f32>, E> {
+        let k = ((s * s) + 1.0).sqrt();
+        let input: Vec<f32> = x.iter().map(|v| v * k).collect();
+        let den = denoise(&input, s)?;
+        let (a, sd) = (alpha(s), std(s));
+        Ok(x.iter()
+            .zip(&input)
+            .zip(&den)
+            .map(|((xv, iv), dv)| {
+                let eps = (iv - dv) / s;
+                (xv - sd * eps) / a
+            })
+            .collect())
+    };
+    let steps = ts.len() - 1;
+    // With one step this is 0: ComfyUI then only rescales (no update).
+    let order = 3.min(ts.len() - 2);
+    let n = x.len();
+    let k0 = (1.0f32 + ts[0] * ts[0]).sqrt();
+    let mut x: Vec<f32> = x.iter().map(|v| v / k0).collect();
+    // One multistep update to t; returns the new x and the model output
+    // at it (when the corrector ran).
+    let update = |x: &[f32],
+                  models: &[Vec<f32>],
+                  t_prev: &[f32],
+                  t: f32,
+                  order: usize,
+                  corrector: bool,
+                  model_fn: &mut ModelFn<'_, E>|
+     -> Result<(Vec<f32>, Option<Vec<f32>>), E> {
+        let tp0 = t_prev[t_prev.len() - 1];
+        let (lp0, lt) = (lambda(tp0), lambda(t));
+        let m0 = &models[models.len() - 1];
+        let (sp0, st) = (std(tp0), std(t));
+        let alpha_t = lmc(t).exp();
+        let h = lt - lp0;
+        let mut rks = Vec::new();
+        let mut d1s: Vec<Vec<f32>> = Vec::new();
+        for i in 1..order {
+            let tpi = t_prev[t_prev.len() - 1 - i];
+            let mi = &models[models.len() - 1 - i];
+            let rk = (lambda(tpi) - lp0) / h;
+            rks.push(rk);
+            d1s.push(mi.iter().zip(m0).map(|(a, b)| (a - b) / rk).collect());
+        }
+        rks.push(1.0);
+        let hh = -h;
+        let h_phi_1 = hh.exp_m1();
+        let mut h_phi_k = h_phi_1 / hh - 1.0;
+        let mut fact = 1i64;
+        let b_h = if bh2 { hh.exp_m1() } else { hh };
+        let mut r_mat: Vec<Vec<f32>> = Vec::new();
+        let mut b = Vec::new();
+        for i in 1..=order {
+            r_mat.push(rks.iter().map(|&r| torch_pow_int(r, i - 1)).collect());
+            b.push(h_phi_k * fact as f32 / b_h);
+            fact *= i as i64 + 1;
+            h_phi_k = h_phi_k / hh - 1.0 / fact as f32;
+        }
+        let rhos_p: Vec<f32> = if d1s.is_empty() {
+            Vec::new()
+        } else if order == 2 {
+            vec![0.5]
+        } else {
+            let sub: Vec<Vec<f32>> = r_mat[..order - 1]
+                .iter()
+                .map(|r| r[..order - 1].to_vec())
+                .collect();
+            solve_small(&sub, &b[..order - 1])
+        };
+        let c_x = st / sp0;
+        let c_m = alpha_t * h_phi_1;
+        let x_t_: Vec<f32> = (0..n).map(|j| c_x * x[j] - c_m * m0[j]).collect();
+        let c_b = alpha_t * b_h;
+        let x_t: Vec<f32> = if d1s.is_empty() {
+            x_t_.iter().map(|v| v - c_b * 0.0).collect()
+        } else {
+            (0..n)
+                .map(|j| {
+                    let pred = d1s
+                        .iter()
+                        .zip(&rhos_p)
+                        .fold(0f32, |acc, (d, r)| acc + d[j] * r);
+                    x_t_[j] - c_b * pred
+                })
+                .collect()
+        };
+        if !corrector {
+            return Ok((x_t, None));
+        }
+        let rhos_c: Vec<f32> = if order == 1 {
+            vec![0.5]
+        } else {
+            solve_small(&r_mat, &b)
+        };
+        let model_t = model_fn(&x_t, t)?;
+        let rc_last = rhos_c[rhos_c.len() - 1];
+        let out: Vec<f32> = (0..n)
+            .map(|j| {
+                let corr = d1s
+                    .iter()
+                    .zip(&rhos_c)
+                    .fold(0f32, |acc, (d, r)| acc + d[j] * r);
+                let d1_t = model_t[j] - m0[j];
+                x_t_[j] - c_b * (corr + rc_last * d1_t)
+            })
+            .collect();
+        Ok((out, Some(model_t)))
+    };
+    let mut models = vec![model_fn(&x, ts[0])?];
+    let mut t_prev = vec![ts[0]];
+    for si in 0..steps {
+        if si == 0 {
+            // The first model call happened above.
+        } else if si < order {
+            let (nx, mx) = update(&x, &models, &t_prev, ts[si], si, true, &mut model_fn)?;
+            x = nx;
+            let mx = match mx {
+                Some(m) => m,
+                None => model_fn(&x, ts[si])?,
+            };
+            models.push(mx);
+            t_prev.push(ts[si]);
+        } else {
+            let extra = usize::from(si == steps - 1);
+            for (st, &t_st) in ts.iter().enumerate().take(si + extra + 1).skip(si) {
+                let step_order = order.min(steps + 1 - st);
+                let corrector = st != steps;
+                let (nx, mx) = update(
+                    &x,
+                    &models,
+                    &t_prev,
+                    t_st,
+                    step_order,
+                    corrector,
+                    &mut model_fn,
+                )?;
+                x = nx;
+                models.rotate_left(1);
+                t_prev.rotate_left(1);
+                if let Some(last) = t_prev.last_mut() {
+                    *last = t_st;
+                }
+                if st < steps {
+                    let mx = match mx {
+                        Some(m) => m,
+                        None => model_fn(&x, t_st)?,
+                    };
+                    if let Some(last) = models.last_mut() {
+                        *last = mx;
+                    }
+                }
+            }
+        }
+        step(si + 1, steps)?;
+    }
+    let a_end = alpha(ts[steps]);
+    Ok(x.iter().map(|v| v / a_end).collect())
+}
+
+/// torch.pow with a small integer exponent, as its fast paths compute it.
+fn torch_pow_int(x: f32, e: usize) -> f32 {
+    match e {
+        0 => 1.0,
+        1 => x,
+        2 => x * x,
+        3 => x * x * x,
+        _ => x.powi(e as i32),
+    }
 }
 
 /// torch.lerp for f32: from the start below weight 0.5, else from the end.
