@@ -276,6 +276,12 @@ fn custom_sampling_matches_comfyui() {
     matches_on_cpu("tiny_sd1_custom", "tiny_sd1_custom");
 }
 
+/// ModelSamplingDiscrete reading the model as v-prediction.
+#[test]
+fn v_prediction_matches_comfyui() {
+    matches_on_cpu("tiny_sd1_vpred", "tiny_sd1_vpred");
+}
+
 /// The same workflow on the wgpu backend (lavapipe on CI).
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {

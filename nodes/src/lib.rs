@@ -44,6 +44,10 @@ pub fn library() -> NodeLibrary {
     lib.implement("CLIPTextEncode", diffusion::conditioning::ClipTextEncode);
     lib.implement("KSampler", diffusion::ksampler::KSampler);
     lib.implement("KSamplerAdvanced", diffusion::ksampler::KSamplerAdvanced);
+    lib.implement(
+        "ModelSamplingDiscrete",
+        diffusion::ksampler::ModelSamplingDiscrete,
+    );
     lib.implement("KSamplerSelect", diffusion::custom::KSamplerSelect);
     lib.implement("BasicScheduler", diffusion::custom::BasicScheduler);
     lib.implement("KarrasScheduler", diffusion::custom::KarrasScheduler);

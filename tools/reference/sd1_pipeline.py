@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 COMFY = os.environ.get("COMFY_DIR", "/work/comfyfull")
 CKPT = "tiny_sd1.safetensors"
 WORKFLOWS = ["tiny_sd1_txt2img", "tiny_sd1_img2img", "tiny_sd1_ancestral",
-             "tiny_sd1_advanced", "tiny_sd1_cfgpp", "tiny_sd1_custom"]
+             "tiny_sd1_advanced", "tiny_sd1_cfgpp", "tiny_sd1_custom",
+             "tiny_sd1_vpred"]
 
 UNET = dict(in_channels=4, out_channels=4, model_channels=32, channel_mult=[1, 2],
             num_res_blocks=[1, 1], transformer_depth=[1, 1],
@@ -207,7 +208,8 @@ def run_workflow(prompt, nodes, torch):
     SaveLatent captured instead of written."""
     results, saved, latents = {}, [], []
     import comfy_extras.nodes_custom_sampler as custom
-    EXTRA = custom.NODE_CLASS_MAPPINGS
+    import comfy_extras.nodes_model_advanced as advanced
+    EXTRA = {**custom.NODE_CLASS_MAPPINGS, **advanced.NODE_CLASS_MAPPINGS}
 
     def output(nid):
         if nid not in results:

@@ -20,7 +20,7 @@
 //!    from a fresh generator seeded with the seed, as k-diffusion's default
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
-use super::{graph_error, input, run_error, Conditioning, Model};
+use super::{graph_error, input, opaque, run_error, Conditioning, Model, Prediction};
 use crate::models::unet::unet;
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::BUILT_SCHEDULERS;
@@ -402,9 +402,21 @@ pub fn sample(
             for (i, &(ci, ei)) in g.items.iter().enumerate() {
                 let strength = conds[ci].0[ei].strength;
                 let eps = &eps[i * per_item..(i + 1) * per_item];
-                for ((s, e), xv) in sums[ci].iter_mut().zip(eps).zip(x) {
-                    // calculate_denoised: x - eps * sigma.
-                    *s += (xv - e * sigma) * strength;
+                match model.prediction {
+                    Prediction::Eps => {
+                        for ((s, e), xv) in sums[ci].iter_mut().zip(eps).zip(x) {
+                            // calculate_denoised: x - eps * sigma.
+                            *s += (xv - e * sigma) * strength;
+                        }
+                    }
+                    Prediction::V => {
+                        // x·1/(σ²+1) − out·σ·1/sqrt(σ²+1) (sigma_data 1).
+                        let d = sigma * sigma + 1.0;
+                        let r = d.sqrt();
+                        for ((s, v), xv) in sums[ci].iter_mut().zip(eps).zip(x) {
+                            *s += (xv * 1.0 / d - v * sigma * 1.0 / r) * strength;
+                        }
+                    }
                 }
                 counts[ci] += strength;
             }
@@ -475,4 +487,35 @@ pub fn sample(
         .transpose()
         .map_err(NodeError::invalid)?;
     Ok((Tensor::new(shape, out).map_err(NodeError::invalid)?, x0))
+}
+
+/// ComfyUI's ModelSamplingDiscrete: the same model read as another
+/// prediction type (v-prediction SD1/SD2 checkpoints).
+pub struct ModelSamplingDiscrete;
+
+impl NodeImpl for ModelSamplingDiscrete {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let sampling = inputs.string("sampling")?;
+        if inputs.bool("zsnr")? {
+            return Err(NodeError::invalid(
+                "zsnr (zero terminal SNR rescaling) is not supported yet",
+            ));
+        }
+        let prediction = match sampling {
+            "eps" => Prediction::Eps,
+            "v_prediction" => Prediction::V,
+            other => {
+                return Err(NodeError::invalid(format!(
+                    "sampling {other:?} is not supported yet (eps and v_prediction are)"
+                )))
+            }
+        };
+        let mut m = (*model).clone();
+        m.prediction = prediction;
+        Ok(NodeOutput::values(vec![opaque(
+            sdkit_schema::SocketType::Model,
+            m,
+        )]))
+    }
 }

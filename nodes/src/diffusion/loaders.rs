@@ -101,6 +101,7 @@ impl NodeImpl for CheckpointLoaderSimple {
             num_heads: d.num_heads,
             schedule: DiscreteSchedule::sd1(),
             latent_scale: SD1_SCALE,
+            prediction: super::Prediction::Eps,
         };
         let clip = match d.clip {
             Some(cfg) => opaque(

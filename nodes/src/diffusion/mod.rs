@@ -92,8 +92,17 @@ impl ModelFile {
     }
 }
 
-/// MODEL: a denoiser (SD1 UNet, eps prediction) and its noise schedule.
-#[derive(Debug)]
+/// What a denoiser's output means (ComfyUI's model-sampling type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prediction {
+    /// The noise (EPS): denoised = x − out·σ.
+    Eps,
+    /// v (V_PREDICTION): denoised = x/(σ²+1) − out·σ/sqrt(σ²+1).
+    V,
+}
+
+/// MODEL: a denoiser (SD1 UNet) and its noise schedule.
+#[derive(Debug, Clone)]
 pub struct Model {
     pub file: Arc<ModelFile>,
     pub prefix: String,
@@ -102,6 +111,7 @@ pub struct Model {
     pub schedule: DiscreteSchedule,
     /// The latent format's scale factor (SD1: 0.18215).
     pub latent_scale: f32,
+    pub prediction: Prediction,
 }
 
 /// CLIP: a text encoder with its tokenizer and the clip-skip setting.

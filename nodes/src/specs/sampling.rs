@@ -39,6 +39,18 @@ pub(super) fn sampling(v: &mut Vec<NodeSpec>) {
             .returns(T::Latent)
             .build(),
     );
+    // comfy_extras/nodes_model_advanced.py
+    v.push(
+        node("ModelSamplingDiscrete", "advanced/model")
+            .socket("model", T::Model)
+            .combo(
+                "sampling",
+                &["eps", "v_prediction", "lcm", "x0", "img_to_img"],
+            )
+            .boolean("zsnr", false)
+            .returns(T::Model)
+            .build(),
+    );
 }
 
 // --------------------------------------------------------- custom sampling
