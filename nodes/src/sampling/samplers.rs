@@ -1264,35 +1264,18 @@ fn sa_coeffs(sigma_next: f32, lambdas: &[f32], lambda_s: f32, lambda_t: f32, tau
         })
         .collect();
     // Solve Vᵀ a = exp_coeffs with V the Vandermonde matrix of `lambdas`.
-    let mut m: Vec<Vec<f64>> = (0..n)
+    let vt: Vec<Vec<f64>> = (0..n)
         .map(|k| {
-            let mut row: Vec<f64> = lambdas
+            lambdas
                 .iter()
                 .map(|&l| f64::from(l).powi(k as i32))
-                .collect();
-            row.push(f64::from(exp_coeffs[k]));
-            row
+                .collect()
         })
         .collect();
-    for col in 0..n {
-        let piv = (col..n)
-            .max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))
-            .unwrap_or(col);
-        m.swap(col, piv);
-        for r in 0..n {
-            if r != col && m[col][col] != 0.0 {
-                let f = m[r][col] / m[col][col];
-                let pivot_row = m[col].clone();
-                for (v, p) in m[r][col..].iter_mut().zip(&pivot_row[col..]) {
-                    *v -= f * p;
-                }
-            }
-        }
-    }
+    let rhs: Vec<f64> = exp_coeffs.iter().map(|&v| f64::from(v)).collect();
+    let a = solve_small(&vt, &rhs);
     let alpha_t = sigma_next * lambda_t.exp();
-    (0..n)
-        .map(|i| alpha_t * (m[i][n] / m[i][i]) as f32)
-        .collect()
+    a.iter().map(|&v| alpha_t * v as f32).collect()
 }
 
 /// SA-Solver (NeurIPS 2023) as ComfyUI runs it: predictor order 3,
@@ -1413,13 +1396,14 @@ fn sa_solver<E>(
     Ok(x)
 }
 
-/// Solves a small dense system in f64 (torch solves these in f32).
-fn solve_small(a: &[Vec<f32>], b: &[f32]) -> Vec<f32> {
+/// Solves a small dense system in f64 by Gauss–Jordan elimination with
+/// partial pivoting (torch solves these in f32 with LAPACK).
+fn solve_small(a: &[Vec<f64>], b: &[f64]) -> Vec<f64> {
     let n = b.len();
     let mut m: Vec<Vec<f64>> = (0..n)
         .map(|r| {
-            let mut row: Vec<f64> = a[r].iter().map(|&v| f64::from(v)).collect();
-            row.push(f64::from(b[r]));
+            let mut row = a[r].clone();
+            row.push(b[r]);
             row
         })
         .collect();
@@ -1438,7 +1422,17 @@ fn solve_small(a: &[Vec<f32>], b: &[f32]) -> Vec<f32> {
             }
         }
     }
-    (0..n).map(|i| (m[i][n] / m[i][i]) as f32).collect()
+    (0..n).map(|i| m[i][n] / m[i][i]).collect()
+}
+
+/// [`solve_small`] for f32 systems (UniPC's rho coefficients).
+fn solve_small_f32(a: &[Vec<f32>], b: &[f32]) -> Vec<f32> {
+    let a: Vec<Vec<f64>> = a
+        .iter()
+        .map(|r| r.iter().map(|&v| f64::from(v)).collect())
+        .collect();
+    let b: Vec<f64> = b.iter().map(|&v| f64::from(v)).collect();
+    solve_small(&a, &b).into_iter().map(|v| v as f32).collect()
 }
 
 /// A model call inside a sampler: x and sigma to a prediction.
@@ -1539,7 +1533,7 @@ fn uni_pc<E>(
                 .iter()
                 .map(|r| r[..order - 1].to_vec())
                 .collect();
-            solve_small(&sub, &b[..order - 1])
+            solve_small_f32(&sub, &b[..order - 1])
         };
         let c_x = st / sp0;
         let c_m = alpha_t * h_phi_1;
@@ -1564,7 +1558,7 @@ fn uni_pc<E>(
         let rhos_c: Vec<f32> = if order == 1 {
             vec![0.5]
         } else {
-            solve_small(&r_mat, &b)
+            solve_small_f32(&r_mat, &b)
         };
         let model_t = model_fn(&x_t, t)?;
         let rc_last = rhos_c[rhos_c.len() - 1];
