@@ -48,6 +48,12 @@ pub fn library() -> NodeLibrary {
         "ModelSamplingDiscrete",
         diffusion::ksampler::ModelSamplingDiscrete,
     );
+    lib.implement("ModelSamplingSD3", diffusion::ksampler::ModelSamplingSd3);
+    lib.implement(
+        "ModelSamplingAuraFlow",
+        diffusion::ksampler::ModelSamplingAuraFlow,
+    );
+    lib.implement("ModelSamplingFlux", diffusion::ksampler::ModelSamplingFlux);
     lib.implement("KSamplerSelect", diffusion::custom::KSamplerSelect);
     lib.implement("BasicScheduler", diffusion::custom::BasicScheduler);
     lib.implement("KarrasScheduler", diffusion::custom::KarrasScheduler);
@@ -59,6 +65,19 @@ pub fn library() -> NodeLibrary {
     lib.implement("FlipSigmas", diffusion::custom::FlipSigmas);
     lib.implement("SetFirstSigma", diffusion::custom::SetFirstSigma);
     lib.implement("SamplerCustom", diffusion::custom::SamplerCustom);
+    lib.implement(
+        "SamplerCustomAdvanced",
+        diffusion::custom::SamplerCustomAdvanced,
+    );
+    lib.implement("CFGGuider", diffusion::custom::CfgGuider);
+    lib.implement("BasicGuider", diffusion::custom::BasicGuider);
+    lib.implement("RandomNoise", diffusion::custom::RandomNoise);
+    lib.implement("DisableNoise", diffusion::custom::DisableNoise);
+    lib.implement("SplitSigmasDenoise", diffusion::custom::SplitSigmasDenoise);
+    lib.implement(
+        "SamplingPercentToSigma",
+        diffusion::custom::SamplingPercentToSigma,
+    );
     lib.implement(
         "AlignYourStepsScheduler",
         diffusion::custom::AlignYourStepsScheduler,

@@ -4,7 +4,7 @@
 
 use sdkit_nodes::noise::Mt19937;
 use sdkit_nodes::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
-use sdkit_nodes::sampling::samplers::Sampler;
+use sdkit_nodes::sampling::samplers::{Sampler, Space};
 
 fn fixture() -> serde_json::Value {
     let text = std::fs::read_to_string(concat!(
@@ -203,6 +203,7 @@ fn cfg_pp_samplers_match_comfyui() {
         let n = x0.len();
         let got = sampler
             .run_with_uncond(
+                Space::default(),
                 x0.clone(),
                 &sigmas,
                 combined,
@@ -278,4 +279,134 @@ fn scheduler_nodes_match_comfyui() {
             );
         }
     }
+}
+
+/// The model-sampling kinds of fixture section `model_sampling`, built as
+/// the matching nodes build them.
+fn model_sampling_kind(key: &str) -> DiscreteSchedule {
+    match key {
+        "sd3" => DiscreteSchedule::flow(3.0, 1000.0),
+        "aura" => DiscreteSchedule::flow(1.73, 1.0),
+        "flux" => DiscreteSchedule::flux(1.15),
+        "flux_small" => DiscreteSchedule::flux(0.5 + (1.15 - 0.5) / 3840.0 * (64.0 - 256.0)),
+        "lcm" => DiscreteSchedule::distilled(&DiscreteSchedule::sd1()),
+        "zsnr" => DiscreteSchedule::sd1_zsnr(),
+        other => panic!("unknown model sampling {other}"),
+    }
+}
+
+#[test]
+fn model_sampling_kinds_match_comfyui() {
+    let fx = fixture();
+    let close = |what: &str, g: f64, w: f64, tol: f64| {
+        assert!(
+            (g - w).abs() <= tol * w.abs().max(1e-6),
+            "{what}: {g} vs {w}"
+        );
+    };
+    let mut worst = 0f64;
+    for (key, case) in fx["model_sampling"].as_object().expect("model_sampling") {
+        let s = model_sampling_kind(key);
+        assert_eq!(
+            s.sigmas.len() as u64,
+            case["count"].as_u64().expect("count"),
+            "{key}"
+        );
+        let (head, tail) = (floats(&case["sigmas_head"]), floats(&case["sigmas_tail"]));
+        assert_eq!(&s.sigmas[..5], &head[..], "{key} head");
+        assert_eq!(&s.sigmas[s.sigmas.len() - 5..], &tail[..], "{key} tail");
+        for (p, want) in case["percent"].as_object().expect("percent") {
+            let p: f64 = p.parse().expect("percent");
+            let w = want.as_f64().expect("sigma");
+            close(
+                &format!("{key} percent {p}"),
+                s.percent_to_sigma(p),
+                w,
+                1e-12,
+            );
+        }
+        let sigmas_for_t = [0.3f32, 0.9, s.sigmas[7]];
+        for (sig, want) in sigmas_for_t.iter().zip(floats(&case["timestep"])) {
+            assert_eq!(s.timestep(*sig), want, "{key} timestep({sig})");
+        }
+        for name in BUILT_SCHEDULERS {
+            for (steps, want) in case["schedulers"][*name].as_object().expect(name) {
+                let n: usize = steps.parse().expect("steps");
+                let got = s.schedule(name, n).expect("built");
+                let want = floats(want);
+                assert_eq!(
+                    got.len(),
+                    want.len(),
+                    "{key} {name} {n}: {got:?} vs {want:?}"
+                );
+                for (g, w) in got.iter().zip(&want) {
+                    let rel = f64::from((g - w).abs() / w.abs().max(1e-6));
+                    worst = worst.max(rel);
+                    assert!(rel < 2e-6, "{key} {name} {n}: {got:?} vs {want:?}");
+                }
+            }
+        }
+    }
+    eprintln!("model-sampling schedules: worst relative difference {worst:e}");
+}
+
+/// Every sampler in rectified-flow space (SD3's shift-3 schedule from
+/// σ = 1) on the exact denoiser of x = (1 − σ)·x₀ + σ·n, against ComfyUI's
+/// CONST code paths (RF ancestral samplers, logit half-logSNR, the first
+/// sigma offset, flow noise scaling).
+#[test]
+fn samplers_in_flow_space_match_comfyui() {
+    let fx = fixture();
+    let flow = &fx["flow"];
+    assert_eq!(flow["skipped"].as_array().map(Vec::len), Some(0));
+    let x0 = b64(flow["x0"].as_str().expect("x0"));
+    let mu = b64(fx["mu"].as_str().expect("mu"));
+    let mu_u = b64(fx["mu_u"].as_str().expect("mu_u"));
+    let s2 = b64(fx["s2"].as_str().expect("s2"));
+    let cfg = fx["cfg"].as_f64().expect("cfg") as f32;
+    let sigmas = floats(&flow["sigmas"]);
+    let space = Space::of(&DiscreteSchedule::flow(3.0, 1000.0));
+    assert!(space.flow);
+    let exact = |x: &[f32], sigma: f32, m: &[f32]| -> Vec<f32> {
+        let a = 1.0 - sigma;
+        x.iter()
+            .zip(m)
+            .zip(&s2)
+            .map(|((x, m), v)| m + (a * v / (a * a * v + sigma * sigma)) * (x - a * m))
+            .collect()
+    };
+    let mut count = 0;
+    for section in ["samplers", "cfg_pp", "sde"] {
+        for (name, want) in flow[section].as_object().expect(section) {
+            let sampler = Sampler::from_name(name).expect("built");
+            let want = b64(want.as_str().expect("b64"));
+            let last_uncond = std::cell::RefCell::new(None);
+            let model = |x: &[f32], sigma: f32| -> Result<Vec<f32>, ()> {
+                let c = exact(x, sigma, &mu);
+                if section != "cfg_pp" {
+                    return Ok(c);
+                }
+                let u = exact(x, sigma, &mu_u);
+                let out = u.iter().zip(&c).map(|(u, c)| u + (c - u) * cfg).collect();
+                *last_uncond.borrow_mut() = Some(u);
+                Ok(out)
+            };
+            let mut gen = Mt19937::new(42);
+            let n = x0.len();
+            let got = sampler
+                .run_with_uncond(
+                    space,
+                    x0.clone(),
+                    &sigmas,
+                    model,
+                    || last_uncond.borrow().clone(),
+                    || gen.randn(n),
+                    |_, _| Ok(()),
+                )
+                .expect("runs");
+            assert_close(&format!("flow {name}"), &got, &want);
+            count += 1;
+        }
+    }
+    assert!(count >= 36, "only {count} samplers in the flow fixture");
 }

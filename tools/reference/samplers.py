@@ -202,11 +202,147 @@ def main():
         fn = getattr(kd, "sample_" + name)
         x = fn(model, x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True)
         out["samplers"][name] = b64(x)
+    flow_section(out, torch, ms_mod, comfy, kd, shape, mu, s2, mu_u)
     dst = os.path.join(ROOT, "nodes", "tests", "fixtures", "sampling", "samplers.json")
     with open(dst, "w") as f:
         json.dump(out, f)
         f.write("\n")
     print("wrote", dst)
+
+
+FLOW_SCHEDULES = {
+    # name: (model-sampling base, type, set_parameters kwargs)
+    "sd3": ("ModelSamplingDiscreteFlow", "CONST", {"shift": 3.0, "multiplier": 1000}),
+    "aura": ("ModelSamplingDiscreteFlow", "CONST", {"shift": 1.73, "multiplier": 1.0}),
+    "flux": ("ModelSamplingFlux", "CONST", {"shift": 1.15}),
+    "flux_small": ("ModelSamplingFlux", "CONST", {"shift": 0.5 + (1.15 - 0.5) / 3840 * (64 - 256)}),
+}
+
+
+def flow_section(out, torch, ms_mod, comfy, kd, shape, mu, s2, mu_u):
+    """Model-sampling kinds beyond SD1's eps: the flow schedules (SD3,
+    AuraFlow, Flux), LCM's distilled one and zero-terminal-SNR, with every
+    scheduler and percent_to_sigma; then every sampler in flow space on
+    the analytic denoiser of x = (1 - s)·x0 + s·n."""
+    import comfy_extras.nodes_model_advanced as adv
+    kinds = {}
+    for key, (base, typ, params) in FLOW_SCHEDULES.items():
+        cls = type("MS_" + key, (getattr(ms_mod, base), getattr(ms_mod, typ)), {})
+        m = cls()
+        m.set_parameters(**params)
+        kinds[key] = m
+    lcm = type("MS_lcm", (adv.ModelSamplingDiscreteDistilled, adv.LCM), {})()
+    kinds["lcm"] = lcm
+    zsnr = type("MS_zsnr", (ms_mod.ModelSamplingDiscrete, ms_mod.EPS), {})(zsnr=True)
+    kinds["zsnr"] = zsnr
+    sched = {}
+    for key, m in kinds.items():
+        sched[key] = {
+            "sigmas_head": [float(v) for v in m.sigmas[:5]],
+            "sigmas_tail": [float(v) for v in m.sigmas[-5:]],
+            "count": int(len(m.sigmas)),
+            "percent": {str(p): float(m.percent_to_sigma(p)) for p in [0.0, 1e-4, 0.2, 0.5, 0.8, 1.0]},
+            "timestep": [float(m.timestep(torch.tensor(v))) for v in [0.3, 0.9, float(m.sigmas[7])]],
+            "schedulers": {},
+        }
+        for name in SCHEDULERS:
+            sched[key]["schedulers"][name] = {
+                str(n): [float(v) for v in comfy.samplers.calculate_sigmas(m, name, n).float()]
+                for n in [2, 4, 5, 6, 10, 33] if not (name == "kl_optimal" and n == 1)
+            }
+    out["model_sampling"] = sched
+
+    ms = kinds["sd3"]
+    sigmas = comfy.samplers.calculate_sigmas(ms, "simple", 10).float()
+    assert float(sigmas[0]) == 1.0
+
+    class Model:
+        """A CONST model: k-diffusion finds its model_sampling through the
+        wrapper chain; the denoiser is the exact one for flow noising."""
+        def __init__(self, cfg=None):
+            self.inner_model = self
+            self.model_patcher = self
+            self.model_sampling = ms
+            self.cfg = cfg
+
+        def get_model_object(self, name):
+            return ms
+
+        @staticmethod
+        def exact(x, sigma, m):
+            a = 1 - sigma
+            return m + (a * s2 / (a * a * s2 + sigma * sigma)) * (x - a * m)
+
+        def __call__(self, x, sigma, model_options=None, **kwargs):
+            sigma = sigma.reshape(-1, 1, 1, 1)
+            cond = self.exact(x, sigma, mu)
+            if self.cfg is None:
+                return cond
+            uncond = self.exact(x, sigma, mu_u)
+            o = uncond + (cond - uncond) * self.cfg
+            for fn in (model_options or {}).get("sampler_post_cfg_function", []):
+                o = fn({"denoised": o, "cond_denoised": cond, "uncond_denoised": uncond,
+                        "sigma": sigma, "input": x, "model": None, "model_options": model_options,
+                        "cond": None, "uncond": None, "cond_scale": self.cfg})
+            return o
+
+    torch.manual_seed(1)
+    x0 = torch.randn(shape)
+    flow = {"x0": b64(x0), "sigmas": [float(v) for v in sigmas], "samplers": {}, "cfg_pp": {}, "sde": {}}
+    skipped = []
+
+    def keep(section, name, x):
+        if torch.isfinite(x).all():
+            flow[section][name] = b64(x)
+        else:
+            skipped.append(name)
+
+    for name in SAMPLERS + ["gradient_estimation"]:
+        x = getattr(kd, "sample_" + name)(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
+                                          disable=True)
+        keep("samplers", name, x)
+    for name in ["dpm_fast", "dpm_adaptive"]:
+        ks = comfy.samplers.ksampler(name)
+        # dpm_fast/adaptive need sigma_min > 0 and take the range only.
+        x = ks.sampler_function(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
+                                callback=None, disable=True)
+        keep("samplers", name, x)
+    from comfy.extra_samplers import uni_pc
+    for name, fn in [("uni_pc", uni_pc.sample_unipc), ("uni_pc_bh2", uni_pc.sample_unipc_bh2)]:
+        keep("samplers", name, fn(Model(), x0.clone(), sigmas.clone(), extra_args={"seed": SEED},
+                                  disable=True))
+    for name in CFG_PP + ["gradient_estimation_cfg_pp"]:
+        x = getattr(kd, "sample_" + name)(Model(CFG_SCALE), x0.clone(), sigmas,
+                                          extra_args={"seed": SEED}, disable=True)
+        keep("cfg_pp", name, x)
+    for name in ["dpmpp_2m_sde", "dpmpp_2m_sde_heun", "dpmpp_3m_sde"]:
+        g = torch.Generator().manual_seed(SEED)
+        ns = lambda a, b: torch.randn(shape, generator=g)
+        x = getattr(kd, "sample_" + name)(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
+                                          disable=True, noise_sampler=ns)
+        keep("sde", name, x)
+    class PairNoise:
+        """dpmpp_sde's two queries per step as sdkit draws them (see main)."""
+        def __init__(self):
+            self.g = torch.Generator().manual_seed(SEED)
+            self.pending = None
+
+        def __call__(self, s0, s1):
+            if self.pending is None:
+                za = torch.randn(shape, generator=self.g)
+                zb = torch.randn(shape, generator=self.g)
+                self.pending = (za, zb, float(s0 - s1), s1)
+                return za
+            za, zb, w1, s_1 = self.pending
+            self.pending = None
+            w2 = float(s_1 - s1)
+            ka, kb = math.sqrt(w1 / (w1 + w2)), math.sqrt(w2 / (w1 + w2))
+            return ka * za + kb * zb
+
+    keep("sde", "dpmpp_sde", kd.sample_dpmpp_sde(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
+                                                disable=True, noise_sampler=PairNoise()))
+    flow["skipped"] = skipped
+    out["flow"] = flow
 
 
 if __name__ == "__main__":

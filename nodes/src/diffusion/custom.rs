@@ -170,7 +170,7 @@ impl NodeImpl for SamplerCustom {
             ctx,
             &model,
             &positive,
-            &negative,
+            Some(&negative),
             latent,
             add_noise.then_some(seed),
             seed,
@@ -188,6 +188,172 @@ impl NodeImpl for SamplerCustom {
         let out = wrap(samples.clone());
         let denoised = x0.map_or_else(|| out.clone(), wrap);
         Ok(NodeOutput::values(vec![out, denoised]))
+    }
+}
+
+/// NOISE: where SamplerCustomAdvanced's initial noise comes from; the
+/// seed also seeds the sampler's own noise (DisableNoise's is 0).
+#[derive(Debug, Clone, Copy)]
+pub enum NoiseSource {
+    Random(u64),
+    Disabled,
+}
+
+/// GUIDER: the model and conditioning SamplerCustomAdvanced denoises
+/// with (CFGGuider; BasicGuider has no negative and cfg 1).
+#[derive(Debug, Clone)]
+pub struct Guider {
+    pub model: Arc<Model>,
+    pub positive: Arc<Conditioning>,
+    pub negative: Option<Arc<Conditioning>>,
+    pub cfg: f64,
+}
+
+fn seed_input(inputs: &Inputs, name: &str) -> Result<u64, NodeError> {
+    let seed = inputs.int(name)?;
+    u64::try_from(seed).map_err(|_| NodeError::invalid(format!("seed {seed} is out of range")))
+}
+
+/// RandomNoise: the seeded torch-compatible noise of KSampler.
+pub struct RandomNoise;
+
+impl NodeImpl for RandomNoise {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let seed = seed_input(inputs, "noise_seed")?;
+        Ok(NodeOutput::values(vec![opaque(
+            SocketType::Noise,
+            NoiseSource::Random(seed),
+        )]))
+    }
+}
+
+/// DisableNoise: zeros (for a latent that carries its noise already).
+pub struct DisableNoise;
+
+impl NodeImpl for DisableNoise {
+    fn execute(&self, _ctx: &NodeContext, _inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        Ok(NodeOutput::values(vec![opaque(
+            SocketType::Noise,
+            NoiseSource::Disabled,
+        )]))
+    }
+}
+
+/// CFGGuider: classifier-free guidance between two conditionings.
+pub struct CfgGuider;
+
+impl NodeImpl for CfgGuider {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let guider = Guider {
+            model: input(inputs, "model", "MODEL")?,
+            positive: input(inputs, "positive", "CONDITIONING")?,
+            negative: Some(input(inputs, "negative", "CONDITIONING")?),
+            cfg: inputs.float("cfg")?,
+        };
+        Ok(NodeOutput::values(vec![opaque(SocketType::Guider, guider)]))
+    }
+}
+
+/// BasicGuider: the conditioning alone (cfg 1, no negative).
+pub struct BasicGuider;
+
+impl NodeImpl for BasicGuider {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let guider = Guider {
+            model: input(inputs, "model", "MODEL")?,
+            positive: input(inputs, "conditioning", "CONDITIONING")?,
+            negative: None,
+            cfg: 1.0,
+        };
+        Ok(NodeOutput::values(vec![opaque(SocketType::Guider, guider)]))
+    }
+}
+
+/// SamplerCustomAdvanced: SamplerCustom with the noise and the guidance
+/// as separate inputs.
+pub struct SamplerCustomAdvanced;
+
+impl NodeImpl for SamplerCustomAdvanced {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let noise: Arc<NoiseSource> = input(inputs, "noise", "NOISE")?;
+        let guider: Arc<Guider> = input(inputs, "guider", "GUIDER")?;
+        let sampler: Arc<Sampler> = input(inputs, "sampler", "SAMPLER")?;
+        let sigmas: Arc<Sigmas> = input(inputs, "sigmas", "SIGMAS")?;
+        let latent = inputs.latent("latent_image")?;
+        if latent.noise_mask.is_some() {
+            return Err(NodeError::invalid(
+                "latents with a noise mask (inpainting) are not supported yet",
+            ));
+        }
+        let (noise_seed, seed) = match *noise {
+            NoiseSource::Random(s) => (Some(s), s),
+            NoiseSource::Disabled => (None, 0),
+        };
+        let (samples, x0) = sample(
+            ctx,
+            &guider.model,
+            &guider.positive,
+            guider.negative.as_deref(),
+            latent,
+            noise_seed,
+            seed,
+            guider.cfg,
+            *sampler,
+            &sigmas.0,
+        )?;
+        let wrap = |samples| {
+            Value::Latent(Arc::new(Latent {
+                samples,
+                batch_index: latent.batch_index.clone(),
+                noise_mask: latent.noise_mask.clone(),
+            }))
+        };
+        let out = wrap(samples.clone());
+        let denoised = x0.map_or_else(|| out.clone(), wrap);
+        Ok(NodeOutput::values(vec![out, denoised]))
+    }
+}
+
+/// SplitSigmasDenoise: the last round(steps · denoise) steps apart from
+/// the rest (Python's slices: the high part ends where the low begins).
+pub struct SplitSigmasDenoise;
+
+impl NodeImpl for SplitSigmasDenoise {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let s: Arc<Sigmas> = input(inputs, "sigmas", "SIGMAS")?;
+        let denoise = inputs.float("denoise")?;
+        let n = s.0.len();
+        let steps = n.saturating_sub(1);
+        // Python's round(): half to even.
+        let total = (steps as f64 * denoise).round_ties_even().max(0.0) as usize;
+        // sigmas[:-total] (empty for total 0) and sigmas[-(total + 1):].
+        let high = if total == 0 {
+            Vec::new()
+        } else {
+            s.0[..n.saturating_sub(total)].to_vec()
+        };
+        let low = s.0[n.saturating_sub(total + 1)..].to_vec();
+        Ok(NodeOutput::values(vec![sigmas_out(high), sigmas_out(low)]))
+    }
+}
+
+/// SamplingPercentToSigma: the model's sigma a fraction of the way
+/// through sampling.
+pub struct SamplingPercentToSigma;
+
+impl NodeImpl for SamplingPercentToSigma {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let p = inputs.float("sampling_percent")?;
+        let mut sigma = model.schedule.percent_to_sigma(p);
+        if inputs.bool("return_actual_sigma")? {
+            if p == 0.0 {
+                sigma = f64::from(model.schedule.sigma_max());
+            } else if p == 1.0 {
+                sigma = f64::from(model.schedule.sigma_min());
+            }
+        }
+        Ok(NodeOutput::values(vec![Value::Float(sigma)]))
     }
 }
 

@@ -23,8 +23,8 @@
 use super::{graph_error, input, opaque, run_error, Conditioning, Model, Prediction};
 use crate::models::unet::unet;
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
-use crate::sampling::discrete::BUILT_SCHEDULERS;
-use crate::sampling::samplers::Sampler;
+use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
+use crate::sampling::samplers::{Sampler, Space};
 use sdkit_engine::plan::{plan, Program};
 use sdkit_engine::runtime::Session;
 use sdkit_engine::tensor::GraphBuilder;
@@ -217,7 +217,7 @@ fn common_ksampler(
         ctx,
         &model,
         &positive,
-        &negative,
+        Some(&negative),
         latent,
         s.add_noise.then_some(s.seed),
         s.seed,
@@ -263,7 +263,7 @@ pub fn sample(
     ctx: &NodeContext,
     model: &Model,
     positive: &Conditioning,
-    negative: &Conditioning,
+    negative: Option<&Conditioning>,
     latent: &Latent,
     noise_seed: Option<u64>,
     seed: u64,
@@ -311,10 +311,17 @@ pub fn sample(
     } else {
         s0
     };
+    let flow = model.prediction == Prediction::Flow;
     let x0: Vec<f32> = noise
         .iter()
         .zip(&latent_in)
-        .map(|(n, l)| n * k + l)
+        .map(|(n, l)| {
+            if flow {
+                s0 * n + (1.0 - s0) * l
+            } else {
+                n * k + l
+            }
+        })
         .collect();
 
     // math.isclose(cfg, 1.0): ComfyUI skips the negative prediction then.
@@ -323,10 +330,12 @@ pub fn sample(
     // disable_cfg1_optimization).
     let use_uncond = !cfg_is_one || sampler.needs_uncond();
     let last_uncond: std::cell::RefCell<Option<Vec<f32>>> = std::cell::RefCell::new(None);
-    let conds: Vec<&Conditioning> = if use_uncond {
-        vec![positive, negative]
-    } else {
-        vec![positive]
+    // Without a negative (BasicGuider) the unconditional prediction is
+    // ComfyUI's empty sum: zeros.
+    let slots = if use_uncond { 2 } else { 1 };
+    let conds: Vec<&Conditioning> = match negative {
+        Some(n) if use_uncond => vec![positive, n],
+        _ => vec![positive],
     };
     let dim = positive.0[0].cross_attn.dim(2);
     for c in &conds {
@@ -381,12 +390,16 @@ pub fn sample(
     let total = sigmas.len() - 1;
     let denoise = |x: &[f32], sigma: f32| -> Result<Vec<f32>, NodeError> {
         ctx.check_cancel()?;
-        let c_in = (sigma * sigma + 1.0).sqrt();
-        let xin: Vec<f32> = x.iter().map(|v| v / c_in).collect();
+        let c_in = model.prediction.input_divisor(sigma);
+        let xin: Vec<f32> = if c_in == 1.0 {
+            x.to_vec()
+        } else {
+            x.iter().map(|v| v / c_in).collect()
+        };
         let t = model.schedule.timestep(sigma);
         // Per conditioning: Σ pred·strength and 1e-37 + Σ strength.
-        let mut sums = vec![vec![0f32; per_item]; conds.len()];
-        let mut counts = vec![1e-37f32; conds.len()];
+        let mut sums = vec![vec![0f32; per_item]; slots];
+        let mut counts = vec![1e-37f32; slots];
         for ((g, session), context) in groups.iter().zip(sessions.iter_mut()).zip(&contexts) {
             let n = g.items.len();
             let mut xs = Vec::with_capacity(n * per_item);
@@ -402,22 +415,9 @@ pub fn sample(
             for (i, &(ci, ei)) in g.items.iter().enumerate() {
                 let strength = conds[ci].0[ei].strength;
                 let eps = &eps[i * per_item..(i + 1) * per_item];
-                match model.prediction {
-                    Prediction::Eps => {
-                        for ((s, e), xv) in sums[ci].iter_mut().zip(eps).zip(x) {
-                            // calculate_denoised: x - eps * sigma.
-                            *s += (xv - e * sigma) * strength;
-                        }
-                    }
-                    Prediction::V => {
-                        // x·1/(σ²+1) − out·σ·1/sqrt(σ²+1) (sigma_data 1).
-                        let d = sigma * sigma + 1.0;
-                        let r = d.sqrt();
-                        for ((s, v), xv) in sums[ci].iter_mut().zip(eps).zip(x) {
-                            *s += (xv * 1.0 / d - v * sigma * 1.0 / r) * strength;
-                        }
-                    }
-                }
+                model
+                    .prediction
+                    .accumulate(&mut sums[ci], eps, x, sigma, t, strength);
                 counts[ci] += strength;
             }
         }
@@ -453,6 +453,7 @@ pub fn sample(
         Ok(out)
     };
     let x = sampler.run_with_uncond(
+        Space::of(&model.schedule),
         x0,
         sigmas,
         denoise,
@@ -480,7 +481,14 @@ pub fn sample(
             uploaded_bytes: ctx.runtime.bytes_uploaded() - before_prepare,
         });
     }
-    let out: Vec<f32> = x.iter().map(|v| v / scale).collect();
+    // inverse_noise_scaling: a flow latent ending short of σ = 0 is
+    // divided by (1 − σ_last).
+    let last = sigmas[sigmas.len() - 1];
+    let out: Vec<f32> = if flow {
+        x.iter().map(|v| v / (1.0 - last) / scale).collect()
+    } else {
+        x.iter().map(|v| v / scale).collect()
+    };
     let x0 = step_x0
         .into_inner()
         .map(|d| Tensor::new(shape.clone(), d.iter().map(|v| v / scale).collect()))
@@ -490,32 +498,104 @@ pub fn sample(
 }
 
 /// ComfyUI's ModelSamplingDiscrete: the same model read as another
-/// prediction type (v-prediction SD1/SD2 checkpoints).
+/// prediction type (v-prediction SD1/SD2 checkpoints, LCM, x0), on the
+/// model's discrete schedule, optionally rescaled to zero terminal SNR.
 pub struct ModelSamplingDiscrete;
 
 impl NodeImpl for ModelSamplingDiscrete {
     fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let model: Arc<Model> = input(inputs, "model", "MODEL")?;
         let sampling = inputs.string("sampling")?;
-        if inputs.bool("zsnr")? {
-            return Err(NodeError::invalid(
-                "zsnr (zero terminal SNR rescaling) is not supported yet",
-            ));
-        }
-        let prediction = match sampling {
-            "eps" => Prediction::Eps,
-            "v_prediction" => Prediction::V,
+        // The schedule comes from the model's config (every loadable
+        // family so far uses SD1's), not from an earlier patch.
+        let base = if inputs.bool("zsnr")? {
+            DiscreteSchedule::sd1_zsnr()
+        } else {
+            DiscreteSchedule::sd1()
+        };
+        let (prediction, schedule) = match sampling {
+            "eps" => (Prediction::Eps, base),
+            "v_prediction" => (Prediction::V, base),
+            "lcm" => (Prediction::Lcm, DiscreteSchedule::distilled(&base)),
+            "x0" => (Prediction::X0, base),
+            "img_to_img" => (Prediction::ImgToImg, base),
             other => {
                 return Err(NodeError::invalid(format!(
-                    "sampling {other:?} is not supported yet (eps and v_prediction are)"
+                    "sampling {other:?} is not one of eps, v_prediction, lcm, x0, img_to_img"
                 )))
             }
         };
-        let mut m = (*model).clone();
-        m.prediction = prediction;
-        Ok(NodeOutput::values(vec![opaque(
-            sdkit_schema::SocketType::Model,
-            m,
-        )]))
+        patched(&model, prediction, schedule)
+    }
+}
+
+fn patched(
+    model: &Model,
+    prediction: Prediction,
+    schedule: DiscreteSchedule,
+) -> Result<NodeOutput, NodeError> {
+    let mut m = model.clone();
+    m.prediction = prediction;
+    m.schedule = schedule;
+    Ok(NodeOutput::values(vec![opaque(
+        sdkit_schema::SocketType::Model,
+        m,
+    )]))
+}
+
+fn shift_input(inputs: &Inputs, name: &str) -> Result<f64, NodeError> {
+    let v = inputs.float(name)?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(NodeError::invalid(format!(
+            "{name} must be a finite number ≥ 0, got {v}"
+        )));
+    }
+    Ok(v)
+}
+
+/// ComfyUI's ModelSamplingSD3: rectified-flow sampling with `shift`
+/// (timestep = σ·1000).
+pub struct ModelSamplingSd3;
+
+impl NodeImpl for ModelSamplingSd3 {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let shift = shift_input(inputs, "shift")?;
+        patched(
+            &model,
+            Prediction::Flow,
+            DiscreteSchedule::flow(shift, 1000.0),
+        )
+    }
+}
+
+/// ComfyUI's ModelSamplingAuraFlow: as ModelSamplingSD3 with timestep = σ.
+pub struct ModelSamplingAuraFlow;
+
+impl NodeImpl for ModelSamplingAuraFlow {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let shift = shift_input(inputs, "shift")?;
+        patched(&model, Prediction::Flow, DiscreteSchedule::flow(shift, 1.0))
+    }
+}
+
+/// ComfyUI's ModelSamplingFlux: the shift grows linearly with the image's
+/// token count, from `base_shift` at 256 tokens to `max_shift` at 4096.
+pub struct ModelSamplingFlux;
+
+impl NodeImpl for ModelSamplingFlux {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let (max_shift, base_shift) = (
+            shift_input(inputs, "max_shift")?,
+            shift_input(inputs, "base_shift")?,
+        );
+        let (w, h) = (inputs.float("width")?, inputs.float("height")?);
+        let (x1, x2) = (256.0, 4096.0);
+        let mm = (max_shift - base_shift) / (x2 - x1);
+        let b = base_shift - mm * x1;
+        let shift = (w * h / (8.0 * 8.0 * 2.0 * 2.0)) * mm + b;
+        patched(&model, Prediction::Flow, DiscreteSchedule::flux(shift))
     }
 }

@@ -92,13 +92,79 @@ impl ModelFile {
     }
 }
 
-/// What a denoiser's output means (ComfyUI's model-sampling type).
+/// What a denoiser's output means (ComfyUI's model-sampling type). All
+/// but `Flow` take x/sqrt(σ²+1) as input and noise as x₀ + σ·n.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prediction {
     /// The noise (EPS): denoised = x − out·σ.
     Eps,
     /// v (V_PREDICTION): denoised = x/(σ²+1) − out·σ/sqrt(σ²+1).
     V,
+    /// LCM's consistency parameterisation over eps: denoised =
+    /// c_out·(x − out·σ) + c_skip·x, from the timestep (× 10).
+    Lcm,
+    /// The clean latent itself (X0): denoised = out.
+    X0,
+    /// X0 without input scaling (IMG_TO_IMG).
+    ImgToImg,
+    /// Rectified flow (CONST; SD3, Flux): input x, noise (1 − σ)·x₀ + σ·n,
+    /// denoised = x − out·σ.
+    Flow,
+}
+
+impl Prediction {
+    /// The divisor of the model input (ComfyUI's `calculate_input`).
+    pub fn input_divisor(self, sigma: f32) -> f32 {
+        match self {
+            Prediction::Flow | Prediction::ImgToImg => 1.0,
+            _ => (sigma * sigma + 1.0).sqrt(),
+        }
+    }
+
+    /// Adds `strength` × the denoised estimate of output `out` for input
+    /// `x` at `sigma` (timestep `t`) to `acc` (ComfyUI's
+    /// `calculate_denoised`, in its operation order).
+    pub fn accumulate(
+        self,
+        acc: &mut [f32],
+        out: &[f32],
+        x: &[f32],
+        sigma: f32,
+        t: f32,
+        strength: f32,
+    ) {
+        let it = acc.iter_mut().zip(out).zip(x);
+        match self {
+            Prediction::Eps | Prediction::Flow => {
+                for ((a, o), xv) in it {
+                    *a += (xv - o * sigma) * strength;
+                }
+            }
+            Prediction::V => {
+                // x·1/(σ²+1) − out·σ·1/sqrt(σ²+1) (sigma_data 1).
+                let d = sigma * sigma + 1.0;
+                let r = d.sqrt();
+                for ((a, o), xv) in it {
+                    *a += (xv * 1.0 / d - o * sigma * 1.0 / r) * strength;
+                }
+            }
+            Prediction::Lcm => {
+                // sigma_data 0.5, timestep scaling 10.
+                let ts = t * 10.0;
+                let c_skip = 0.25 / (ts * ts + 0.25);
+                let c_out = ts / (ts * ts + 0.25).sqrt();
+                for ((a, o), xv) in it {
+                    let x0 = xv - o * sigma;
+                    *a += (c_out * x0 + c_skip * xv) * strength;
+                }
+            }
+            Prediction::X0 | Prediction::ImgToImg => {
+                for (a, o) in acc.iter_mut().zip(out) {
+                    *a += o * strength;
+                }
+            }
+        }
+    }
 }
 
 /// MODEL: a denoiser (SD1 UNet) and its noise schedule.

@@ -1,13 +1,44 @@
-//! ComfyUI's `ModelSamplingDiscrete` (eps prediction) and the `normal` and
-//! `karras` schedulers, computed as ComfyUI computes them: betas in f64
-//! from a scaled-linear schedule, sigmas and log-sigmas stored as f32,
-//! sigma↔timestep by nearest log-sigma and log-space interpolation in f32.
+//! The model's noise schedule as ComfyUI's model-sampling objects define
+//! it, and ComfyUI's schedulers over it. Every kind keeps a table of
+//! sigmas (what `simple`, `beta` and `ddim_uniform` index); they differ in
+//! how a sigma maps to the timestep the model is fed:
+//! - ModelSamplingDiscrete (eps/v SD models): betas in f64 from a
+//!   scaled-linear schedule, sigmas and log-sigmas stored as f32, sigma ↔
+//!   timestep by nearest log-sigma and log-space interpolation in f32;
+//! - ModelSamplingDiscreteDistilled (LCM): 50 of those sigmas, timesteps
+//!   on a 20-step grid;
+//! - ModelSamplingDiscreteFlow (SD3, AuraFlow) and ModelSamplingFlux:
+//!   rectified-flow sigmas in [0, 1] from a shift formula, timestep σ ×
+//!   multiplier.
 
-/// The discrete noise schedule of an eps/v-prediction model.
+/// How a schedule maps sigmas to model timesteps.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mapping {
+    /// Index of the nearest log-sigma; log-linear interpolation back.
+    LogSigma,
+    /// LCM's distilled table: timestep = index · skip + skip − 1.
+    Distilled { skip: usize },
+    /// ModelSamplingDiscreteFlow: t = σ · multiplier, σ(t) =
+    /// shift·u / (1 + (shift − 1)·u) with u = t / multiplier.
+    Flow { shift: f64, multiplier: f64 },
+    /// ModelSamplingFlux: t = σ, σ(t) = e^shift / (e^shift + 1/t − 1).
+    Flux { shift: f64 },
+}
+
+/// A model's noise schedule (its sigma table and timestep mapping).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DiscreteSchedule {
     pub sigmas: Vec<f32>,
     pub log_sigmas: Vec<f32>,
+    pub mapping: Mapping,
+}
+
+/// ComfyUI's `time_snr_shift` in Python floats.
+pub fn time_snr_shift(shift: f64, t: f64) -> f64 {
+    if shift == 1.0 {
+        return t;
+    }
+    shift * t / (1.0 + (shift - 1.0) * t)
 }
 
 /// torch.linspace's formula: the first half counts up from `start`, the
@@ -51,26 +82,138 @@ impl DiscreteSchedule {
     /// ldm's "linear" (scaled-linear) beta schedule: betas are the squares
     /// of a linspace between the square roots of the ends.
     pub fn scaled_linear(timesteps: usize, linear_start: f64, linear_end: f64) -> Self {
+        Self::from_f64(Self::scaled_linear_f64(timesteps, linear_start, linear_end))
+    }
+
+    fn scaled_linear_f64(timesteps: usize, linear_start: f64, linear_end: f64) -> Vec<f64> {
         let betas: Vec<f64> = linspace_f64(linear_start.sqrt(), linear_end.sqrt(), timesteps)
             .into_iter()
             .map(|b| b * b)
             .collect();
         let mut cumprod = 1.0f64;
-        let mut sigmas = Vec::with_capacity(timesteps);
-        let mut log_sigmas = Vec::with_capacity(timesteps);
-        for b in betas {
-            cumprod *= 1.0 - b;
-            let s = ((1.0 - cumprod) / cumprod).sqrt();
-            sigmas.push(s as f32);
+        betas
+            .into_iter()
+            .map(|b| {
+                cumprod *= 1.0 - b;
+                ((1.0 - cumprod) / cumprod).sqrt()
+            })
+            .collect()
+    }
+
+    fn from_f64(sigmas: Vec<f64>) -> Self {
+        DiscreteSchedule {
+            sigmas: sigmas.iter().map(|&s| s as f32).collect(),
             // ComfyUI takes the log of the f64 sigmas, then stores f32.
-            log_sigmas.push(s.ln() as f32);
+            log_sigmas: sigmas.iter().map(|s| s.ln() as f32).collect(),
+            mapping: Mapping::LogSigma,
         }
-        DiscreteSchedule { sigmas, log_sigmas }
     }
 
     /// SD1.x/SD2.x: 1000 steps, betas 0.00085 → 0.012.
     pub fn sd1() -> Self {
         Self::scaled_linear(1000, 0.00085, 0.012)
+    }
+
+    /// SD1's schedule rescaled to zero terminal SNR (ModelSamplingDiscrete's
+    /// `zsnr`; arXiv 2305.08891), in f64 as ComfyUI does it.
+    pub fn sd1_zsnr() -> Self {
+        let sigmas = Self::scaled_linear_f64(1000, 0.00085, 0.012);
+        let sqrt_ab: Vec<f64> = sigmas
+            .iter()
+            .map(|s| (1.0 / (s * s + 1.0)).sqrt())
+            .collect();
+        let (first, last) = (sqrt_ab[0], sqrt_ab[sqrt_ab.len() - 1]);
+        let n = sqrt_ab.len();
+        let rescaled: Vec<f64> = sqrt_ab
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| {
+                let a = (a - last) * (first / (first - last));
+                // ComfyUI pins the last alpha-bar so the sigma stays finite.
+                let ab = if i + 1 == n {
+                    4.897_345_189_085_343_5e-8
+                } else {
+                    a * a
+                };
+                ((1.0 - ab) / ab).sqrt()
+            })
+            .collect();
+        Self::from_f64(rescaled)
+    }
+
+    /// LCM's distilled schedule (ModelSamplingDiscreteDistilled): 50 of
+    /// the base table's sigmas, every 20th from the top.
+    pub fn distilled(base: &DiscreteSchedule) -> Self {
+        let original = 50usize;
+        let n = base.sigmas.len();
+        let skip = (n / original).max(1);
+        let mut sigmas = vec![0f32; original];
+        for x in 0..original {
+            sigmas[original - 1 - x] = base.sigmas[n - 1 - (x * skip).min(n - 1)];
+        }
+        // set_sigmas takes the log of the stored f32 sigmas. torch's
+        // vectorised f32 log rounds 4 of these 50 one ulp away from the
+        // correctly rounded value used here; it only matters when a sigma
+        // lies exactly midway in log space between two table entries (a
+        // timestep on the half-grid, e.g. sgm_uniform with 4 steps), where
+        // ComfyUI's choice of neighbour follows that last bit (and differs
+        // between its CPU and CUDA runs).
+        let log_sigmas = sigmas.iter().map(|s| s.ln()).collect();
+        DiscreteSchedule {
+            sigmas,
+            log_sigmas,
+            mapping: Mapping::Distilled { skip },
+        }
+    }
+
+    /// ModelSamplingDiscreteFlow with `shift` and `multiplier` (SD3: 3.0
+    /// and 1000; AuraFlow: 1.73 and 1): sigmas at t = k/1000 · multiplier.
+    pub fn flow(shift: f64, multiplier: f64) -> Self {
+        let mapping = Mapping::Flow { shift, multiplier };
+        let m = multiplier as f32;
+        Self::tabulate(mapping, 1000, |k| (k as f32 / 1000.0) * m)
+    }
+
+    /// ModelSamplingFlux with `shift` (Flux's default 1.15): sigmas at
+    /// t = k/10000.
+    pub fn flux(shift: f64) -> Self {
+        Self::tabulate(Mapping::Flux { shift }, 10000, |k| k as f32 / 10000.0)
+    }
+
+    fn tabulate(mapping: Mapping, n: usize, t: impl Fn(usize) -> f32) -> Self {
+        let mut s = DiscreteSchedule {
+            sigmas: Vec::new(),
+            log_sigmas: Vec::new(),
+            mapping,
+        };
+        s.sigmas = (1..=n).map(|k| s.sigma(t(k))).collect();
+        s.log_sigmas = s.sigmas.iter().map(|v| v.ln()).collect();
+        s
+    }
+
+    /// Whether this is a rectified-flow schedule (ComfyUI's CONST models).
+    pub fn is_flow(&self) -> bool {
+        matches!(self.mapping, Mapping::Flow { .. } | Mapping::Flux { .. })
+    }
+
+    /// ComfyUI's `percent_to_sigma`: the sigma a fraction of the way
+    /// through sampling (0 → the largest, 1 → 0), in Python floats.
+    pub fn percent_to_sigma(&self, percent: f64) -> f64 {
+        if percent <= 0.0 {
+            return if self.is_flow() { 1.0 } else { 999_999_999.9 };
+        }
+        if percent >= 1.0 {
+            return 0.0;
+        }
+        let u = 1.0 - percent;
+        match self.mapping {
+            // ModelSamplingDiscrete's rule, which the distilled one inherits.
+            Mapping::LogSigma | Mapping::Distilled { .. } => {
+                f64::from(self.sigma((u * 999.0) as f32))
+            }
+            Mapping::Flow { shift, .. } => time_snr_shift(shift, u),
+            Mapping::Flux { shift } => shift.exp() / (shift.exp() + (1.0 / u - 1.0)),
+        }
     }
 
     pub fn sigma_min(&self) -> f32 {
@@ -81,9 +224,18 @@ impl DiscreteSchedule {
         self.sigmas.last().copied().unwrap_or(0.0)
     }
 
-    /// The timestep fed to the UNet for a sigma: the index of the nearest
-    /// log-sigma (the first on ties).
+    /// The timestep fed to the model for a sigma (discrete: the index of
+    /// the nearest log-sigma, the first on ties).
     pub fn timestep(&self, sigma: f32) -> f32 {
+        match self.mapping {
+            Mapping::LogSigma => self.nearest(sigma) as f32,
+            Mapping::Distilled { skip } => (self.nearest(sigma) * skip + skip - 1) as f32,
+            Mapping::Flow { multiplier, .. } => sigma * multiplier as f32,
+            Mapping::Flux { .. } => sigma,
+        }
+    }
+
+    fn nearest(&self, sigma: f32) -> usize {
         let ls = sigma.ln();
         let mut best = 0;
         let mut best_d = f32::INFINITY;
@@ -94,11 +246,32 @@ impl DiscreteSchedule {
                 best = i;
             }
         }
-        best as f32
+        best
     }
 
-    /// Sigma for a (fractional) timestep, interpolating log-sigmas.
+    /// Sigma for a (fractional) timestep, in f32 as torch computes it.
     pub fn sigma(&self, t: f32) -> f32 {
+        match self.mapping {
+            Mapping::LogSigma => self.interpolate(t),
+            Mapping::Distilled { skip } => self.interpolate((t - (skip - 1) as f32) / skip as f32),
+            Mapping::Flow { shift, multiplier } => {
+                let u = t / multiplier as f32;
+                if shift == 1.0 {
+                    u
+                } else {
+                    shift as f32 * u / (1.0 + (shift - 1.0) as f32 * u)
+                }
+            }
+            Mapping::Flux { shift } => {
+                // torch evaluates `scalar / tensor` as reciprocal · scalar.
+                let e = shift.exp() as f32;
+                let v = (1.0 / t - 1.0).powf(1.0);
+                (1.0 / (e + v)) * e
+            }
+        }
+    }
+
+    fn interpolate(&self, t: f32) -> f32 {
         let n = self.log_sigmas.len();
         if n == 0 {
             return 0.0;
@@ -420,6 +593,13 @@ pub fn beta_ppf(q: f64, a: f64, b: f64) -> f64 {
     }
     if q >= 1.0 {
         return 1.0;
+    }
+    // scipy's inverse (Boost's ibeta_inv) answers the median of ComfyUI's
+    // default Beta(0.6, 0.6) one ulp above 0.5; with an odd number of
+    // table steps (LCM's 49) that decides which sigma `rint` picks, so the
+    // same ulp is kept here for the same schedule.
+    if q == 0.5 && a == 0.6 && b == 0.6 {
+        return 0.500_000_000_000_000_1;
     }
     let (mut lo, mut hi) = (0.0f64, 1.0f64);
     for _ in 0..200 {

@@ -10,7 +10,73 @@
 //! `crate::noise` reproduces. (ComfyUI on a GPU draws from the GPU's
 //! generator, a different stream.)
 
-use super::discrete::linspace_f32;
+use super::discrete::{linspace_f32, DiscreteSchedule};
+use std::borrow::Cow;
+
+/// What sigma means to the samplers that ask (ComfyUI tests the model
+/// sampling for CONST): the variance-exploding σ of eps/v models
+/// (x = x₀ + σ·n), or the rectified-flow σ of SD3/Flux
+/// (x = (1 − σ)·x₀ + σ·n). It changes the half-logSNR λ the SDE and
+/// exponential-integrator samplers step in, and switches the ancestral
+/// samplers to their RF forms.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Space {
+    pub flow: bool,
+    /// percent_to_sigma(1e-4): replaces a first sigma ≥ 1 of a flow model
+    /// for the samplers that take its logit (ComfyUI's
+    /// `offset_first_sigma_for_snr`).
+    pub flow_start: f32,
+    /// percent_to_sigma(0.2) and (0.8): SA-Solver's stochastic interval.
+    pub sa_interval: (f64, f64),
+}
+
+impl Space {
+    pub fn of(schedule: &DiscreteSchedule) -> Space {
+        Space {
+            flow: schedule.is_flow(),
+            flow_start: schedule.percent_to_sigma(1e-4) as f32,
+            sa_interval: (
+                schedule.percent_to_sigma(0.2),
+                schedule.percent_to_sigma(0.8),
+            ),
+        }
+    }
+
+    /// Half-logSNR log(α/σ): −log σ, or −logit σ for flow.
+    pub fn lambda(self, sigma: f32) -> f32 {
+        if self.flow {
+            -(sigma / (1.0 - sigma)).ln()
+        } else {
+            -sigma.ln()
+        }
+    }
+
+    /// The inverse of [`Space::lambda`].
+    pub fn sigma(self, lambda: f32) -> f32 {
+        if self.flow {
+            1.0 / (1.0 + lambda.exp())
+        } else {
+            (-lambda).exp()
+        }
+    }
+
+    fn offset_first<'a>(self, sigmas: &'a [f32]) -> Cow<'a, [f32]> {
+        if self.flow && sigmas.len() > 1 && sigmas[0] >= 1.0 {
+            let mut v = sigmas.to_vec();
+            v[0] = self.flow_start;
+            Cow::Owned(v)
+        } else {
+            Cow::Borrowed(sigmas)
+        }
+    }
+}
+
+impl Default for Space {
+    /// SD1's eps schedule.
+    fn default() -> Self {
+        Space::of(&DiscreteSchedule::sd1())
+    }
+}
 
 /// A sampler by ComfyUI name (`_gpu` names alias their base; `ddim` is
 /// Euler, as in ComfyUI).
@@ -188,14 +254,34 @@ impl Sampler {
         noise: impl FnMut() -> Vec<f32>,
         step: impl FnMut(usize, usize) -> Result<(), E>,
     ) -> Result<Vec<f32>, E> {
-        self.run_with_uncond(x, sigmas, denoise, || None, noise, step)
+        let space = Space::default();
+        self.run_with_uncond(space, x, sigmas, denoise, || None, noise, step)
     }
 
-    /// [`Sampler::run`] for CFG++ samplers: `uncond()` returns the
-    /// unconditional prediction of the latest `denoise` call (zeros where
-    /// the caller has none).
+    /// Samplers that step in half-logSNR and so move a flow model's first
+    /// sigma of 1 (infinite logit) just below it.
+    fn offsets_first_sigma(self) -> bool {
+        matches!(
+            self,
+            Sampler::DpmPpSde
+                | Sampler::DpmPp2mSde
+                | Sampler::DpmPp2mSdeHeun
+                | Sampler::DpmPp3mSde
+                | Sampler::ErSde
+                | Sampler::Seeds2
+                | Sampler::Seeds3
+                | Sampler::SaSolver
+                | Sampler::SaSolverPece
+        )
+    }
+
+    /// [`Sampler::run`] in a model's sigma `space`, for CFG++ samplers
+    /// too: `uncond()` returns the unconditional prediction of the latest
+    /// `denoise` call (zeros where the caller has none).
+    #[allow(clippy::too_many_arguments)]
     pub fn run_with_uncond<E>(
         self,
+        space: Space,
         x: Vec<f32>,
         sigmas: &[f32],
         mut denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
@@ -214,9 +300,14 @@ impl Sampler {
         if matches!(self, Sampler::UniPc | Sampler::UniPcBh2) {
             return uni_pc(x, sigmas, self == Sampler::UniPcBh2, denoise, step);
         }
+        let sigmas: &[f32] = &if self.offsets_first_sigma() {
+            space.offset_first(sigmas)
+        } else {
+            Cow::Borrowed(sigmas)
+        };
         if matches!(self, Sampler::SaSolver | Sampler::SaSolverPece) {
             let pece = self == Sampler::SaSolverPece;
-            return sa_solver(x, sigmas, pece, denoise, noise, step);
+            return sa_solver(space, x, sigmas, pece, denoise, noise, step);
         }
         let n = sigmas.len().saturating_sub(1);
         let mut x = x;
@@ -236,6 +327,11 @@ impl Sampler {
             let (s, s_next) = (sigmas[i], sigmas[i + 1]);
             let denoised = denoise(&x, s)?;
             match self {
+                Sampler::EulerAncestral | Sampler::Dpm2Ancestral | Sampler::DpmPp2sAncestral
+                    if space.flow =>
+                {
+                    x = self.rf_ancestral_step(x, denoised, s, s_next, &mut denoise, &mut noise)?;
+                }
                 Sampler::Euler => {
                     let dt = s_next - s;
                     for (xv, dv) in x.iter_mut().zip(&denoised) {
@@ -380,10 +476,15 @@ impl Sampler {
                 Sampler::Lcm => {
                     x = denoised;
                     if s_next > 0.0 {
-                        // The model's noise_scaling (eps): noise · σ + x.
+                        // The model's noise_scaling: noise · σ + x, or for
+                        // flow σ · noise + (1 − σ) · x.
                         let z = noise();
                         for (xv, zv) in x.iter_mut().zip(&z) {
-                            *xv += zv * s_next;
+                            *xv = if space.flow {
+                                s_next * zv + (1.0 - s_next) * *xv
+                            } else {
+                                *xv + zv * s_next
+                            };
                         }
                     }
                 }
@@ -505,12 +606,12 @@ impl Sampler {
                     old_sigma_down = down;
                 }
                 Sampler::DpmPp2mSde | Sampler::DpmPp2mSdeHeun | Sampler::DpmPp3mSde => {
-                    // eta = 1, s_noise = 1; lambda = −log σ (eps models).
+                    // eta = 1, s_noise = 1.
                     let mut h = None;
                     if s_next == 0.0 {
                         x = denoised.clone();
                     } else {
-                        let (ls, lt) = (-s.ln(), -s_next.ln());
+                        let (ls, lt) = (space.lambda(s), space.lambda(s_next));
                         let hv = lt - ls;
                         h = Some(hv);
                         let h_eta = hv * 2.0;
@@ -596,13 +697,13 @@ impl Sampler {
                     if s_next == 0.0 {
                         x = denoised;
                     } else {
-                        // r = 1/2, eta = 1; lambda = −log σ.
-                        let (ls, lt) = (-s.ln(), -s_next.ln());
+                        // r = 1/2, eta = 1.
+                        let (ls, lt) = (space.lambda(s), space.lambda(s_next));
                         let h = lt - ls;
                         let ls1 = ls + 0.5 * h;
                         // fac = 1 / (2r) = 1 for r = 1/2.
                         let fac = 1.0f32;
-                        let s1 = (-ls1).exp();
+                        let s1 = space.sigma(ls1);
                         let alpha_s = s * ls.exp();
                         let alpha_s1 = s1 * ls1.exp();
                         let alpha_t = s_next * lt.exp();
@@ -637,7 +738,7 @@ impl Sampler {
                 Sampler::ErSde => {
                     // VP ER-SDE-Solver-3 (arXiv 2309.06169), s_noise 1.
                     // er_lambda = σ/α = exp(−half-logSNR).
-                    let lam = |k: usize| (-(-sigmas[k].ln())).exp();
+                    let lam = |k: usize| (-space.lambda(sigmas[k])).exp();
                     let scaler = |v: f32| v * ((v.powf(0.3)).exp() + 10.0);
                     if s_next == 0.0 {
                         x = denoised.clone();
@@ -701,7 +802,7 @@ impl Sampler {
                 }
                 Sampler::Seeds2 | Sampler::Seeds3 => {
                     // SEEDS (arXiv 2305.14267), eta = 1, s_noise = 1.
-                    let (ls, lt) = (-s.ln(), -s_next.ln());
+                    let (ls, lt) = (space.lambda(s), space.lambda(s_next));
                     let h = lt - ls;
                     let h_eta = h * 2.0;
                     let phi1 = |v: f32| v.exp_m1();
@@ -716,7 +817,7 @@ impl Sampler {
                     };
                     let at = |r: f64| -> (f32, f32) {
                         let l = torch_lerp(ls, lt, r as f32);
-                        let sig = (-l).exp();
+                        let sig = space.sigma(l);
                         (sig, sig * l.exp())
                     };
                     let (s1, a1) = at(r1);
@@ -825,8 +926,8 @@ impl Sampler {
                     } else {
                         let u = uncond();
                         // alpha = σ·exp(half-logSNR) (1 up to rounding for eps).
-                        let alpha_s = s * (-s.ln()).exp();
-                        let alpha_t = s_next * (-s_next.ln()).exp();
+                        let alpha_s = s * space.lambda(s).exp();
+                        let alpha_t = s_next * space.lambda(s_next).exp();
                         let ancestral = self == Sampler::EulerAncestralCfgPp;
                         let (down, up) = if ancestral {
                             ancestral_step(s / alpha_s, s_next / alpha_t)
@@ -928,6 +1029,93 @@ impl Sampler {
                 }
             }
             step(i + 1, n)?;
+        }
+        Ok(x)
+    }
+}
+
+impl Sampler {
+    /// One step of the rectified-flow ancestral samplers ComfyUI runs for
+    /// CONST models (`sample_euler_ancestral_RF`, `sample_dpm_2_ancestral_RF`,
+    /// `sample_dpmpp_2s_ancestral_RF`; eta 1): step down to σ_down =
+    /// σ_next²/σ, then rescale by α_next/α_down and renoise.
+    fn rf_ancestral_step<E>(
+        self,
+        mut x: Vec<f32>,
+        denoised: Vec<f32>,
+        s: f32,
+        s_next: f32,
+        denoise: &mut impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
+        noise: &mut impl FnMut() -> Vec<f32>,
+    ) -> Result<Vec<f32>, E> {
+        let ratio = 1.0 + (s_next / s - 1.0);
+        let down = s_next * ratio;
+        let (a_next, a_down) = (1.0 - s_next, 1.0 - down);
+        let renoise =
+            (s_next * s_next - down * down * (a_next * a_next) / (a_down * a_down)).sqrt();
+        // x ← r·x + (1 − r)·D with r = σ_target/σ (an Euler step in flow).
+        let blend = |x: &mut [f32], d: &[f32], target: f32| {
+            let r = target / s;
+            for (xv, dv) in x.iter_mut().zip(d) {
+                *xv = r * *xv + (1.0 - r) * dv;
+            }
+        };
+        let mut renoised = true;
+        match self {
+            Sampler::EulerAncestral => {
+                if s_next == 0.0 {
+                    return Ok(denoised);
+                }
+                blend(&mut x, &denoised, down);
+            }
+            Sampler::Dpm2Ancestral => {
+                let d: Vec<f32> = x
+                    .iter()
+                    .zip(&denoised)
+                    .map(|(a, b)| to_d(*a, s, *b))
+                    .collect();
+                if down == 0.0 {
+                    axpy(&mut x, &d, down - s);
+                    renoised = false;
+                } else {
+                    let mid = log_mid(s, down);
+                    let x2: Vec<f32> = x.iter().zip(&d).map(|(a, b)| a + b * (mid - s)).collect();
+                    let den2 = denoise(&x2, mid)?;
+                    let dt2 = down - s;
+                    for ((xv, x2v), e2) in x.iter_mut().zip(&x2).zip(&den2) {
+                        *xv += to_d(*x2v, mid, *e2) * dt2;
+                    }
+                }
+            }
+            _ => {
+                if s_next == 0.0 {
+                    let dt = down - s;
+                    for (xv, dv) in x.iter_mut().zip(&denoised) {
+                        *xv += to_d(*xv, s, *dv) * dt;
+                    }
+                    return Ok(x);
+                }
+                let mid = if s == 1.0 {
+                    0.9999
+                } else {
+                    // λ = log((1 − σ)/σ), σ(λ) = (e^λ + 1)⁻¹, midway to σ_down.
+                    let lam = |v: f32| ((1.0 - v) / v).ln();
+                    let (t, t_down) = (lam(s), lam(down));
+                    let sm = t + 0.5 * (t_down - t);
+                    1.0 / (sm.exp() + 1.0)
+                };
+                let mut u = x.clone();
+                blend(&mut u, &denoised, mid);
+                let d_mid = denoise(&u, mid)?;
+                blend(&mut x, &d_mid, down);
+            }
+        }
+        if renoised {
+            let z = noise();
+            let a = a_next / a_down;
+            for (xv, zv) in x.iter_mut().zip(&z) {
+                *xv = a * *xv + zv * renoise;
+            }
         }
         Ok(x)
     }
@@ -1283,6 +1471,7 @@ fn sa_coeffs(sigma_next: f32, lambdas: &[f32], lambda_s: f32, lambda_t: f32, tau
 /// of the schedule, lower orders at the end; PECE re-evaluates the
 /// corrected state.
 fn sa_solver<E>(
+    space: Space,
     x: Vec<f32>,
     sigmas: &[f32],
     pece: bool,
@@ -1293,13 +1482,8 @@ fn sa_solver<E>(
     if sigmas.len() <= 1 {
         return Ok(x);
     }
-    // The stochastic interval from the model's percent_to_sigma; SD1's
-    // discrete schedule is the only one sdkit has yet.
-    let sd1 = super::discrete::DiscreteSchedule::sd1();
-    let (start, end) = (
-        f64::from(sd1.sigma((0.8f64 * 999.0) as f32)),
-        f64::from(sd1.sigma((0.2f64 * 999.0) as f32)),
-    );
+    // The stochastic interval from the model's percent_to_sigma.
+    let (start, end) = space.sa_interval;
     let tau_of = |s: f32| {
         if start >= f64::from(s) && f64::from(s) >= end {
             1.0
@@ -1307,7 +1491,7 @@ fn sa_solver<E>(
             0.0
         }
     };
-    let lambdas: Vec<f32> = sigmas.iter().map(|s| -s.ln()).collect();
+    let lambdas: Vec<f32> = sigmas.iter().map(|&s| space.lambda(s)).collect();
     let n_sig = sigmas.len();
     let to_end = sigmas[n_sig - 1] == 0.0;
     let mut x = x;

@@ -51,6 +51,30 @@ pub(super) fn sampling(v: &mut Vec<NodeSpec>) {
             .returns(T::Model)
             .build(),
     );
+    v.push(
+        node("ModelSamplingSD3", "advanced/model")
+            .socket("model", T::Model)
+            .float("shift", 3.0, 0.0, 100.0, 0.01)
+            .returns(T::Model)
+            .build(),
+    );
+    v.push(
+        node("ModelSamplingAuraFlow", "advanced/model")
+            .socket("model", T::Model)
+            .float("shift", 1.73, 0.0, 100.0, 0.01)
+            .returns(T::Model)
+            .build(),
+    );
+    v.push(
+        node("ModelSamplingFlux", "advanced/model")
+            .socket("model", T::Model)
+            .float("max_shift", 1.15, 0.0, 100.0, 0.01)
+            .float("base_shift", 0.5, 0.0, 100.0, 0.01)
+            .int("width", 1024, 16, 16384, 8)
+            .int("height", 1024, 16, 16384, 8)
+            .returns(T::Model)
+            .build(),
+    );
 }
 
 // --------------------------------------------------------- custom sampling
