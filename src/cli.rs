@@ -34,6 +34,9 @@ pub enum Command {
     Run(RunArgs),
     /// Run a workflow, then re-run it on every save, executing only what changed.
     Watch(RunArgs),
+    /// Serve ComfyUI's HTTP/WebSocket API (and a front-end folder) for
+    /// ComfyUI's front end and API clients.
+    Serve(crate::serve::ServeArgs),
     /// Check a workflow file; exits 0 when valid, 2 when not.
     Validate {
         file: PathBuf,
@@ -169,7 +172,19 @@ pub struct RunArgs {
 impl RunArgs {
     /// The executor for this run's library, folders and device.
     pub fn executor(&self, lib: Arc<sdkit_engine::NodeLibrary>, paths: Paths) -> Result<Executor> {
-        let budget = match self.vram_budget.as_deref() {
+        make_executor(&self.device, self.vram_budget.as_deref(), lib, paths)
+    }
+}
+
+/// An executor on `device` (auto|cpu|wgpu|NAME) under `vram_budget`.
+pub fn make_executor(
+    device: &str,
+    vram_budget: Option<&str>,
+    lib: Arc<sdkit_engine::NodeLibrary>,
+    paths: Paths,
+) -> Result<Executor> {
+    {
+        let budget = match vram_budget {
             None => None,
             Some(text) => match sdkit_engine::runtime::parse_budget(text)
                 .map_err(|e| anyhow::anyhow!("--vram-budget {e}"))?
@@ -184,7 +199,7 @@ impl RunArgs {
                 }
             },
         };
-        let runtime = sdkit_engine::Runtime::select_with(&self.device, budget)?;
+        let runtime = sdkit_engine::Runtime::select_with(device, budget)?;
         tracing::info!("models run on {}", runtime.describe());
         Ok(Executor::new(lib, Arc::new(paths)).with_runtime(runtime))
     }
@@ -194,6 +209,7 @@ pub fn main(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Run(args) => run_command(args),
         Command::Watch(args) => crate::watch::watch(args),
+        Command::Serve(args) => crate::serve::serve(args),
         Command::Validate { file, dirs, format } => validate_command(&file, &dirs, format),
         Command::Nodes { dirs } => {
             let lib = sdkit_nodes::library();

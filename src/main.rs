@@ -2,6 +2,7 @@
 
 mod cli;
 mod progress;
+mod serve;
 mod watch;
 
 use clap::Parser;

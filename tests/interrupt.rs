@@ -53,10 +53,14 @@ fn sigint_interrupts_cleanly() {
     let status = child.wait().expect("wait");
     assert!(sent, "never reached the blur node: {types:?}");
     assert_eq!(status.code(), Some(130), "{types:?}");
+    // ComfyUI's order: the interruption, then `executing` with no node.
+    let n = types.len();
     assert_eq!(
-        types.last().map(String::as_str),
-        Some("execution_interrupted")
+        types.get(n.wrapping_sub(2)).map(String::as_str),
+        Some("execution_interrupted"),
+        "{types:?}"
     );
+    assert_eq!(types.last().map(String::as_str), Some("executing"));
     assert!(!types.iter().any(|t| t == "execution_success"));
     let out = base.path().join("output");
     let leftovers: Vec<_> = std::fs::read_dir(&out)

@@ -17,7 +17,8 @@ pub enum Event {
         prompt_id: String,
         timestamp: u64,
     },
-    /// `node: None` marks the end of a run, as in ComfyUI.
+    /// `node: None` marks the end of a run (after its success, error or
+    /// interruption message), as in ComfyUI.
     Executing {
         node: Option<String>,
         display_node: Option<String>,

@@ -465,6 +465,11 @@ impl Executor {
                 current_outputs: Json::Object(Map::new()),
                 timestamp: now_ms(),
             });
+            emit(Event::Executing {
+                node: None,
+                display_node: None,
+                prompt_id: pid.clone(),
+            });
             return Err(RunError::Node {
                 node_id: node.id.clone(),
                 node_type: node.class_type.clone(),
@@ -482,6 +487,11 @@ impl Executor {
                 executed: report.executed.clone(),
                 timestamp: now_ms(),
             });
+            emit(Event::Executing {
+                node: None,
+                display_node: None,
+                prompt_id: pid.clone(),
+            });
             return Err(RunError::Interrupted);
         }
 
@@ -490,14 +500,14 @@ impl Executor {
         let live: HashSet<u64> = needed.iter().map(|i| keys[i]).collect();
         self.lock_cache().retain(|k, _| live.contains(k));
 
+        emit(Event::ExecutionSuccess {
+            prompt_id: pid.clone(),
+            timestamp: now_ms(),
+        });
         emit(Event::Executing {
             node: None,
             display_node: None,
-            prompt_id: pid.clone(),
-        });
-        emit(Event::ExecutionSuccess {
             prompt_id: pid,
-            timestamp: now_ms(),
         });
         Ok(report)
     }

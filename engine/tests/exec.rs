@@ -275,11 +275,14 @@ fn node_errors_and_interrupts_are_reported() {
         .iter()
         .map(|e| e.name().to_string())
         .collect();
+    // ComfyUI's order: the interruption, then `executing` with no node.
+    let n = names.len();
     assert_eq!(
-        names.last().map(String::as_str),
+        names.get(n.wrapping_sub(2)).map(String::as_str),
         Some("execution_interrupted"),
         "{names:?}"
     );
+    assert_eq!(names.last().map(String::as_str), Some("executing"));
 }
 
 #[test]

@@ -1,0 +1,579 @@
+//! File routes: `/view`, `/upload/image`, `/userdata`, and the front-end
+//! folder. Every client-supplied path is confined to its base folder:
+//! absolute paths and `..` are refused with 400 (a subfolder that climbs
+//! out with 403, as ComfyUI answers), and a path that resolves through a
+//! symlink to somewhere outside the base with 403.
+
+use super::routes::{bad_request, status};
+use super::Server;
+use axum::body::Bytes;
+use axum::extract::{Multipart, Path as UrlPath, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json as JsonBody;
+use serde_json::{json, Value as Json};
+use std::collections::HashMap;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+/// `rel` below `base`: no absolute paths, no `..`, no drive prefixes.
+fn confined(base: &Path, rel: &str) -> Result<PathBuf, StatusCode> {
+    let p = Path::new(rel);
+    if rel.contains('\0') {
+        return Err(StatusCode::BAD_REQUEST);
+    }
+    for c in p.components() {
+        match c {
+            Component::Normal(_) | Component::CurDir => {}
+            _ => return Err(StatusCode::BAD_REQUEST),
+        }
+    }
+    // Windows separators are separators too for a path from a browser.
+    if rel.split('\\').any(|s| s == "..") {
+        return Err(StatusCode::BAD_REQUEST);
+    }
+    Ok(base.join(p))
+}
+
+/// Refuses `path` when it exists and resolves (through symlinks) outside
+/// `base`.
+fn inside(base: &Path, path: &Path) -> Result<(), StatusCode> {
+    let Ok(real) = path.canonicalize() else {
+        return Ok(());
+    };
+    let real_base = base.canonicalize().unwrap_or_else(|_| base.to_path_buf());
+    if real.starts_with(&real_base) {
+        Ok(())
+    } else {
+        Err(StatusCode::FORBIDDEN)
+    }
+}
+
+fn dir_of_type(server: &Server, ty: Option<&str>) -> Option<(PathBuf, &'static str)> {
+    match ty.unwrap_or("output") {
+        "output" => Some((server.paths.output.clone(), "output")),
+        "input" => Some((server.paths.input.clone(), "input")),
+        "temp" => Some((server.paths.temp.clone(), "temp")),
+        _ => None,
+    }
+}
+
+/// ComfyUI's `name [output]` annotation picks the folder.
+fn annotated(name: &str) -> (&str, Option<&'static str>) {
+    for (suffix, ty) in [
+        (" [output]", "output"),
+        (" [input]", "input"),
+        (" [temp]", "temp"),
+    ] {
+        if let Some(n) = name.strip_suffix(suffix) {
+            return (n, Some(ty));
+        }
+    }
+    (name, None)
+}
+
+fn content_type(name: &str) -> &'static str {
+    let ext = Path::new(name)
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+        .unwrap_or_default();
+    match ext.as_str() {
+        "png" => "image/png",
+        "jpg" | "jpeg" => "image/jpeg",
+        "webp" => "image/webp",
+        "gif" => "image/gif",
+        "bmp" => "image/bmp",
+        "tif" | "tiff" => "image/tiff",
+        "svg" => "image/svg+xml",
+        "json" => "application/json",
+        "js" | "mjs" => "application/javascript; charset=utf-8",
+        "css" => "text/css",
+        "html" | "htm" => "text/html; charset=utf-8",
+        "txt" => "text/plain; charset=utf-8",
+        "woff" => "font/woff",
+        "woff2" => "font/woff2",
+        "ttf" => "font/ttf",
+        "ico" => "image/x-icon",
+        "wasm" => "application/wasm",
+        "mp4" => "video/mp4",
+        "webm" => "video/webm",
+        "mp3" => "audio/mpeg",
+        "wav" => "audio/wav",
+        "flac" => "audio/flac",
+        "latent" | "safetensors" => "application/octet-stream",
+        _ => "application/octet-stream",
+    }
+}
+
+fn file_response(bytes: Vec<u8>, ctype: &str, filename: &str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, ctype.to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("filename=\"{}\"", filename.replace('"', "")),
+            ),
+        ],
+        bytes,
+    )
+        .into_response()
+}
+
+/// GET /view?filename=&type=&subfolder=&preview=&channel=
+pub async fn view(
+    State(server): State<Arc<Server>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let Some(name) = q.get("filename") else {
+        return status(StatusCode::NOT_FOUND);
+    };
+    let (name, ty) = annotated(name);
+    if name.is_empty() || name.starts_with('/') || name.contains("..") {
+        return status(StatusCode::BAD_REQUEST);
+    }
+    if name.contains('/') || name.contains('\\') {
+        return status(StatusCode::BAD_REQUEST);
+    }
+    let Some((mut dir, _)) = dir_of_type(&server, ty.or(q.get("type").map(String::as_str))) else {
+        return status(StatusCode::BAD_REQUEST);
+    };
+    let base = dir.clone();
+    if let Some(sub) = q.get("subfolder").filter(|s| !s.is_empty()) {
+        match confined(&dir, sub) {
+            Ok(d) => dir = d,
+            // ComfyUI answers a subfolder outside the folder with 403.
+            Err(_) => return status(StatusCode::FORBIDDEN),
+        }
+    }
+    let file = dir.join(name);
+    if let Err(s) = inside(&base, &file) {
+        return status(s);
+    }
+    if !file.is_file() {
+        return status(StatusCode::NOT_FOUND);
+    }
+    let name = name.to_string();
+    let preview = q.get("preview").cloned();
+    let channel = q.get("channel").cloned().unwrap_or_else(|| "rgba".into());
+    let result = tokio::task::spawn_blocking(move || -> Result<Response, StatusCode> {
+        if preview.is_some() || channel == "rgb" || channel == "a" {
+            let img = image::open(&file).map_err(|_| StatusCode::UNSUPPORTED_MEDIA_TYPE)?;
+            if let Some(p) = preview {
+                // Previews as JPEG (quality from "jpeg;NN"); sdkit has no
+                // lossy WebP encoder, and alpha previews go out as PNG.
+                let mut parts = p.split(';');
+                let _format = parts.next();
+                let quality = parts
+                    .next_back()
+                    .and_then(|s| s.parse::<u8>().ok())
+                    .unwrap_or(90)
+                    .clamp(1, 100);
+                let mut buf = Vec::new();
+                if channel.contains('a') && channel != "rgba" {
+                    img.write_to(&mut std::io::Cursor::new(&mut buf), image::ImageFormat::Png)
+                        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                    return Ok(file_response(buf, "image/png", &name));
+                }
+                let rgb = img.to_rgb8();
+                image::codecs::jpeg::JpegEncoder::new_with_quality(&mut buf, quality)
+                    .encode_image(&rgb)
+                    .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                return Ok(file_response(buf, "image/jpeg", &name));
+            }
+            let out: image::DynamicImage = if channel == "rgb" {
+                image::DynamicImage::ImageRgb8(img.to_rgb8())
+            } else {
+                // The alpha channel as an RGBA image's alpha (ComfyUI's
+                // `channel=a`).
+                let rgba = img.to_rgba8();
+                let mut a = image::RgbaImage::new(rgba.width(), rgba.height());
+                for (dst, src) in a.pixels_mut().zip(rgba.pixels()) {
+                    dst.0 = [0, 0, 0, src.0[3]];
+                }
+                image::DynamicImage::ImageRgba8(a)
+            };
+            let mut buf = Vec::new();
+            out.write_to(&mut std::io::Cursor::new(&mut buf), image::ImageFormat::Png)
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+            return Ok(file_response(buf, "image/png", &name));
+        }
+        let bytes = std::fs::read(&file).map_err(|_| StatusCode::NOT_FOUND)?;
+        let mut ctype = content_type(&name);
+        // Never let a viewed file run as a page or script.
+        if ctype.starts_with("text/html")
+            || ctype.starts_with("application/javascript")
+            || ctype == "text/css"
+            || ctype == "image/svg+xml"
+        {
+            ctype = "application/octet-stream";
+        }
+        Ok(file_response(bytes, ctype, &name))
+    })
+    .await;
+    match result {
+        Ok(Ok(r)) => r,
+        Ok(Err(s)) => status(s),
+        Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
+    }
+}
+
+/// POST /upload/image (multipart: image, overwrite, subfolder, type).
+pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart) -> Response {
+    let mut image: Option<(String, Bytes)> = None;
+    let mut fields: HashMap<String, String> = HashMap::new();
+    loop {
+        match form.next_field().await {
+            Ok(Some(field)) => {
+                let name = field.name().unwrap_or_default().to_string();
+                let file_name = field.file_name().map(str::to_string);
+                let data = match field.bytes().await {
+                    Ok(d) => d,
+                    Err(e) => return bad_request(&format!("malformed multipart body: {e}")),
+                };
+                if name == "image" {
+                    image = Some((file_name.unwrap_or_default(), data));
+                } else {
+                    fields.insert(name, String::from_utf8_lossy(&data).into_owned());
+                }
+            }
+            Ok(None) => break,
+            Err(e) => return bad_request(&format!("malformed multipart body: {e}")),
+        }
+    }
+    let Some((filename, data)) = image else {
+        return bad_request("no \"image\" file in the form");
+    };
+    let ty = fields.get("type").map(String::as_str).unwrap_or("input");
+    let Some((base, ty)) = dir_of_type(&server, Some(ty)) else {
+        return bad_request("type must be input, output or temp");
+    };
+    let subfolder = fields.get("subfolder").cloned().unwrap_or_default();
+    let folder = if subfolder.is_empty() {
+        base.clone()
+    } else {
+        match confined(&base, &subfolder) {
+            Ok(p) => p,
+            Err(s) => return status(s),
+        }
+    };
+    if filename.is_empty()
+        || filename.contains('/')
+        || filename.contains('\\')
+        || filename.contains("..")
+        || filename.contains('\0')
+    {
+        return bad_request("invalid file name");
+    }
+    let overwrite = matches!(
+        fields.get("overwrite").map(String::as_str),
+        Some("true") | Some("1")
+    );
+    let result = tokio::task::spawn_blocking(move || -> Result<String, StatusCode> {
+        std::fs::create_dir_all(&folder).map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        inside(&base, &folder)?;
+        let mut name = filename.clone();
+        let mut path = folder.join(&name);
+        if !overwrite {
+            // ComfyUI's rule: "name (1).ext", "name (2).ext", … unless the
+            // existing file has the same bytes (then it is reused).
+            let (stem, ext) = match filename.rfind('.') {
+                Some(i) if i > 0 => (&filename[..i], &filename[i..]),
+                _ => (filename.as_str(), ""),
+            };
+            let mut i = 1;
+            while path.exists() {
+                if std::fs::read(&path).is_ok_and(|old| old == data.as_ref()) {
+                    return Ok(name);
+                }
+                name = format!("{stem} ({i}){ext}");
+                path = folder.join(&name);
+                i += 1;
+            }
+        }
+        inside(&base, &path)?;
+        write_atomic(&path, &data).map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok(name)
+    })
+    .await;
+    match result {
+        Ok(Ok(name)) => {
+            JsonBody(json!({"name": name, "subfolder": subfolder, "type": ty})).into_response()
+        }
+        Ok(Err(s)) => status(s),
+        Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
+    }
+}
+
+/// Writes `data` to a temporary file beside `path`, then renames it into
+/// place: a reader never sees half a file, and a failed write leaves the
+/// old one.
+fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn file_info(path: &Path, base: &Path) -> Json {
+    let meta = std::fs::metadata(path).ok();
+    let modified = meta
+        .as_ref()
+        .and_then(|m| m.modified().ok())
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0.0, |d| d.as_secs_f64());
+    json!({
+        "path": rel_path(path, base),
+        "size": meta.map_or(0, |m| m.len()),
+        "modified": modified,
+    })
+}
+
+fn rel_path(path: &Path, base: &Path) -> String {
+    path.strip_prefix(base)
+        .unwrap_or(path)
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// GET /userdata?dir=&recurse=&full_info=&split=
+pub async fn list_userdata(
+    State(server): State<Arc<Server>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let Some(dir) = q.get("dir").filter(|d| !d.is_empty()) else {
+        return (StatusCode::BAD_REQUEST, "Directory not provided").into_response();
+    };
+    let path = match confined(&server.user_dir, dir) {
+        Ok(p) => p,
+        Err(_) => return (StatusCode::FORBIDDEN, "Invalid directory").into_response(),
+    };
+    if let Err(s) = inside(&server.user_dir, &path) {
+        return status(s);
+    }
+    if !path.is_dir() {
+        return (StatusCode::NOT_FOUND, "Directory not found").into_response();
+    }
+    let flag = |k: &str| q.get(k).is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let (recurse, full, split) = (flag("recurse"), flag("full_info"), flag("split"));
+    let mut files = Vec::new();
+    let mut stack = vec![path.clone()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            // Symlinks are not followed out of the user folder.
+            let Ok(ft) = e.file_type() else { continue };
+            if ft.is_dir() {
+                if recurse {
+                    stack.push(p);
+                }
+            } else if ft.is_file() {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let out: Vec<Json> = files
+        .iter()
+        .map(|f| {
+            if full {
+                file_info(f, &path)
+            } else {
+                let rel = rel_path(f, &path);
+                if split {
+                    let mut v = vec![json!(rel)];
+                    v.extend(rel.split('/').map(|s| json!(s)));
+                    Json::Array(v)
+                } else {
+                    json!(rel)
+                }
+            }
+        })
+        .collect();
+    JsonBody(Json::Array(out)).into_response()
+}
+
+fn userdata_path(server: &Server, file: &str) -> Result<PathBuf, StatusCode> {
+    let p = confined(&server.user_dir, file).map_err(|_| StatusCode::FORBIDDEN)?;
+    inside(&server.user_dir, &p)?;
+    Ok(p)
+}
+
+/// GET /userdata/{file}
+pub async fn get_userdata(
+    State(server): State<Arc<Server>>,
+    UrlPath(file): UrlPath<String>,
+) -> Response {
+    let path = match userdata_path(&server, &file) {
+        Ok(p) => p,
+        Err(s) => return status(s),
+    };
+    match std::fs::read(&path) {
+        Ok(b) if path.is_file() => {
+            file_response(b, content_type(&file), &rel_path(&path, &server.user_dir))
+        }
+        _ => status(StatusCode::NOT_FOUND),
+    }
+}
+
+/// POST /userdata/{file}?overwrite=&full_info=
+pub async fn post_userdata(
+    State(server): State<Arc<Server>>,
+    UrlPath(file): UrlPath<String>,
+    Query(q): Query<HashMap<String, String>>,
+    body: Bytes,
+) -> Response {
+    let path = match userdata_path(&server, &file) {
+        Ok(p) => p,
+        Err(s) => return status(s),
+    };
+    let overwrite = q.get("overwrite").map(String::as_str) != Some("false");
+    let full = q
+        .get("full_info")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    if !overwrite && path.exists() {
+        return (StatusCode::CONFLICT, "File already exists").into_response();
+    }
+    if let Some(parent) = path.parent() {
+        if std::fs::create_dir_all(parent).is_err() {
+            return status(StatusCode::INTERNAL_SERVER_ERROR);
+        }
+    }
+    if write_atomic(&path, &body).is_err() {
+        return bad_request("cannot write that file name");
+    }
+    if full {
+        JsonBody(file_info(&path, &server.user_dir)).into_response()
+    } else {
+        JsonBody(json!(rel_path(&path, &server.user_dir))).into_response()
+    }
+}
+
+/// DELETE /userdata/{file}
+pub async fn delete_userdata(
+    State(server): State<Arc<Server>>,
+    UrlPath(file): UrlPath<String>,
+) -> Response {
+    let path = match userdata_path(&server, &file) {
+        Ok(p) => p,
+        Err(s) => return status(s),
+    };
+    if !path.is_file() {
+        return status(StatusCode::NOT_FOUND);
+    }
+    match std::fs::remove_file(&path) {
+        Ok(()) => status(StatusCode::NO_CONTENT),
+        Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
+    }
+}
+
+/// POST /userdata/{file}/move/{dest}?overwrite=&full_info=
+pub async fn move_userdata(
+    State(server): State<Arc<Server>>,
+    UrlPath((file, dest)): UrlPath<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let (src, dst) = match (userdata_path(&server, &file), userdata_path(&server, &dest)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(s), _) | (_, Err(s)) => return status(s),
+    };
+    if !src.is_file() {
+        return status(StatusCode::NOT_FOUND);
+    }
+    if q.get("overwrite").map(String::as_str) == Some("false") && dst.exists() {
+        return (StatusCode::CONFLICT, "File already exists").into_response();
+    }
+    if let Some(parent) = dst.parent() {
+        let _ = std::fs::create_dir_all(parent);
+    }
+    if std::fs::rename(&src, &dst).is_err() {
+        return status(StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    if q.get("full_info")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+    {
+        JsonBody(file_info(&dst, &server.user_dir)).into_response()
+    } else {
+        JsonBody(json!(rel_path(&dst, &server.user_dir))).into_response()
+    }
+}
+
+/// A file of the front-end folder (`/` is its index.html), or 404.
+pub async fn front_end(State(server): State<Arc<Server>>, uri: axum::http::Uri) -> Response {
+    let Some(root) = server.front_end.clone() else {
+        return status(StatusCode::NOT_FOUND);
+    };
+    let raw = uri.path().trim_start_matches('/');
+    let decoded = percent_decode(raw);
+    let rel = if decoded.is_empty() {
+        "index.html".to_string()
+    } else {
+        decoded
+    };
+    let path = match confined(&root, &rel) {
+        Ok(p) => p,
+        Err(s) => return status(s),
+    };
+    if let Err(s) = inside(&root, &path) {
+        return status(s);
+    }
+    let path = if path.is_dir() {
+        path.join("index.html")
+    } else {
+        path
+    };
+    match tokio::task::spawn_blocking(move || std::fs::read(&path))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+    {
+        Ok(bytes) => {
+            let mut r = ([(header::CONTENT_TYPE, content_type(&rel))], bytes).into_response();
+            if rel == "index.html" {
+                r.headers_mut().insert(
+                    header::CACHE_CONTROL,
+                    header::HeaderValue::from_static("no-cache"),
+                );
+            }
+            r
+        }
+        Err(_) => status(StatusCode::NOT_FOUND),
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok();
+            if let Some(v) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}

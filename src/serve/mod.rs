@@ -1,0 +1,141 @@
+//! `sdkit serve`: a ComfyUI-compatible HTTP/WebSocket backend.
+//!
+//! ComfyUI's front end and API clients drive it unchanged: the same
+//! routes (each also under `/api/`), JSON shapes, WebSocket messages and
+//! queue semantics as ComfyUI's `server.py`. One worker drains the queue
+//! through the shared [`Executor`], so a re-queued edit re-runs only the
+//! nodes whose inputs changed, and weights stay resident between prompts.
+//!
+//! Layout: [`queue`] (pending/running/history and the worker), [`ws`]
+//! (clients and message fan-out), [`files`] (`/view`, `/upload/image`,
+//! `/userdata`, the front-end folder; every path confined to its base),
+//! [`routes`] (the router, the Host/Origin check and the JSON routes).
+
+mod files;
+mod queue;
+mod routes;
+mod ws;
+
+use crate::cli::DirArgs;
+use anyhow::{Context, Result};
+use clap::Args;
+use sdkit_engine::{Executor, NodeLibrary, Paths};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on (loopback by default; 0.0.0.0 for every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub listen: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8188)]
+    pub port: u16,
+    #[command(flatten)]
+    pub dirs: DirArgs,
+    /// Folder of user data and settings (default: BASE/user).
+    #[arg(long, value_name = "DIR")]
+    pub user_dir: Option<PathBuf>,
+    /// A folder of static front-end files to serve at `/` (e.g. the
+    /// `comfyui-frontend-package`'s `static` folder).
+    #[arg(long, value_name = "DIR")]
+    pub front_end: Option<PathBuf>,
+    /// Largest request body accepted, in MB (uploads, prompts).
+    #[arg(long, value_name = "MB", default_value_t = 100.0)]
+    pub max_upload_size: f64,
+    /// Where models run: auto, cpu, wgpu or an adapter name.
+    #[arg(long, value_name = "auto|cpu|wgpu|NAME", default_value = "auto")]
+    pub device: String,
+    /// GPU memory the runs may use (e.g. 6G); `auto`: 4 GiB.
+    #[arg(long, value_name = "BYTES|auto")]
+    pub vram_budget: Option<String>,
+}
+
+/// What every handler shares.
+pub struct Server {
+    pub exec: Arc<Executor>,
+    pub lib: Arc<NodeLibrary>,
+    pub paths: Arc<Paths>,
+    /// The single user's data folder (ComfyUI's `user/default`).
+    pub user_dir: PathBuf,
+    pub front_end: Option<PathBuf>,
+    pub max_body: usize,
+    pub queue: queue::Queue,
+    pub clients: ws::Clients,
+}
+
+impl Server {
+    pub fn new(
+        exec: Executor,
+        lib: Arc<NodeLibrary>,
+        user_dir: PathBuf,
+        front_end: Option<PathBuf>,
+        max_body: usize,
+    ) -> Arc<Server> {
+        let paths = Arc::clone(exec.paths());
+        Arc::new(Server {
+            exec: Arc::new(exec),
+            lib,
+            paths,
+            user_dir,
+            front_end,
+            max_body,
+            queue: queue::Queue::default(),
+            clients: ws::Clients::default(),
+        })
+    }
+}
+
+/// Runs the server until Ctrl-C.
+pub fn serve(args: ServeArgs) -> Result<i32> {
+    let paths = args.dirs.paths()?;
+    let base = match &args.dirs.base_dir {
+        Some(b) => b.clone(),
+        None => std::env::current_dir().context("cannot read the current folder")?,
+    };
+    for dir in [&paths.input, &paths.output, &paths.temp] {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let user_dir = args
+        .user_dir
+        .clone()
+        .unwrap_or_else(|| base.join("user"))
+        .join("default");
+    std::fs::create_dir_all(&user_dir)
+        .with_context(|| format!("cannot create {}", user_dir.display()))?;
+    if let Some(fe) = &args.front_end {
+        if !fe.join("index.html").is_file() {
+            anyhow::bail!("--front-end {}: no index.html there", fe.display());
+        }
+    }
+    let lib = Arc::new(sdkit_nodes::library());
+    let exec = crate::cli::make_executor(
+        &args.device,
+        args.vram_budget.as_deref(),
+        Arc::clone(&lib),
+        paths,
+    )?;
+    let max_body = (args.max_upload_size * 1024.0 * 1024.0).max(0.0) as usize;
+    let server = Server::new(exec, lib, user_dir, args.front_end.clone(), max_body);
+    let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.listen.as_str(), args.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", args.listen, args.port))?;
+        let addr = listener.local_addr()?;
+        // Tests and scripts read this line to find an ephemeral port.
+        println!("sdkit serve: listening on http://{addr}");
+        tokio::spawn(queue::worker(Arc::clone(&server)));
+        let app = routes::router(Arc::clone(&server));
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .context("server failed")?;
+        // Stop a run in progress so the process can exit promptly.
+        server.queue.interrupt(None);
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(0)
+}

@@ -1,0 +1,772 @@
+//! `sdkit serve` driven as ComfyUI's API clients drive ComfyUI: real HTTP
+//! requests and a real WebSocket client against a running server process,
+//! with weightless workflows (image nodes only).
+
+use serde_json::{json, Value as Json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Server {
+    child: Child,
+    addr: String,
+    base: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(extra: &[&str]) -> Server {
+    let base = tempfile::tempdir().expect("tempdir");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+        .args(["serve", "--port", "0", "--device", "cpu", "--base-dir"])
+        .arg(base.path())
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("line");
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .expect("address")
+        .to_string();
+    assert!(addr.contains(':'), "unexpected first line {line:?}");
+    Server { child, addr, base }
+}
+
+struct Reply {
+    status: u16,
+    headers: String,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Json {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection.
+fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).expect("write");
+    s.write_all(body).expect("write body");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("header end");
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status");
+    let mut body = raw[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    Reply {
+        status,
+        headers: head,
+        body,
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
+        let n = usize::from_str_radix(String::from_utf8_lossy(&b[..eol]).trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + n]);
+        b = &b[eol + 2 + n + 2..];
+    }
+    out
+}
+
+fn get(addr: &str, path: &str) -> Reply {
+    http(addr, "GET", path, &[], b"")
+}
+
+fn post_json(addr: &str, path: &str, body: &Json) -> Reply {
+    http(
+        addr,
+        "POST",
+        path,
+        &[("Content-Type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+}
+
+type Ws = tungstenite::WebSocket<TcpStream>;
+
+fn ws_connect(addr: &str, client_id: &str) -> Ws {
+    let stream = TcpStream::connect(addr).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    let url = format!("ws://{addr}/ws?clientId={client_id}");
+    let (ws, _) = tungstenite::client(url.as_str(), stream).expect("handshake");
+    ws
+}
+
+fn ws_next(ws: &mut Ws) -> Json {
+    loop {
+        match ws.read().expect("ws message") {
+            tungstenite::Message::Text(t) => {
+                return serde_json::from_str(t.as_str()).expect("json")
+            }
+            tungstenite::Message::Close(_) => panic!("closed"),
+            _ => {}
+        }
+    }
+}
+
+/// Messages for `prompt_id` until its run ends (`executing` with a null
+/// node), skipping `status`.
+fn ws_until_done(ws: &mut Ws, prompt_id: &str) -> Vec<Json> {
+    let mut out = Vec::new();
+    loop {
+        let m = ws_next(ws);
+        if m["type"] == "status" || m["type"] == "feature_flags" {
+            continue;
+        }
+        if m["data"]["prompt_id"] != prompt_id {
+            continue;
+        }
+        let done = m["type"] == "executing" && m["data"]["node"].is_null();
+        out.push(m);
+        if done {
+            return out;
+        }
+    }
+}
+
+/// EmptyImage → ImageInvert → SaveImage.
+fn small(color: u32, prefix: &str) -> Json {
+    json!({
+        "1": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 24, "batch_size": 1, "color": color}},
+        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": prefix}},
+    })
+}
+
+/// A chain of large blurs: long enough to interrupt.
+fn slow(color: u32) -> Json {
+    let mut p = serde_json::Map::new();
+    p.insert("0".into(), json!({"class_type": "EmptyImage", "inputs": {"width": 1536, "height": 1536, "batch_size": 1, "color": color}}));
+    for i in 1..=12 {
+        p.insert(
+            i.to_string(),
+            json!({"class_type": "ImageBlur", "inputs": {"image": [(i - 1).to_string(), 0], "blur_radius": 31, "sigma": 9.0}}),
+        );
+    }
+    p.insert("99".into(), json!({"class_type": "SaveImage", "inputs": {"images": ["12", 0], "filename_prefix": "slow"}}));
+    Json::Object(p)
+}
+
+#[test]
+fn api_client_round_trip() {
+    let s = start(&[]);
+    let a = &s.addr;
+    // Node registry, under both prefixes.
+    let info = get(a, "/object_info").json();
+    assert!(info["KSampler"]["input"]["required"]["seed"].is_array());
+    let one = get(a, "/api/object_info/SaveImage").json();
+    assert_eq!(one["SaveImage"]["output_node"], true);
+    assert_eq!(get(a, "/api/object_info/NoSuchNode").json(), json!({}));
+
+    let mut ws = ws_connect(a, "client-1");
+    let hello = ws_next(&mut ws);
+    assert_eq!(hello["type"], "status");
+    assert_eq!(hello["data"]["sid"], "client-1");
+    assert_eq!(hello["data"]["status"]["exec_info"]["queue_remaining"], 0);
+
+    let r = post_json(
+        a,
+        "/prompt",
+        &json!({"prompt": small(0x336699, "api"), "client_id": "client-1"}),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let r = r.json();
+    let id = r["prompt_id"].as_str().expect("prompt_id").to_string();
+    assert_eq!(r["number"], 0);
+    assert_eq!(r["node_errors"], json!({}));
+
+    let msgs = ws_until_done(&mut ws, &id);
+    let types: Vec<&str> = msgs.iter().filter_map(|m| m["type"].as_str()).collect();
+    assert_eq!(types.first(), Some(&"execution_start"), "{types:?}");
+    let pos = |t: &str| types.iter().position(|x| *x == t);
+    let executed = pos("executed").expect("executed");
+    let success = pos("execution_success").expect("success");
+    assert!(executed < success && success < types.len(), "{types:?}");
+    let out = &msgs[executed]["data"];
+    assert_eq!(out["node"], "3");
+    let img = &out["output"]["images"][0];
+    assert_eq!(img["type"], "output");
+
+    // History has the prompt, its outputs and status messages.
+    let h = get(a, &format!("/history/{id}")).json();
+    let entry = &h[&id];
+    assert_eq!(entry["status"]["status_str"], "success");
+    assert_eq!(entry["status"]["completed"], true);
+    assert_eq!(entry["prompt"][1], id.as_str());
+    assert_eq!(entry["prompt"][4], json!(["3"]));
+    assert_eq!(entry["outputs"]["3"]["images"][0], *img);
+    let names: Vec<&str> = entry["status"]["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|m| m[0].as_str())
+        .collect();
+    assert_eq!(names.first(), Some(&"execution_start"));
+    assert_eq!(names.last(), Some(&"execution_success"));
+    assert!(get(a, "/history?max_items=1").json().get(&id).is_some());
+
+    // The image through /view, as saved.
+    let file = img["filename"].as_str().expect("filename");
+    let v = get(a, &format!("/view?filename={file}&type=output&subfolder="));
+    assert_eq!(v.status, 200);
+    assert!(v
+        .headers
+        .to_ascii_lowercase()
+        .contains("content-type: image/png"));
+    let decoded = image::load_from_memory(&v.body).expect("png").to_rgb8();
+    assert_eq!(decoded.dimensions(), (32, 24));
+    // 0x336699 inverted in float and truncated to 8 bits, as ComfyUI
+    // saves it: 1 − 153/255 = 0.4 → 101.99… → 101.
+    assert_eq!(decoded.get_pixel(0, 0).0, [204, 153, 101]);
+    let rgb = get(a, &format!("/view?filename={file}&channel=rgb"));
+    assert_eq!(rgb.status, 200);
+    let jpeg = get(a, &format!("/api/view?filename={file}&preview=jpeg;80"));
+    assert!(jpeg.headers.to_ascii_lowercase().contains("image/jpeg"));
+
+    // Re-queueing the same prompt is served from the cache.
+    let r = post_json(
+        a,
+        "/api/prompt",
+        &json!({"prompt": small(0x336699, "api"), "client_id": "client-1"}),
+    )
+    .json();
+    let id2 = r["prompt_id"].as_str().expect("id").to_string();
+    let msgs = ws_until_done(&mut ws, &id2);
+    let cached = msgs
+        .iter()
+        .find(|m| m["type"] == "execution_cached")
+        .expect("cached message");
+    assert!(cached["data"]["nodes"]
+        .as_array()
+        .is_some_and(|n| n.len() >= 2));
+
+    // Queue and prompt info while idle.
+    assert_eq!(get(a, "/prompt").json()["exec_info"]["queue_remaining"], 0);
+    let q = get(a, "/queue").json();
+    assert_eq!(q["queue_running"], json!([]));
+    assert_eq!(q["queue_pending"], json!([]));
+
+    // History deletion and clearing.
+    assert_eq!(
+        post_json(a, "/history", &json!({"delete": [id]})).status,
+        200
+    );
+    assert_eq!(get(a, &format!("/history/{id}")).json(), json!({}));
+    post_json(a, "/history", &json!({"clear": true}));
+    assert_eq!(get(a, "/history").json(), json!({}));
+}
+
+#[test]
+fn invalid_workflows_get_comfyui_error_shape() {
+    let s = start(&[]);
+    let a = &s.addr;
+    // A value out of range on one node and a missing input on another.
+    let mut p = small(0, "bad");
+    p["1"]["inputs"]["width"] = json!(0);
+    p["3"]["inputs"]
+        .as_object_mut()
+        .expect("inputs")
+        .remove("filename_prefix");
+    let r = post_json(a, "/prompt", &json!({"prompt": p}));
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["error"]["type"], "prompt_outputs_failed_validation");
+    assert_eq!(e["error"]["message"], "Prompt outputs failed validation");
+    let n1 = &e["node_errors"]["1"];
+    assert_eq!(n1["class_type"], "EmptyImage");
+    assert_eq!(n1["errors"][0]["type"], "value_smaller_than_min");
+    assert_eq!(n1["errors"][0]["extra_info"]["input_name"], "width");
+    assert_eq!(n1["dependent_outputs"], json!(["3"]));
+    assert_eq!(
+        e["node_errors"]["3"]["errors"][0]["type"],
+        "required_input_missing"
+    );
+    assert!(e["node_errors"].get("2").is_none());
+
+    // Unknown node type, no prompt, no outputs, malformed JSON.
+    let mut p = small(0, "bad");
+    p["2"]["class_type"] = json!("NoSuchNode");
+    let e = post_json(a, "/prompt", &json!({"prompt": p})).json();
+    assert_eq!(e["error"]["type"], "invalid_prompt");
+    let e = post_json(a, "/prompt", &json!({"nothing": 1}));
+    assert_eq!(e.status, 400);
+    assert_eq!(e.json()["error"]["type"], "no_prompt");
+    let e = post_json(
+        a,
+        "/prompt",
+        &json!({"prompt": {"1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}}}}),
+    );
+    assert_eq!(e.json()["error"]["type"], "prompt_no_outputs");
+    let r = http(
+        a,
+        "POST",
+        "/prompt",
+        &[("Content-Type", "application/json")],
+        b"{\"prompt\": ",
+    );
+    assert_eq!(r.status, 400);
+    assert!(String::from_utf8_lossy(&r.body).contains("invalid JSON"));
+    // Nothing was queued by any of these.
+    assert_eq!(get(a, "/queue").json()["queue_pending"], json!([]));
+}
+
+#[test]
+fn interrupt_and_queue_deletion() {
+    let s = start(&[]);
+    let a = &s.addr;
+    let mut ws = ws_connect(a, "c");
+    let first = post_json(a, "/prompt", &json!({"prompt": slow(1), "client_id": "c"})).json();
+    let first = first["prompt_id"].as_str().expect("id").to_string();
+    let second = post_json(a, "/prompt", &json!({"prompt": slow(2), "client_id": "c"})).json();
+    let second = second["prompt_id"].as_str().expect("id").to_string();
+    let third = post_json(
+        a,
+        "/prompt",
+        &json!({"prompt": small(3, "third"), "client_id": "c", "front": true}),
+    )
+    .json();
+    let third = third["prompt_id"].as_str().expect("id").to_string();
+    // Wait for the first to be running.
+    loop {
+        let m = ws_next(&mut ws);
+        if m["type"] == "executing" && m["data"]["prompt_id"] == first.as_str() {
+            break;
+        }
+    }
+    let q = get(a, "/queue").json();
+    assert_eq!(q["queue_running"][0][1], first.as_str());
+    // `front` puts the third before the second.
+    assert_eq!(q["queue_pending"][0][1], third.as_str());
+    assert_eq!(q["queue_pending"][1][1], second.as_str());
+    assert_eq!(
+        post_json(a, "/queue", &json!({"delete": [second]})).status,
+        200
+    );
+    let q = get(a, "/queue").json();
+    assert_eq!(q["queue_pending"].as_array().map(Vec::len), Some(1));
+
+    // A targeted interrupt of another prompt does nothing; of this one stops it.
+    post_json(a, "/interrupt", &json!({"prompt_id": "not-running"}));
+    assert_eq!(
+        post_json(a, "/interrupt", &json!({"prompt_id": first})).status,
+        200
+    );
+    let msgs = ws_until_done(&mut ws, &first);
+    assert!(
+        msgs.iter().any(|m| m["type"] == "execution_interrupted"),
+        "{msgs:?}"
+    );
+    let h = get(a, &format!("/history/{first}")).json();
+    assert_eq!(h[&first]["status"]["status_str"], "error");
+    // The queue goes on with the next prompt.
+    let msgs = ws_until_done(&mut ws, &third);
+    assert!(msgs.iter().any(|m| m["type"] == "execution_success"));
+    assert_eq!(get(a, &format!("/history/{second}")).json(), json!({}));
+    // /free answers and the server keeps working.
+    assert_eq!(
+        post_json(
+            a,
+            "/free",
+            &json!({"unload_models": true, "free_memory": true})
+        )
+        .status,
+        200
+    );
+    let r = post_json(
+        a,
+        "/prompt",
+        &json!({"prompt": small(4, "after"), "client_id": "c"}),
+    )
+    .json();
+    let id = r["prompt_id"].as_str().expect("id").to_string();
+    let msgs = ws_until_done(&mut ws, &id);
+    assert!(msgs.iter().any(|m| m["type"] == "execution_success"));
+}
+
+fn multipart(fields: &[(&str, Option<&str>, &[u8])]) -> (String, Vec<u8>) {
+    let boundary = "sdkitboundary7MA4YWxk";
+    let mut body = Vec::new();
+    for (name, file, data) in fields {
+        body.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
+        match file {
+            Some(f) => body.extend_from_slice(
+                format!("Content-Disposition: form-data; name=\"{name}\"; filename=\"{f}\"\r\nContent-Type: image/png\r\n\r\n").as_bytes(),
+            ),
+            None => body.extend_from_slice(
+                format!("Content-Disposition: form-data; name=\"{name}\"\r\n\r\n").as_bytes(),
+            ),
+        }
+        body.extend_from_slice(data);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+fn png(color: [u8; 3]) -> Vec<u8> {
+    let img = image::RgbImage::from_pixel(4, 4, image::Rgb(color));
+    let mut buf = Vec::new();
+    image::DynamicImage::ImageRgb8(img)
+        .write_to(&mut std::io::Cursor::new(&mut buf), image::ImageFormat::Png)
+        .expect("png");
+    buf
+}
+
+fn upload(a: &str, fields: &[(&str, Option<&str>, &[u8])]) -> Reply {
+    let (ctype, body) = multipart(fields);
+    http(
+        a,
+        "POST",
+        "/upload/image",
+        &[("Content-Type", &ctype)],
+        &body,
+    )
+}
+
+#[test]
+fn uploads_rename_on_clash_and_files_stay_in_their_folders() {
+    let s = start(&[]);
+    let a = &s.addr;
+    let (red, blue) = (png([255, 0, 0]), png([0, 0, 255]));
+    let r = upload(a, &[("image", Some("pic.png"), &red)]).json();
+    assert_eq!(
+        r,
+        json!({"name": "pic.png", "subfolder": "", "type": "input"})
+    );
+    // Same bytes: the same file; other bytes: "pic (1).png".
+    assert_eq!(
+        upload(a, &[("image", Some("pic.png"), &red)]).json()["name"],
+        "pic.png"
+    );
+    assert_eq!(
+        upload(a, &[("image", Some("pic.png"), &blue)]).json()["name"],
+        "pic (1).png"
+    );
+    assert_eq!(
+        upload(
+            a,
+            &[
+                ("image", Some("pic.png"), &blue),
+                ("overwrite", None, b"true")
+            ]
+        )
+        .json()["name"],
+        "pic.png"
+    );
+    let r = upload(
+        a,
+        &[
+            ("image", Some("s.png"), &red),
+            ("subfolder", None, b"sub/dir"),
+        ],
+    )
+    .json();
+    assert_eq!(r["subfolder"], "sub/dir");
+    assert!(s.base.path().join("input/sub/dir/s.png").is_file());
+    // The upload is visible to LoadImage's combo.
+    let info = get(a, "/object_info/LoadImage").json();
+    let opts = info["LoadImage"]["input"]["required"]["image"][0].to_string();
+    assert!(opts.contains("pic (1).png"), "{opts}");
+
+    // Traversal attempts.
+    assert_eq!(
+        upload(a, &[("image", Some("../evil.png"), &red)]).status,
+        400
+    );
+    assert_eq!(
+        upload(
+            a,
+            &[
+                ("image", Some("x.png"), &red),
+                ("subfolder", None, b"../..")
+            ]
+        )
+        .status,
+        400
+    );
+    assert_eq!(
+        upload(
+            a,
+            &[("image", Some("x.png"), &red), ("subfolder", None, b"/tmp")]
+        )
+        .status,
+        400
+    );
+    assert_eq!(upload(a, &[("other", None, b"x")]).status, 400);
+    let r = http(
+        a,
+        "POST",
+        "/upload/image",
+        &[("Content-Type", "multipart/form-data; boundary=zz")],
+        b"--zz\r\ngarbage",
+    );
+    assert_eq!(r.status, 400);
+    std::fs::write(s.base.path().join("secret.txt"), "secret").expect("write");
+    for path in [
+        "/view?filename=../secret.txt&type=input",
+        "/view?filename=%2e%2e%2fsecret.txt&type=input",
+        "/view?filename=..%2Fsecret.txt",
+        "/view?filename=/etc/passwd",
+        "/view?filename=secret.txt&type=bogus",
+    ] {
+        assert_eq!(get(a, path).status, 400, "{path}");
+    }
+    assert_eq!(
+        get(a, "/view?filename=secret.txt&type=input&subfolder=..").status,
+        403
+    );
+    assert_eq!(
+        get(a, "/view?filename=secret.txt&type=input&subfolder=%2E%2E").status,
+        403
+    );
+    assert_eq!(get(a, "/view?filename=pic.png&type=input").status, 200);
+    assert_eq!(get(a, "/view?filename=missing.png&type=input").status, 404);
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink(s.base.path(), s.base.path().join("input/link"))
+            .expect("symlink");
+        assert_eq!(
+            get(a, "/view?filename=secret.txt&type=input&subfolder=link").status,
+            403
+        );
+    }
+
+    // User data: write, read, list, move, delete, confined.
+    let r = http(a, "POST", "/userdata/workflows%2Fa.json", &[], b"{\"x\":1}");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json(), json!("workflows/a.json"));
+    assert_eq!(get(a, "/userdata/workflows%2Fa.json").body, b"{\"x\":1}");
+    assert_eq!(get(a, "/userdata?dir=workflows").json(), json!(["a.json"]));
+    let r = http(
+        a,
+        "POST",
+        "/userdata/workflows%2Fa.json?overwrite=false",
+        &[],
+        b"{}",
+    );
+    assert_eq!(r.status, 409);
+    let r = http(
+        a,
+        "POST",
+        "/userdata/workflows%2Fa.json/move/workflows%2Fb.json",
+        &[],
+        b"",
+    );
+    assert_eq!(r.json(), json!("workflows/b.json"));
+    assert_eq!(
+        http(a, "DELETE", "/userdata/workflows%2Fb.json", &[], b"").status,
+        204
+    );
+    assert_eq!(get(a, "/userdata/workflows%2Fb.json").status, 404);
+    assert_eq!(
+        http(a, "POST", "/userdata/..%2F..%2Fescape.json", &[], b"x").status,
+        403
+    );
+    assert_eq!(get(a, "/userdata/%2Fetc%2Fpasswd").status, 403);
+    assert_eq!(get(a, "/userdata?dir=..").status, 403);
+    assert!(!s.base.path().join("escape.json").exists());
+
+    // Settings persist.
+    assert_eq!(
+        post_json(a, "/settings", &json!({"Comfy.Locale": "en"})).status,
+        200
+    );
+    assert_eq!(post_json(a, "/settings/Comfy.Foo", &json!(3)).status, 200);
+    assert_eq!(
+        get(a, "/settings").json(),
+        json!({"Comfy.Locale": "en", "Comfy.Foo": 3})
+    );
+    assert_eq!(get(a, "/api/settings/Comfy.Foo").json(), json!(3));
+}
+
+#[test]
+fn cross_origin_posts_and_oversized_bodies_are_refused() {
+    let s = start(&["--max-upload-size", "0.01"]);
+    let a = &s.addr;
+    let port = a.rsplit(':').next().expect("port");
+    let body = json!({"prompt": small(0, "x")}).to_string();
+    let evil = http(
+        a,
+        "POST",
+        "/prompt",
+        &[
+            ("Origin", "http://evil.example"),
+            ("Content-Type", "application/json"),
+        ],
+        body.as_bytes(),
+    );
+    assert_eq!(evil.status, 403);
+    let null = http(a, "POST", "/prompt", &[("Origin", "null")], body.as_bytes());
+    assert_eq!(null.status, 403);
+    let same = format!("http://127.0.0.1:{port}");
+    let ok = http(
+        a,
+        "POST",
+        "/prompt",
+        &[
+            ("Origin", same.as_str()),
+            ("Content-Type", "application/json"),
+        ],
+        body.as_bytes(),
+    );
+    assert_eq!(ok.status, 200, "{}", String::from_utf8_lossy(&ok.body));
+    let other_port = http(
+        a,
+        "POST",
+        "/prompt",
+        &[("Origin", "http://127.0.0.1:1")],
+        body.as_bytes(),
+    );
+    assert_eq!(other_port.status, 403);
+    // A non-loopback Host is not checked (as ComfyUI: the check guards
+    // loopback servers against pages elsewhere).
+    let lan = http(
+        a,
+        "GET",
+        "/prompt",
+        &[
+            ("Host", "192.168.1.5:8188"),
+            ("Origin", "http://evil.example"),
+        ],
+        b"",
+    );
+    assert_eq!(lan.status, 200);
+    // 0.01 MB cap.
+    let big = vec![b'a'; 20_000];
+    let r = http(
+        a,
+        "POST",
+        "/upload/image",
+        &[("Content-Type", "multipart/form-data; boundary=zz")],
+        &big,
+    );
+    assert!(r.status == 413 || r.status == 400, "{}", r.status);
+    let r = http(
+        a,
+        "POST",
+        "/prompt",
+        &[("Content-Type", "application/json")],
+        &big,
+    );
+    assert_eq!(r.status, 413);
+    // The start-up routes the front end asks for.
+    for path in [
+        "/system_stats",
+        "/embeddings",
+        "/extensions",
+        "/models",
+        "/models/checkpoints",
+        "/users",
+        "/i18n",
+        "/features",
+        "/api/settings",
+    ] {
+        let r = get(a, path);
+        assert_eq!(r.status, 200, "{path}");
+        r.json();
+    }
+    assert_eq!(get(a, "/models/nope").status, 404);
+    let stats = get(a, "/system_stats").json();
+    assert_eq!(stats["devices"][0]["type"], "cpu");
+}
+
+#[test]
+fn many_prompts_and_clients_with_disconnects() {
+    let s = start(&[]);
+    let a = s.addr.clone();
+    // 20 clients; half of them leave while prompts run.
+    let mut clients: Vec<Ws> = (0..20)
+        .map(|i| ws_connect(&a, &format!("load-{i}")))
+        .collect();
+    for c in &mut clients {
+        assert_eq!(ws_next(c)["type"], "status");
+    }
+    let mut ids = Vec::new();
+    for i in 0..100u32 {
+        let r = post_json(
+            &a,
+            "/prompt",
+            &json!({"prompt": small(i * 997, "load"), "client_id": format!("load-{}", i % 20)}),
+        );
+        assert_eq!(r.status, 200);
+        ids.push(r.json()["prompt_id"].as_str().expect("id").to_string());
+        if i == 30 {
+            for c in clients.drain(10..) {
+                drop(c);
+            }
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let h = get(&a, "/history").json();
+        let done = ids.iter().filter(|id| h.get(id.as_str()).is_some()).count();
+        if done == ids.len() {
+            for id in &ids {
+                assert_eq!(h[id]["status"]["status_str"], "success", "{id}");
+            }
+            break;
+        }
+        assert!(Instant::now() < deadline, "{done} of 100 finished");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Every output is on disk, under a distinct name.
+    let out = std::fs::read_dir(s.base.path().join("output"))
+        .expect("output")
+        .count();
+    assert_eq!(out, 100);
+    // The remaining clients still get messages.
+    let r = post_json(
+        &a,
+        "/prompt",
+        &json!({"prompt": small(1, "last"), "client_id": "load-0"}),
+    )
+    .json();
+    let id = r["prompt_id"].as_str().expect("id").to_string();
+    let msgs = ws_until_done(&mut clients[0], &id);
+    assert!(msgs.iter().any(|m| m["type"] == "execution_success"));
+}
