@@ -101,8 +101,11 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         .clone()
         .unwrap_or_else(|| base.join("user"))
         .join("default");
-    std::fs::create_dir_all(&user_dir)
-        .with_context(|| format!("cannot create {}", user_dir.display()))?;
+    // The front end lists these two at start-up.
+    for sub in ["workflows", "subgraphs"] {
+        std::fs::create_dir_all(user_dir.join(sub))
+            .with_context(|| format!("cannot create {}", user_dir.join(sub).display()))?;
+    }
     if let Some(fe) = &args.front_end {
         if !fe.join("index.html").is_file() {
             anyhow::bail!("--front-end {}: no index.html there", fe.display());

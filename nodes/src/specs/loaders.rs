@@ -146,4 +146,30 @@ pub(super) fn loaders(v: &mut Vec<NodeSpec>) {
             .returns(T::Gligen)
             .build(),
     );
+    // comfy_extras/nodes_upscale_model.py and nodes_video_model.py; the
+    // front end maps model folders to these loaders at start-up.
+    v.push(
+        node("UpscaleModelLoader", "loaders")
+            .display("Load Upscale Model")
+            .models("model_name", "upscale_models")
+            .returns(T::UpscaleModel)
+            .build(),
+    );
+    v.push(
+        node("ImageUpscaleWithModel", "image/upscaling")
+            .display("Upscale Image (using Model)")
+            .socket("upscale_model", T::UpscaleModel)
+            .socket("image", T::Image)
+            .returns(T::Image)
+            .build(),
+    );
+    v.push(
+        node("ImageOnlyCheckpointLoader", "loaders/video_models")
+            .display("Image Only Checkpoint Loader (img2vid model)")
+            .models("ckpt_name", "checkpoints")
+            .output("MODEL", T::Model)
+            .output("CLIP_VISION", T::ClipVision)
+            .output("VAE", T::Vae)
+            .build(),
+    );
 }
