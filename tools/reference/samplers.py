@@ -40,6 +40,28 @@ def b64(t):
     return base64.b64encode(t.detach().numpy().astype("<f4").tobytes()).decode()
 
 
+class PairNoise:
+    """dpmpp_sde's two queries per step, as sdkit draws them: z_a for
+    [sigma_s1, sigma]; for [sigma_next, sigma] the Brownian sum
+    (sqrt(w1) z_a + sqrt(w2) z_b) / sqrt(w1 + w2)."""
+    def __init__(self, torch, shape):
+        self.torch, self.shape = torch, shape
+        self.g = torch.Generator().manual_seed(SEED)
+        self.pending = None
+
+    def __call__(self, s0, s1):
+        if self.pending is None:
+            za = self.torch.randn(self.shape, generator=self.g)
+            zb = self.torch.randn(self.shape, generator=self.g)
+            self.pending = (za, zb, float(s0 - s1), s1)
+            return za
+        za, zb, w1, s_1 = self.pending
+        self.pending = None
+        w2 = float(s_1 - s1)
+        ka, kb = math.sqrt(w1 / (w1 + w2)), math.sqrt(w2 / (w1 + w2))
+        return ka * za + kb * zb
+
+
 def main():
     path = os.path.join(ROOT, "tools", "reference", "sd1_pipeline.py")
     spec = importlib.util.spec_from_file_location("sd1_pipeline", path)
@@ -151,28 +173,8 @@ def main():
         fn = getattr(kd, "sample_" + name)
         x = fn(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True, noise_sampler=ns)
         out["sde"][name] = b64(x)
-    class PairNoise:
-        """dpmpp_sde's two queries per step, as sdkit draws them: z_a for
-        [sigma_s1, sigma]; for [sigma_next, sigma] the Brownian sum
-        (sqrt(w1) z_a + sqrt(w2) z_b) / sqrt(w1 + w2)."""
-        def __init__(self):
-            self.g = torch.Generator().manual_seed(SEED)
-            self.pending = None
-
-        def __call__(self, s0, s1):
-            if self.pending is None:
-                za = torch.randn(shape, generator=self.g)
-                zb = torch.randn(shape, generator=self.g)
-                self.pending = (za, zb, float(s0 - s1), s1)
-                return za
-            za, zb, w1, s_1 = self.pending
-            self.pending = None
-            w2 = float(s_1 - s1)
-            ka, kb = math.sqrt(w1 / (w1 + w2)), math.sqrt(w2 / (w1 + w2))
-            return ka * za + kb * zb
-
     x = kd.sample_dpmpp_sde(Model(), x0.clone(), sigmas, extra_args={"seed": SEED}, disable=True,
-                            noise_sampler=PairNoise())
+                            noise_sampler=PairNoise(torch, shape))
     out["sde"]["dpmpp_sde"] = b64(x)
     for name in ["gradient_estimation"]:
         x = getattr(kd, "sample_" + name)(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
@@ -321,26 +323,8 @@ def flow_section(out, torch, ms_mod, comfy, kd, shape, mu, s2, mu_u):
         x = getattr(kd, "sample_" + name)(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
                                           disable=True, noise_sampler=ns)
         keep("sde", name, x)
-    class PairNoise:
-        """dpmpp_sde's two queries per step as sdkit draws them (see main)."""
-        def __init__(self):
-            self.g = torch.Generator().manual_seed(SEED)
-            self.pending = None
-
-        def __call__(self, s0, s1):
-            if self.pending is None:
-                za = torch.randn(shape, generator=self.g)
-                zb = torch.randn(shape, generator=self.g)
-                self.pending = (za, zb, float(s0 - s1), s1)
-                return za
-            za, zb, w1, s_1 = self.pending
-            self.pending = None
-            w2 = float(s_1 - s1)
-            ka, kb = math.sqrt(w1 / (w1 + w2)), math.sqrt(w2 / (w1 + w2))
-            return ka * za + kb * zb
-
     keep("sde", "dpmpp_sde", kd.sample_dpmpp_sde(Model(), x0.clone(), sigmas, extra_args={"seed": SEED},
-                                                disable=True, noise_sampler=PairNoise()))
+                                                disable=True, noise_sampler=PairNoise(torch, shape)))
     flow["skipped"] = skipped
     out["flow"] = flow
 

@@ -145,6 +145,37 @@ impl NodeImpl for SetFirstSigma {
     }
 }
 
+/// The `latent_image` input; noise masks (inpainting) are refused.
+fn unmasked_latent(inputs: &Inputs) -> Result<&Latent, NodeError> {
+    let latent = inputs.latent("latent_image")?;
+    if latent.noise_mask.is_some() {
+        return Err(NodeError::invalid(
+            "latents with a noise mask (inpainting) are not supported yet",
+        ));
+    }
+    Ok(latent)
+}
+
+/// SamplerCustom's two outputs: the sampled latent and the last step's
+/// denoised estimate (the sample itself when there was no step), both
+/// keeping the input's batch index.
+fn sampled_outputs(
+    latent: &Latent,
+    samples: sdkit_engine::Tensor,
+    x0: Option<sdkit_engine::Tensor>,
+) -> NodeOutput {
+    let wrap = |samples| {
+        Value::Latent(Arc::new(Latent {
+            samples,
+            batch_index: latent.batch_index.clone(),
+            noise_mask: latent.noise_mask.clone(),
+        }))
+    };
+    let out = wrap(samples.clone());
+    let denoised = x0.map_or_else(|| out.clone(), wrap);
+    NodeOutput::values(vec![out, denoised])
+}
+
 /// SamplerCustom: a SAMPLER over SIGMAS with CFG; outputs the sampled
 /// latent and the last step's denoised estimate.
 pub struct SamplerCustom;
@@ -156,12 +187,7 @@ impl NodeImpl for SamplerCustom {
         let negative: Arc<Conditioning> = input(inputs, "negative", "CONDITIONING")?;
         let sampler: Arc<Sampler> = input(inputs, "sampler", "SAMPLER")?;
         let sigmas: Arc<Sigmas> = input(inputs, "sigmas", "SIGMAS")?;
-        let latent = inputs.latent("latent_image")?;
-        if latent.noise_mask.is_some() {
-            return Err(NodeError::invalid(
-                "latents with a noise mask (inpainting) are not supported yet",
-            ));
-        }
+        let latent = unmasked_latent(inputs)?;
         let seed = inputs.int("noise_seed")?;
         let seed = u64::try_from(seed)
             .map_err(|_| NodeError::invalid(format!("seed {seed} is out of range")))?;
@@ -178,16 +204,7 @@ impl NodeImpl for SamplerCustom {
             *sampler,
             &sigmas.0,
         )?;
-        let wrap = |samples| {
-            Value::Latent(Arc::new(Latent {
-                samples,
-                batch_index: latent.batch_index.clone(),
-                noise_mask: latent.noise_mask.clone(),
-            }))
-        };
-        let out = wrap(samples.clone());
-        let denoised = x0.map_or_else(|| out.clone(), wrap);
-        Ok(NodeOutput::values(vec![out, denoised]))
+        Ok(sampled_outputs(latent, samples, x0))
     }
 }
 
@@ -279,12 +296,7 @@ impl NodeImpl for SamplerCustomAdvanced {
         let guider: Arc<Guider> = input(inputs, "guider", "GUIDER")?;
         let sampler: Arc<Sampler> = input(inputs, "sampler", "SAMPLER")?;
         let sigmas: Arc<Sigmas> = input(inputs, "sigmas", "SIGMAS")?;
-        let latent = inputs.latent("latent_image")?;
-        if latent.noise_mask.is_some() {
-            return Err(NodeError::invalid(
-                "latents with a noise mask (inpainting) are not supported yet",
-            ));
-        }
+        let latent = unmasked_latent(inputs)?;
         let (noise_seed, seed) = match *noise {
             NoiseSource::Random(s) => (Some(s), s),
             NoiseSource::Disabled => (None, 0),
@@ -301,16 +313,7 @@ impl NodeImpl for SamplerCustomAdvanced {
             *sampler,
             &sigmas.0,
         )?;
-        let wrap = |samples| {
-            Value::Latent(Arc::new(Latent {
-                samples,
-                batch_index: latent.batch_index.clone(),
-                noise_mask: latent.noise_mask.clone(),
-            }))
-        };
-        let out = wrap(samples.clone());
-        let denoised = x0.map_or_else(|| out.clone(), wrap);
-        Ok(NodeOutput::values(vec![out, denoised]))
+        Ok(sampled_outputs(latent, samples, x0))
     }
 }
 
