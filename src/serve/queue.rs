@@ -73,7 +73,7 @@ impl Item {
 }
 
 /// Integral numbers as JSON integers (ComfyUI's counter is an int).
-fn number_json(n: f64) -> Json {
+pub fn number_json(n: f64) -> Json {
     if n.fract() == 0.0 && n.abs() < 9.0e15 {
         json!(n as i64)
     } else {

@@ -1,7 +1,7 @@
 //! The router: ComfyUI's routes (each also under `/api/`), its Host/Origin
 //! check, the request-size cap, and the JSON routes.
 
-use super::queue::Item;
+use super::queue::{number_json, Item};
 use super::{files, ws, Server};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path as UrlPath, Query, Request, State};
@@ -471,14 +471,6 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
     server.clients.broadcast_status(&server.queue);
     JsonBody(json!({"prompt_id": prompt_id, "number": number_json(number), "node_errors": {}}))
         .into_response()
-}
-
-fn number_json(n: f64) -> Json {
-    if n.fract() == 0.0 && n.abs() < 9.0e15 {
-        json!(n as i64)
-    } else {
-        json!(n)
-    }
 }
 
 /// Total and available memory from /proc/meminfo (0 where unknown).
