@@ -172,15 +172,20 @@ fn main() {
         budgets(&prog, &bind, adapter.as_deref());
         return;
     }
+    // The portable kernels, then matrix products on cooperative matrices
+    // (tensor cores) where the adapter has them.
     let variants = [
-        ("f16 weights, f32 activations", false),
-        ("f16 weights and activations", true),
+        ("f16 weights, f32 activations", false, false),
+        ("coop, f32 activations", false, true),
+        ("coop, f16 activations", true, true),
     ];
     let mut best = f64::INFINITY;
-    for (label, f16_act) in variants {
+    let mut first: Option<Vec<f32>> = None;
+    for (label, f16_act, coop) in variants {
         let opts = Options {
             adapter: adapter.clone(),
             f16_activations: f16_act,
+            allow_coopmat: coop,
             ..Options::default()
         };
         let gpu = match WgpuBackend::with_options(&opts) {
@@ -194,6 +199,10 @@ fn main() {
             println!("unet_step [{label}]: skipped, adapter lacks SHADER_F16");
             continue;
         }
+        if coop && gpu.coop.is_none() {
+            println!("unet_step [{label}]: skipped, no cooperative-matrix path");
+            continue;
+        }
         let t = Instant::now();
         let prepared = match gpu.prepare(&prog, &bind) {
             Ok(p) => p,
@@ -203,6 +212,30 @@ fn main() {
             }
         };
         let prep = t.elapsed().as_secs_f64();
+        // Agreement with the first variant's output (f32 activations).
+        let agree = match prepared.run(&bind) {
+            Ok(out) => {
+                let out = out.into_iter().next().map(|a| a.data).unwrap_or_default();
+                match &first {
+                    None => {
+                        first = Some(out);
+                        String::new()
+                    }
+                    Some(f) => {
+                        let (mut e, mut w) = (0.0f64, 0.0f64);
+                        for (g, x) in out.iter().zip(f) {
+                            e += f64::from(g - x).powi(2);
+                            w += f64::from(*x).powi(2);
+                        }
+                        format!(", nmse vs first {:.1e}", e / w.max(1e-30))
+                    }
+                }
+            }
+            Err(e) => {
+                println!("unet_step [{label}]: failed: {e}");
+                continue;
+            }
+        };
         if let Err(e) = prepared.dispatch_only(2) {
             println!("unet_step [{label}]: failed: {e}");
             continue;
@@ -216,13 +249,16 @@ fn main() {
         let secs = t.elapsed().as_secs_f64() / iters as f64;
         best = best.min(secs);
         println!(
-            "unet_step [{label}] on {} ({}): {:.2} ms/step (prepare+upload {:.2} s, {} pipelines)",
+            "unet_step [{label}] on {} ({}): {:.2} ms/step (prepare+upload {:.2} s, {} pipelines{agree})",
             gpu.adapter.name,
             gpu.adapter.backend,
             secs * 1e3,
             prep,
             gpu.pipelines_compiled()
         );
+        if let Ok(times) = prepared.profile(3) {
+            print_profile(&prog, &times);
+        }
     }
     match torch_time(&py, small, false) {
         Ok(tt) if best.is_finite() => println!(
@@ -233,6 +269,50 @@ fn main() {
         ),
         Ok(tt) => println!("unet_step: torch fp16 {:.2} ms/step", tt * 1e3),
         Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+    }
+}
+
+/// Where a step's time goes: each kernel timed alone, summed by kind,
+/// and the slowest kernels with their shapes.
+fn print_profile(
+    prog: &sdkit_engine::plan::Program,
+    times: &[(sdkit_engine::plan::KernelId, f64)],
+) {
+    let total: f64 = times.iter().map(|t| t.1).sum();
+    let mut by_kind: Vec<(&str, f64, usize)> = Vec::new();
+    for (k, secs) in times {
+        let name = prog.kernels[k.0 as usize].kind.name();
+        match by_kind.iter_mut().find(|e| e.0 == name) {
+            Some(e) => {
+                e.1 += secs;
+                e.2 += 1;
+            }
+            None => by_kind.push((name, *secs, 1)),
+        }
+    }
+    by_kind.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let kinds: Vec<String> = by_kind
+        .iter()
+        .map(|(n, s, c)| format!("{n} {:.1} ms ({c}, {:.0}%)", s * 1e3, 100.0 * s / total))
+        .collect();
+    println!(
+        "  profile, kernels alone sum to {:.1} ms: {}",
+        total * 1e3,
+        kinds.join(", ")
+    );
+    // The three slowest kernels of each of the three costliest kinds.
+    for (kind, _, _) in by_kind.iter().take(3) {
+        let mut slow: Vec<&(sdkit_engine::plan::KernelId, f64)> = times
+            .iter()
+            .filter(|(k, _)| prog.kernels[k.0 as usize].kind.name() == *kind)
+            .collect();
+        slow.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (k, secs) in slow.iter().take(3) {
+            let kern = &prog.kernels[k.0 as usize];
+            let mut what = format!("{:?}", kern.kind);
+            what.truncate(110);
+            println!("    {:7.3} ms  {what}", secs * 1e3);
+        }
     }
 }
 

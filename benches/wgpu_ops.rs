@@ -10,7 +10,7 @@
 //! uploads or readback.
 
 use sdkit_engine::backend::cpu::Bindings;
-use sdkit_engine::backend::wgpu::WgpuBackend;
+use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
 use sdkit_engine::plan::{plan, samples};
 use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, InputKind, TensorGraph};
 use std::process::Command;
@@ -60,7 +60,7 @@ fn cases(small: bool) -> Vec<Case> {
         what: format!("{m}x{k} · {k}x{n}"),
         flops: 2.0 * (m * n * k) as f64,
         graph,
-        torch: format!("a = torch.randn({m}, {k}, device=dev); b = torch.randn({k}, {n}, device=dev)\ndef run(): return a @ b"),
+        torch: format!("a = torch.randn({m}, {k}, device=dev, dtype=dt); b = torch.randn({k}, {n}, device=dev, dtype=dt)\ndef run(): return a @ b"),
     });
 
     let (b, c, hw) = (2, s(320, 32), s(64, 16));
@@ -84,7 +84,45 @@ fn cases(small: bool) -> Vec<Case> {
         what: format!("{b}x{c}x{hw}x{hw} -> {c}, 3x3"),
         flops: 2.0 * (b * c * hw * hw * c * 9) as f64,
         graph,
-        torch: format!("x = torch.randn({b}, {c}, {hw}, {hw}, device=dev); w = torch.randn({c}, {c}, 3, 3, device=dev); bb = torch.randn({c}, device=dev)\ndef run(): return torch.nn.functional.conv2d(x, w, bb, padding=1)"),
+        torch: format!("x = torch.randn({b}, {c}, {hw}, {hw}, device=dev, dtype=dt); w = torch.randn({c}, {c}, 3, 3, device=dev, dtype=dt); bb = torch.randn({c}, device=dev, dtype=dt)\ndef run(): return torch.nn.functional.conv2d(x, w, bb, padding=1)"),
+    });
+
+    // SD1.5's commonest product: a 320-wide linear over 2×4096 tokens.
+    let (tokens, width) = (s(8192, 256), s(320, 32));
+    let g = GraphBuilder::new();
+    let y = g.input("x", &[tokens, width]).and_then(|x| {
+        x.linear(
+            g.weight("w", &[width, width])?,
+            Some(g.weight("b", &[width])?),
+        )
+    });
+    let graph = g.finish(&[y.expect("linear graph")]);
+    v.push(Case {
+        name: "linear",
+        what: format!("{tokens}x{width} · {width}x{width} + bias"),
+        flops: 2.0 * (tokens * width * width) as f64,
+        graph,
+        torch: format!("x = torch.randn({tokens}, {width}, device=dev, dtype=dt); w = torch.randn({width}, {width}, device=dev, dtype=dt); bb = torch.randn({width}, device=dev, dtype=dt)\ndef run(): return torch.nn.functional.linear(x, w, bb)"),
+    });
+
+    // The deepest level: 1280 channels on an 8×8 latent (few output
+    // tiles, a long depth).
+    let (c, hw) = (s(1280, 64), 8);
+    let g = GraphBuilder::new();
+    let y = g.input("x", &[2, c, hw, hw]).and_then(|x| {
+        x.conv2d(
+            g.weight("w", &[c, c, 3, 3])?,
+            Some(g.weight("bias", &[c])?),
+            p,
+        )
+    });
+    let graph = g.finish(&[y.expect("deep conv graph")]);
+    v.push(Case {
+        name: "deep_conv",
+        what: format!("2x{c}x{hw}x{hw} -> {c}, 3x3"),
+        flops: 2.0 * (2 * c * hw * hw * c * 9) as f64,
+        graph,
+        torch: format!("x = torch.randn(2, {c}, {hw}, {hw}, device=dev, dtype=dt); w = torch.randn({c}, {c}, 3, 3, device=dev, dtype=dt); bb = torch.randn({c}, device=dev, dtype=dt)\ndef run(): return torch.nn.functional.conv2d(x, w, bb, padding=1)"),
     });
 
     let (h, sq, d) = (8, s(4096, 256), 40);
@@ -103,7 +141,7 @@ fn cases(small: bool) -> Vec<Case> {
         what: format!("{h} heads x {sq} tokens x {d}"),
         flops: 4.0 * (h * sq * sq * d) as f64,
         graph,
-        torch: format!("q = torch.randn(1, {h}, {sq}, {d}, device=dev); k = torch.randn_like(q); v = torch.randn_like(q)\ndef run(): return torch.nn.functional.scaled_dot_product_attention(q, k, v)"),
+        torch: format!("q = torch.randn(1, {h}, {sq}, {d}, device=dev, dtype=dt); k = torch.randn_like(q); v = torch.randn_like(q)\ndef run(): return torch.nn.functional.scaled_dot_product_attention(q, k, v)"),
     });
 
     let (base, size) = (s(320, 32), s(64, 16));
@@ -118,30 +156,98 @@ fn cases(small: bool) -> Vec<Case> {
     v
 }
 
-fn torch_time(py: &str, body: &str, iters: usize) -> Option<f64> {
+fn torch_time(py: &str, body: &str, iters: usize, half: bool) -> Option<f64> {
+    let dt = if half {
+        "torch.float16"
+    } else {
+        "torch.float32"
+    };
     let script = format!(
-        "import torch, time\nassert torch.cuda.is_available()\ndev='cuda'\ntorch.backends.cuda.matmul.allow_tf32 = False\ntorch.backends.cudnn.allow_tf32 = False\n{body}\nrun(); torch.cuda.synchronize()\nt = time.perf_counter()\nfor _ in range({iters}): run()\ntorch.cuda.synchronize()\nprint((time.perf_counter() - t) / {iters})\n"
+        "import torch, time\nassert torch.cuda.is_available()\ndev='cuda'\ntorch.backends.cuda.matmul.allow_tf32 = False\ntorch.backends.cudnn.allow_tf32 = False\ndt = {dt}\n{body}\nrun(); torch.cuda.synchronize()\nt = time.perf_counter()\nfor _ in range({iters}): run()\ntorch.cuda.synchronize()\nprint((time.perf_counter() - t) / {iters})\n"
     );
     let out = Command::new(py).arg("-c").arg(script).output().ok()?;
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
 }
 
+fn nmse(got: &[f32], want: &[f32]) -> f64 {
+    let (mut e, mut w) = (0.0f64, 0.0f64);
+    for (g, x) in got.iter().zip(want) {
+        e += f64::from(g - x).powi(2);
+        w += f64::from(*x).powi(2);
+    }
+    e / w.max(1e-30)
+}
+
 fn main() {
     let small = std::env::var_os("SDKIT_BENCH_SMALL").is_some();
     let adapter = std::env::var("SDKIT_ADAPTER").ok();
-    let gpu = match WgpuBackend::new(adapter.as_deref()) {
+    let open = |coop: bool| {
+        WgpuBackend::with_options(&Options {
+            adapter: adapter.clone(),
+            allow_coopmat: coop,
+            ..Options::default()
+        })
+    };
+    let portable = match open(false) {
         Ok(g) => g,
         Err(e) => {
             println!("wgpu_ops: skipped, no adapter: {e}");
             return;
         }
     };
+    // The tensor-core path beside the portable one, where the adapter has
+    // cooperative matrices; PyTorch runs fp16 for it and f32 (no TF32) for
+    // the portable path.
+    let mut paths = vec![("f32".to_string(), portable)];
+    match open(true) {
+        Ok(g) if g.coop.is_some() => {
+            paths.push(("coop".to_string(), g));
+            // f16 activations let matrix products read both operands
+            // straight from their bindings; two-pass attention is the
+            // fallback form.
+            for (name, f16_activations, two_pass_attention) in
+                [("coop f16-act", true, false), ("coop 2-pass", false, true)]
+            {
+                if let Ok(g) = WgpuBackend::with_options(&Options {
+                    adapter: adapter.clone(),
+                    f16_activations,
+                    two_pass_attention,
+                    ..Options::default()
+                }) {
+                    paths.push((name.to_string(), g));
+                }
+            }
+        }
+        _ => println!("wgpu_ops: no cooperative-matrix path on this adapter"),
+    }
+    // Each fixed cooperative GEMM tiling too (`SDKIT_BENCH_TILINGS=1`), to
+    // tune the size heuristic on a new adapter.
+    if paths.len() > 1 && std::env::var_os("SDKIT_BENCH_TILINGS").is_some() {
+        for t in sdkit_engine::backend::wgpu::codegen::tilings() {
+            if let Ok(g) = WgpuBackend::with_options(&Options {
+                adapter: adapter.clone(),
+                gemm_tiles: Some(t),
+                ..Options::default()
+            }) {
+                let name = format!(
+                    "coop {}x{} sg of {}x{}, bk {}{}",
+                    t.sg_rows,
+                    t.sg_cols,
+                    t.rows,
+                    t.cols,
+                    t.bk,
+                    if t.direct { ", direct" } else { "" }
+                );
+                paths.push((name, g));
+            }
+        }
+    }
     let py = std::env::var("SDKIT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
     println!(
-        "wgpu_ops on {} ({}, {}), f32 portable kernels{}",
-        gpu.adapter.name,
-        gpu.adapter.backend,
-        gpu.adapter.device_type,
+        "wgpu_ops on {} ({}, {}){}",
+        paths[0].1.adapter.name,
+        paths[0].1.adapter.backend,
+        paths[0].1.adapter.device_type,
         if small { ", small shapes" } else { "" }
     );
     let filter: Vec<String> = std::env::args()
@@ -160,46 +266,68 @@ fn main() {
             }
         };
         let b = bindings(&case.graph);
-        let prepared = match gpu.prepare(&prog, &b) {
-            Ok(p) => p,
-            Err(e) => {
-                println!("{:<10} prepare failed: {e}", case.name);
+        let mut first: Option<Vec<f32>> = None;
+        for (path, gpu) in &paths {
+            let tiling = path.starts_with("coop ") && path.contains("sg of");
+            let products = matches!(case.name, "gemm" | "conv" | "linear" | "deep_conv");
+            if (tiling && !products) || (path == "coop 2-pass" && case.name != "attention") {
                 continue;
             }
-        };
-        // Warm up, then time enough repetitions to pass ~0.5 s.
-        if let Err(e) = prepared.dispatch_only(1) {
-            println!("{:<10} failed: {e}", case.name);
-            continue;
-        }
-        let t = Instant::now();
-        let _ = prepared.dispatch_only(1);
-        let once = t.elapsed().as_secs_f64().max(1e-6);
-        let iters = ((0.5 / once) as usize).clamp(1, 200);
-        let t = Instant::now();
-        let _ = prepared.dispatch_only(iters);
-        let secs = t.elapsed().as_secs_f64() / iters as f64;
-        let rate = if case.flops > 0.0 {
-            format!("{:8.1} GFLOP/s", case.flops / secs / 1e9)
-        } else {
-            format!("{} dispatches", prog.stats.dispatches)
-        };
-        print!(
-            "{:<10} sdkit {:9.3} ms  {rate}   {}",
-            case.name,
-            secs * 1e3,
-            case.what
-        );
-        if !case.torch.is_empty() {
-            match torch_time(&py, &case.torch, iters.max(5)) {
-                Some(tt) => print!(
-                    "   torch {:9.3} ms  sdkit/torch time {:.2}x",
-                    tt * 1e3,
-                    secs / tt
-                ),
-                None => print!("   (torch with CUDA not available)"),
+            let label = format!("{} [{path}]", case.name);
+            let prepared = match gpu.prepare(&prog, &b) {
+                Ok(p) => p,
+                Err(e) => {
+                    println!("{label:<26} prepare failed: {e}");
+                    continue;
+                }
+            };
+            // Agreement with the first (f32) path: a wrong fast kernel
+            // shows here even when the conformance run was skipped.
+            let agree = match prepared.run(&b) {
+                Ok(out) => {
+                    let out = out.into_iter().next().map(|a| a.data).unwrap_or_default();
+                    match &first {
+                        None => {
+                            first = Some(out);
+                            String::new()
+                        }
+                        Some(f) => format!("  nmse vs f32 {:.1e}", nmse(&out, f)),
+                    }
+                }
+                Err(e) => {
+                    println!("{label:<26} failed: {e}");
+                    continue;
+                }
+            };
+            let t = Instant::now();
+            let _ = prepared.dispatch_only(1);
+            let once = t.elapsed().as_secs_f64().max(1e-6);
+            let iters = ((0.5 / once) as usize).clamp(1, 200);
+            let t = Instant::now();
+            let _ = prepared.dispatch_only(iters);
+            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            let rate = if case.flops > 0.0 {
+                format!("{:8.1} GFLOP/s", case.flops / secs / 1e9)
+            } else {
+                format!("{} dispatches", prog.stats.dispatches)
+            };
+            print!(
+                "{label:<26} sdkit {:9.3} ms  {rate}   {}{agree}",
+                secs * 1e3,
+                case.what
+            );
+            // The peer once per path kind, not per tiling.
+            if !case.torch.is_empty() && !tiling {
+                match torch_time(&py, &case.torch, iters.max(5), path.starts_with("coop")) {
+                    Some(tt) => print!(
+                        "   torch {:9.3} ms  sdkit/torch time {:.2}x",
+                        tt * 1e3,
+                        secs / tt
+                    ),
+                    None => print!("   (torch with CUDA not available)"),
+                }
             }
+            println!();
         }
-        println!();
     }
 }

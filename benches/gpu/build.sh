@@ -7,7 +7,7 @@ mkdir -p .gpubin
 cargo build --release -q --bin sdkit
 cp target/release/sdkit .gpubin/
 # Test and bench executables: cargo prints their paths as JSON messages.
-for spec in "test --release -p sdkit-engine --test conformance --test wgpu_backend" \
+for spec in "test --release -p sdkit-engine --test conformance --test wgpu_backend --test shaders" \
     "bench --bench wgpu_ops --bench unet_step"; do
     # shellcheck disable=SC2086
     cargo $spec --no-run --message-format=json -q |

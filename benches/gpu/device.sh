@@ -25,10 +25,11 @@ b=.gpubin
     echo "== devices"
     timeout 60 $b/sdkit devices
     echo "== conformance + backend tests on the real adapter"
-    timeout 150 $b/conformance -q 2>&1 | tail -n 25
+    timeout 150 $b/conformance -q 2>&1 | grep -E "conformance:|test result|FAILED|panicked|nmse|failures" | head -n 40
     timeout 60 $b/wgpu_backend -q 2>&1 | tail -n 25
+    timeout 30 $b/shaders -q 2>&1 | tail -n 3
     echo "== wgpu_ops (GEMM, conv, attention, UNet-shaped) vs torch"
-    timeout 120 $b/wgpu_ops --bench 2>&1
+    SDKIT_BENCH_TILINGS=1 timeout 150 $b/wgpu_ops --bench 2>&1
     echo "== SD1.5 UNet step vs torch fp16"
     timeout 180 $b/unet_step --bench 2>&1
 } 2>&1 | tee "$report"

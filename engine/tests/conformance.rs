@@ -40,6 +40,53 @@ fn gpu(allow_f16: bool) -> Option<&'static WgpuBackend> {
     gpu_with(allow_f16, false)
 }
 
+/// The tensor-core path: matrix products on cooperative matrices with f16
+/// operands and f32 accumulation, where the adapter has them.
+fn gpu_coop() -> Option<&'static WgpuBackend> {
+    static COOP: GpuSlot = std::sync::OnceLock::new();
+    coop_slot(&COOP, Options::default())
+}
+
+/// The cooperative path's other kernel forms: two-pass attention and GEMM
+/// tiles staged through workgroup memory (no direct f16 reads).
+fn gpu_coop_alt() -> Option<&'static WgpuBackend> {
+    static ALT: GpuSlot = std::sync::OnceLock::new();
+    let staged = sdkit_engine::backend::wgpu::codegen::tilings()
+        .into_iter()
+        .find(|t| !t.direct);
+    coop_slot(
+        &ALT,
+        Options {
+            two_pass_attention: true,
+            gemm_tiles: staged,
+            ..Options::default()
+        },
+    )
+}
+
+fn coop_slot(slot: &'static GpuSlot, opts: Options) -> Option<&'static WgpuBackend> {
+    slot.get_or_init(|| {
+        let b = WgpuBackend::with_options(&opts).ok()?;
+        match b.coop {
+            Some(c) => {
+                eprintln!(
+                    "conformance: wgpu-coop on {}: {}x{} tiles, subgroup {}",
+                    b.adapter.name, c.tile, c.tile, c.subgroup
+                );
+                Some(b)
+            }
+            None => {
+                eprintln!(
+                    "conformance: skipped wgpu-coop: {} has no cooperative matrices with f16 inputs and f32 accumulation (or no fixed subgroup size)",
+                    b.adapter.name
+                );
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
 /// `f16_activations`: the reduced-precision path (f16 storage everywhere,
 /// f32 arithmetic), held to a looser tolerance.
 fn gpu_with(allow_f16: bool, f16_activations: bool) -> Option<&'static WgpuBackend> {
@@ -56,6 +103,8 @@ fn gpu_with(allow_f16: bool, f16_activations: bool) -> Option<&'static WgpuBacke
         let opts = Options {
             allow_f16,
             allow_subgroups: allow_f16,
+            // Checked on its own, to its own tolerance (`gpu_coop`).
+            allow_coopmat: false,
             f16_activations,
             ..Options::default()
         };
@@ -87,6 +136,14 @@ fn run_wgpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, 
 
 fn run_wgpu_f32(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
     run_on(gpu(false), p, inputs)
+}
+
+fn run_wgpu_coop(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
+    run_on(gpu_coop(), p, inputs)
+}
+
+fn run_wgpu_coop_alt(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
+    run_on(gpu_coop_alt(), p, inputs)
 }
 
 fn run_wgpu_f16(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
@@ -128,6 +185,13 @@ fn backends() -> Vec<(&'static str, Runner, f64)> {
             }
             if gpu_with(true, true).is_some_and(|g| g.f16_activations) {
                 v.push(("wgpu-f16", run_wgpu_f16, F16_NMSE));
+            }
+            // f16 operands: the same error floor as f16 storage.
+            if gpu_coop().is_some() {
+                v.push(("wgpu-coop", run_wgpu_coop, F16_NMSE));
+                if gpu_coop_alt().is_some() {
+                    v.push(("wgpu-coop-alt", run_wgpu_coop_alt, F16_NMSE));
+                }
             }
         }
     }
@@ -484,6 +548,68 @@ fn sd_blocks_match_reference() {
     check(rb, 7, 1e-9, 0).expect("resblock");
     let tb = transformer_graph(1, 64, 6, 12, 48, 8).expect("builds");
     check(tb, 11, 1e-9, 0).expect("transformer");
+}
+
+#[test]
+fn large_products_use_every_tile_shape() {
+    // Big enough for the 128×128 cooperative tiles (at least 128 of them)
+    // with ragged edges on every side; the proptests above stay within the
+    // 64×64 ones.
+    let g = build(|g| {
+        g.input("a", &[8, 520, 72])?
+            .matmul(g.input("b", &[8, 72, 515])?)
+    });
+    check(g, 5, 1e-9, 0).expect("batched matmul");
+    let p = Conv2dParams {
+        stride: [1; 2],
+        padding: [1; 2],
+        dilation: [1; 2],
+        groups: 1,
+    };
+    let g = build(|g| {
+        g.input("x", &[2, 8, 63, 65])?.conv2d(
+            g.weight("w", &[260, 8, 3, 3])?,
+            Some(g.weight("bias", &[260])?),
+            p,
+        )
+    });
+    check(g, 9, 1e-9, 0).expect("conv");
+    // Depths of whole fragments: f16 weights read straight from their
+    // binding, with row counts that are not (edge fragments clamp).
+    // (Widths of 136 are not whole fragments: staged instead.)
+    for n in [136, 144] {
+        let g = build(|g| {
+            g.input("a", &[4, 300, 128])?
+                .linear(g.weight("w", &[n, 128])?, Some(g.weight("bias", &[n])?))
+        });
+        check(g, 11, 1e-9, 0).expect("linear");
+    }
+    let g = build(|g| {
+        g.input("x", &[2, 16, 40, 40])?
+            .conv2d(g.weight("w", &[144, 16, 3, 3])?, None, p)
+    });
+    check(g, 13, 1e-9, 0).expect("conv, direct weights");
+}
+
+#[test]
+fn attention_heads_of_sd_widths() {
+    // SD's head widths (40, 80, 160: padded to the cooperative tile, and
+    // the widest with smaller key blocks) over several query and key
+    // blocks with ragged ends.
+    for (i, d) in [40usize, 80, 160].into_iter().enumerate() {
+        let g = build(|g| {
+            let q = g.input("q", &[1, 2, 200, d])?;
+            let k = g.input("k", &[1, 2, 150, d])?;
+            let v = g.input("v", &[1, 2, 150, d])?;
+            let mask = if i == 1 {
+                Some(g.input("mask", &[200, 150])?)
+            } else {
+                None
+            };
+            q.attention(k, v, mask, 1.0 / (d as f32).sqrt())
+        });
+        check(g, 20 + i as u64, 1e-9, 0).expect("attention");
+    }
 }
 
 #[test]

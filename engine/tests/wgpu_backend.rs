@@ -60,6 +60,17 @@ fn nmse(a: &[f32], b: &[f32]) -> f64 {
     num / den.max(1e-30)
 }
 
+/// The error this backend's path allows: f32 arithmetic agrees to
+/// rounding; cooperative-matrix products round both operands to f16
+/// (11 significant bits), as the conformance suite's f16 paths.
+fn tolerance(gpu: &WgpuBackend) -> f64 {
+    if gpu.coop.is_some() {
+        2e-5
+    } else {
+        1e-9
+    }
+}
+
 #[test]
 fn prepared_program_replays_and_matches_cpu() {
     let Some(gpu) = backend() else { return };
@@ -75,7 +86,7 @@ fn prepared_program_replays_and_matches_cpu() {
         let got = prepared.run(&b).expect("runs");
         let want = cpu::run(&prog, &b).expect("cpu runs");
         let e = nmse(&got[0].data, &want[0].data);
-        assert!(e < 1e-9, "step {salt}: nmse {e}");
+        assert!(e < tolerance(&gpu), "step {salt}: nmse {e}");
     }
     // Preparing the same Program again compiles nothing new.
     let _again = gpu.prepare(&prog, &first).expect("prepares");
@@ -115,6 +126,6 @@ fn tensors_past_the_binding_limit_are_split() {
     let got = gpu.run(&prog, &b).expect("runs split");
     let want = cpu::run(&prog, &b).expect("cpu runs");
     let e = nmse(&got[0].data, &want[0].data);
-    assert!(e < 1e-9, "nmse {e}");
+    assert!(e < tolerance(&gpu), "nmse {e}");
     assert!(gpu.split_operands() > 0, "nothing was split");
 }

@@ -172,12 +172,54 @@ impl Operand {
     }
 }
 
+/// A cooperative-matrix (tensor core) configuration the adapter offers:
+/// square `tile`×`tile`×`tile` products of f16 inputs into f32
+/// accumulators, run by subgroups of exactly `subgroup` lanes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coop {
+    pub tile: u32,
+    pub subgroup: u32,
+}
+
+/// What the adapter lets generated kernels use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caps {
+    /// Subgroup reductions (`SUBGROUP`).
+    pub subgroups: bool,
+    /// Matrix products (matmul, conv) on cooperative matrices.
+    pub coop: Option<Coop>,
+    /// Workgroup memory per workgroup, bytes.
+    pub workgroup_memory: u32,
+    /// Fixes the cooperative GEMM tiling instead of choosing it by size
+    /// (benchmarks compare tilings with it).
+    pub gemm_tiles: Option<CoopTiles>,
+    /// Cooperative attention in two passes over the keys (max, then sums)
+    /// instead of one with per-row rescaling; the conformance suite checks
+    /// both forms.
+    pub two_pass_attention: bool,
+}
+
+impl Caps {
+    /// The portable path: no optional feature, WebGPU's minimum workgroup
+    /// memory.
+    pub fn plain() -> Self {
+        Caps {
+            subgroups: false,
+            coop: None,
+            workgroup_memory: 16384,
+            gemm_tiles: None,
+            two_pass_attention: false,
+        }
+    }
+}
+
 /// Generates the shader for a kernel; `operands` describes each input
 /// then the output.
 // Each arm sets the launch grid after emitting its source; a late `let`
 // keeps the arms' long bodies flat.
 #[allow(clippy::needless_late_init)]
-pub fn generate(k: &Kernel, operands: &[Operand], subgroups: bool) -> Result<Shader, String> {
+pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader, String> {
+    let subgroups = caps.subgroups;
     let n_out = k.output.numel();
     let mut src = String::new();
     src.push_str(PRELUDE);
@@ -214,11 +256,26 @@ pub fn generate(k: &Kernel, operands: &[Operand], subgroups: bool) -> Result<Sha
                 "fn store(z: u32, r: u32, c: u32, v: f32) {{ let oi = z * {}u + r * {n}u + c; dst[oi] = epi(v, oi); }}",
                 m * n
             );
-            src.push_str(&gemm(*m, *n, *kk, &load_a, &load_b, &store));
             if *batch > 65535 {
                 return Err(format!("batch {batch} exceeds 65535 workgroups"));
             }
-            groups = [n.div_ceil(64) as u32, m.div_ceil(64) as u32, *batch as u32];
+            let g = Gemm {
+                m: *m,
+                n: *n,
+                k: *kk,
+                batch: *batch,
+                a_k_contiguous: acs <= ars,
+                b_n_contiguous: bcs <= brs,
+                direct_a: operands
+                    .first()
+                    .and_then(|o| Direct::of(0, o, acs, (ao, abs_), ars)),
+                direct_b: operands
+                    .get(1)
+                    .and_then(|o| Direct::of(1, o, brs, (bo, bbs), bcs)),
+            };
+            let (code, tiles) = g.emit(caps, &load_a, &load_b, &store);
+            src.push_str(&code);
+            groups = tiles;
         }
         KernelKind::Conv2d {
             n,
@@ -265,16 +322,30 @@ pub fn generate(k: &Kernel, operands: &[Operand], subgroups: bool) -> Result<Sha
                 "fn store(z: u32, r: u32, c: u32, v: f32) {{ let b = z / {g}u; let g = z % {g}u; let oc = g * {og}u + r; let oi = (b * {o}u + oc) * {ohw}u + c; dst[oi] = epi(v + {bias_term}, oi); }}",
                 ohw = oh * ow
             );
-            src.push_str(&gemm(og, oh * ow, kk, &load_a, &load_b, &store));
             let z = n * g;
             if z > 65535 {
                 return Err(format!("batch x groups {z} exceeds 65535 workgroups"));
             }
-            groups = [
-                (oh * ow).div_ceil(64) as u32,
-                og.div_ceil(64) as u32,
-                z as u32,
-            ];
+            // Weights are [out][in x taps] (depth contiguous); the implicit
+            // im2col operand walks pixels contiguously.
+            let gm = Gemm {
+                m: og,
+                n: oh * ow,
+                k: kk,
+                batch: z,
+                a_k_contiguous: true,
+                b_n_contiguous: true,
+                // Batch index z = image·groups + group; the weights repeat
+                // per image, so only groups of one may read them directly.
+                direct_a: operands
+                    .get(1)
+                    .filter(|_| g == 1)
+                    .and_then(|o| Direct::of(1, o, 1, (0, 0), kk)),
+                direct_b: None,
+            };
+            let (code, tiles) = gm.emit(caps, &load_a, &load_b, &store);
+            src.push_str(&code);
+            groups = tiles;
         }
         KernelKind::GroupNorm {
             n,
@@ -419,38 +490,9 @@ pub fn generate(k: &Kernel, operands: &[Operand], subgroups: bool) -> Result<Sha
             src.push_str(&off(&k.inputs[0], "q_off"));
             src.push_str(&off(&k.inputs[1], "k_off"));
             src.push_str(&off(&k.inputs[2], "v_off"));
-            let mask = if *masked {
-                format!("s = s + in3[i * {skv}u + j];")
-            } else {
-                String::new()
-            };
-            // One thread per query row with online softmax: no sq x skv
-            // buffer, one pass over keys and values.
-            let body = format!(
-                "    let bh = gi / {sq}u; let i = gi % {sq}u;
-    var qr: array<f32, {d}>;
-    for (var t = 0u; t < {d}u; t++) {{ qr[t] = in0[q_off(bh, i, t)] * {sc}; }}
-    var acc: array<f32, {dv}>;
-    var m = -3.4028235e38; var l = 0.0;
-    for (var j = 0u; j < {skv}u; j++) {{
-        var s = 0.0;
-        for (var t = 0u; t < {d}u; t++) {{ s = s + qr[t] * in1[k_off(bh, j, t)]; }}
-        {mask}
-        let mn = max(m, s);
-        let corr = exp(m - mn);
-        let p = exp(s - mn);
-        l = l * corr + p;
-        for (var t = 0u; t < {dv}u; t++) {{ acc[t] = acc[t] * corr + p * in2[v_off(bh, j, t)]; }}
-        m = mn;
-    }}
-    for (var t = 0u; t < {dv}u; t++) {{ let oi = gi * {dv}u + t; dst[oi] = epi(acc[t] / l, oi); }}",
-                sc = lit(*scale),
-            );
-            let rows = b * h * sq;
-            src.push_str(&format!(
-                "@compute @workgroup_size(256)\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    {LINEAR_ID}\n    if (gi >= {rows}u) {{ return; }}\n{body}\n}}\n"
-            ));
-            groups = grid(rows);
+            let (code, tiles) = attention(*b * *h, *sq, *skv, *d, *dv, *scale, *masked, caps);
+            src.push_str(&code);
+            groups = tiles;
         }
         KernelKind::Gather { rows, cols } => {
             let body = format!(
@@ -571,8 +613,12 @@ pub fn generate(k: &Kernel, operands: &[Operand], subgroups: bool) -> Result<Sha
         ));
     }
     let mut head = String::new();
-    if operands.iter().any(|o| o.f16) {
+    let coop = body.contains("coop_mat");
+    if coop || operands.iter().any(|o| o.f16) {
         head.push_str("enable f16;\n");
+    }
+    if coop {
+        head.push_str("enable wgpu_cooperative_matrix;\n");
     }
     // Subgroup builtins need the device's SUBGROUP feature; naga takes no
     // `enable subgroups;` directive yet.
@@ -715,14 +761,11 @@ fn is_ident(b: u8) -> bool {
 
 /// A 64x64-tiled GEMM (16x16 threads, 4x4 outputs each, K-steps of 16
 /// through workgroup memory) over `load_a(z, row, k)`, `load_b(z, k, col)`
-/// and `store(z, row, col, v)`. Workgroup (x, y, z) = (col tile, row tile,
+/// and `store(z, row, col, v)`, which precede it in the shader. Workgroup (x, y, z) = (col tile, row tile,
 /// batch).
-fn gemm(m: usize, n: usize, k: usize, load_a: &str, load_b: &str, store: &str) -> String {
+fn gemm(m: usize, n: usize, k: usize) -> String {
     format!(
-        "{load_a}
-{load_b}
-{store}
-var<workgroup> As: array<f32, 1024>;
+        "var<workgroup> As: array<f32, 1024>;
 var<workgroup> Bs: array<f32, 1024>;
 @compute @workgroup_size(16, 16, 1)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {{
@@ -769,6 +812,844 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
 }}
 "
     )
+}
+
+/// One (batched) matrix product as the kernels see it: `m`×`k` by
+/// `k`×`n`, `batch` times, through `load_a`/`load_b`/`store`.
+struct Gemm {
+    m: usize,
+    n: usize,
+    k: usize,
+    batch: usize,
+    /// Consecutive depth indices of A are adjacent in memory (else
+    /// consecutive rows are): decides which index neighbouring threads
+    /// walk when staging a tile, so their reads coalesce.
+    a_k_contiguous: bool,
+    /// Consecutive columns of B are adjacent in memory (else consecutive
+    /// depth indices are).
+    b_n_contiguous: bool,
+    /// A's rows read straight from its f16 binding, where possible.
+    direct_a: Option<Direct>,
+    /// B's columns read straight from its f16 binding, where possible.
+    direct_b: Option<Direct>,
+}
+
+/// An operand stored as f16 in one binding with its depth index
+/// contiguous: cooperative loads can read its fragments from the buffer,
+/// skipping the workgroup-memory staging.
+struct Direct {
+    /// The binding (`inJ_0`).
+    binding: String,
+    /// WGSL expression (of the batch index `z`) for the element offset of
+    /// row/column 0, depth 0.
+    base: String,
+    /// Elements between consecutive rows (A) or columns (B).
+    stride: usize,
+}
+
+impl Direct {
+    /// For operand `j` bound as `op`, with element offset `offset +
+    /// z·z_stride` of its first row/column, when its depth stride is 1 and
+    /// every fragment starts 16-byte aligned (cooperative loads from
+    /// buffers may require it; fragments start at multiples of 8 along the
+    /// depth).
+    fn of(
+        j: usize,
+        op: &Operand,
+        depth_stride: usize,
+        (offset, z_stride): (usize, usize),
+        stride: usize,
+    ) -> Option<Self> {
+        let aligned = offset % 8 == 0 && z_stride % 8 == 0 && stride.is_multiple_of(8);
+        (op.f16 && op.chunks == 1 && depth_stride == 1 && aligned).then(|| Direct {
+            binding: format!("in{j}_0"),
+            base: format!("{offset}u + z * {z_stride}u"),
+            stride,
+        })
+    }
+}
+
+/// How a cooperative-matrix GEMM workgroup divides its tile:
+/// `sg_rows`×`sg_cols` subgroups, each owning `rows`×`cols` outputs
+/// (multiples of the fragment size), over depth steps of `bk`; `direct`
+/// lets f16 operands skip staging ([`Direct`]). Chosen by size unless
+/// [`Caps::gemm_tiles`] fixes it (for tuning).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoopTiles {
+    pub sg_rows: usize,
+    pub sg_cols: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub bk: usize,
+    pub direct: bool,
+}
+
+/// The cooperative GEMM tilings worth comparing on a new adapter
+/// (`SDKIT_BENCH_TILINGS=1 cargo bench --bench wgpu_ops`); the default
+/// choice, `Gemm::tiles_for`, picks among them.
+pub fn tilings() -> Vec<CoopTiles> {
+    let t = |sg_rows, sg_cols, rows, cols, bk, direct| CoopTiles {
+        sg_rows,
+        sg_cols,
+        rows,
+        cols,
+        bk,
+        direct,
+    };
+    vec![
+        t(2, 4, 64, 32, 32, true),
+        t(2, 2, 32, 32, 32, true),
+        t(2, 4, 64, 32, 32, false),
+        t(2, 4, 64, 32, 64, true),
+        t(2, 2, 64, 64, 32, true),
+        t(2, 2, 64, 64, 64, true),
+        t(4, 2, 32, 64, 32, true),
+        t(4, 2, 32, 32, 32, true),
+        t(2, 4, 32, 32, 32, true),
+        t(4, 4, 32, 32, 32, true),
+        t(4, 4, 32, 16, 32, true),
+    ]
+}
+
+impl Gemm {
+    /// The shader body and launch grid: cooperative matrices where the
+    /// adapter has them, else the portable register-tiled kernel.
+    fn emit(&self, caps: &Caps, load_a: &str, load_b: &str, store: &str) -> (String, [u32; 3]) {
+        let funcs = format!("{load_a}\n{load_b}\n{store}\n");
+        let Some(c) = caps.coop else {
+            return (
+                funcs + &gemm(self.m, self.n, self.k),
+                [
+                    self.n.div_ceil(64) as u32,
+                    self.m.div_ceil(64) as u32,
+                    self.batch as u32,
+                ],
+            );
+        };
+        let tiles = caps
+            .gemm_tiles
+            .unwrap_or_else(|| self.tiles_for(c.tile as usize));
+        let code = funcs + &self.coop(c, tiles);
+        let groups = [
+            self.n.div_ceil(tiles.sg_cols * tiles.cols) as u32,
+            self.m.div_ceil(tiles.sg_rows * tiles.rows) as u32,
+            self.batch as u32,
+        ];
+        (code, groups)
+    }
+
+    /// The tiling by operand kind and size, from the tiling table measured
+    /// on an H200 (benches/gpu/RESULTS.md): with A read directly (conv
+    /// weights) 4×2 subgroups of 32×32 led at every conv size measured;
+    /// with only B direct (linear weights) 2×2 of 32×32; with both staged,
+    /// 128×128 tiles (2×4 of 64×32) where the grid stays large, else 64×64.
+    fn tiles_for(&self, t: usize) -> CoopTiles {
+        let whole = |dim: usize| self.k.is_multiple_of(t) && dim.is_multiple_of(t);
+        let a_direct = self.direct_a.is_some() && whole(self.m);
+        let b_direct = self.direct_b.is_some() && whole(self.n);
+        let tiles = |sg_rows, sg_cols, rows, cols| CoopTiles {
+            sg_rows,
+            sg_cols,
+            rows,
+            cols,
+            bk: 32,
+            direct: true,
+        };
+        let big_tiles = self.m.div_ceil(128) * self.n.div_ceil(128) * self.batch;
+        match (a_direct, b_direct) {
+            (true, false) => tiles(4, 2, 32, 32),
+            (false, true) => tiles(2, 2, 32, 32),
+            _ if self.m >= 128 && self.n >= 128 && big_tiles >= 128 => tiles(2, 4, 64, 32),
+            _ => tiles(2, 2, 32, 32),
+        }
+    }
+
+    /// Tensor-core GEMM: each workgroup stages a BM×bk tile of A and a
+    /// bk×BN tile of B in workgroup memory as f16 (or reads an f16 operand
+    /// straight from its binding), and each of its subgroups multiplies its
+    /// `rows`×`cols` share into f32 accumulator fragments. The epilogue
+    /// goes through a per-subgroup f32 scratch fragment, so `store` (bias,
+    /// activation, residual, f16 output, split bindings) stays the same as
+    /// the portable kernel's.
+    fn coop<'a>(&'a self, c: Coop, sh: CoopTiles) -> String {
+        let t = c.tile as usize;
+        let s = c.subgroup as usize;
+        let (fm, fnn) = (sh.rows / t, sh.cols / t);
+        let bm = sh.sg_rows * sh.rows;
+        let bn = sh.sg_cols * sh.cols;
+        let bk = sh.bk;
+        let nsg = sh.sg_rows * sh.sg_cols;
+        let threads = nsg * s;
+        let (m, n, k) = (self.m, self.n, self.k);
+        // Direct reads need whole fragments along the depth and along the
+        // rows/columns: a fragment past the end is then wholly outside the
+        // output, so clamping it inside the operand only reads values that
+        // are never stored.
+        let usable = |d: Option<&'a Direct>, dim: usize| {
+            d.filter(|_| sh.direct && k % t == 0 && dim.is_multiple_of(t))
+        };
+        let da = usable(self.direct_a.as_ref(), m);
+        let db = usable(self.direct_b.as_ref(), n);
+        let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
+        let mut decl = String::new();
+        let mut mac = String::new();
+        let mut epi = String::new();
+        for i in 0..fm {
+            let load = match da {
+                Some(d) => format!(
+                    "coopLoadT<{}>(&{}[{} + min(row0 + sm * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
+                    ty("A", "f16"),
+                    d.binding,
+                    d.base,
+                    sh.rows,
+                    i * t,
+                    m - t,
+                    d.stride,
+                    d.stride
+                ),
+                None => format!(
+                    "coopLoadT<{}>(&As[(sm * {}u + {}u) * {bk}u + kk], {bk}u)",
+                    ty("A", "f16"),
+                    sh.rows,
+                    i * t
+                ),
+            };
+            let _ = writeln!(mac, "            let a{i} = {load};");
+        }
+        for j in 0..fnn {
+            let load = match db {
+                Some(d) => format!(
+                    "coopLoad<{}>(&{}[{} + min(col0 + sn * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
+                    ty("B", "f16"),
+                    d.binding,
+                    d.base,
+                    sh.cols,
+                    j * t,
+                    n - t,
+                    d.stride,
+                    d.stride
+                ),
+                None => format!(
+                    "coopLoadT<{}>(&Bs[kk * {bn}u + sn * {}u + {}u], {bn}u)",
+                    ty("B", "f16"),
+                    sh.cols,
+                    j * t
+                ),
+            };
+            let _ = writeln!(mac, "            let b{j} = {load};");
+        }
+        for i in 0..fm {
+            for j in 0..fnn {
+                let _ = writeln!(decl, "    var c{i}_{j} = {}();", ty("C", "f32"));
+                let _ = writeln!(
+                    mac,
+                    "            c{i}_{j} = coopMultiplyAdd(a{i}, b{j}, c{i}_{j});"
+                );
+                let _ = write!(
+                    epi,
+                    "    coopStoreT(c{i}_{j}, &Cs[sg * {tt}u], {t}u);
+    workgroupBarrier();
+    for (var e = lane; e < {tt}u; e += {s}u) {{
+        let r = row0 + sm * {rows}u + {ri}u + e / {t}u;
+        let col = col0 + sn * {cols}u + {ci}u + e % {t}u;
+        if (r < {m}u && col < {n}u) {{ store(z, r, col, Cs[sg * {tt}u + e]); }}
+    }}
+    workgroupBarrier();
+",
+                    tt = t * t,
+                    rows = sh.rows,
+                    cols = sh.cols,
+                    ri = i * t,
+                    ci = j * t,
+                );
+            }
+        }
+        // Staging: neighbouring threads take neighbouring memory.
+        let (a_r, a_c) = if self.a_k_contiguous {
+            (format!("e / {bk}u"), format!("e % {bk}u"))
+        } else {
+            (format!("e % {bm}u"), format!("e / {bm}u"))
+        };
+        let (b_r, b_c) = if self.b_n_contiguous {
+            (format!("e / {bn}u"), format!("e % {bn}u"))
+        } else {
+            (format!("e % {bk}u"), format!("e / {bk}u"))
+        };
+        let mut shared = String::new();
+        let mut stage = String::new();
+        if da.is_none() {
+            let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * bk);
+            let _ = write!(
+                stage,
+                "        for (var e = tid; e < {len}u; e += {threads}u) {{
+            let r = {a_r}; let kc = {a_c};
+            var v = 0.0;
+            if (row0 + r < {m}u && k0 + kc < {k}u) {{ v = load_a(z, row0 + r, k0 + kc); }}
+            As[r * {bk}u + kc] = f16(v);
+        }}
+",
+                len = bm * bk
+            );
+        }
+        if db.is_none() {
+            let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * bn);
+            let _ = write!(
+                stage,
+                "        for (var e = tid; e < {len}u; e += {threads}u) {{
+            let kr = {b_r}; let c = {b_c};
+            var v = 0.0;
+            if (k0 + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, k0 + kr, col0 + c); }}
+            Bs[kr * {bn}u + c] = f16(v);
+        }}
+",
+                len = bk * bn
+            );
+        }
+        let staged = da.is_none() || db.is_none();
+        let barrier = if staged {
+            "        workgroupBarrier();\n"
+        } else {
+            ""
+        };
+        // With a direct operand the depth may end inside a step: stop at
+        // it rather than read past the row (k is then a multiple of the
+        // fragment). A loop bound, not an `if`: naga treats branches on
+        // local variables as non-uniform, which cooperative ops forbid.
+        let depth_end = if da.is_some() || db.is_some() {
+            format!("min({bk}u, {k}u - k0)")
+        } else {
+            format!("{bk}u")
+        };
+        format!(
+            "{shared}var<workgroup> Cs: array<f32, {c_len}>;
+@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
+    let z = wg.z;
+    let row0 = wg.y * {bm}u;
+    let col0 = wg.x * {bn}u;
+    let sm = sg / {sgc}u;
+    let sn = sg % {sgc}u;
+{decl}    for (var k0 = 0u; k0 < {k}u; k0 += {bk}u) {{
+{stage}{barrier}        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
+{mac}        }}
+{barrier}    }}
+{epi}}}
+",
+            c_len = nsg * t * t,
+            sgc = sh.sg_cols,
+        )
+    }
+}
+
+/// Attention with online softmax (flash-attention style, no sq×skv
+/// buffer): a workgroup of 64 threads takes 64 queries of one (batch,
+/// head), each thread one query; blocks of keys and values are staged in
+/// workgroup memory once for all 64, and each key is folded into the
+/// thread's running max, sum and output as it is scored (a per-block
+/// score array spills to local memory on NVIDIA and ran slower).
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    bh: usize,
+    sq: usize,
+    skv: usize,
+    d: usize,
+    dv: usize,
+    scale: f32,
+    masked: bool,
+    caps: &Caps,
+) -> (String, [u32; 3]) {
+    if let Some(c) = caps.coop {
+        let single = if caps.two_pass_attention {
+            None
+        } else {
+            attention_coop_single(bh, sq, skv, d, dv, scale, masked, c, caps)
+        };
+        if let Some(code) =
+            single.or_else(|| attention_coop(bh, sq, skv, d, dv, scale, masked, c, caps))
+        {
+            return code;
+        }
+    }
+    const Q: usize = 64;
+    // Keys per block: K and V blocks together within the workgroup memory
+    // (at most 24 KiB, leaving room on 32 KiB adapters).
+    let room = (caps.workgroup_memory as usize).min(24576);
+    let mut kb = 64;
+    while kb > 1 && kb * (d + dv) * 4 > room {
+        kb /= 2;
+    }
+    let mask = if masked {
+        format!("s = s + in3[qi * {skv}u + j0 + jj];")
+    } else {
+        String::new()
+    };
+    let qblocks = sq.div_ceil(Q);
+    let blocks = bh * qblocks;
+    let code = format!(
+        "var<workgroup> Ks: array<f32, {kl}>;
+var<workgroup> Vs: array<f32, {vl}>;
+@compute @workgroup_size({Q})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {{
+    let blk = wg.x + wg.y * 65535u;
+    if (blk >= {blocks}u) {{ return; }}
+    let bh = blk / {qblocks}u;
+    let i = (blk % {qblocks}u) * {Q}u + lid.x;
+    let qi = min(i, {sqm}u);
+    var qr: array<f32, {d}>;
+    for (var t = 0u; t < {d}u; t++) {{ qr[t] = in0[q_off(bh, qi, t)] * {sc}; }}
+    var acc: array<f32, {dv}>;
+    var m = -3.4028235e38; var l = 0.0;
+    for (var j0 = 0u; j0 < {skv}u; j0 += {kb}u) {{
+        for (var e = lid.x; e < {kl}u; e += {Q}u) {{
+            let jj = e / {d}u; var v = 0.0;
+            if (j0 + jj < {skv}u) {{ v = in1[k_off(bh, j0 + jj, e % {d}u)]; }}
+            Ks[e] = v;
+        }}
+        for (var e = lid.x; e < {vl}u; e += {Q}u) {{
+            let jj = e / {dv}u; var v = 0.0;
+            if (j0 + jj < {skv}u) {{ v = in2[v_off(bh, j0 + jj, e % {dv}u)]; }}
+            Vs[e] = v;
+        }}
+        workgroupBarrier();
+        let cnt = min({kb}u, {skv}u - j0);
+        for (var jj = 0u; jj < cnt; jj++) {{
+            var s = 0.0;
+            for (var t = 0u; t < {d}u; t++) {{ s = s + qr[t] * Ks[jj * {d}u + t]; }}
+            {mask}
+            let mn = max(m, s);
+            let corr = exp(m - mn);
+            let p = exp(s - mn);
+            l = l * corr + p;
+            for (var t = 0u; t < {dv}u; t++) {{ acc[t] = acc[t] * corr + p * Vs[jj * {dv}u + t]; }}
+            m = mn;
+        }}
+        workgroupBarrier();
+    }}
+    if (i < {sq}u) {{
+        let row = bh * {sq}u + i;
+        for (var t = 0u; t < {dv}u; t++) {{ let oi = row * {dv}u + t; dst[oi] = epi(acc[t] / l, oi); }}
+    }}
+}}
+",
+        kl = kb * d,
+        vl = kb * dv,
+        sqm = sq.saturating_sub(1),
+        sc = lit(scale),
+    );
+    let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
+    (code, groups)
+}
+
+/// Attention on cooperative matrices in one pass (flash-attention's
+/// online softmax): a workgroup of 4 subgroups takes 4·T queries of one
+/// (batch, head), each subgroup T of them, with the head padded to a
+/// multiple of T. Per block of keys: K and V are staged as f16, the
+/// scores come from fragments (Q held in registers) into workgroup
+/// memory, then every lane takes one query row and a share of the keys
+/// (rows' maxima and sums combined across lanes by subgroup shuffles),
+/// writes the probabilities as f16, and P·V lands in fresh fragments.
+/// Each lane keeps its row's share of the output in registers, where the
+/// per-row rescaling that fragments cannot do is a plain multiply.
+/// None when the workgroup memory cannot hold the smallest block.
+#[allow(clippy::too_many_arguments)]
+fn attention_coop_single(
+    bh: usize,
+    sq: usize,
+    skv: usize,
+    d: usize,
+    dv: usize,
+    scale: f32,
+    masked: bool,
+    c: Coop,
+    caps: &Caps,
+) -> Option<(String, [u32; 3])> {
+    let t = c.tile as usize;
+    let lanes = c.subgroup as usize;
+    if lanes < t || !lanes.is_multiple_of(t) {
+        return None;
+    }
+    // Lanes per query row, and output columns per lane per fragment.
+    let lpr = lanes / t;
+    if !t.is_multiple_of(lpr) {
+        return None;
+    }
+    let cpl = t / lpr;
+    const NS: usize = 4;
+    let bq = NS * t;
+    let dp = d.div_ceil(t) * t;
+    let dvp = dv.div_ceil(t) * t;
+    let bytes = |bk: usize| bk.max(bq) * dp * 2 + bk * dvp * 2 + NS * t * bk * 4 + NS * t * bk * 2;
+    let bk = [64, 32, 16]
+        .into_iter()
+        .filter(|&b| b >= t && b % lpr == 0)
+        .find(|&b| bytes(b) <= caps.workgroup_memory as usize)?;
+    let kpl = bk / lpr;
+    let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
+    let qfrags = dp / t;
+    let ofrags = dvp / t;
+    let mut qload = String::new();
+    for f in 0..qfrags {
+        let _ = writeln!(
+            qload,
+            "    let qa{f} = coopLoadT<{}>(&KQ[sg * {}u + {}u], {dp}u);",
+            ty("A", "f16"),
+            t * dp,
+            f * t
+        );
+    }
+    let mut scores = String::new();
+    for jf in 0..bk / t {
+        let _ = writeln!(
+            scores,
+            "        {{\n            var sacc = {}();",
+            ty("C", "f32")
+        );
+        for f in 0..qfrags {
+            let _ = writeln!(
+                scores,
+                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<{}>(&KQ[{}u], {dp}u), sacc);",
+                ty("B", "f16"),
+                jf * t * dp + f * t
+            );
+        }
+        let _ = writeln!(
+            scores,
+            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {bk}u);\n        }}",
+            t * bk,
+            jf * t
+        );
+    }
+    // Subgroup all-reduce over the lanes sharing a row (lane = part·T + row).
+    let reduce = |v: &str, combine: &dyn Fn(&str, &str) -> String| -> String {
+        let mut out = String::new();
+        let mut mask = t;
+        while mask < lanes {
+            let other = format!("subgroupShuffleXor({v}, {mask}u)");
+            let _ = write!(out, " {v} = {};", combine(v, &other));
+            mask *= 2;
+        }
+        out
+    };
+    let mut pv_decl = String::new();
+    let mut pv_mac = String::new();
+    let mut fold = String::new();
+    let mut store = String::new();
+    for f in 0..ofrags {
+        let _ = writeln!(pv_decl, "        var pv{f} = {}();", ty("C", "f32"));
+        let _ = writeln!(
+            pv_mac,
+            "            pv{f} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), pv{f});",
+            ty("B", "f16"),
+            t * dvp,
+            f * t
+        );
+        let _ = writeln!(
+            fold,
+            "        coopStoreT(pv{f}, &Ss[sg * {}u], {t}u);\n        workgroupBarrier();",
+            t * bk
+        );
+        for i in 0..cpl {
+            let _ = writeln!(
+                fold,
+                "        o[{oi}] = o[{oi}] * corr + Ss[sg * {sub}u + r * {t}u + part * {cpl}u + {i}u];",
+                oi = f * cpl + i,
+                sub = t * bk,
+            );
+            let _ = writeln!(
+                store,
+                "        {{ let col = {}u + part * {cpl}u + {i}u; if (col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; dst[oi] = epi(o[{}] / l, oi); }} }}",
+                f * t,
+                f * cpl + i
+            );
+        }
+        let _ = writeln!(fold, "        workgroupBarrier();");
+    }
+    let mask = if masked {
+        format!("s = s + in3[qi * {skv}u + j0 + j];")
+    } else {
+        String::new()
+    };
+    let qblocks = sq.div_ceil(bq);
+    let blocks = bh * qblocks;
+    let threads = NS * lanes;
+    let code = format!(
+        "var<workgroup> KQ: array<f16, {kql}>;
+var<workgroup> Vs: array<f16, {vl}>;
+var<workgroup> Ss: array<f32, {sl}>;
+var<workgroup> Ps: array<f16, {sl}>;
+@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
+    let blk = wg.x + wg.y * 65535u;
+    if (blk >= {blocks}u) {{ return; }}
+    let bh = blk / {qblocks}u;
+    let q0 = (blk % {qblocks}u) * {bq}u;
+    for (var e = tid; e < {bq}u * {dp}u; e += {threads}u) {{
+        let r = e / {dp}u; let t = e % {dp}u; var v = 0.0;
+        if (q0 + r < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + r, t)] * {sc}; }}
+        KQ[e] = f16(v);
+    }}
+    workgroupBarrier();
+{qload}    workgroupBarrier();
+    let r = lane % {t}u;
+    let part = lane / {t}u;
+    let qrow = q0 + sg * {t}u + r;
+    let qi = min(qrow, {sqm}u);
+    let srow = sg * {tbk}u + r * {bk}u + part * {kpl}u;
+    var o: array<f32, {olen}>;
+    var m = -3.4028235e38;
+    var l = 0.0;
+    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
+        for (var e = tid; e < {kl}u; e += {threads}u) {{
+            let kr = e / {dp}u; let t = e % {dp}u; var v = 0.0;
+            if (j0 + kr < {skv}u && t < {d}u) {{ v = in1[k_off(bh, j0 + kr, t)]; }}
+            KQ[e] = f16(v);
+        }}
+        for (var e = tid; e < {vl}u; e += {threads}u) {{
+            let kr = e / {dvp}u; let t = e % {dvp}u; var v = 0.0;
+            if (j0 + kr < {skv}u && t < {dv}u) {{ v = in2[v_off(bh, j0 + kr, t)]; }}
+            Vs[e] = f16(v);
+        }}
+        workgroupBarrier();
+{scores}        workgroupBarrier();
+        var bm = -3.4028235e38;
+        for (var jj = 0u; jj < {kpl}u; jj++) {{
+            let j = part * {kpl}u + jj;
+            if (j0 + j < {skv}u) {{ var s = Ss[srow + jj]; {mask} Ss[srow + jj] = s; bm = max(bm, s); }}
+        }}
+       {red_max}
+        let mn = max(m, bm);
+        let corr = exp(m - mn);
+        var ps = 0.0;
+        for (var jj = 0u; jj < {kpl}u; jj++) {{
+            let j = part * {kpl}u + jj;
+            var p = 0.0;
+            if (j0 + j < {skv}u) {{ p = exp(Ss[srow + jj] - mn); }}
+            ps = ps + p;
+            Ps[srow + jj] = f16(p);
+        }}
+       {red_sum}
+        l = l * corr + ps;
+        m = mn;
+        workgroupBarrier();
+{pv_decl}        for (var kf = 0u; kf < {kfs}u; kf++) {{
+            let pa = coopLoadT<{pty}>(&Ps[sg * {tbk}u + kf * {t}u], {bk}u);
+{pv_mac}        }}
+{fold}    }}
+    if (qrow < {sq}u) {{
+{store}    }}
+}}
+",
+        kql = bk.max(bq) * dp,
+        kl = bk * dp,
+        vl = bk * dvp,
+        sl = NS * t * bk,
+        tbk = t * bk,
+        sqm = sq.saturating_sub(1),
+        olen = ofrags * cpl,
+        kfs = bk / t,
+        pty = ty("A", "f16"),
+        sc = lit(scale),
+        red_max = reduce("bm", &|a, b| format!("max({a}, {b})")),
+        red_sum = reduce("ps", &|a, b| format!("{a} + {b}")),
+    );
+    let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
+    Some((code, groups))
+}
+
+/// Attention on cooperative matrices: a workgroup of 4 subgroups takes
+/// 4·T queries of one (batch, head), each subgroup T of them, with the
+/// head padded to a multiple of T. Scores for a block of keys come from
+/// f16 fragments (Q held in registers, K staged in workgroup memory); the
+/// subgroup's first T lanes own one query row each for the softmax. Two
+/// passes over the keys: the first finds each row's maximum, the second
+/// accumulates exp(s − max)·V into f32 fragments and the row sums, so no
+/// accumulator ever needs rescaling (which fragments cannot do per row).
+/// None when the workgroup memory cannot hold the smallest block.
+#[allow(clippy::too_many_arguments)]
+fn attention_coop(
+    bh: usize,
+    sq: usize,
+    skv: usize,
+    d: usize,
+    dv: usize,
+    scale: f32,
+    masked: bool,
+    c: Coop,
+    caps: &Caps,
+) -> Option<(String, [u32; 3])> {
+    let t = c.tile as usize;
+    let lanes = c.subgroup as usize;
+    if lanes < t {
+        return None;
+    }
+    const NS: usize = 4;
+    let bq = NS * t;
+    let dp = d.div_ceil(t) * t;
+    let dvp = dv.div_ceil(t) * t;
+    let bytes = |bk: usize| {
+        bk.max(bq) * dp * 2 + bk * dvp * 2 + NS * t * bk * 4 + NS * t * bk * 2 + NS * t * 4
+    };
+    let bk = [64, 32, 16]
+        .into_iter()
+        .filter(|&b| b >= t)
+        .find(|&b| bytes(b) <= caps.workgroup_memory as usize)?;
+    let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
+    let qfrags = dp / t;
+    let ofrags = dvp / t;
+    let mut qload = String::new();
+    for f in 0..qfrags {
+        let _ = writeln!(
+            qload,
+            "    let qa{f} = coopLoadT<{}>(&KQ[sg * {}u + {}u], {dp}u);",
+            ty("A", "f16"),
+            t * dp,
+            f * t
+        );
+    }
+    // Scores of this subgroup's rows against the staged key block, into
+    // its rows of Ss.
+    let mut scores = String::new();
+    for jf in 0..bk / t {
+        let _ = writeln!(
+            scores,
+            "        {{\n            var sacc = {}();",
+            ty("C", "f32")
+        );
+        for f in 0..qfrags {
+            let _ = writeln!(
+                scores,
+                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<{}>(&KQ[{}u], {dp}u), sacc);",
+                ty("B", "f16"),
+                jf * t * dp + f * t
+            );
+        }
+        let _ = writeln!(
+            scores,
+            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {bk}u);\n        }}",
+            t * bk,
+            jf * t
+        );
+    }
+    let mut odecl = String::new();
+    let mut pv = String::new();
+    let mut out = String::new();
+    for f in 0..ofrags {
+        let _ = writeln!(odecl, "    var o{f} = {}();", ty("C", "f32"));
+        let _ = writeln!(
+            pv,
+            "            o{f} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), o{f});",
+            ty("B", "f16"),
+            t * dvp,
+            f * t
+        );
+        let _ = write!(
+            out,
+            "    coopStoreT(o{f}, &Ss[sg * {sub}u], {t}u);
+    workgroupBarrier();
+    for (var e = lane; e < {tt}u; e += {lanes}u) {{
+        let r = e / {t}u; let col = {c0}u + e % {t}u;
+        let qrow = q0 + sg * {t}u + r;
+        if (qrow < {sq}u && col < {dv}u) {{
+            let oi = (bh * {sq}u + qrow) * {dv}u + col;
+            dst[oi] = epi(Ss[sg * {sub}u + e] / Ls[sg * {t}u + r], oi);
+        }}
+    }}
+    workgroupBarrier();
+",
+            sub = t * bk,
+            tt = t * t,
+            c0 = f * t,
+        );
+    }
+    let mask = if masked {
+        format!("s = s + in3[qi * {skv}u + j0 + j];")
+    } else {
+        String::new()
+    };
+    let qblocks = sq.div_ceil(bq);
+    let blocks = bh * qblocks;
+    let threads = NS * lanes;
+    let stage_k = format!(
+        "        for (var e = tid; e < {kl}u; e += {threads}u) {{
+            let kr = e / {dp}u; let t = e % {dp}u; var v = 0.0;
+            if (j0 + kr < {skv}u && t < {d}u) {{ v = in1[k_off(bh, j0 + kr, t)]; }}
+            KQ[e] = f16(v);
+        }}
+",
+        kl = bk * dp
+    );
+    let code = format!(
+        "var<workgroup> KQ: array<f16, {kql}>;
+var<workgroup> Vs: array<f16, {vl}>;
+var<workgroup> Ss: array<f32, {sl}>;
+var<workgroup> Ps: array<f16, {sl}>;
+var<workgroup> Ls: array<f32, {ll}>;
+@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
+    let blk = wg.x + wg.y * 65535u;
+    if (blk >= {blocks}u) {{ return; }}
+    let bh = blk / {qblocks}u;
+    let q0 = (blk % {qblocks}u) * {bq}u;
+    for (var e = tid; e < {bq}u * {dp}u; e += {threads}u) {{
+        let r = e / {dp}u; let t = e % {dp}u; var v = 0.0;
+        if (q0 + r < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + r, t)] * {sc}; }}
+        KQ[e] = f16(v);
+    }}
+    workgroupBarrier();
+{qload}    workgroupBarrier();
+    let row = sg * {tbk}u + min(lane, {tm}u) * {bk}u;
+    let qi = min(q0 + sg * {t}u + min(lane, {tm}u), {sqm}u);
+    var m = -3.4028235e38;
+    var l = 0.0;
+    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
+{stage_k}        workgroupBarrier();
+{scores}        workgroupBarrier();
+        if (lane < {t}u) {{
+            for (var j = 0u; j < {bk}u; j++) {{
+                if (j0 + j < {skv}u) {{ var s = Ss[row + j]; {mask} m = max(m, s); }}
+            }}
+        }}
+        workgroupBarrier();
+    }}
+{odecl}    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
+{stage_k}        for (var e = tid; e < {vl}u; e += {threads}u) {{
+            let kr = e / {dvp}u; let t = e % {dvp}u; var v = 0.0;
+            if (j0 + kr < {skv}u && t < {dv}u) {{ v = in2[v_off(bh, j0 + kr, t)]; }}
+            Vs[e] = f16(v);
+        }}
+        workgroupBarrier();
+{scores}        workgroupBarrier();
+        if (lane < {t}u) {{
+            for (var j = 0u; j < {bk}u; j++) {{
+                var p = 0.0;
+                if (j0 + j < {skv}u) {{ var s = Ss[row + j]; {mask} p = exp(s - m); }}
+                l = l + p;
+                Ps[row + j] = f16(p);
+            }}
+        }}
+        workgroupBarrier();
+        for (var kf = 0u; kf < {kfs}u; kf++) {{
+            let pa = coopLoadT<{pty}>(&Ps[sg * {tbk}u + kf * {t}u], {bk}u);
+{pv}        }}
+        workgroupBarrier();
+    }}
+    if (lane < {t}u) {{ Ls[sg * {t}u + lane] = l; }}
+    workgroupBarrier();
+{out}}}
+",
+        kql = bk.max(bq) * dp,
+        vl = bk * dvp,
+        sl = NS * t * bk,
+        ll = NS * t,
+        tbk = t * bk,
+        tm = t - 1,
+        sqm = sq.saturating_sub(1),
+        kfs = bk / t,
+        pty = ty("A", "f16"),
+        sc = lit(scale),
+    );
+    let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
+    Some((code, groups))
 }
 
 /// Workgroup-wide sum and max of one value per thread (256 threads). The

@@ -17,7 +17,7 @@ pub mod codegen;
 use crate::backend::cpu::Bindings;
 use crate::backend::BindError;
 use crate::plan::residency::{self, ResidencyPlan};
-use crate::plan::{BufferKind, Command, Program};
+use crate::plan::{BufferKind, Command, KernelId, Program};
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -125,6 +125,50 @@ pub fn adapters() -> Vec<AdapterReport> {
         .collect()
 }
 
+/// The cooperative-matrix configuration matrix kernels use: square f16
+/// products into f32 (16×16 preferred: NVIDIA/AMD tensor cores; 8×8:
+/// Apple's simdgroup matrices), on an adapter whose subgroup size is fixed
+/// (the kernels divide a workgroup into subgroups by that size).
+fn coop_config(a: &wgpu::Adapter) -> Option<codegen::Coop> {
+    if !a
+        .features()
+        .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+    {
+        return None;
+    }
+    let info = a.get_info();
+    if info.subgroup_min_size != info.subgroup_max_size || info.subgroup_min_size == 0 {
+        return None;
+    }
+    let props = a.cooperative_matrix_properties();
+    [16, 8].into_iter().find_map(|t| {
+        props
+            .iter()
+            .any(|p| {
+                p.m_size == t
+                    && p.n_size == t
+                    && p.k_size == t
+                    && p.ab_type == wgpu::CooperativeScalarType::F16
+                    && p.cr_type == wgpu::CooperativeScalarType::F32
+            })
+            .then_some(codegen::Coop {
+                tile: t,
+                subgroup: info.subgroup_min_size,
+            })
+    })
+}
+
+/// The token wgpu asks for before it enables an experimental feature
+/// (here only cooperative matrices, whose kernels the conformance suite
+/// checks on the adapter before they are trusted).
+#[allow(unsafe_code)]
+fn experimental() -> wgpu::ExperimentalFeatures {
+    // SAFETY: wgpu marks the token unsafe because experimental features may
+    // have implementation bugs; we only enable cooperative matrices and use
+    // them through naga-validated WGSL in uniform control flow.
+    unsafe { wgpu::ExperimentalFeatures::enabled() }
+}
+
 fn rank(t: wgpu::DeviceType) -> u8 {
     match t {
         wgpu::DeviceType::DiscreteGpu => 0,
@@ -180,11 +224,20 @@ pub struct Options {
     pub allow_f16: bool,
     /// Use subgroup operations (in reductions) when the adapter has SUBGROUP.
     pub allow_subgroups: bool,
+    /// Run matrix products (matmul, conv) on cooperative matrices (tensor
+    /// cores) where the adapter offers f16 products with f32 accumulation:
+    /// both operands are rounded to f16, as PyTorch's fp16 path does.
+    pub allow_coopmat: bool,
     /// Store activations (and inputs/outputs) as f16 too, where the
     /// adapter supports SHADER_F16: half the memory traffic, f32 arithmetic
     /// inside every kernel. Off by default: seed-exact parity with ComfyUI
     /// is measured in f32.
     pub f16_activations: bool,
+    /// Fixes the cooperative GEMM tiling (benchmarks compare tilings);
+    /// None chooses by size.
+    pub gemm_tiles: Option<codegen::CoopTiles>,
+    /// Cooperative attention in two passes (see [`codegen::Caps`]).
+    pub two_pass_attention: bool,
     /// Bind at most this many bytes per binding (below the adapter's own
     /// limit), splitting larger tensors; lets tests exercise splitting.
     pub max_binding_bytes: Option<u64>,
@@ -200,8 +253,11 @@ impl Default for Options {
             adapter: None,
             allow_f16: true,
             allow_subgroups: true,
+            allow_coopmat: true,
             f16_activations: false,
             max_binding_bytes: None,
+            gemm_tiles: None,
+            two_pass_attention: false,
             budget: None,
         }
     }
@@ -214,6 +270,9 @@ pub struct WgpuBackend {
     pub f16_activations: bool,
     /// Reductions use subgroup operations.
     pub subgroups: bool,
+    /// Matrix products run on cooperative matrices (tile and subgroup size).
+    pub coop: Option<codegen::Coop>,
+    caps: codegen::Caps,
     binding_cap: Option<u64>,
     split_operands: std::sync::atomic::AtomicUsize,
     device: wgpu::Device,
@@ -279,17 +338,39 @@ impl WgpuBackend {
         if subgroups {
             features |= wgpu::Features::SUBGROUP;
         }
+        let coop = if opts.allow_coopmat && f16 && subgroups {
+            coop_config(&adapter)
+        } else {
+            None
+        };
+        if coop.is_some() {
+            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("sdkit"),
             required_features: features,
             required_limits: limits.clone(),
+            experimental_features: if coop.is_some() {
+                experimental()
+            } else {
+                wgpu::ExperimentalFeatures::disabled()
+            },
             ..Default::default()
         }))
         .map_err(|e| WgpuError::Device(e.to_string()))?;
+        let caps = codegen::Caps {
+            subgroups,
+            coop,
+            workgroup_memory: limits.max_compute_workgroup_storage_size,
+            gemm_tiles: opts.gemm_tiles,
+            two_pass_attention: opts.two_pass_attention,
+        };
         Ok(WgpuBackend {
             f16_weights: f16,
             f16_activations: f16 && opts.f16_activations,
             subgroups,
+            coop,
+            caps,
             binding_cap: opts.max_binding_bytes,
             split_operands: std::sync::atomic::AtomicUsize::new(0),
             device,
@@ -644,7 +725,7 @@ impl WgpuBackend {
                 )));
             }
             let layouts: Vec<codegen::Operand> = operands.iter().map(|(o, _)| *o).collect();
-            let shader = codegen::generate(k, &layouts, self.subgroups).map_err(unsupported)?;
+            let shader = codegen::generate(k, &layouts, &self.caps).map_err(unsupported)?;
             let pipeline = self
                 .pipeline(&shader.source)
                 .map_err(|m| WgpuError::Unsupported {
@@ -905,6 +986,44 @@ impl Prepared<'_> {
                 }
             }
         }
+    }
+
+    /// Seconds each dispatch takes alone, in Program order, each replayed
+    /// `reps` times in one submission (the wall time of that submission
+    /// over `reps`): where a step's time goes, for benchmarks. Streamed
+    /// weights are not copied (their slots keep what they hold).
+    pub fn profile(&self, reps: usize) -> Result<Vec<(KernelId, f64)>, WgpuError> {
+        let dev = &self.backend.device;
+        let kernels = self.prog.commands.iter().filter_map(|c| match c {
+            Command::Dispatch { kernel } => Some(*kernel),
+            _ => None,
+        });
+        let mut out = Vec::new();
+        for ((pipeline, group, g), kernel) in self.dispatches.iter().zip(kernels) {
+            let once = |n: usize| -> Result<f64, WgpuError> {
+                let mut encoder =
+                    dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+                {
+                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("profile"),
+                        timestamp_writes: None,
+                    });
+                    pass.set_pipeline(pipeline);
+                    pass.set_bind_group(0, group, &[]);
+                    for _ in 0..n {
+                        pass.dispatch_workgroups(g[0], g[1], g[2]);
+                    }
+                }
+                let t = std::time::Instant::now();
+                self.backend.queue.submit([encoder.finish()]);
+                dev.poll(wgpu::PollType::wait_indefinitely())
+                    .map_err(|e| WgpuError::Lost(e.to_string()))?;
+                Ok(t.elapsed().as_secs_f64())
+            };
+            once(1)?;
+            out.push((kernel, once(reps.max(1))? / reps.max(1) as f64));
+        }
+        Ok(out)
     }
 
     /// Records and submits every dispatch `times` times and waits, without

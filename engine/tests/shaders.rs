@@ -1,0 +1,181 @@
+//! Every generated kernel form is valid WGSL for each capability set the
+//! backend may pick, checked by naga (WGSL front end, validator, SPIR-V
+//! back end) without an adapter. The cooperative-matrix kernels cannot run
+//! on lavapipe; this proves they compile, and the conformance suite checks
+//! their numbers on adapters that have the feature.
+
+use sdkit_engine::backend::wgpu::codegen::{generate, tilings, Caps, Coop, Operand};
+use sdkit_engine::plan::{plan, Command};
+use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, TensorGraph};
+
+fn graphs() -> Vec<(&'static str, TensorGraph)> {
+    let mut v = Vec::new();
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[2, 200, 72])
+        .and_then(|a| a.linear(g.weight("w", &[130, 72])?, Some(g.weight("b", &[130])?)))
+        .and_then(|y| Ok(y.gelu()));
+    v.push(("linear+gelu", g.finish(&[y.expect("linear")])));
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[3, 40, 33])
+        .and_then(|a| a.transpose(1, 2)?.matmul(g.input("b", &[3, 40, 17])?));
+    v.push(("matmul, transposed A", g.finish(&[y.expect("matmul")])));
+    let g = GraphBuilder::new();
+    let p = Conv2dParams {
+        stride: [1; 2],
+        padding: [1; 2],
+        dilation: [1; 2],
+        groups: 1,
+    };
+    let y = g.input("x", &[2, 8, 20, 20]).and_then(|x| {
+        let c = x.conv2d(
+            g.weight("w", &[16, 8, 3, 3])?,
+            Some(g.weight("b", &[16])?),
+            p,
+        )?;
+        let s = c.shape();
+        c.add(g.input("res", &s)?)
+    });
+    v.push(("conv+residual", g.finish(&[y.expect("conv")])));
+    // Depths that are whole fragments: f16 weights are read directly.
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[2, 100, 64])
+        .and_then(|a| a.linear(g.weight("w", &[48, 64])?, None));
+    v.push(("linear, k 64", g.finish(&[y.expect("linear")])));
+    let g = GraphBuilder::new();
+    let y = g
+        .input("x", &[1, 16, 12, 12])
+        .and_then(|x| x.conv2d(g.weight("w", &[32, 16, 3, 3])?, None, p));
+    v.push(("conv, k 144", g.finish(&[y.expect("conv")])));
+    let g = GraphBuilder::new();
+    let y = g.input("q", &[2, 3, 70, 40]).and_then(|q| {
+        q.attention(
+            g.input("k", &[2, 3, 90, 40])?,
+            g.input("v", &[2, 3, 90, 40])?,
+            Some(g.input("mask", &[70, 90])?),
+            0.15,
+        )
+    });
+    v.push(("attention", g.finish(&[y.expect("attention")])));
+    v
+}
+
+fn validate(name: &str, src: &str) {
+    let module = naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{name}: {}\n{src}", e.emit_to_string(src)));
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .validate(&module)
+    .unwrap_or_else(|e| panic!("{name}: {}\n{src}", e.emit_to_string(src)));
+    let opts = naga::back::spv::Options {
+        lang_version: (1, 3),
+        ..Default::default()
+    };
+    naga::back::spv::write_vec(&module, &info, &opts, None)
+        .unwrap_or_else(|e| panic!("{name}: SPIR-V: {e}\n{src}"));
+}
+
+#[test]
+fn every_kernel_form_compiles_for_every_capability_set() {
+    let coop16 = Some(Coop {
+        tile: 16,
+        subgroup: 32,
+    });
+    let coop8 = Some(Coop {
+        tile: 8,
+        subgroup: 32,
+    });
+    let caps = [
+        ("plain", Caps::plain()),
+        (
+            "subgroups",
+            Caps {
+                subgroups: true,
+                ..Caps::plain()
+            },
+        ),
+        (
+            "coop16",
+            Caps {
+                subgroups: true,
+                coop: coop16,
+                workgroup_memory: 49152,
+                gemm_tiles: None,
+                two_pass_attention: false,
+            },
+        ),
+        (
+            "coop8",
+            Caps {
+                subgroups: true,
+                coop: coop8,
+                workgroup_memory: 32768,
+                gemm_tiles: None,
+                two_pass_attention: false,
+            },
+        ),
+    ];
+    // Every tiling the benchmarks compare, on the 16×16 fragments.
+    let mut caps = caps.to_vec();
+    for tiles in tilings() {
+        caps.push((
+            "coop16, fixed tiles",
+            Caps {
+                gemm_tiles: Some(tiles),
+                ..caps[2].1
+            },
+        ));
+    }
+    caps.push((
+        "coop16, two-pass attention",
+        Caps {
+            two_pass_attention: true,
+            ..caps[2].1
+        },
+    ));
+    caps.push((
+        "coop16, wave64",
+        Caps {
+            coop: Some(Coop {
+                tile: 16,
+                subgroup: 64,
+            }),
+            ..caps[2].1
+        },
+    ));
+    let mut checked = 0;
+    for (gname, g) in graphs() {
+        let prog = plan(&g).expect("plan");
+        for c in &prog.commands {
+            let Command::Dispatch { kernel } = c else {
+                continue;
+            };
+            let k = &prog.kernels[kernel.0 as usize];
+            for (cname, cap) in &caps {
+                for f16 in [false, true] {
+                    let ops = vec![Operand::whole(f16); k.inputs.len() + 1];
+                    let sh =
+                        generate(k, &ops, cap).unwrap_or_else(|e| panic!("{gname} {cname}: {e}"));
+                    if cap.coop.is_some()
+                        && matches!(k.kind.name(), "matmul" | "conv2d" | "attention")
+                    {
+                        assert!(sh.source.contains("coopMultiplyAdd"), "{gname}: no coop");
+                    }
+                    let name = format!("{gname} [{cname}, f16 {f16}]");
+                    // SDKIT_SHADER_DUMP=substring prints matching shaders.
+                    if std::env::var("SDKIT_SHADER_DUMP").is_ok_and(|d| name.contains(&d)) {
+                        eprintln!("// {name}\n{}", sh.source);
+                    }
+                    validate(&name, &sh.source);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{checked} shaders validated");
+    assert!(checked >= 100);
+}
