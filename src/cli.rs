@@ -167,12 +167,30 @@ pub struct RunArgs {
     /// does not report an adapter's memory size). Default: no limit.
     #[arg(long, value_name = "BYTES|auto")]
     pub vram_budget: Option<String>,
+    /// Arithmetic of matrix products on the GPU: `auto` uses tensor cores
+    /// where the adapter offers them (f16 operands, f32 accumulation, as
+    /// PyTorch and ComfyUI in fp16); `f32` keeps every product in f32.
+    #[arg(long, value_name = "auto|f32", default_value = "auto")]
+    pub precision: Precision,
+}
+
+/// `--precision`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    Auto,
+    F32,
 }
 
 impl RunArgs {
     /// The executor for this run's library, folders and device.
     pub fn executor(&self, lib: Arc<sdkit_engine::NodeLibrary>, paths: Paths) -> Result<Executor> {
-        make_executor(&self.device, self.vram_budget.as_deref(), lib, paths)
+        make_executor(
+            &self.device,
+            self.vram_budget.as_deref(),
+            self.precision,
+            lib,
+            paths,
+        )
     }
 }
 
@@ -180,6 +198,7 @@ impl RunArgs {
 pub fn make_executor(
     device: &str,
     vram_budget: Option<&str>,
+    precision: Precision,
     lib: Arc<sdkit_engine::NodeLibrary>,
     paths: Paths,
 ) -> Result<Executor> {
@@ -199,7 +218,8 @@ pub fn make_executor(
                 }
             },
         };
-        let runtime = sdkit_engine::Runtime::select_with(device, budget)?;
+        let runtime =
+            sdkit_engine::Runtime::select_precision(device, budget, precision == Precision::Auto)?;
         tracing::info!("models run on {}", runtime.describe());
         Ok(Executor::new(lib, Arc::new(paths)).with_runtime(runtime))
     }

@@ -65,6 +65,18 @@ impl Runtime {
     /// [`Runtime::select`] with a device memory budget for the GPU (see
     /// [`parse_budget`]); the CPU backend ignores it.
     pub fn select_with(choice: &str, budget: Option<u64>) -> Result<Self, RuntimeError> {
+        Self::select_precision(choice, budget, true)
+    }
+
+    /// [`Runtime::select_with`], choosing whether matrix products may use
+    /// tensor cores (cooperative matrices: f16 operands, f32 accumulation,
+    /// as PyTorch's fp16 path) where the adapter has them; without, every
+    /// product is f32 arithmetic, to match the CPU backend to rounding.
+    pub fn select_precision(
+        choice: &str,
+        budget: Option<u64>,
+        tensor_cores: bool,
+    ) -> Result<Self, RuntimeError> {
         let err = |message: String| RuntimeError::Select {
             choice: choice.to_string(),
             message,
@@ -83,6 +95,7 @@ impl Runtime {
                 }
                 match WgpuBackend::with_options(&Options {
                     budget,
+                    allow_coopmat: tensor_cores,
                     ..Options::default()
                 }) {
                     Ok(b) if b.adapter.device_type != "Cpu" => Ok(Runtime::wgpu(b)),
@@ -91,6 +104,7 @@ impl Runtime {
             }
             "wgpu" | "gpu" => WgpuBackend::with_options(&Options {
                 budget,
+                allow_coopmat: tensor_cores,
                 ..Options::default()
             })
             .map(Runtime::wgpu)
@@ -98,6 +112,7 @@ impl Runtime {
             name => WgpuBackend::with_options(&Options {
                 adapter: Some(name.to_string()),
                 budget,
+                allow_coopmat: tensor_cores,
                 ..Options::default()
             })
             .map(Runtime::wgpu)
@@ -115,7 +130,13 @@ impl Runtime {
     pub fn describe(&self) -> String {
         match &self.device {
             Device::Cpu => "cpu".to_string(),
-            Device::Wgpu(b) => format!("{} ({})", b.adapter.name, b.adapter.backend),
+            Device::Wgpu(b) => {
+                let products = match b.coop {
+                    Some(c) => format!("tensor cores {0}x{0}", c.tile),
+                    None => "f32 products".to_string(),
+                };
+                format!("{} ({}, {products})", b.adapter.name, b.adapter.backend)
+            }
         }
     }
 

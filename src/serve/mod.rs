@@ -49,6 +49,9 @@ pub struct ServeArgs {
     /// GPU memory the runs may use (e.g. 6G); `auto`: 4 GiB.
     #[arg(long, value_name = "BYTES|auto")]
     pub vram_budget: Option<String>,
+    /// GPU matrix products: `auto` (tensor cores where present) or `f32`.
+    #[arg(long, value_name = "auto|f32", default_value = "auto")]
+    pub precision: crate::cli::Precision,
 }
 
 /// What every handler shares.
@@ -115,6 +118,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
     let exec = crate::cli::make_executor(
         &args.device,
         args.vram_budget.as_deref(),
+        args.precision,
         Arc::clone(&lib),
         paths,
     )?;
