@@ -525,7 +525,12 @@ pub fn event_sink(args: &RunArgs) -> Result<(EventSink, Option<crate::progress::
     let progress = (!args.quiet).then(crate::progress::Progress::new);
     let bar = progress.clone();
     let sink: EventSink = Arc::new(move |e| {
-        if let Some(w) = &writer {
+        // Previews are pixels for the server's WebSocket clients; as a JSON
+        // line they would only repeat the image size every step.
+        if let Some(w) = writer
+            .as_ref()
+            .filter(|_| !matches!(e, sdkit_engine::Event::Preview { .. }))
+        {
             if let Ok(line) = serde_json::to_string(e) {
                 let mut w = w.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 let _ = writeln!(w, "{line}");

@@ -620,3 +620,121 @@ fn every_sampler_runs_an_sd1_workflow() {
         );
     }
 }
+
+/// `sdkit serve` on the tiny checkpoint: each sampler step reaches the
+/// queuing WebSocket client as a binary preview frame, with metadata (type
+/// 4) for a client that announced `supports_preview_metadata`, else type 1,
+/// as ComfyUI sends them.
+#[test]
+fn server_sends_sampler_previews() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::TcpStream;
+    let (base, _) = setup();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+        .args(["serve", "--port", "0", "--device", "cpu", "--base-dir"])
+        .arg(base.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("line");
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .expect("addr")
+        .to_string();
+    let graph: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph"),
+    )
+    .expect("json");
+    let queue = |client: &str, seed: u64| {
+        let mut prompt = graph.clone();
+        prompt["6"]["inputs"]["seed"] = serde_json::json!(seed);
+        let body = serde_json::json!({"prompt": prompt, "client_id": client}).to_string();
+        let mut s = TcpStream::connect(&addr).expect("connect");
+        write!(
+            s,
+            "POST /prompt HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send");
+        let mut reply = String::new();
+        s.read_to_string(&mut reply).expect("reply");
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    };
+    let connect = |client: &str| {
+        let stream = TcpStream::connect(&addr).expect("connect");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(120)))
+            .ok();
+        let url = format!("ws://{addr}/ws?clientId={client}");
+        tungstenite::client(url.as_str(), stream)
+            .expect("handshake")
+            .0
+    };
+    // Binary frames until the run ends (`executing` with a null node).
+    let frames_until_done = |ws: &mut tungstenite::WebSocket<TcpStream>| {
+        let mut frames = Vec::new();
+        loop {
+            match ws.read().expect("message") {
+                tungstenite::Message::Binary(b) => frames.push(b.to_vec()),
+                tungstenite::Message::Text(t) => {
+                    let m: serde_json::Value = serde_json::from_str(t.as_str()).expect("json");
+                    assert_ne!(m["type"], "execution_error", "{m}");
+                    if m["type"] == "executing" && m["data"]["node"].is_null() {
+                        return frames;
+                    }
+                }
+                _ => {}
+            }
+        }
+    };
+    let u32_at = |b: &[u8], i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let steps = graph["6"]["inputs"]["steps"].as_u64().expect("steps") as usize;
+
+    let mut meta_client = connect("with-metadata");
+    meta_client
+        .send(tungstenite::Message::Text(
+            r#"{"type":"feature_flags","data":{"supports_preview_metadata":true}}"#.into(),
+        ))
+        .expect("flags");
+    // The server's own flags come back once ours are recorded.
+    loop {
+        if let tungstenite::Message::Text(t) = meta_client.read().expect("message") {
+            if t.as_str().contains("\"feature_flags\"") {
+                assert!(t.as_str().contains("\"supports_preview_metadata\":true"));
+                break;
+            }
+        }
+    }
+    queue("with-metadata", 1);
+    let frames = frames_until_done(&mut meta_client);
+    assert_eq!(frames.len(), steps, "one preview per step");
+    for f in &frames {
+        assert_eq!(u32_at(f, 0), 4);
+        let len = u32_at(f, 4) as usize;
+        let meta: serde_json::Value = serde_json::from_slice(&f[8..8 + len]).expect("metadata");
+        assert_eq!(meta["node_id"], "6");
+        assert_eq!(meta["image_type"], "image/jpeg");
+        assert!(meta["prompt_id"].is_string());
+        let img = image::load_from_memory(&f[8 + len..]).expect("jpeg");
+        // An 8×8 latent, scaled to fit 512² as ComfyUI's --preview-size.
+        assert_eq!((img.width(), img.height()), (512, 512));
+    }
+
+    let mut plain_client = connect("plain");
+    // A new seed: the sampler runs again (an identical prompt is cached).
+    queue("plain", 2);
+    let frames = frames_until_done(&mut plain_client);
+    assert_eq!(frames.len(), steps);
+    for f in &frames {
+        assert_eq!((u32_at(f, 0), u32_at(f, 4)), (1, 1), "type 1, JPEG");
+        image::load_from_memory(&f[8..]).expect("jpeg");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

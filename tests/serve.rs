@@ -285,6 +285,53 @@ fn api_client_round_trip() {
         .as_array()
         .is_some_and(|n| n.len() >= 2));
 
+    // The jobs API newer front ends read: newest first, flat records with
+    // the first output, pages, and the detail with outputs and workflow.
+    let jobs = get(
+        a,
+        "/api/jobs?status=completed,failed,cancelled&limit=10&offset=0",
+    )
+    .json();
+    assert_eq!(
+        jobs["pagination"],
+        json!({"offset": 0, "limit": 10, "total": 2, "has_more": false})
+    );
+    let newest = &jobs["jobs"][0];
+    assert_eq!(newest["id"], id2.as_str());
+    assert_eq!(newest["status"], "completed");
+    assert_eq!(newest["outputs_count"], 1);
+    assert_eq!(newest["preview_output"]["nodeId"], "3");
+    assert_eq!(newest["preview_output"]["mediaType"], "images");
+    assert_eq!(newest["preview_output"]["filename"], img["filename"]);
+    assert!(newest["create_time"].as_u64().is_some_and(|t| t > 0));
+    assert!(newest["execution_end_time"].as_u64() >= newest["execution_start_time"].as_u64());
+    assert!(
+        newest.get("outputs").is_none(),
+        "list records carry no outputs"
+    );
+    let page = get(a, "/api/jobs?limit=1&offset=1&sort_order=asc").json();
+    assert_eq!(page["jobs"][0]["id"], id2.as_str());
+    assert_eq!(page["pagination"]["has_more"], false);
+    assert_eq!(
+        get(a, "/api/jobs?limit=1").json()["pagination"]["has_more"],
+        true
+    );
+    let detail = get(a, &format!("/api/jobs/{id}")).json();
+    assert_eq!(detail["outputs"]["3"]["images"][0], *img);
+    assert_eq!(detail["workflow"]["prompt"]["3"]["class_type"], "SaveImage");
+    assert_eq!(detail["execution_status"]["status_str"], "success");
+    assert_eq!(
+        get(a, "/api/jobs?status=pending,in_progress").json()["jobs"],
+        json!([])
+    );
+    assert_eq!(get(a, "/api/jobs/no-such-job").status, 404);
+    let bad = get(a, "/api/jobs?status=done");
+    assert_eq!(bad.status, 400);
+    assert!(bad.json()["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("done")));
+    assert_eq!(get(a, "/api/jobs?limit=-1").status, 400);
+
     // Queue and prompt info while idle.
     assert_eq!(get(a, "/prompt").json()["exec_info"]["queue_remaining"], 0);
     let q = get(a, "/queue").json();
@@ -383,6 +430,23 @@ fn interrupt_and_queue_deletion() {
     // `front` puts the third before the second.
     assert_eq!(q["queue_pending"][0][1], third.as_str());
     assert_eq!(q["queue_pending"][1][1], second.as_str());
+    // The same through the jobs API.
+    let queued = get(a, "/api/jobs?status=in_progress,pending").json();
+    let state = |id: &str| {
+        queued["jobs"]
+            .as_array()
+            .and_then(|j| j.iter().find(|x| x["id"] == id))
+            .map(|x| x["status"].clone())
+    };
+    assert_eq!(state(&first), Some(json!("in_progress")));
+    assert_eq!(state(&second), Some(json!("pending")));
+    assert_eq!(state(&third), Some(json!("pending")));
+    let running = get(a, &format!("/api/jobs/{first}")).json();
+    assert!(running["execution_start_time"].as_u64().is_some());
+    assert_eq!(
+        running["workflow"]["prompt"]["99"]["class_type"],
+        "SaveImage"
+    );
     assert_eq!(
         post_json(a, "/queue", &json!({"delete": [second]})).status,
         200
@@ -403,6 +467,10 @@ fn interrupt_and_queue_deletion() {
     );
     let h = get(a, &format!("/history/{first}")).json();
     assert_eq!(h[&first]["status"]["status_str"], "error");
+    assert_eq!(
+        get(a, &format!("/api/jobs/{first}")).json()["status"],
+        "cancelled"
+    );
     // The queue goes on with the next prompt.
     let msgs = ws_until_done(&mut ws, &third);
     assert!(msgs.iter().any(|m| m["type"] == "execution_success"));

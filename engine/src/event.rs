@@ -75,6 +75,33 @@ pub enum Event {
         runs: u64,
         uploaded_bytes: u64,
     },
+    /// A sampler's view of its current result each step (ComfyUI's latent
+    /// preview). The server sends it as a binary preview frame; as JSON it
+    /// carries only its size.
+    #[serde(rename = "sdkit_preview")]
+    Preview {
+        prompt_id: String,
+        node: String,
+        image: PreviewImage,
+    },
+}
+
+/// An 8-bit RGB image, rows top to bottom.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PreviewImage {
+    pub width: u32,
+    pub height: u32,
+    pub rgb: Arc<Vec<u8>>,
+}
+
+impl Serialize for PreviewImage {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("PreviewImage", 2)?;
+        st.serialize_field("width", &self.width)?;
+        st.serialize_field("height", &self.height)?;
+        st.end()
+    }
 }
 
 impl Event {
@@ -90,6 +117,7 @@ impl Event {
             Event::ExecutionInterrupted { .. } => "execution_interrupted",
             Event::ExecutionSuccess { .. } => "execution_success",
             Event::Residency { .. } => "sdkit_residency",
+            Event::Preview { .. } => "sdkit_preview",
         }
     }
 }

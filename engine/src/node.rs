@@ -94,6 +94,16 @@ impl NodeContext {
         }
     }
 
+    /// Reports a preview of the node's current result (a sampler's latent
+    /// preview).
+    pub fn preview(&self, image: crate::event::PreviewImage) {
+        (self.events)(&Event::Preview {
+            prompt_id: self.prompt_id.clone(),
+            node: self.node_id.clone(),
+            image,
+        });
+    }
+
     /// Reports progress and checks for cancellation.
     pub fn progress(&self, value: u64, max: u64) -> Result<(), NodeError> {
         (self.events)(&Event::Progress {

@@ -160,6 +160,14 @@ impl Runtime {
         }
     }
 
+    /// Weight bytes kept resident on the device between runs (0 on the CPU).
+    pub fn resident_bytes(&self) -> u64 {
+        match &self.device {
+            Device::Cpu => 0,
+            Device::Wgpu(b) => b.resident_bytes(),
+        }
+    }
+
     /// Drops weights kept resident on the device between runs.
     pub fn free(&self) {
         if let Device::Wgpu(b) = &self.device {

@@ -14,7 +14,7 @@ fn graphs() -> Vec<(&'static str, TensorGraph)> {
     let y = g
         .input("a", &[2, 200, 72])
         .and_then(|a| a.linear(g.weight("w", &[130, 72])?, Some(g.weight("b", &[130])?)))
-        .and_then(|y| Ok(y.gelu()));
+        .map(|y| y.gelu());
     v.push(("linear+gelu", g.finish(&[y.expect("linear")])));
     let g = GraphBuilder::new();
     let y = g

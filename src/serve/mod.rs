@@ -12,6 +12,7 @@
 //! [`routes`] (the router, the Host/Origin check and the JSON routes).
 
 mod files;
+mod jobs;
 mod queue;
 mod routes;
 mod ws;

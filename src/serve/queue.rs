@@ -85,6 +85,8 @@ struct Running {
     item: Item,
     cancel: CancelToken,
     last_node: Option<String>,
+    /// When it started, ms since the epoch (the jobs API's start time).
+    started_ms: u64,
 }
 
 #[derive(Default)]
@@ -218,6 +220,49 @@ impl Queue {
         )
     }
 
+    /// Every prompt as a jobs-API detail record: pending, running, then
+    /// the history in completion order.
+    pub fn job_details(&self) -> Vec<Json> {
+        let q = self.lock();
+        let mut jobs: Vec<Json> = q
+            .pending
+            .iter()
+            .map(|i| super::jobs::from_item(i, "pending", None))
+            .collect();
+        if let Some(r) = &q.running {
+            jobs.push(super::jobs::from_item(
+                &r.item,
+                "in_progress",
+                Some(r.started_ms),
+            ));
+        }
+        jobs.extend(
+            q.history
+                .iter()
+                .map(|(id, h)| super::jobs::from_history(id, h)),
+        );
+        jobs
+    }
+
+    /// One job's detail record.
+    pub fn job_detail(&self, id: &str) -> Option<Json> {
+        let q = self.lock();
+        if let Some(h) = q.history.get(id) {
+            return Some(super::jobs::from_history(id, h));
+        }
+        if let Some(r) = q.running.as_ref().filter(|r| r.item.prompt_id == id) {
+            return Some(super::jobs::from_item(
+                &r.item,
+                "in_progress",
+                Some(r.started_ms),
+            ));
+        }
+        q.pending
+            .iter()
+            .find(|i| i.prompt_id == id)
+            .map(|i| super::jobs::from_item(i, "pending", None))
+    }
+
     pub fn history_one(&self, prompt_id: &str) -> Json {
         let q = self.lock();
         let mut m = Map::new();
@@ -280,6 +325,7 @@ impl Queue {
             item,
             cancel,
             last_node: None,
+            started_ms: sdkit_engine::event::now_ms(),
         });
         Some((graph, parts))
     }
@@ -310,6 +356,33 @@ impl Queue {
             }),
         );
     }
+}
+
+/// ComfyUI's `--preview-size` default: previews are scaled to fit it.
+const PREVIEW_SIZE: u32 = 512;
+
+/// A preview as JPEG (quality 95), scaled (bilinear) to fit
+/// PREVIEW_SIZE² keeping its aspect ratio, as ComfyUI's ImageOps.contain.
+fn preview_jpeg(p: &sdkit_engine::event::PreviewImage) -> Option<Vec<u8>> {
+    let img = image::RgbImage::from_raw(p.width, p.height, p.rgb.to_vec())?;
+    let (w, h) = (p.width.max(1) as f64, p.height.max(1) as f64);
+    let s = f64::from(PREVIEW_SIZE);
+    let (nw, nh) = if w >= h {
+        (s, (h / w * s).round().max(1.0))
+    } else {
+        ((w / h * s).round().max(1.0), s)
+    };
+    let img = image::imageops::resize(
+        &img,
+        nw as u32,
+        nh as u32,
+        image::imageops::FilterType::Triangle,
+    );
+    let mut out = Vec::new();
+    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 95)
+        .encode_image(&img)
+        .ok()?;
+    Some(out)
 }
 
 struct RunOptionsParts {
@@ -366,6 +439,21 @@ async fn run_one(server: &Arc<Server>, graph: &Graph, parts: RunOptionsParts) {
                     }
                 }
                 Event::Executing { node, .. } => server.queue.set_last_node(node.clone()),
+                Event::Preview {
+                    prompt_id,
+                    node,
+                    image,
+                } => {
+                    // Pixels go out as a binary frame, never as JSON.
+                    if let Some(jpeg) = preview_jpeg(image) {
+                        let meta = json!({
+                            "node_id": node, "prompt_id": prompt_id, "display_node_id": node,
+                            "parent_node_id": null, "real_node_id": node,
+                        });
+                        server.clients.send_preview(client.as_deref(), &jpeg, &meta);
+                    }
+                    return;
+                }
                 _ => {}
             }
             server.clients.send(client.as_deref(), msg);
@@ -435,4 +523,21 @@ async fn run_one(server: &Arc<Server>, graph: &Graph, parts: RunOptionsParts) {
         "messages": messages,
     });
     server.queue.finish(outputs, status, Json::Object(meta));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn previews_become_jpeg_scaled_to_fit() {
+        let p = sdkit_engine::event::PreviewImage {
+            width: 16,
+            height: 8,
+            rgb: Arc::new(vec![200; 16 * 8 * 3]),
+        };
+        let jpeg = preview_jpeg(&p).expect("encodes");
+        let img = image::load_from_memory(&jpeg).expect("decodes");
+        assert_eq!((img.width(), img.height()), (512, 256));
+    }
 }

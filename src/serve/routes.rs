@@ -42,6 +42,8 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/queue", get(get_queue).post(post_queue))
         .route("/history", get(get_history).post(post_history))
         .route("/history/{prompt_id}", get(get_history_one))
+        .route("/jobs", get(get_jobs))
+        .route("/jobs/{job_id}", get(get_job))
         .route("/interrupt", post(post_interrupt))
         .route("/free", post(post_free))
         .route("/object_info", get(get_object_info))
@@ -178,7 +180,7 @@ fn origin_mismatch(host: &str, origin: &str) -> bool {
 
 pub fn features(server: &Server) -> Json {
     json!({
-        "supports_preview_metadata": false,
+        "supports_preview_metadata": true,
         "max_upload_size": server.max_body,
     })
 }
@@ -246,6 +248,27 @@ async fn get_history_one(
     UrlPath(id): UrlPath<String>,
 ) -> JsonBody<Json> {
     JsonBody(server.queue.history_one(&id))
+}
+
+async fn get_jobs(
+    State(server): State<Arc<Server>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    match super::jobs::list(server.queue.job_details(), &q) {
+        Ok(v) => JsonBody(v).into_response(),
+        Err(m) => (StatusCode::BAD_REQUEST, JsonBody(json!({"error": m}))).into_response(),
+    }
+}
+
+async fn get_job(State(server): State<Arc<Server>>, UrlPath(id): UrlPath<String>) -> Response {
+    match server.queue.job_detail(&id) {
+        Some(v) => JsonBody(v).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            JsonBody(json!({"error": format!("job {id} not found")})),
+        )
+            .into_response(),
+    }
 }
 
 async fn post_history(State(server): State<Arc<Server>>, body: Bytes) -> Response {
@@ -441,6 +464,8 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
     if let Some(c) = v.get("client_id") {
         extra_data.insert("client_id".into(), c.clone());
     }
+    // As ComfyUI: the jobs API sorts and reports by it.
+    extra_data.insert("create_time".into(), json!(sdkit_engine::event::now_ms()));
     let text = prompt.to_string();
     let reg = &server.lib.registry;
     let wf = match workflow::load(&text, reg) {
@@ -489,7 +514,15 @@ fn memory() -> (u64, u64) {
 async fn system_stats(State(server): State<Arc<Server>>) -> JsonBody<Json> {
     let (ram_total, ram_free) = memory();
     let rt = server.exec.runtime();
-    let budget = rt.budget().unwrap_or(0);
+    // The CPU device's memory is the machine's (as ComfyUI reports it with
+    // --cpu). wgpu reports no memory size: a GPU shows its budget, less the
+    // weights held resident, or 0 without one.
+    let (vram_total, vram_free) = if rt.is_cpu() {
+        (ram_total, ram_free)
+    } else {
+        let budget = rt.budget().unwrap_or(0);
+        (budget, budget.saturating_sub(rt.resident_bytes()))
+    };
     let argv: Vec<String> = std::env::args().collect();
     JsonBody(json!({
         "system": {
@@ -507,8 +540,8 @@ async fn system_stats(State(server): State<Arc<Server>>) -> JsonBody<Json> {
             "name": rt.describe(),
             "type": if rt.is_cpu() { "cpu" } else { "wgpu" },
             "index": 0,
-            "vram_total": budget,
-            "vram_free": budget,
+            "vram_total": vram_total,
+            "vram_free": vram_free,
             "torch_vram_total": 0,
             "torch_vram_free": 0,
         }],

@@ -18,13 +18,26 @@ use tokio::sync::mpsc;
 /// (a client that stopped reading must not grow the server's memory).
 const BACKLOG: usize = 4096;
 
+/// One connected socket: its outgoing queue, and whether it announced
+/// (in its `feature_flags`) that it reads previews with metadata.
+struct Client {
+    tx: mpsc::Sender<Message>,
+    preview_metadata: bool,
+}
+
+/// ComfyUI's binary event types.
+const PREVIEW_IMAGE: u32 = 1;
+const PREVIEW_IMAGE_WITH_METADATA: u32 = 4;
+/// Image format number inside a type-1 frame: JPEG.
+const JPEG: u32 = 1;
+
 #[derive(Default)]
 pub struct Clients {
-    map: Mutex<HashMap<String, mpsc::Sender<Message>>>,
+    map: Mutex<HashMap<String, Client>>,
 }
 
 impl Clients {
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, mpsc::Sender<Message>>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Client>> {
         self.map
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -33,19 +46,57 @@ impl Clients {
     /// Sends `msg` to `client`, or to everyone for None.
     pub fn send(&self, client: Option<&str>, msg: Json) {
         let text = Message::Text(msg.to_string().into());
+        self.send_each(client, |_| text.clone());
+    }
+
+    /// A sampler preview (JPEG bytes) as ComfyUI sends it: type 4 with
+    /// `metadata` (plus `image_type`) to clients that announced
+    /// `supports_preview_metadata`, else type 1 (format number, image).
+    pub fn send_preview(&self, client: Option<&str>, jpeg: &[u8], metadata: &Json) {
+        let mut meta = metadata.clone();
+        if let Some(m) = meta.as_object_mut() {
+            m.insert("image_type".into(), json!("image/jpeg"));
+        }
+        let meta = meta.to_string();
+        let with_meta = {
+            let mut b = Vec::with_capacity(8 + meta.len() + jpeg.len());
+            b.extend_from_slice(&PREVIEW_IMAGE_WITH_METADATA.to_be_bytes());
+            b.extend_from_slice(&(meta.len() as u32).to_be_bytes());
+            b.extend_from_slice(meta.as_bytes());
+            b.extend_from_slice(jpeg);
+            axum::body::Bytes::from(b)
+        };
+        let plain = {
+            let mut b = Vec::with_capacity(8 + jpeg.len());
+            b.extend_from_slice(&PREVIEW_IMAGE.to_be_bytes());
+            b.extend_from_slice(&JPEG.to_be_bytes());
+            b.extend_from_slice(jpeg);
+            axum::body::Bytes::from(b)
+        };
+        self.send_each(client, |c| {
+            Message::Binary(if c.preview_metadata {
+                with_meta.clone()
+            } else {
+                plain.clone()
+            })
+        });
+    }
+
+    /// Queues `make(client)` on `client`'s socket, or on every socket.
+    fn send_each(&self, client: Option<&str>, make: impl Fn(&Client) -> Message) {
         let mut map = self.lock();
         let mut dead = Vec::new();
         match client {
             Some(id) => {
-                if let Some(tx) = map.get(id) {
-                    if tx.try_send(text).is_err() {
+                if let Some(c) = map.get(id) {
+                    if c.tx.try_send(make(c)).is_err() {
                         dead.push(id.to_string());
                     }
                 }
             }
             None => {
-                for (id, tx) in map.iter() {
-                    if tx.try_send(text.clone()).is_err() {
+                for (id, c) in map.iter() {
+                    if c.tx.try_send(make(c)).is_err() {
                         dead.push(id.clone());
                     }
                 }
@@ -88,7 +139,13 @@ async fn client(socket: WebSocket, sid: String, server: Arc<Server>) {
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::channel::<Message>(BACKLOG);
     // A reconnect with the same id replaces the old socket.
-    server.clients.lock().insert(sid.clone(), tx.clone());
+    server.clients.lock().insert(
+        sid.clone(),
+        Client {
+            tx: tx.clone(),
+            preview_metadata: false,
+        },
+    );
     let hello = json!({"type": "status", "data": {"status": server.queue.info(), "sid": sid}});
     let _ = tx.try_send(Message::Text(hello.to_string().into()));
     if let Some((prompt_id, Some(node))) = server.queue.running_for(&sid) {
@@ -117,6 +174,16 @@ async fn client(socket: WebSocket, sid: String, server: Arc<Server>) {
                         .and_then(Json::as_str)
                         == Some("feature_flags")
                     {
+                        let wants_meta = parsed
+                            .as_ref()
+                            .and_then(|v| v.pointer("/data/supports_preview_metadata"))
+                            .and_then(Json::as_bool)
+                            .unwrap_or(false);
+                        if let Some(c) = server.clients.lock().get_mut(&sid) {
+                            if c.tx.same_channel(&tx) {
+                                c.preview_metadata = wants_meta;
+                            }
+                        }
                         let flags = json!({"type": "feature_flags", "data": super::routes::features(&server)});
                         let _ = tx.try_send(Message::Text(flags.to_string().into()));
                     }
@@ -129,7 +196,7 @@ async fn client(socket: WebSocket, sid: String, server: Arc<Server>) {
     }
     {
         let mut map = server.clients.lock();
-        if map.get(&sid).is_some_and(|t| t.same_channel(&tx)) {
+        if map.get(&sid).is_some_and(|c| c.tx.same_channel(&tx)) {
             map.remove(&sid);
         }
     }

@@ -452,18 +452,26 @@ pub fn sample(
         }
         Ok(out)
     };
-    let x = sampler.run_with_uncond(
-        Space::of(&model.schedule),
-        x0,
-        sigmas,
-        denoise,
-        || last_uncond.borrow().clone(),
-        noise,
-        |i, n| {
-            new_step.set(true);
-            ctx.progress(i as u64, n as u64)
-        },
-    )?;
+    let x =
+        sampler.run_with_uncond(
+            Space::of(&model.schedule),
+            x0,
+            sigmas,
+            denoise,
+            || last_uncond.borrow().clone(),
+            noise,
+            |i, n| {
+                new_step.set(true);
+                ctx.progress(i as u64, n as u64)?;
+                // The step's prediction, as ComfyUI's sampler callback previews.
+                if let Some(p) = step_x0.borrow().as_deref().and_then(|x| {
+                    super::preview::latent_preview(x, shape[1], h, w, model.latent_scale)
+                }) {
+                    ctx.preview(p);
+                }
+                Ok(())
+            },
+        )?;
     if let (Some(budget), Some(plan)) = (
         ctx.runtime.budget(),
         sessions.first().and_then(|s| s.residency()),

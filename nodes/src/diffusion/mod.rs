@@ -11,6 +11,7 @@ pub mod conditioning;
 pub mod custom;
 pub mod ksampler;
 pub mod loaders;
+pub mod preview;
 pub mod vae;
 
 use crate::clip_tokenizer::ClipTokenizer;
