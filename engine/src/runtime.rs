@@ -96,6 +96,7 @@ impl Runtime {
                 match WgpuBackend::with_options(&Options {
                     budget,
                     allow_coopmat: tensor_cores,
+                    pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
                     ..Options::default()
                 }) {
                     Ok(b) if b.adapter.device_type != "Cpu" => Ok(Runtime::wgpu(b)),
@@ -105,6 +106,7 @@ impl Runtime {
             "wgpu" | "gpu" => WgpuBackend::with_options(&Options {
                 budget,
                 allow_coopmat: tensor_cores,
+                pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
                 ..Options::default()
             })
             .map(Runtime::wgpu)
@@ -113,6 +115,7 @@ impl Runtime {
                 adapter: Some(name.to_string()),
                 budget,
                 allow_coopmat: tensor_cores,
+                pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
                 ..Options::default()
             })
             .map(Runtime::wgpu)

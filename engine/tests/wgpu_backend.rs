@@ -129,3 +129,39 @@ fn tensors_past_the_binding_limit_are_split() {
     assert!(e < tolerance(&gpu), "nmse {e}");
     assert!(gpu.split_operands() > 0, "nothing was split");
 }
+
+#[test]
+fn compiled_pipelines_persist_to_the_cache_file() {
+    use sdkit_engine::backend::wgpu::Options;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let open = || {
+        WgpuBackend::with_options(&Options {
+            pipeline_cache_dir: Some(dir.path().to_path_buf()),
+            ..Options::default()
+        })
+    };
+    let Ok(gpu) = open() else {
+        eprintln!("skipped: pipeline cache test: no adapter");
+        return;
+    };
+    let Some(file) = gpu.pipeline_cache_file().map(std::path::Path::to_path_buf) else {
+        eprintln!("skipped: pipeline cache test: the adapter has no PIPELINE_CACHE");
+        return;
+    };
+    let g = samples::resblock_graph(1, 32, 4, 64).expect("builds");
+    let prog = plan(&g).expect("plans");
+    let b = bindings(&g, 4);
+    let first = gpu.run(&prog, &b).expect("runs");
+    let bytes = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    assert!(bytes > 0, "{} was not written", file.display());
+    drop(gpu);
+    // A new device starts from the saved cache and computes the same.
+    let again = open().expect("reopens");
+    let second = again.run(&prog, &b).expect("runs from the cache");
+    assert_eq!(first[0].data, second[0].data);
+    // A corrupt file is an empty cache, not an error.
+    std::fs::write(&file, b"not a pipeline cache").expect("overwrite");
+    let third = open().expect("opens over a corrupt cache");
+    let out = third.run(&prog, &b).expect("runs");
+    assert_eq!(first[0].data, out[0].data);
+}

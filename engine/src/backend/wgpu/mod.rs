@@ -158,6 +158,48 @@ fn coop_config(a: &wgpu::Adapter) -> Option<codegen::Coop> {
     })
 }
 
+/// The pipeline cache for `device`, primed with `data` from an earlier
+/// run where it is valid (wgpu checks its header against the adapter and
+/// falls back to an empty cache otherwise).
+#[allow(unsafe_code)]
+fn load_pipeline_cache(device: &wgpu::Device, data: Option<&[u8]>) -> wgpu::PipelineCache {
+    // SAFETY: `data` is only ever bytes this function's caller wrote from
+    // `PipelineCache::get_data` into a file named by
+    // `wgpu::util::pipeline_cache_key` for the same adapter; wgpu validates
+    // the header (adapter, driver, wgpu version) and `fallback` makes any
+    // mismatch or corruption an empty cache instead of an error.
+    unsafe {
+        device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor {
+            label: Some("sdkit pipelines"),
+            data,
+            fallback: true,
+        })
+    }
+}
+
+/// Where the CLI keeps the pipeline cache: `SDKIT_CACHE_DIR`, else the
+/// platform's cache folder (`XDG_CACHE_HOME` or `~/.cache` on Linux,
+/// `~/Library/Caches` on macOS, `%LOCALAPPDATA%` on Windows) + `sdkit`.
+pub fn default_cache_dir() -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(d) = env("SDKIT_CACHE_DIR") {
+        return Some(d);
+    }
+    let base = if cfg!(windows) {
+        env("LOCALAPPDATA")
+    } else if cfg!(target_os = "macos") {
+        env("HOME").map(|h| h.join("Library/Caches"))
+    } else {
+        env("XDG_CACHE_HOME").or_else(|| env("HOME").map(|h| h.join(".cache")))
+    };
+    base.map(|b| b.join("sdkit"))
+}
+
 /// The token wgpu asks for before it enables an experimental feature
 /// (here only cooperative matrices, whose kernels the conformance suite
 /// checks on the adapter before they are trusted).
@@ -238,6 +280,12 @@ pub struct Options {
     pub gemm_tiles: Option<codegen::CoopTiles>,
     /// Cooperative attention in two passes (see [`codegen::Caps`]).
     pub two_pass_attention: bool,
+    /// Folder for the driver's compiled-pipeline cache (wgpu's
+    /// PipelineCache, where the adapter has PIPELINE_CACHE): loaded when
+    /// the device opens and rewritten after prepares that compiled new
+    /// kernels, so the next process skips the driver's compile. None: no
+    /// file ([`default_cache_dir`] is what the CLI uses).
+    pub pipeline_cache_dir: Option<std::path::PathBuf>,
     /// Bind at most this many bytes per binding (below the adapter's own
     /// limit), splitting larger tensors; lets tests exercise splitting.
     pub max_binding_bytes: Option<u64>,
@@ -258,6 +306,7 @@ impl Default for Options {
             max_binding_bytes: None,
             gemm_tiles: None,
             two_pass_attention: false,
+            pipeline_cache_dir: None,
             budget: None,
         }
     }
@@ -280,6 +329,10 @@ pub struct WgpuBackend {
     pub adapter: AdapterReport,
     limits: wgpu::Limits,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    /// The driver's pipeline cache and the file it persists to.
+    pipeline_cache: Option<(wgpu::PipelineCache, std::path::PathBuf)>,
+    /// Pipelines compiled since the cache file was last written.
+    unsaved_pipelines: std::sync::atomic::AtomicUsize,
     budget: Option<u64>,
     /// Resident weight buffers kept across prepares (the next sampler run,
     /// the next prompt), keyed by name and keeping the host data they were
@@ -346,6 +399,16 @@ impl WgpuBackend {
         if coop.is_some() {
             features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
         }
+        let cache_file = opts.pipeline_cache_dir.as_ref().and_then(|dir| {
+            if !adapter.features().contains(wgpu::Features::PIPELINE_CACHE) {
+                return None;
+            }
+            let key = wgpu::util::pipeline_cache_key(&adapter.get_info())?;
+            Some(dir.join(key))
+        });
+        if cache_file.is_some() {
+            features |= wgpu::Features::PIPELINE_CACHE;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("sdkit"),
             required_features: features,
@@ -358,6 +421,11 @@ impl WgpuBackend {
             ..Default::default()
         }))
         .map_err(|e| WgpuError::Device(e.to_string()))?;
+        let pipeline_cache = cache_file.map(|file| {
+            // A missing or unreadable file starts an empty cache.
+            let data = std::fs::read(&file).ok();
+            (load_pipeline_cache(&device, data.as_deref()), file)
+        });
         let caps = codegen::Caps {
             subgroups,
             coop,
@@ -378,6 +446,8 @@ impl WgpuBackend {
             adapter: report(&adapter),
             limits,
             pipelines: Mutex::new(HashMap::new()),
+            pipeline_cache,
+            unsaved_pipelines: std::sync::atomic::AtomicUsize::new(0),
             budget: opts.budget,
             resident: Mutex::new(HashMap::new()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
@@ -435,14 +505,51 @@ impl WgpuBackend {
                 module: &module,
                 entry_point: Some("main"),
                 compilation_options: Default::default(),
-                cache: None,
+                cache: self.pipeline_cache.as_ref().map(|(c, _)| c),
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(format!("shader does not compile: {e}"));
         }
         let p = Arc::new(p);
+        self.unsaved_pipelines
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         cache.insert(source.to_string(), p.clone());
         Ok(p)
+    }
+
+    /// Writes the driver's pipeline cache to its file (atomically) when
+    /// pipelines were compiled since the last write. A failure to write
+    /// only costs the next process its compile time: logged, not raised.
+    pub fn save_pipeline_cache(&self) {
+        let Some((cache, file)) = &self.pipeline_cache else {
+            return;
+        };
+        if self
+            .unsaved_pipelines
+            .swap(0, std::sync::atomic::Ordering::Relaxed)
+            == 0
+        {
+            return;
+        }
+        let Some(data) = cache.get_data() else {
+            return;
+        };
+        let write = || -> std::io::Result<()> {
+            if let Some(dir) = file.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+            std::fs::write(&tmp, &data)?;
+            std::fs::rename(&tmp, file)
+        };
+        if let Err(e) = write() {
+            tracing::warn!("pipeline cache {}: {e}", file.display());
+        }
+    }
+
+    /// Whether compiled pipelines persist to a cache file.
+    pub fn pipeline_cache_file(&self) -> Option<&std::path::Path> {
+        self.pipeline_cache.as_ref().map(|(_, f)| f.as_path())
     }
 
     /// Kernel operands bound as several ranges so far (tensors past the
@@ -782,6 +889,7 @@ impl WgpuBackend {
             return Err(WgpuError::OutOfMemory(e.to_string()));
         }
         drop(cache);
+        self.save_pipeline_cache();
         Ok(Prepared {
             backend: self,
             prog,
