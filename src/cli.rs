@@ -172,6 +172,11 @@ pub struct RunArgs {
     /// PyTorch and ComfyUI in fp16); `f32` keeps every product in f32.
     #[arg(long, value_name = "auto|f32", default_value = "auto")]
     pub precision: Precision,
+    /// After each run, drop cached node outputs and the GPU's resident
+    /// weights (what ComfyUI's /free does), so `watch` gives memory back
+    /// while the file is edited; the next run loads models again.
+    #[arg(long)]
+    pub free_after_run: bool,
 }
 
 /// `--precision`.

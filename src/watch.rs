@@ -65,6 +65,10 @@ async fn watch_async(args: RunArgs) -> Result<i32> {
             Ok(Loaded::Ok(graph)) => {
                 print_diagnostics(&args.file, &graph.warnings);
                 run_graph(&exec, &graph, sink.clone(), CancelToken::new()).await;
+                if args.free_after_run {
+                    exec.clear_cache();
+                    exec.runtime().free();
+                }
             }
             Ok(Loaded::Invalid(d)) => print_diagnostics(&args.file, &d),
             Err(e) => eprintln!("error: {e:#}"),

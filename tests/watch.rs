@@ -69,8 +69,13 @@ fn save_via_rename(path: &Path, text: &str) {
 }
 
 fn start(base: &Path, file: &PathBuf) -> Watch {
+    start_with(base, file, &[])
+}
+
+fn start_with(base: &Path, file: &PathBuf, extra: &[&str]) -> Watch {
     let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
         .args(["watch", "-q", "--events", "-"])
+        .args(extra)
         .arg(file)
         .arg("--base-dir")
         .arg(base)
@@ -139,4 +144,29 @@ fn watch_reruns_only_what_changed() {
     let out = base.path().join("output");
     assert!(out.join("w_00003_.png").exists());
     assert!(!out.join("m_00002_.png").exists());
+}
+
+#[test]
+fn free_after_run_drops_the_cache_between_runs() {
+    let base = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(base.path().join("input")).expect("mkdir");
+    std::fs::copy(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("graphs/input/example.png"),
+        base.path().join("input/example.png"),
+    )
+    .expect("copy");
+    let file = base.path().join("wf.ron");
+    std::fs::write(&file, WORKFLOW.replace("WIDTH", "32")).expect("write");
+    let w = start_with(base.path(), &file, &["--free-after-run"]);
+    let all = ["inv", "load", "mask", "save", "save_mask", "scale"];
+    assert_eq!(executed(&w.next_run()), all);
+    std::thread::sleep(Duration::from_millis(300));
+    // Nothing was kept: the edit runs every node again.
+    save_via_rename(&file, &WORKFLOW.replace("WIDTH", "16"));
+    let second = w.next_run();
+    assert_eq!(executed(&second), all);
+    assert!(second
+        .iter()
+        .filter(|e| e["type"] == "execution_cached")
+        .all(|e| e["data"]["nodes"].as_array().is_some_and(Vec::is_empty)));
 }
