@@ -98,8 +98,8 @@ fn start_with(base: &Path, file: &PathBuf, extra: &[&str]) -> Watch {
     Watch { child, events: rx }
 }
 
-#[test]
-fn watch_reruns_only_what_changed() {
+/// A base folder whose input/ holds the example image the workflow loads.
+fn base_with_example() -> tempfile::TempDir {
     let base = tempfile::tempdir().expect("tempdir");
     std::fs::create_dir_all(base.path().join("input")).expect("mkdir");
     std::fs::copy(
@@ -107,6 +107,12 @@ fn watch_reruns_only_what_changed() {
         base.path().join("input/example.png"),
     )
     .expect("copy");
+    base
+}
+
+#[test]
+fn watch_reruns_only_what_changed() {
+    let base = base_with_example();
     let file = base.path().join("wf.ron");
     std::fs::write(&file, WORKFLOW.replace("WIDTH", "32")).expect("write");
     let w = start(base.path(), &file);
@@ -148,13 +154,7 @@ fn watch_reruns_only_what_changed() {
 
 #[test]
 fn free_after_run_drops_the_cache_between_runs() {
-    let base = tempfile::tempdir().expect("tempdir");
-    std::fs::create_dir_all(base.path().join("input")).expect("mkdir");
-    std::fs::copy(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("graphs/input/example.png"),
-        base.path().join("input/example.png"),
-    )
-    .expect("copy");
+    let base = base_with_example();
     let file = base.path().join("wf.ron");
     std::fs::write(&file, WORKFLOW.replace("WIDTH", "32")).expect("write");
     let w = start_with(base.path(), &file, &["--free-after-run"]);

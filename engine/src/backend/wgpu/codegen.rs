@@ -1240,6 +1240,48 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     (code, groups)
 }
 
+/// WGSL loading a subgroup's query fragments (its T rows of the staged,
+/// scaled Q tile `KQ`, head padded to `dp`) into registers `qa0…`.
+fn coop_q_fragments(t: usize, qfrags: usize, dp: usize) -> String {
+    let mut out = String::new();
+    for f in 0..qfrags {
+        let _ = writeln!(
+            out,
+            "    let qa{f} = coopLoadT<coop_mat{t}x{t}<f16, A>>(&KQ[sg * {}u + {}u], {dp}u);",
+            t * dp,
+            f * t
+        );
+    }
+    out
+}
+
+/// WGSL scoring the subgroup's query fragments against a staged block of
+/// `bk` keys (`KQ`, row-major by key): f32 fragments stored into the
+/// subgroup's rows of `Ss` (row stride `bk`).
+fn coop_scores(t: usize, qfrags: usize, dp: usize, bk: usize) -> String {
+    let mut out = String::new();
+    for jf in 0..bk / t {
+        let _ = writeln!(
+            out,
+            "        {{\n            var sacc = coop_mat{t}x{t}<f32, C>();"
+        );
+        for f in 0..qfrags {
+            let _ = writeln!(
+                out,
+                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<coop_mat{t}x{t}<f16, B>>(&KQ[{}u], {dp}u), sacc);",
+                jf * t * dp + f * t
+            );
+        }
+        let _ = writeln!(
+            out,
+            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {bk}u);\n        }}",
+            t * bk,
+            jf * t
+        );
+    }
+    out
+}
+
 /// Attention on cooperative matrices in one pass (flash-attention's
 /// online softmax): a workgroup of 4 subgroups takes 4·T queries of one
 /// (batch, head), each subgroup T of them, with the head padded to a
@@ -1287,38 +1329,8 @@ fn attention_coop_single(
     let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
     let qfrags = dp / t;
     let ofrags = dvp / t;
-    let mut qload = String::new();
-    for f in 0..qfrags {
-        let _ = writeln!(
-            qload,
-            "    let qa{f} = coopLoadT<{}>(&KQ[sg * {}u + {}u], {dp}u);",
-            ty("A", "f16"),
-            t * dp,
-            f * t
-        );
-    }
-    let mut scores = String::new();
-    for jf in 0..bk / t {
-        let _ = writeln!(
-            scores,
-            "        {{\n            var sacc = {}();",
-            ty("C", "f32")
-        );
-        for f in 0..qfrags {
-            let _ = writeln!(
-                scores,
-                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<{}>(&KQ[{}u], {dp}u), sacc);",
-                ty("B", "f16"),
-                jf * t * dp + f * t
-            );
-        }
-        let _ = writeln!(
-            scores,
-            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {bk}u);\n        }}",
-            t * bk,
-            jf * t
-        );
-    }
+    let qload = coop_q_fragments(t, qfrags, dp);
+    let scores = coop_scores(t, qfrags, dp, bk);
     // Subgroup all-reduce over the lanes sharing a row (lane = part·T + row).
     let reduce = |v: &str, combine: &dyn Fn(&str, &str) -> String| -> String {
         let mut out = String::new();
@@ -1496,40 +1508,10 @@ fn attention_coop(
     let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
     let qfrags = dp / t;
     let ofrags = dvp / t;
-    let mut qload = String::new();
-    for f in 0..qfrags {
-        let _ = writeln!(
-            qload,
-            "    let qa{f} = coopLoadT<{}>(&KQ[sg * {}u + {}u], {dp}u);",
-            ty("A", "f16"),
-            t * dp,
-            f * t
-        );
-    }
+    let qload = coop_q_fragments(t, qfrags, dp);
     // Scores of this subgroup's rows against the staged key block, into
     // its rows of Ss.
-    let mut scores = String::new();
-    for jf in 0..bk / t {
-        let _ = writeln!(
-            scores,
-            "        {{\n            var sacc = {}();",
-            ty("C", "f32")
-        );
-        for f in 0..qfrags {
-            let _ = writeln!(
-                scores,
-                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<{}>(&KQ[{}u], {dp}u), sacc);",
-                ty("B", "f16"),
-                jf * t * dp + f * t
-            );
-        }
-        let _ = writeln!(
-            scores,
-            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {bk}u);\n        }}",
-            t * bk,
-            jf * t
-        );
-    }
+    let scores = coop_scores(t, qfrags, dp, bk);
     let mut odecl = String::new();
     let mut pv = String::new();
     let mut out = String::new();
