@@ -444,7 +444,11 @@ async fn run_one(server: &Arc<Server>, graph: &Graph, parts: RunOptionsParts) {
                     node,
                     image,
                 } => {
-                    // Pixels go out as a binary frame, never as JSON.
+                    // Pixels go out as a binary frame, never as JSON; the
+                    // encoding (a few ms) is skipped when nobody listens.
+                    if !server.clients.any_for(client.as_deref()) {
+                        return;
+                    }
                     if let Some(jpeg) = preview_jpeg(image) {
                         let meta = json!({
                             "node_id": node, "prompt_id": prompt_id, "display_node_id": node,

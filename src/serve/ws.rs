@@ -49,6 +49,16 @@ impl Clients {
         self.send_each(client, |_| text.clone());
     }
 
+    /// Whether a message for `client` (everyone for None) has a reader:
+    /// previews are not encoded for nobody.
+    pub fn any_for(&self, client: Option<&str>) -> bool {
+        let map = self.lock();
+        match client {
+            Some(id) => map.contains_key(id),
+            None => !map.is_empty(),
+        }
+    }
+
     /// A sampler preview (JPEG bytes) as ComfyUI sends it: type 4 with
     /// `metadata` (plus `image_type`) to clients that announced
     /// `supports_preview_metadata`, else type 1 (format number, image).
