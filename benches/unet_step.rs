@@ -14,6 +14,8 @@
 //! `python3` or `SDKIT_BENCH_PYTHON`. Times cover
 //! dispatch through completion of one step, weights and inputs resident.
 
+mod common;
+
 use sdkit_engine::backend::cpu::Bindings;
 use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
 use sdkit_engine::plan::plan;
@@ -221,14 +223,7 @@ fn main() {
                         first = Some(out);
                         String::new()
                     }
-                    Some(f) => {
-                        let (mut e, mut w) = (0.0f64, 0.0f64);
-                        for (g, x) in out.iter().zip(f) {
-                            e += f64::from(g - x).powi(2);
-                            w += f64::from(*x).powi(2);
-                        }
-                        format!(", nmse vs first {:.1e}", e / w.max(1e-30))
-                    }
+                    Some(f) => format!(", nmse vs first {:.1e}", common::nmse(&out, f)),
                 }
             }
             Err(e) => {

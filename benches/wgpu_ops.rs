@@ -9,6 +9,9 @@
 //! `SDKIT_BENCH_PYTHON`. Times cover dispatch through completion, not
 //! uploads or readback.
 
+mod common;
+
+use common::nmse;
 use sdkit_engine::backend::cpu::Bindings;
 use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
 use sdkit_engine::plan::{plan, samples};
@@ -167,15 +170,6 @@ fn torch_time(py: &str, body: &str, iters: usize, half: bool) -> Option<f64> {
     );
     let out = Command::new(py).arg("-c").arg(script).output().ok()?;
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
-}
-
-fn nmse(got: &[f32], want: &[f32]) -> f64 {
-    let (mut e, mut w) = (0.0f64, 0.0f64);
-    for (g, x) in got.iter().zip(want) {
-        e += f64::from(g - x).powi(2);
-        w += f64::from(*x).powi(2);
-    }
-    e / w.max(1e-30)
 }
 
 fn main() {

@@ -10,17 +10,10 @@ use std::collections::HashMap;
 const STATUSES: &[&str] = &["pending", "in_progress", "completed", "failed", "cancelled"];
 /// Output lists a job's preview may come from, in the front end's terms.
 const MEDIA: &[&str] = &["images", "video", "audio", "gifs", "3d"];
-/// Fields only the detail endpoint returns.
-const DETAIL_ONLY: &[&str] = &[
-    "workflow",
-    "outputs",
-    "update_time",
-    "execution_status",
-    "execution_meta",
-];
 
-/// A queued or running prompt as a job detail record.
-pub fn from_item(item: &Item, status: &str, started_ms: Option<u64>) -> Json {
+/// A queued or running prompt as a job record; `detail` adds what only
+/// `/api/jobs/{id}` returns (the workflow, outputs).
+pub fn from_item(item: &Item, status: &str, started_ms: Option<u64>, detail: bool) -> Json {
     let mut job = common(
         &item.prompt_id,
         status,
@@ -32,21 +25,26 @@ pub fn from_item(item: &Item, status: &str, started_ms: Option<u64>) -> Json {
     job.insert("preview_output".into(), Json::Null);
     job.insert("outputs_count".into(), json!(0));
     job.insert("execution_error".into(), Json::Null);
-    job.insert(
-        "workflow".into(),
-        json!({"prompt": item.prompt, "extra_data": item.extra_data}),
-    );
-    job.insert("outputs".into(), json!({}));
+    if detail {
+        job.insert(
+            "workflow".into(),
+            json!({"prompt": item.prompt, "extra_data": item.extra_data}),
+        );
+        job.insert("outputs".into(), json!({}));
+    }
     Json::Object(job)
 }
 
 /// A history entry (`{prompt: [number, id, prompt, extra_data, outputs],
-/// outputs, status, meta}`) as a job detail record.
-pub fn from_history(id: &str, entry: &Json) -> Json {
+/// outputs, status, meta}`) as a job record; `detail` adds what only
+/// `/api/jobs/{id}` returns. The list form clones no prompt or outputs:
+/// the front end polls it over the whole history.
+pub fn from_history(id: &str, entry: &Json, detail: bool) -> Json {
     let prompt = entry.get("prompt").and_then(Json::as_array);
-    let at = |i: usize| prompt.and_then(|p| p.get(i)).cloned().unwrap_or(Json::Null);
-    let extra = at(3).as_object().cloned().unwrap_or_default();
-    let status = entry.get("status").cloned().unwrap_or(Json::Null);
+    let at = |i: usize| prompt.and_then(|p| p.get(i));
+    let no_extra = Map::new();
+    let extra = at(3).and_then(Json::as_object).unwrap_or(&no_extra);
+    let status = entry.get("status").unwrap_or(&Json::Null);
     let messages: Vec<(String, Json)> = status
         .get("messages")
         .and_then(Json::as_array)
@@ -75,9 +73,9 @@ pub fn from_history(id: &str, entry: &Json) -> Json {
     ]
     .iter()
     .find_map(|n| time(n));
-    let outputs = entry.get("outputs").cloned().unwrap_or_else(|| json!({}));
-    let (preview, count) = preview_and_count(&outputs);
-    let mut job = common(id, state, at(0), &extra);
+    let outputs = entry.get("outputs").unwrap_or(&Json::Null);
+    let (preview, count) = preview_and_count(outputs);
+    let mut job = common(id, state, at(0).cloned().unwrap_or(Json::Null), extra);
     job.insert(
         "execution_start_time".into(),
         time("execution_start").unwrap_or(Json::Null),
@@ -92,19 +90,26 @@ pub fn from_history(id: &str, entry: &Json) -> Json {
         "execution_error".into(),
         message("execution_error").cloned().unwrap_or(Json::Null),
     );
-    job.insert(
-        "workflow".into(),
-        json!({"prompt": at(2), "extra_data": extra}),
-    );
-    job.insert("outputs".into(), outputs);
-    if let Some(end) = end {
-        job.insert("update_time".into(), end);
+    if detail {
+        job.insert(
+            "workflow".into(),
+            json!({"prompt": at(2), "extra_data": extra}),
+        );
+        job.insert(
+            "outputs".into(),
+            outputs
+                .as_object()
+                .map_or_else(|| json!({}), |_| outputs.clone()),
+        );
+        if let Some(end) = end {
+            job.insert("update_time".into(), end);
+        }
+        job.insert("execution_status".into(), status.clone());
+        job.insert(
+            "execution_meta".into(),
+            entry.get("meta").cloned().unwrap_or_else(|| json!({})),
+        );
     }
-    job.insert("execution_status".into(), status);
-    job.insert(
-        "execution_meta".into(),
-        entry.get("meta").cloned().unwrap_or_else(|| json!({})),
-    );
     Json::Object(job)
 }
 
@@ -223,19 +228,7 @@ pub fn list(mut jobs: Vec<Json>, query: &HashMap<String, String>) -> Result<Json
     }
     let total = jobs.len();
     let limit = limit.unwrap_or(total);
-    let page: Vec<Json> = jobs
-        .into_iter()
-        .skip(offset)
-        .take(limit)
-        .map(|mut j| {
-            if let Some(o) = j.as_object_mut() {
-                for k in DETAIL_ONLY {
-                    o.remove(*k);
-                }
-            }
-            j
-        })
-        .collect();
+    let page: Vec<Json> = jobs.into_iter().skip(offset).take(limit).collect();
     Ok(json!({
         "jobs": page,
         "pagination": {

@@ -220,26 +220,27 @@ impl Queue {
         )
     }
 
-    /// Every prompt as a jobs-API detail record: pending, running, then
-    /// the history in completion order.
-    pub fn job_details(&self) -> Vec<Json> {
+    /// Every prompt as a jobs-API list record: pending, running, then the
+    /// history in completion order.
+    pub fn job_records(&self) -> Vec<Json> {
         let q = self.lock();
         let mut jobs: Vec<Json> = q
             .pending
             .iter()
-            .map(|i| super::jobs::from_item(i, "pending", None))
+            .map(|i| super::jobs::from_item(i, "pending", None, false))
             .collect();
         if let Some(r) = &q.running {
             jobs.push(super::jobs::from_item(
                 &r.item,
                 "in_progress",
                 Some(r.started_ms),
+                false,
             ));
         }
         jobs.extend(
             q.history
                 .iter()
-                .map(|(id, h)| super::jobs::from_history(id, h)),
+                .map(|(id, h)| super::jobs::from_history(id, h, false)),
         );
         jobs
     }
@@ -248,19 +249,20 @@ impl Queue {
     pub fn job_detail(&self, id: &str) -> Option<Json> {
         let q = self.lock();
         if let Some(h) = q.history.get(id) {
-            return Some(super::jobs::from_history(id, h));
+            return Some(super::jobs::from_history(id, h, true));
         }
         if let Some(r) = q.running.as_ref().filter(|r| r.item.prompt_id == id) {
             return Some(super::jobs::from_item(
                 &r.item,
                 "in_progress",
                 Some(r.started_ms),
+                true,
             ));
         }
         q.pending
             .iter()
             .find(|i| i.prompt_id == id)
-            .map(|i| super::jobs::from_item(i, "pending", None))
+            .map(|i| super::jobs::from_item(i, "pending", None, true))
     }
 
     pub fn history_one(&self, prompt_id: &str) -> Json {

@@ -254,7 +254,7 @@ async fn get_jobs(
     State(server): State<Arc<Server>>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    match super::jobs::list(server.queue.job_details(), &q) {
+    match super::jobs::list(server.queue.job_records(), &q) {
         Ok(v) => JsonBody(v).into_response(),
         Err(m) => (StatusCode::BAD_REQUEST, JsonBody(json!({"error": m}))).into_response(),
     }

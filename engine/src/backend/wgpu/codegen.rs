@@ -1282,6 +1282,163 @@ fn coop_scores(t: usize, qfrags: usize, dp: usize, bk: usize) -> String {
     out
 }
 
+/// What both cooperative attention forms share: 4 subgroups of T query
+/// rows per workgroup, the head padded to a multiple of T, key blocks of
+/// `bk` staged as f16, and the prologue that stages the scaled queries and
+/// loads them into fragments.
+struct CoopAttention {
+    t: usize,
+    bq: usize,
+    dp: usize,
+    dvp: usize,
+    bk: usize,
+    sq: usize,
+    skv: usize,
+    d: usize,
+    dv: usize,
+    scale: f32,
+    threads: usize,
+    qblocks: usize,
+    blocks: usize,
+}
+
+/// Subgroups per cooperative attention workgroup.
+const COOP_ATTN_SUBGROUPS: usize = 4;
+
+impl CoopAttention {
+    /// The largest key block (64, 32 or 16, at least T, a multiple of
+    /// `lanes_per_row`) whose workgroup arrays, plus `extra_bytes`, fit;
+    /// None when none does.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        bh: usize,
+        (sq, skv, d, dv): (usize, usize, usize, usize),
+        scale: f32,
+        c: Coop,
+        caps: &Caps,
+        lanes_per_row: usize,
+        extra_bytes: usize,
+    ) -> Option<Self> {
+        const NS: usize = COOP_ATTN_SUBGROUPS;
+        let t = c.tile as usize;
+        let lanes = c.subgroup as usize;
+        let bq = NS * t;
+        let dp = d.div_ceil(t) * t;
+        let dvp = dv.div_ceil(t) * t;
+        let bytes = |bk: usize| {
+            bk.max(bq) * dp * 2 + bk * dvp * 2 + NS * t * bk * 4 + NS * t * bk * 2 + extra_bytes
+        };
+        let bk = [64, 32, 16]
+            .into_iter()
+            .filter(|&b| b >= t && b % lanes_per_row == 0)
+            .find(|&b| bytes(b) <= caps.workgroup_memory as usize)?;
+        let qblocks = sq.div_ceil(bq);
+        Some(CoopAttention {
+            t,
+            bq,
+            dp,
+            dvp,
+            bk,
+            sq,
+            skv,
+            d,
+            dv,
+            scale,
+            threads: NS * lanes,
+            qblocks,
+            blocks: bh * qblocks,
+        })
+    }
+
+    /// `coop_mat` type of role A/B/C with scalar f16/f32.
+    fn ty(&self, role: &str, scalar: &str) -> String {
+        format!("coop_mat{0}x{0}<{scalar}, {role}>", self.t)
+    }
+
+    /// The workgroup arrays (`extra_decls` after them) and the entry
+    /// point up to the query fragments `qa0…` in registers.
+    fn head(&self, extra_decls: &str) -> String {
+        let (t, bk, dp, threads) = (self.t, self.bk, self.dp, self.threads);
+        let (bq, sq, d) = (self.bq, self.sq, self.d);
+        format!(
+            "var<workgroup> KQ: array<f16, {kql}>;
+var<workgroup> Vs: array<f16, {vl}>;
+var<workgroup> Ss: array<f32, {sl}>;
+var<workgroup> Ps: array<f16, {sl}>;
+{extra_decls}@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
+    let blk = wg.x + wg.y * 65535u;
+    if (blk >= {blocks}u) {{ return; }}
+    let bh = blk / {qblocks}u;
+    let q0 = (blk % {qblocks}u) * {bq}u;
+    for (var e = tid; e < {bq}u * {dp}u; e += {threads}u) {{
+        let r = e / {dp}u; let t = e % {dp}u; var v = 0.0;
+        if (q0 + r < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + r, t)] * {sc}; }}
+        KQ[e] = f16(v);
+    }}
+    workgroupBarrier();
+{qload}    workgroupBarrier();
+",
+            kql = bk.max(bq) * dp,
+            vl = bk * self.dvp,
+            sl = COOP_ATTN_SUBGROUPS * t * bk,
+            blocks = self.blocks,
+            qblocks = self.qblocks,
+            sc = lit(self.scale),
+            qload = coop_q_fragments(t, dp / t, dp),
+        )
+    }
+
+    /// Stages the key block at `j0` into `KQ` (zeros past the keys and the
+    /// head).
+    fn stage_k(&self) -> String {
+        self.stage("KQ", "in1", "k_off", self.dp, self.d)
+    }
+
+    /// Stages the value block at `j0` into `Vs`.
+    fn stage_v(&self) -> String {
+        self.stage("Vs", "in2", "v_off", self.dvp, self.dv)
+    }
+
+    /// Copies `bk` rows (keys from `j0`) of `input` (rows `width` wide,
+    /// addressed by `offset`) into `array` as f16 rows `padded` wide.
+    fn stage(&self, array: &str, input: &str, offset: &str, padded: usize, width: usize) -> String {
+        format!(
+            "        for (var e = tid; e < {len}u; e += {threads}u) {{
+            let kr = e / {padded}u; let t = e % {padded}u; var v = 0.0;
+            if (j0 + kr < {skv}u && t < {width}u) {{ v = {input}[{offset}(bh, j0 + kr, t)]; }}
+            {array}[e] = f16(v);
+        }}
+",
+            len = self.bk * padded,
+            threads = self.threads,
+            skv = self.skv,
+        )
+    }
+
+    /// Scores of the subgroup's rows against the staged key block.
+    fn scores(&self) -> String {
+        coop_scores(self.t, self.dp / self.t, self.dp, self.bk)
+    }
+
+    /// The additive mask's term for score `s` of key `j0 + j`.
+    fn mask(&self, masked: bool) -> String {
+        if masked {
+            format!("s = s + in3[qi * {}u + j0 + j];", self.skv)
+        } else {
+            String::new()
+        }
+    }
+
+    fn groups(&self) -> [u32; 3] {
+        [
+            self.blocks.min(65535) as u32,
+            self.blocks.div_ceil(65535) as u32,
+            1,
+        ]
+    }
+}
+
 /// Attention on cooperative matrices in one pass (flash-attention's
 /// online softmax): a workgroup of 4 subgroups takes 4·T queries of one
 /// (batch, head), each subgroup T of them, with the head padded to a
@@ -1316,21 +1473,10 @@ fn attention_coop_single(
         return None;
     }
     let cpl = t / lpr;
-    const NS: usize = 4;
-    let bq = NS * t;
-    let dp = d.div_ceil(t) * t;
-    let dvp = dv.div_ceil(t) * t;
-    let bytes = |bk: usize| bk.max(bq) * dp * 2 + bk * dvp * 2 + NS * t * bk * 4 + NS * t * bk * 2;
-    let bk = [64, 32, 16]
-        .into_iter()
-        .filter(|&b| b >= t && b % lpr == 0)
-        .find(|&b| bytes(b) <= caps.workgroup_memory as usize)?;
+    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, lpr, 0)?;
+    let (bk, dvp) = (a.bk, a.dvp);
     let kpl = bk / lpr;
-    let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
-    let qfrags = dp / t;
     let ofrags = dvp / t;
-    let qload = coop_q_fragments(t, qfrags, dp);
-    let scores = coop_scores(t, qfrags, dp, bk);
     // Subgroup all-reduce over the lanes sharing a row (lane = part·T + row).
     let reduce = |v: &str, combine: &dyn Fn(&str, &str) -> String| -> String {
         let mut out = String::new();
@@ -1347,11 +1493,11 @@ fn attention_coop_single(
     let mut fold = String::new();
     let mut store = String::new();
     for f in 0..ofrags {
-        let _ = writeln!(pv_decl, "        var pv{f} = {}();", ty("C", "f32"));
+        let _ = writeln!(pv_decl, "        var pv{f} = {}();", a.ty("C", "f32"));
         let _ = writeln!(
             pv_mac,
             "            pv{f} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), pv{f});",
-            ty("B", "f16"),
+            a.ty("B", "f16"),
             t * dvp,
             f * t
         );
@@ -1376,33 +1522,8 @@ fn attention_coop_single(
         }
         let _ = writeln!(fold, "        workgroupBarrier();");
     }
-    let mask = if masked {
-        format!("s = s + in3[qi * {skv}u + j0 + j];")
-    } else {
-        String::new()
-    };
-    let qblocks = sq.div_ceil(bq);
-    let blocks = bh * qblocks;
-    let threads = NS * lanes;
     let code = format!(
-        "var<workgroup> KQ: array<f16, {kql}>;
-var<workgroup> Vs: array<f16, {vl}>;
-var<workgroup> Ss: array<f32, {sl}>;
-var<workgroup> Ps: array<f16, {sl}>;
-@compute @workgroup_size({threads})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
-    let blk = wg.x + wg.y * 65535u;
-    if (blk >= {blocks}u) {{ return; }}
-    let bh = blk / {qblocks}u;
-    let q0 = (blk % {qblocks}u) * {bq}u;
-    for (var e = tid; e < {bq}u * {dp}u; e += {threads}u) {{
-        let r = e / {dp}u; let t = e % {dp}u; var v = 0.0;
-        if (q0 + r < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + r, t)] * {sc}; }}
-        KQ[e] = f16(v);
-    }}
-    workgroupBarrier();
-{qload}    workgroupBarrier();
-    let r = lane % {t}u;
+        "{head}    let r = lane % {t}u;
     let part = lane / {t}u;
     let qrow = q0 + sg * {t}u + r;
     let qi = min(qrow, {sqm}u);
@@ -1411,17 +1532,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     var m = -3.4028235e38;
     var l = 0.0;
     for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
-        for (var e = tid; e < {kl}u; e += {threads}u) {{
-            let kr = e / {dp}u; let t = e % {dp}u; var v = 0.0;
-            if (j0 + kr < {skv}u && t < {d}u) {{ v = in1[k_off(bh, j0 + kr, t)]; }}
-            KQ[e] = f16(v);
-        }}
-        for (var e = tid; e < {vl}u; e += {threads}u) {{
-            let kr = e / {dvp}u; let t = e % {dvp}u; var v = 0.0;
-            if (j0 + kr < {skv}u && t < {dv}u) {{ v = in2[v_off(bh, j0 + kr, t)]; }}
-            Vs[e] = f16(v);
-        }}
-        workgroupBarrier();
+{stage_k}{stage_v}        workgroupBarrier();
 {scores}        workgroupBarrier();
         var bm = -3.4028235e38;
         for (var jj = 0u; jj < {kpl}u; jj++) {{
@@ -1451,21 +1562,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 {store}    }}
 }}
 ",
-        kql = bk.max(bq) * dp,
-        kl = bk * dp,
-        vl = bk * dvp,
-        sl = NS * t * bk,
+        head = a.head(""),
+        stage_k = a.stage_k(),
+        stage_v = a.stage_v(),
+        scores = a.scores(),
+        mask = a.mask(masked),
         tbk = t * bk,
         sqm = sq.saturating_sub(1),
         olen = ofrags * cpl,
         kfs = bk / t,
-        pty = ty("A", "f16"),
-        sc = lit(scale),
+        pty = a.ty("A", "f16"),
         red_max = reduce("bm", &|a, b| format!("max({a}, {b})")),
         red_sum = reduce("ps", &|a, b| format!("{a} + {b}")),
     );
-    let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
-    Some((code, groups))
+    Some((code, a.groups()))
 }
 
 /// Attention on cooperative matrices: a workgroup of 4 subgroups takes
@@ -1494,33 +1604,20 @@ fn attention_coop(
     if lanes < t {
         return None;
     }
-    const NS: usize = 4;
-    let bq = NS * t;
-    let dp = d.div_ceil(t) * t;
-    let dvp = dv.div_ceil(t) * t;
-    let bytes = |bk: usize| {
-        bk.max(bq) * dp * 2 + bk * dvp * 2 + NS * t * bk * 4 + NS * t * bk * 2 + NS * t * 4
-    };
-    let bk = [64, 32, 16]
-        .into_iter()
-        .filter(|&b| b >= t)
-        .find(|&b| bytes(b) <= caps.workgroup_memory as usize)?;
-    let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
-    let qfrags = dp / t;
+    // The row sums, for the epilogue.
+    let ll = COOP_ATTN_SUBGROUPS * t;
+    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, 1, ll * 4)?;
+    let (bk, dvp) = (a.bk, a.dvp);
     let ofrags = dvp / t;
-    let qload = coop_q_fragments(t, qfrags, dp);
-    // Scores of this subgroup's rows against the staged key block, into
-    // its rows of Ss.
-    let scores = coop_scores(t, qfrags, dp, bk);
     let mut odecl = String::new();
     let mut pv = String::new();
     let mut out = String::new();
     for f in 0..ofrags {
-        let _ = writeln!(odecl, "    var o{f} = {}();", ty("C", "f32"));
+        let _ = writeln!(odecl, "    var o{f} = {}();", a.ty("C", "f32"));
         let _ = writeln!(
             pv,
             "            o{f} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), o{f});",
-            ty("B", "f16"),
+            a.ty("B", "f16"),
             t * dvp,
             f * t
         );
@@ -1543,43 +1640,8 @@ fn attention_coop(
             c0 = f * t,
         );
     }
-    let mask = if masked {
-        format!("s = s + in3[qi * {skv}u + j0 + j];")
-    } else {
-        String::new()
-    };
-    let qblocks = sq.div_ceil(bq);
-    let blocks = bh * qblocks;
-    let threads = NS * lanes;
-    let stage_k = format!(
-        "        for (var e = tid; e < {kl}u; e += {threads}u) {{
-            let kr = e / {dp}u; let t = e % {dp}u; var v = 0.0;
-            if (j0 + kr < {skv}u && t < {d}u) {{ v = in1[k_off(bh, j0 + kr, t)]; }}
-            KQ[e] = f16(v);
-        }}
-",
-        kl = bk * dp
-    );
     let code = format!(
-        "var<workgroup> KQ: array<f16, {kql}>;
-var<workgroup> Vs: array<f16, {vl}>;
-var<workgroup> Ss: array<f32, {sl}>;
-var<workgroup> Ps: array<f16, {sl}>;
-var<workgroup> Ls: array<f32, {ll}>;
-@compute @workgroup_size({threads})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
-    let blk = wg.x + wg.y * 65535u;
-    if (blk >= {blocks}u) {{ return; }}
-    let bh = blk / {qblocks}u;
-    let q0 = (blk % {qblocks}u) * {bq}u;
-    for (var e = tid; e < {bq}u * {dp}u; e += {threads}u) {{
-        let r = e / {dp}u; let t = e % {dp}u; var v = 0.0;
-        if (q0 + r < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + r, t)] * {sc}; }}
-        KQ[e] = f16(v);
-    }}
-    workgroupBarrier();
-{qload}    workgroupBarrier();
-    let row = sg * {tbk}u + min(lane, {tm}u) * {bk}u;
+        "{head}    let row = sg * {tbk}u + min(lane, {tm}u) * {bk}u;
     let qi = min(q0 + sg * {t}u + min(lane, {tm}u), {sqm}u);
     var m = -3.4028235e38;
     var l = 0.0;
@@ -1594,12 +1656,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         workgroupBarrier();
     }}
 {odecl}    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
-{stage_k}        for (var e = tid; e < {vl}u; e += {threads}u) {{
-            let kr = e / {dvp}u; let t = e % {dvp}u; var v = 0.0;
-            if (j0 + kr < {skv}u && t < {dv}u) {{ v = in2[v_off(bh, j0 + kr, t)]; }}
-            Vs[e] = f16(v);
-        }}
-        workgroupBarrier();
+{stage_k}{stage_v}        workgroupBarrier();
 {scores}        workgroupBarrier();
         if (lane < {t}u) {{
             for (var j = 0u; j < {bk}u; j++) {{
@@ -1619,19 +1676,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     workgroupBarrier();
 {out}}}
 ",
-        kql = bk.max(bq) * dp,
-        vl = bk * dvp,
-        sl = NS * t * bk,
-        ll = NS * t,
+        head = a.head(&format!("var<workgroup> Ls: array<f32, {ll}>;\n")),
+        stage_k = a.stage_k(),
+        stage_v = a.stage_v(),
+        scores = a.scores(),
+        mask = a.mask(masked),
         tbk = t * bk,
         tm = t - 1,
         sqm = sq.saturating_sub(1),
         kfs = bk / t,
-        pty = ty("A", "f16"),
-        sc = lit(scale),
+        pty = a.ty("A", "f16"),
     );
-    let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
-    Some((code, groups))
+    Some((code, a.groups()))
 }
 
 /// Workgroup-wide sum and max of one value per thread (256 threads). The
