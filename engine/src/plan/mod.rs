@@ -20,6 +20,7 @@ mod memory;
 mod program;
 pub mod residency;
 pub mod samples;
+pub mod schedule;
 
 pub use memory::{assign_offsets, lower_bound, Lifetime};
 pub use program::*;
