@@ -568,8 +568,15 @@ fn prompt_edit_uploads_no_unet_weights() {
     let uploads: Arc<Mutex<Vec<u64>>> = Arc::default();
     let sink_uploads = uploads.clone();
     let events: EventSink = Arc::new(move |e: &Event| {
-        if let Event::Residency { uploaded_bytes, .. } = e {
-            sink_uploads.lock().expect("lock").push(*uploaded_bytes);
+        if let Event::Residency {
+            uploaded_bytes,
+            node,
+            ..
+        } = e
+        {
+            if node == "6" {
+                sink_uploads.lock().expect("lock").push(*uploaded_bytes);
+            }
         }
     });
     let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
@@ -586,6 +593,164 @@ fn prompt_edit_uploads_no_unet_weights() {
     assert_eq!(uploads.len(), 2, "one residency event per KSampler run");
     assert!(uploads[0] > 0, "the first run uploads the UNet");
     assert_eq!(uploads[1], 0, "the edited run uploaded UNet weights again");
+}
+
+/// Hires fix with a second prompt, as one workflow on wgpu under a budget
+/// that holds the largest model use but not every model at once: the
+/// executor's use schedule lists the uses in the order they run, each use
+/// uploads exactly what its plan says and stays within the budget,
+/// evictions make room, the second sampler finds the UNet still resident,
+/// and the images equal those of an unlimited run.
+#[test]
+fn hires_workflow_plans_residency_across_models() {
+    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
+    use std::sync::{Arc, Mutex};
+
+    if sdkit_engine::backend::wgpu::WgpuBackend::new(None).is_err() {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    }
+    let (base, _fx) = setup();
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = Paths::under(base.path());
+    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_hires.json")).expect("graph");
+    let wf = sdkit_schema::workflow::load(&text, &lib.registry).expect("loads");
+    let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    let run = |budget: u64| -> (Vec<Event>, Vec<Vec<u8>>) {
+        let runtime = Runtime::select_precision("wgpu", Some(budget), false).expect("adapter");
+        let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime);
+        let events: Arc<Mutex<Vec<Event>>> = Arc::default();
+        let sink = events.clone();
+        let events_sink: EventSink = Arc::new(move |e: &Event| {
+            if matches!(
+                e,
+                Event::Residency { .. } | Event::Schedule { .. } | Event::Executing { .. }
+            ) {
+                sink.lock().expect("lock").push(e.clone());
+            }
+        });
+        rt.block_on(exec.run(&graph, RunOptions::new(events_sink, CancelToken::new())))
+            .expect("runs");
+        let images = ["hires_base", "hires"]
+            .iter()
+            .map(|p| {
+                let path = base.path().join(format!("output/{p}_00001_.png"));
+                let bytes = std::fs::read(&path).expect("image");
+                std::fs::remove_file(&path).expect("remove");
+                bytes
+            })
+            .collect();
+        let events = events.lock().expect("lock").clone();
+        (events, images)
+    };
+    // Each use's residency event, in order.
+    #[derive(Clone, Debug)]
+    struct Use {
+        node: String,
+        weights: u64,
+        activations: u64,
+        loaded: u64,
+        streamed: u64,
+        runs: u64,
+        uploaded: u64,
+        evicted: u64,
+        device: u64,
+    }
+    let residency = |events: &[Event]| -> Vec<Use> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Residency {
+                    node,
+                    weight_bytes,
+                    activation_bytes,
+                    loaded_bytes,
+                    streamed_bytes_per_run,
+                    runs,
+                    uploaded_bytes,
+                    evicted_bytes,
+                    device_bytes,
+                    ..
+                } => Some(Use {
+                    node: node.clone(),
+                    weights: *weight_bytes,
+                    activations: *activation_bytes,
+                    loaded: *loaded_bytes,
+                    streamed: *streamed_bytes_per_run,
+                    runs: *runs,
+                    uploaded: *uploaded_bytes,
+                    evicted: *evicted_bytes,
+                    device: *device_bytes,
+                }),
+                _ => None,
+            })
+            .collect()
+    };
+    // Unlimited (a budget far above the models): every use's size.
+    let (free, want) = run(1 << 40);
+    let sizes = residency(&free);
+    let use_of = |node: &str| {
+        sizes
+            .iter()
+            .find(|s| s.node == node)
+            .unwrap_or_else(|| panic!("no residency event for node {node}"))
+            .clone()
+    };
+    // Room for the VAE encoder's use (its 96² activations are the largest)
+    // beside the UNet, but not beside the CLIP and the VAE decoder too.
+    let (encode, unet, clip, decode) = (use_of("10"), use_of("6"), use_of("3"), use_of("7"));
+    let slack = 64 << 10;
+    assert!(slack < clip.weights + decode.weights);
+    let belady = encode.weights + encode.activations + unet.weights + slack;
+    let largest = sizes
+        .iter()
+        .map(|s| s.weights + s.activations)
+        .max()
+        .expect("uses");
+    for budget in [belady, largest + 1024] {
+        let (events, got) = run(budget);
+        assert_eq!(
+            got, want,
+            "budget {budget}: images differ from the unlimited run"
+        );
+        let schedule: Vec<String> = events
+            .iter()
+            .find_map(|e| match e {
+                Event::Schedule { uses, .. } => Some(uses.iter().map(|u| u.node.clone()).collect()),
+                _ => None,
+            })
+            .expect("a schedule event");
+        let uses = residency(&events);
+        let order: Vec<String> = uses.iter().map(|u| u.node.clone()).collect();
+        assert_eq!(order, schedule, "uses ran out of schedule order");
+        for u in &uses {
+            eprintln!("budget {budget}: {u:?}");
+            assert!(
+                u.device <= budget,
+                "node {}: {} > {budget}",
+                u.node,
+                u.device
+            );
+            assert_eq!(
+                u.uploaded,
+                u.loaded + u.streamed * u.runs,
+                "node {}: bytes moved differ from the plan",
+                u.node
+            );
+        }
+        let by_node = |n: &str| uses.iter().find(|u| u.node == n).expect("use").clone();
+        if budget == belady {
+            // At the encoder the CLIP (never used again) and the decoder
+            // (used after the second sampler) make room; the UNet stays.
+            assert!(by_node("10").evicted > 0, "the encoder evicted nothing");
+            assert_eq!(
+                by_node("12").uploaded,
+                0,
+                "the second sampler uploaded UNet weights"
+            );
+        }
+    }
 }
 
 /// Every sampler name ComfyUI lists runs an SD1 workflow through KSampler

@@ -73,7 +73,24 @@ pub enum Event {
         streamed_bytes_per_run: u64,
         lower_bound_per_run: u64,
         runs: u64,
+        /// The use's activations (arena, inputs, outputs) on the device.
+        activation_bytes: u64,
+        /// Weight bytes the plan copies to stay (not already resident).
+        loaded_bytes: u64,
+        /// Bytes actually copied: `loaded_bytes` + runs × streamed.
         uploaded_bytes: u64,
+        /// Other models' weights dropped from the device to make room.
+        evicted_bytes: u64,
+        /// The most device memory in use during the use: its plan plus the
+        /// weights other models keep (≤ budget).
+        device_bytes: u64,
+    },
+    /// The run's model uses in the order they will run (nodes that run a
+    /// model on the device; models named by their source's cache key).
+    #[serde(rename = "sdkit_schedule")]
+    Schedule {
+        prompt_id: String,
+        uses: Vec<crate::plan::schedule::ScheduledUse>,
     },
     /// A sampler's view of its current result each step (ComfyUI's latent
     /// preview). The server sends it as a binary preview frame; as JSON it
@@ -117,6 +134,7 @@ impl Event {
             Event::ExecutionInterrupted { .. } => "execution_interrupted",
             Event::ExecutionSuccess { .. } => "execution_success",
             Event::Residency { .. } => "sdkit_residency",
+            Event::Schedule { .. } => "sdkit_schedule",
             Event::Preview { .. } => "sdkit_preview",
         }
     }

@@ -12,6 +12,7 @@ use crate::event::{now_ms, Event, EventSink};
 use crate::graph::{Graph, GraphInput};
 use crate::node::{CancelToken, Inputs, NodeContext, NodeError, NodeLibrary, NodeOutput};
 use crate::paths::Paths;
+use crate::plan::schedule::{ScheduledUse, UseSchedule};
 use crate::runtime::Runtime;
 use crate::value::Value;
 use serde_json::{Map, Value as Json};
@@ -308,18 +309,44 @@ impl Executor {
         let mut ready: Vec<usize> = to_run.iter().copied().filter(|i| waiting[i] == 0).collect();
         ready.sort_by_key(|i| std::cmp::Reverse(rank[i]));
 
+        // The use schedule: nodes that run models on the device, in
+        // topological order. They run one at a time in this order, so the
+        // residency policy sees the real future and the budget is never
+        // shared by two model uses.
+        let (schedule, use_of) = self.schedule(graph, &to_run, &rank, &keys);
+        if !schedule.uses.is_empty() {
+            emit(Event::Schedule {
+                prompt_id: pid.clone(),
+                uses: schedule.uses.clone(),
+            });
+        }
+        self.runtime.set_schedule(schedule);
+        let mut device_busy = false;
+        let mut next_use = 0usize;
+
         let parallel = std::thread::available_parallelism().map_or(2, |n| n.get());
         let mut running: JoinSet<(usize, Result<NodeOutput, NodeError>)> = JoinSet::new();
         let mut failure: Option<(usize, NodeError)> = None;
         let mut interrupted_at: Option<usize> = None;
 
         loop {
-            while failure.is_none()
-                && interrupted_at.is_none()
-                && running.len() < parallel
-                && !ready.is_empty()
-            {
-                let Some(i) = ready.pop() else { break };
+            while failure.is_none() && interrupted_at.is_none() && running.len() < parallel {
+                // The lowest-ranked ready node that may start: any node
+                // without a device use; a device use when none runs and it
+                // is next in the schedule (or, should the order ever stall,
+                // when nothing runs at all).
+                let pick = ready.iter().rposition(|i| match use_of.get(i) {
+                    None => true,
+                    Some(&at) => !device_busy && (at == next_use || running.is_empty()),
+                });
+                let Some(i) = pick.map(|p| ready.remove(p)) else {
+                    break;
+                };
+                if let Some(&at) = use_of.get(&i) {
+                    device_busy = true;
+                    next_use = at + 1;
+                    self.runtime.enter_use(Some(at));
+                }
                 if opts.cancel.is_cancelled() {
                     interrupted_at = Some(i);
                     break;
@@ -385,7 +412,13 @@ impl Executor {
                 break;
             };
             let (i, r) = match joined {
-                Ok(x) => x,
+                Ok(x) => {
+                    if use_of.contains_key(&x.0) {
+                        device_busy = false;
+                        self.runtime.enter_use(None);
+                    }
+                    x
+                }
                 Err(e) => {
                     // Only reachable if the runtime shuts down mid-run.
                     return Err(RunError::Node {
@@ -510,6 +543,53 @@ impl Executor {
             prompt_id: pid,
         });
         Ok(report)
+    }
+}
+
+impl Executor {
+    /// The model uses among `to_run`, in rank order, each naming its
+    /// models by the cache key and output of the node they come from; and
+    /// each such node's position.
+    fn schedule(
+        &self,
+        graph: &Graph,
+        to_run: &HashSet<usize>,
+        rank: &HashMap<usize, usize>,
+        keys: &HashMap<usize, u64>,
+    ) -> (UseSchedule, HashMap<usize, usize>) {
+        let mut nodes: Vec<usize> = to_run.iter().copied().collect();
+        nodes.sort_by_key(|i| rank[i]);
+        let mut schedule = UseSchedule::default();
+        let mut use_of = HashMap::new();
+        for i in nodes {
+            let node = &graph.nodes[i];
+            let Some(imp) = self.library.implementation(&node.class_type) else {
+                continue;
+            };
+            let device = imp.device_inputs();
+            let models: Vec<String> = node
+                .inputs
+                .iter()
+                .filter(|(name, _)| device.contains(&name.as_str()))
+                .filter_map(|(_, inp)| match inp {
+                    GraphInput::Link { node, output } => Some(format!(
+                        "{:016x}.{output}",
+                        keys.get(node).copied().unwrap_or(0)
+                    )),
+                    GraphInput::Const(_) => None,
+                })
+                .collect();
+            if models.is_empty() {
+                continue;
+            }
+            use_of.insert(i, schedule.uses.len());
+            schedule.uses.push(ScheduledUse {
+                node: node.id.clone(),
+                class_type: node.class_type.clone(),
+                models,
+            });
+        }
+        (schedule, use_of)
     }
 }
 

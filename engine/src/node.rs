@@ -227,6 +227,15 @@ pub trait NodeImpl: Send + Sync {
     fn fingerprint(&self, _ctx: &NodeContext, _inputs: &Inputs) -> Option<String> {
         None
     }
+
+    /// The inputs holding models this node runs on the device (a
+    /// sampler's `model`, a text encoder's `clip`, a decoder's `vae`), not
+    /// those it only passes on or patches. The executor runs such nodes
+    /// one at a time, in its use schedule's order, and plans weight
+    /// residency over that schedule ([`crate::plan::schedule`]).
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &[]
+    }
 }
 
 /// Node specs plus the implementations that exist so far. A spec without an

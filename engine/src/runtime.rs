@@ -8,6 +8,7 @@
 use crate::backend::cpu::{self, Bindings, CpuError};
 use crate::backend::wgpu::{Options, Prepared, WgpuBackend, WgpuError};
 use crate::plan::residency::ResidencyPlan;
+use crate::plan::schedule::{UseSchedule, UseStep};
 use crate::plan::Program;
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
@@ -171,6 +172,22 @@ impl Runtime {
         }
     }
 
+    /// The model uses of the run about to start, in order (the executor
+    /// sets it): kept weights are evicted by it, farthest next use first.
+    pub fn set_schedule(&self, schedule: UseSchedule) {
+        if let Device::Wgpu(b) = &self.device {
+            b.set_schedule(schedule);
+        }
+    }
+
+    /// The use at `position` of the schedule starts (None: a use outside
+    /// it).
+    pub fn enter_use(&self, position: Option<usize>) {
+        if let Device::Wgpu(b) = &self.device {
+            b.enter_use(position);
+        }
+    }
+
     /// Drops weights kept resident on the device between runs.
     pub fn free(&self) {
         if let Device::Wgpu(b) = &self.device {
@@ -270,6 +287,14 @@ impl Session<'_> {
         match self {
             Session::Cpu { .. } => None,
             Session::Wgpu(p) => p.residency(),
+        }
+    }
+
+    /// What preparing the session evicted and loaded (GPU).
+    pub fn use_step(&self) -> Option<&UseStep> {
+        match self {
+            Session::Cpu { .. } => None,
+            Session::Wgpu(p) => Some(p.use_step()),
         }
     }
 }

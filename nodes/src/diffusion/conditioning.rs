@@ -1,6 +1,6 @@
 //! CLIPTextEncode and CLIPSetLastLayer, with ComfyUI's semantics.
 
-use super::{graph_error, input, opaque, run_error, sd1_tokenizer, Clip, CondEntry, Conditioning};
+use super::{graph_error, input, opaque, sd1_tokenizer, Clip, CondEntry, Conditioning};
 use crate::models::clip::{causal_mask, text_encoder_embedded, ClipLayer};
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::GraphBuilder;
@@ -80,10 +80,7 @@ impl Clip {
         bind.inputs
             .insert("mask".into(), Arc::new(causal_mask(len)));
         ctx.check_cancel()?;
-        let mut out = ctx
-            .runtime
-            .run(&prog, &bind)
-            .map_err(|e| run_error("CLIP text encoder", e))?;
+        let mut out = super::run_model(ctx, "CLIP text encoder", &self.file.name, &prog, bind)?;
         Ok(out.swap_remove(0).data)
     }
 
@@ -141,6 +138,10 @@ impl Clip {
 pub struct ClipTextEncode;
 
 impl NodeImpl for ClipTextEncode {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["clip"]
+    }
+
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
         let text = inputs.string("text")?;

@@ -181,6 +181,10 @@ fn sampled_outputs(
 pub struct SamplerCustom;
 
 impl NodeImpl for SamplerCustom {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["model"]
+    }
+
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let model: Arc<Model> = input(inputs, "model", "MODEL")?;
         let positive: Arc<Conditioning> = input(inputs, "positive", "CONDITIONING")?;
@@ -291,6 +295,10 @@ impl NodeImpl for BasicGuider {
 pub struct SamplerCustomAdvanced;
 
 impl NodeImpl for SamplerCustomAdvanced {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["guider"]
+    }
+
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let noise: Arc<NoiseSource> = input(inputs, "noise", "NOISE")?;
         let guider: Arc<Guider> = input(inputs, "guider", "GUIDER")?;

@@ -232,6 +232,10 @@ fn common_ksampler(
 pub struct KSampler;
 
 impl NodeImpl for KSampler {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["model"]
+    }
+
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let mut s = settings(inputs, "seed")?;
         s.denoise = inputs.float("denoise")?;
@@ -244,6 +248,10 @@ impl NodeImpl for KSampler {
 pub struct KSamplerAdvanced;
 
 impl NodeImpl for KSamplerAdvanced {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["model"]
+    }
+
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let mut s = settings(inputs, "noise_seed")?;
         s.add_noise = inputs.string("add_noise")? != "disable";
@@ -472,22 +480,14 @@ pub fn sample(
                 Ok(())
             },
         )?;
-    if let (Some(budget), Some(plan)) = (
-        ctx.runtime.budget(),
-        sessions.first().and_then(|s| s.residency()),
-    ) {
-        (ctx.events)(&sdkit_engine::Event::Residency {
-            prompt_id: ctx.prompt_id.clone(),
-            node: ctx.node_id.clone(),
-            model: model.file.name.clone(),
-            budget,
-            weight_bytes: plan.resident_bytes + plan.streamed_bytes_per_run,
-            resident_bytes: plan.resident_bytes,
-            streamed_bytes_per_run: plan.streamed_bytes_per_run,
-            lower_bound_per_run: plan.lower_bound_per_run,
-            runs: (total * sessions.len()) as u64,
-            uploaded_bytes: ctx.runtime.bytes_uploaded() - before_prepare,
-        });
+    if let Some(first) = sessions.first() {
+        super::report_residency(
+            ctx,
+            &model.file.name,
+            first,
+            (total * sessions.len()) as u64,
+            before_prepare,
+        );
     }
     // inverse_noise_scaling: a flow latent ending short of σ = 0 is
     // divided by (1 − σ_last).

@@ -270,3 +270,56 @@ pub(crate) fn graph_error(what: &str, e: impl std::fmt::Display) -> NodeError {
 pub(crate) fn run_error(what: &str, e: impl std::fmt::Display) -> NodeError {
     NodeError::invalid(format!("{what} failed on the device: {e}"))
 }
+
+/// Runs a model's program once (a text encoder, a VAE), reporting its
+/// residency like a sampler's.
+pub(crate) fn run_model(
+    ctx: &sdkit_engine::NodeContext,
+    what: &str,
+    model: &str,
+    prog: &Program,
+    bind: Bindings,
+) -> Result<Vec<sdkit_engine::tensor::reference::Array>, NodeError> {
+    let before = ctx.runtime.bytes_uploaded();
+    let mut session = ctx
+        .runtime
+        .prepare(prog, &bind)
+        .map_err(|e| run_error(what, e))?;
+    ctx.check_cancel()?;
+    let out = session.run(bind.inputs).map_err(|e| run_error(what, e))?;
+    report_residency(ctx, model, &session, 1, before);
+    Ok(out)
+}
+
+/// Emits a model use's residency event (on a GPU with a budget): what its
+/// plan keeps and streams, the lower bound, and the bytes the use
+/// actually copied and evicted. `uploaded_before` is the runtime's upload
+/// counter before the use's first prepare.
+pub(crate) fn report_residency(
+    ctx: &sdkit_engine::NodeContext,
+    model: &str,
+    session: &sdkit_engine::runtime::Session<'_>,
+    runs: u64,
+    uploaded_before: u64,
+) {
+    let (Some(budget), Some(plan)) = (ctx.runtime.budget(), session.residency()) else {
+        return;
+    };
+    let step = session.use_step();
+    (ctx.events)(&sdkit_engine::Event::Residency {
+        prompt_id: ctx.prompt_id.clone(),
+        node: ctx.node_id.clone(),
+        model: model.to_string(),
+        budget,
+        weight_bytes: plan.resident_bytes + plan.streamed_bytes_per_run,
+        resident_bytes: plan.resident_bytes,
+        streamed_bytes_per_run: plan.streamed_bytes_per_run,
+        lower_bound_per_run: plan.lower_bound_per_run,
+        runs,
+        activation_bytes: plan.device_bytes - plan.resident_bytes - plan.stream_arena_bytes,
+        loaded_bytes: step.map_or(0, |s| s.loaded_bytes),
+        uploaded_bytes: ctx.runtime.bytes_uploaded() - uploaded_before,
+        evicted_bytes: step.map_or(0, |s| s.evicted_bytes),
+        device_bytes: step.map_or(plan.device_bytes, |s| s.device_bytes),
+    });
+}

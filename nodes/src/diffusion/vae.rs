@@ -1,6 +1,6 @@
 //! VAEDecode and VAEEncode.
 
-use super::{graph_error, input, run_error, Vae};
+use super::{graph_error, input, Vae};
 use crate::models::vae::{decode_image, encode_image};
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::GraphBuilder;
@@ -80,11 +80,7 @@ impl Vae {
         bind.inputs
             .insert(input.to_string(), Arc::new(value.data.clone()));
         ctx.check_cancel()?;
-        let out = ctx
-            .runtime
-            .run(&prog, &bind)
-            .map_err(|e| run_error(what, e))?
-            .swap_remove(0);
+        let out = super::run_model(ctx, what, &self.file.name, &prog, bind)?.swap_remove(0);
         Tensor::new(out.shape, out.data).map_err(NodeError::invalid)
     }
 }
@@ -93,6 +89,10 @@ impl Vae {
 pub struct VaeDecode;
 
 impl NodeImpl for VaeDecode {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["vae"]
+    }
+
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let vae: Arc<Vae> = input(inputs, "vae", "VAE")?;
         let latent = inputs.latent("samples")?;
@@ -105,6 +105,10 @@ impl NodeImpl for VaeDecode {
 pub struct VaeEncode;
 
 impl NodeImpl for VaeEncode {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["vae"]
+    }
+
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let vae: Arc<Vae> = input(inputs, "vae", "VAE")?;
         let pixels = inputs.image("pixels")?;

@@ -17,6 +17,7 @@ pub mod codegen;
 use crate::backend::cpu::Bindings;
 use crate::backend::BindError;
 use crate::plan::residency::{self, ResidencyPlan};
+use crate::plan::schedule;
 use crate::plan::{BufferKind, Command, KernelId, Program};
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
@@ -334,20 +335,37 @@ pub struct WgpuBackend {
     /// Pipelines compiled since the cache file was last written.
     unsaved_pipelines: std::sync::atomic::AtomicUsize,
     budget: Option<u64>,
-    /// Resident weight buffers kept across prepares (the next sampler run,
-    /// the next prompt), keyed by name and keeping the host data they were
-    /// made from alive, so the same data is never uploaded twice.
-    resident: Mutex<HashMap<String, ResidentWeight>>,
+    resident: Mutex<Resident>,
     uploaded: std::sync::atomic::AtomicU64,
-    uses: std::sync::atomic::AtomicU64,
+}
+
+/// Weight buffers kept across prepares (the next sampler run, the next
+/// model use, the next prompt), keyed by name and host data (see
+/// [`resident_key`]) and holding that data alive, so the same data is
+/// never uploaded twice; a key whose data nobody else holds any more (its
+/// model is gone) is dropped.
+/// `state` mirrors them for the residency policy
+/// ([`schedule::DeviceWeights::step`]), which decides what to evict
+/// using the run's use schedule.
+#[derive(Default)]
+struct Resident {
+    buffers: HashMap<String, ResidentWeight>,
+    state: schedule::DeviceWeights,
+    schedule: schedule::UseSchedule,
+    /// The schedule position of the model use now running.
+    at: Option<usize>,
+}
+
+impl Resident {
+    fn remove(&mut self, name: &str) {
+        self.buffers.remove(name);
+        self.state.forget(name);
+    }
 }
 
 struct ResidentWeight {
     data: Arc<Vec<f32>>,
     buffer: Arc<wgpu::Buffer>,
-    bytes: u64,
-    /// The prepare that last used it (for least-recently-used eviction).
-    last_used: u64,
 }
 
 impl WgpuBackend {
@@ -449,9 +467,8 @@ impl WgpuBackend {
             pipeline_cache,
             unsaved_pipelines: std::sync::atomic::AtomicUsize::new(0),
             budget: opts.budget,
-            resident: Mutex::new(HashMap::new()),
+            resident: Mutex::new(Resident::default()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
-            uses: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -468,15 +485,31 @@ impl WgpuBackend {
 
     /// Drops every resident weight (`/free`, or before a model switch).
     pub fn free_weights(&self) {
-        self.lock_resident().clear();
+        let mut r = self.lock_resident();
+        r.buffers.clear();
+        r.state.clear();
     }
 
     /// Bytes of weights kept resident between prepares.
     pub fn resident_bytes(&self) -> u64 {
-        self.lock_resident().values().map(|r| r.bytes).sum()
+        self.lock_resident().state.held_bytes()
     }
 
-    fn lock_resident(&self) -> std::sync::MutexGuard<'_, HashMap<String, ResidentWeight>> {
+    /// The model uses of the run about to start, in order: what the
+    /// residency policy evicts by.
+    pub fn set_schedule(&self, s: schedule::UseSchedule) {
+        let mut r = self.lock_resident();
+        r.schedule = s;
+        r.at = None;
+    }
+
+    /// The use at `position` in the schedule starts; its prepares tag the
+    /// weights they keep with its models.
+    pub fn enter_use(&self, position: Option<usize>) {
+        self.lock_resident().at = position;
+    }
+
+    fn lock_resident(&self) -> std::sync::MutexGuard<'_, Resident> {
         self.resident
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -631,8 +664,9 @@ impl WgpuBackend {
         });
         let mut external: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
         let mut inputs = Vec::new();
-        let residency = self.plan_residency(prog, budget)?;
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
+        let mut cache = self.lock_resident();
+        let (residency, step) = self.plan_use(&mut cache, prog, bind, budget)?;
         // Streamed weights: their bytes in one host-visible staging buffer
         // (the master copy stays in host memory), a slot in the stream
         // arena, and a copy recorded before the kernel their plan names.
@@ -695,37 +729,6 @@ impl WgpuBackend {
             }
             _ => None,
         };
-        let mut cache = self.lock_resident();
-        // Drop resident weights whose host data nobody else holds (their
-        // model is gone); under a budget, also every other model's weights.
-        let wanted: std::collections::HashSet<&str> = prog
-            .commands
-            .iter()
-            .filter_map(|c| match c {
-                Command::Upload { name, .. } => Some(name.as_str()),
-                _ => None,
-            })
-            .collect();
-        cache.retain(|_, r| Arc::strong_count(&r.data) > 1);
-        // Under a budget, other models' resident weights make room for this
-        // program's plan, least recently used first.
-        if let (Some(budget), Some((plan, _))) = (budget, &residency) {
-            let mut others: Vec<(u64, String, u64)> = cache
-                .iter()
-                .filter(|(name, _)| !wanted.contains(name.as_str()))
-                .map(|(name, r)| (r.last_used, name.clone(), r.bytes))
-                .collect();
-            others.sort();
-            let mut held: u64 = others.iter().map(|o| o.2).sum();
-            for (_, name, bytes) in others {
-                if plan.device_bytes + held <= budget {
-                    break;
-                }
-                cache.remove(&name);
-                held -= bytes;
-            }
-        }
-        let tick = self.uses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for c in &prog.commands {
             match c {
                 Command::Upload { buffer, name } => {
@@ -738,8 +741,8 @@ impl WgpuBackend {
                         .ok_or_else(|| BindError::MissingWeight(name.clone()))?;
                     let want = prog.buffer(*buffer).len;
                     BindError::check_len(name, data.len(), want)?;
-                    if let Some(r) = cache.get_mut(name).filter(|r| Arc::ptr_eq(&r.data, data)) {
-                        r.last_used = tick;
+                    let key = resident_key(name, data);
+                    if let Some(r) = cache.buffers.get(&key) {
                         external.insert(buffer.0, Arc::clone(&r.buffer));
                         continue;
                     }
@@ -754,13 +757,11 @@ impl WgpuBackend {
                     ));
                     self.uploaded
                         .fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                    cache.insert(
-                        name.clone(),
+                    cache.buffers.insert(
+                        key,
                         ResidentWeight {
                             data: Arc::clone(data),
                             buffer: Arc::clone(&buf),
-                            bytes: bytes.len() as u64,
-                            last_used: tick,
                         },
                     );
                     external.insert(buffer.0, buf);
@@ -899,6 +900,7 @@ impl WgpuBackend {
             dispatches: prepared,
             stream,
             residency: residency.map(|(p, _)| p),
+            step,
         })
     }
 
@@ -911,28 +913,84 @@ impl WgpuBackend {
         arena + self.stored_bytes(io, self.f16_activations)
     }
 
-    /// The residency plan for `prog` under the budget, or None when there
-    /// is no budget.
-    fn plan_residency(
+    /// Applies the residency policy to `prog`'s use: drops kept weights
+    /// whose host data is gone (or whose name now holds other data),
+    /// plans the use within `budget` and evicts what the plan needs room
+    /// for ([`schedule::DeviceWeights::step`]). Returns the plan (with a
+    /// budget) and the step.
+    #[allow(clippy::type_complexity)]
+    fn plan_use(
         &self,
+        cache: &mut Resident,
         prog: &Program,
+        bind: &Bindings,
         budget: Option<u64>,
-    ) -> Result<Option<(ResidencyPlan, Vec<residency::WeightUse>)>, WgpuError> {
-        let Some(budget) = budget else {
-            return Ok(None);
-        };
+    ) -> Result<
+        (
+            Option<(ResidencyPlan, Vec<residency::WeightUse>)>,
+            schedule::UseStep,
+        ),
+        WgpuError,
+    > {
         let elem = if self.f16_weights { 2 } else { 4 };
         let uses = residency::weight_uses(prog, elem);
+        let stale: Vec<String> = cache
+            .buffers
+            .iter()
+            .filter(|(_, r)| Arc::strong_count(&r.data) == 1)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in stale {
+            cache.remove(&key);
+        }
+        // The policy sees each weight by its resident key (name and data),
+        // so two checkpoints with the same tensor names stay apart.
+        let keyed = uses
+            .iter()
+            .map(|w| {
+                let data = bind
+                    .weights
+                    .get(&w.name)
+                    .ok_or_else(|| BindError::MissingWeight(w.name.clone()))?;
+                Ok(residency::WeightUse {
+                    name: resident_key(&w.name, data),
+                    ..w.clone()
+                })
+            })
+            .collect::<Result<Vec<_>, WgpuError>>()?;
         let u = residency::ModelUse {
-            weights: uses.clone(),
+            weights: keyed,
             kernels: prog.stats.dispatches,
             activation_bytes: self.activation_bytes(prog),
             runs: 1,
         };
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment);
-        let plan = residency::plan_residency(&u, budget, align, self.binding_limit())?;
-        Ok(Some((plan, uses)))
+        let models = cache
+            .at
+            .and_then(|at| cache.schedule.uses.get(at))
+            .map(|s| s.models.clone())
+            .unwrap_or_default();
+        let r = &mut *cache;
+        let step = r.state.step(
+            &u,
+            budget,
+            align,
+            self.binding_limit(),
+            &r.schedule,
+            r.at,
+            &models,
+        )?;
+        for name in &step.evicted {
+            r.buffers.remove(name);
+        }
+        let plan = step.plan.clone().map(|p| (p, uses));
+        Ok((plan, step))
     }
+}
+
+/// A kept weight's key: its name and the host data it was made from.
+fn resident_key(name: &str, data: &Arc<Vec<f32>>) -> String {
+    format!("{name}#{:x}", Arc::as_ptr(data) as usize)
 }
 
 /// The streamed weights of a prepared program.
@@ -958,6 +1016,7 @@ pub struct Prepared<'a> {
     dispatches: Vec<Dispatch>,
     stream: Option<Stream>,
     residency: Option<ResidencyPlan>,
+    step: schedule::UseStep,
 }
 
 impl Prepared<'_> {
@@ -1047,6 +1106,11 @@ impl Prepared<'_> {
     /// The residency plan this program runs under (with a budget).
     pub fn residency(&self) -> Option<&ResidencyPlan> {
         self.residency.as_ref()
+    }
+
+    /// What preparing did to the device's kept weights: evictions, loads.
+    pub fn use_step(&self) -> &schedule::UseStep {
+        &self.step
     }
 
     /// Weight bytes copied host → device each run (streamed weights).
