@@ -360,11 +360,7 @@ fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<
         }
     };
     let act = probe.activation_bytes(prog);
-    let weights: u64 =
-        sdkit_engine::plan::residency::weight_uses(prog, if probe.f16_weights { 2 } else { 4 })
-            .iter()
-            .map(|w| w.bytes)
-            .sum();
+    let weights = probe.weight_bytes(prog);
     drop(probe);
     println!(
         "unet_step budgets: weights {:.1} MiB, activations {:.1} MiB",

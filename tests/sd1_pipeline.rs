@@ -451,24 +451,20 @@ fn bad_checkpoints_are_clear_errors() {
     }
 }
 
-/// The tiny UNet on wgpu under a budget below its weights: the same output
-/// as without a budget, streaming exactly what the plan says each run; a
-/// smaller budget streams more.
-#[test]
-fn unet_streams_under_a_budget() {
+/// The tiny checkpoint's UNet program (batch 2, 8×8 latent) with its
+/// weights and inputs bound.
+fn tiny_unet_program(
+    base: &Path,
+) -> (
+    sdkit_engine::plan::Program,
+    sdkit_engine::backend::cpu::Bindings,
+) {
     use sdkit_engine::backend::cpu::Bindings;
-    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
     use sdkit_engine::plan::plan;
     use sdkit_engine::tensor::GraphBuilder;
     use std::sync::Arc;
 
-    let Ok(open) = WgpuBackend::new(None) else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
-    drop(open);
-    let (base, _fx) = setup();
-    let file = SafeTensors::open(&base.path().join("models/checkpoints/tiny_sd1.safetensors"))
+    let file = SafeTensors::open(&base.join("models/checkpoints/tiny_sd1.safetensors"))
         .expect("checkpoint");
     let shapes = file
         .tensors()
@@ -498,7 +494,23 @@ fn unet_streams_under_a_budget() {
     bind.inputs.insert("t".into(), Arc::new(vec![981.0, 981.0]));
     bind.inputs
         .insert("context".into(), wave(2 * 77 * 64, 0.113));
+    (prog, bind)
+}
 
+/// The tiny UNet on wgpu under a budget below its weights: the same output
+/// as without a budget, streaming exactly what the plan says each run; a
+/// smaller budget streams more.
+#[test]
+fn unet_streams_under_a_budget() {
+    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+
+    let Ok(open) = WgpuBackend::new(None) else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    drop(open);
+    let (base, _fx) = setup();
+    let (prog, bind) = tiny_unet_program(base.path());
     let full = WgpuBackend::new(None).expect("adapter");
     let want = full.run(&prog, &bind).expect("runs")[0].data.clone();
     let weight_bytes = full.bytes_uploaded();
@@ -548,6 +560,42 @@ fn unet_streams_under_a_budget() {
             plan.lower_bound_per_run
         );
     }
+}
+
+/// A device with less memory than the use needs and no budget set: the
+/// runtime catches the out-of-memory error, frees kept weights and
+/// re-plans under half, streaming, with the same output.
+#[test]
+fn out_of_memory_replans_and_streams() {
+    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_engine::Runtime;
+
+    let Ok(full) = WgpuBackend::new(None) else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    let (base, _fx) = setup();
+    let (prog, bind) = tiny_unet_program(base.path());
+    let want = full.run(&prog, &bind).expect("runs")[0].data.clone();
+    let whole = full.activation_bytes(&prog) + full.bytes_uploaded();
+    drop(full);
+    let memory = whole * 3 / 4;
+    let small = WgpuBackend::with_options(&Options {
+        device_memory: Some(memory),
+        ..Options::default()
+    })
+    .expect("adapter");
+    let runtime = Runtime::wgpu(small);
+    let mut session = runtime.prepare(&prog, &bind).expect("re-plans");
+    assert_eq!(session.replans(), 1);
+    let budget = session.budget().expect("a budget after the re-plan");
+    assert!(budget <= memory, "{budget} > {memory}");
+    let plan = session.residency().expect("a plan").clone();
+    assert!(plan.streamed_bytes_per_run > 0);
+    let got = session.run(bind.inputs.clone()).expect("runs")[0]
+        .data
+        .clone();
+    assert_eq!(got, want, "the re-planned run differs");
 }
 
 /// Across runs in one process (watch, server): a prompt edit re-runs the

@@ -84,6 +84,9 @@ pub enum Event {
         /// The most device memory in use during the use: its plan plus the
         /// weights other models keep (≤ budget).
         device_bytes: u64,
+        /// Times the device ran out of memory and the use was re-planned
+        /// under half the budget (`budget` is the one it ran under).
+        out_of_memory_replans: u32,
     },
     /// The run's model uses in the order they will run (nodes that run a
     /// model on the device; models named by their source's cache key).

@@ -222,22 +222,28 @@ impl Runtime {
                 // kept from earlier runs and re-plan under half the budget
                 // (streaming more), down to what the planner can fit.
                 let mut budget = b.budget();
-                let mut attempt = 0;
+                let mut replans = 0;
                 loop {
                     match b.prepare_within(prog, weights, budget) {
-                        Err(WgpuError::OutOfMemory(e)) if attempt < 5 => {
-                            attempt += 1;
+                        Err(WgpuError::OutOfMemory(e)) if replans < 6 => {
+                            replans += 1;
                             b.free_weights();
-                            let now = budget.unwrap_or_else(|| {
-                                b.activation_bytes(prog) + prog.stats.weight_bytes as u64
-                            });
+                            // Halve what the use could take at most.
+                            let whole = b.activation_bytes(prog) + b.weight_bytes(prog);
+                            let now = budget.map_or(whole, |x| x.min(whole));
                             budget = Some(now / 2);
                             tracing::warn!(
                                 "out of device memory ({e}); re-planning under {} MiB",
                                 (now / 2) >> 20
                             );
                         }
-                        r => return Ok(Session::Wgpu(Box::new(r?))),
+                        r => {
+                            return Ok(Session::Wgpu {
+                                prepared: Box::new(r?),
+                                budget,
+                                replans,
+                            })
+                        }
                     }
                 }
             }
@@ -261,8 +267,18 @@ fn gpu_device_nodes() -> bool {
 
 /// A program with its weights bound, run with fresh inputs each time.
 pub enum Session<'a> {
-    Cpu { prog: &'a Program, bind: Bindings },
-    Wgpu(Box<Prepared<'a>>),
+    Cpu {
+        prog: &'a Program,
+        bind: Bindings,
+    },
+    Wgpu {
+        prepared: Box<Prepared<'a>>,
+        /// The budget it was planned under (below the runtime's after an
+        /// out-of-memory re-plan).
+        budget: Option<u64>,
+        /// Times the device ran out of memory and the use was re-planned.
+        replans: u32,
+    },
 }
 
 impl Session<'_> {
@@ -275,7 +291,7 @@ impl Session<'_> {
                 bind.inputs = inputs;
                 Ok(cpu::run(prog, bind)?)
             }
-            Session::Wgpu(p) => Ok(p.run(&Bindings {
+            Session::Wgpu { prepared: p, .. } => Ok(p.run(&Bindings {
                 weights: HashMap::new(),
                 inputs,
             })?),
@@ -286,7 +302,7 @@ impl Session<'_> {
     pub fn residency(&self) -> Option<&ResidencyPlan> {
         match self {
             Session::Cpu { .. } => None,
-            Session::Wgpu(p) => p.residency(),
+            Session::Wgpu { prepared: p, .. } => p.residency(),
         }
     }
 
@@ -294,7 +310,23 @@ impl Session<'_> {
     pub fn use_step(&self) -> Option<&UseStep> {
         match self {
             Session::Cpu { .. } => None,
-            Session::Wgpu(p) => Some(p.use_step()),
+            Session::Wgpu { prepared: p, .. } => Some(p.use_step()),
+        }
+    }
+
+    /// The device memory budget the session was planned under (GPU).
+    pub fn budget(&self) -> Option<u64> {
+        match self {
+            Session::Cpu { .. } => None,
+            Session::Wgpu { budget, .. } => *budget,
+        }
+    }
+
+    /// Times preparing ran out of device memory and re-planned.
+    pub fn replans(&self) -> u32 {
+        match self {
+            Session::Cpu { .. } => 0,
+            Session::Wgpu { replans, .. } => *replans,
         }
     }
 }

@@ -302,7 +302,7 @@ pub(crate) fn report_residency(
     runs: u64,
     uploaded_before: u64,
 ) {
-    let (Some(budget), Some(plan)) = (ctx.runtime.budget(), session.residency()) else {
+    let (Some(budget), Some(plan)) = (session.budget(), session.residency()) else {
         return;
     };
     let step = session.use_step();
@@ -321,5 +321,6 @@ pub(crate) fn report_residency(
         uploaded_bytes: ctx.runtime.bytes_uploaded() - uploaded_before,
         evicted_bytes: step.map_or(0, |s| s.evicted_bytes),
         device_bytes: step.map_or(plan.device_bytes, |s| s.device_bytes),
+        out_of_memory_replans: session.replans(),
     });
 }

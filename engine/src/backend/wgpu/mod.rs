@@ -294,6 +294,11 @@ pub struct Options {
     /// weights, the stream arena). Weights that do not fit stream from host
     /// memory every run ([`crate::plan::residency`]). None: no limit.
     pub budget: Option<u64>,
+    /// Treat the device as having only this much memory: a prepare whose
+    /// plan, with the weights other models keep, needs more fails with
+    /// [`WgpuError::OutOfMemory`] as a driver would. Emulates a smaller GPU
+    /// than the budget assumes (tests of the out-of-memory re-plan).
+    pub device_memory: Option<u64>,
 }
 
 impl Default for Options {
@@ -309,6 +314,7 @@ impl Default for Options {
             two_pass_attention: false,
             pipeline_cache_dir: None,
             budget: None,
+            device_memory: None,
         }
     }
 }
@@ -335,6 +341,7 @@ pub struct WgpuBackend {
     /// Pipelines compiled since the cache file was last written.
     unsaved_pipelines: std::sync::atomic::AtomicUsize,
     budget: Option<u64>,
+    device_memory: Option<u64>,
     resident: Mutex<Resident>,
     uploaded: std::sync::atomic::AtomicU64,
 }
@@ -467,6 +474,7 @@ impl WgpuBackend {
             pipeline_cache,
             unsaved_pipelines: std::sync::atomic::AtomicUsize::new(0),
             budget: opts.budget,
+            device_memory: opts.device_memory,
             resident: Mutex::new(Resident::default()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
         })
@@ -667,6 +675,12 @@ impl WgpuBackend {
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
         let mut cache = self.lock_resident();
         let (residency, step) = self.plan_use(&mut cache, prog, bind, budget)?;
+        if let Some(memory) = self.device_memory.filter(|&m| step.device_bytes > m) {
+            return Err(WgpuError::OutOfMemory(format!(
+                "the use needs {} bytes, the device has {memory}",
+                step.device_bytes
+            )));
+        }
         // Streamed weights: their bytes in one host-visible staging buffer
         // (the master copy stays in host memory), a slot in the stream
         // arena, and a copy recorded before the kernel their plan names.
@@ -904,6 +918,15 @@ impl WgpuBackend {
         })
     }
 
+    /// Bytes `prog`'s weights take on the device (f16 where stored so).
+    pub fn weight_bytes(&self, prog: &Program) -> u64 {
+        let elem = if self.f16_weights { 2 } else { 4 };
+        residency::weight_uses(prog, elem)
+            .iter()
+            .map(|w| w.bytes)
+            .sum()
+    }
+
     /// Device bytes a prepared program needs besides its weights: the
     /// activation arena and the input and readback buffers.
     pub fn activation_bytes(&self, prog: &Program) -> u64 {
@@ -942,6 +965,18 @@ impl WgpuBackend {
             .collect();
         for key in stale {
             cache.remove(&key);
+        }
+        // A prepare that failed after planning (out of memory) left
+        // weights the policy counts as held but no buffer holds.
+        let missing: Vec<String> = cache
+            .state
+            .held
+            .keys()
+            .filter(|k| !cache.buffers.contains_key(k.as_str()))
+            .cloned()
+            .collect();
+        for key in missing {
+            cache.state.forget(&key);
         }
         // The policy sees each weight by its resident key (name and data),
         // so two checkpoints with the same tensor names stay apart.
