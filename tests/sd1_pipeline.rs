@@ -324,6 +324,58 @@ fn guiders_match_comfyui() {
     matches_on_cpu("tiny_sd1_guiders", "tiny_sd1_guiders");
 }
 
+/// VAEEncodeTiled and VAEDecodeTiled around an img2img sampler: three
+/// blended passes each, many tiles (edge tiles narrower than the feather),
+/// an image cropped to the VAE's cell first.
+#[test]
+fn tiled_vae_matches_comfyui() {
+    matches_on_cpu("tiny_sd1_tiled", "tiny_sd1_tiled");
+}
+
+/// A device too small for the VAE's decode of the whole batch: the
+/// runtime re-plans, then the decode falls back to tiles (as ComfyUI does
+/// on out-of-memory; here one tile per batch item, three passes), and the
+/// image still matches the reference.
+#[test]
+fn vae_decode_falls_back_to_tiles_when_memory_runs_out() {
+    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
+    use std::sync::{Arc, Mutex};
+
+    let Ok(small) = WgpuBackend::with_options(&Options {
+        allow_coopmat: false,
+        device_memory: Some(2_400_000),
+        ..Options::default()
+    }) else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    let (base, fx) = setup();
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = Paths::under(base.path());
+    let exec =
+        Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(Runtime::wgpu(small));
+    let tiles: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let sink = tiles.clone();
+    let events: EventSink = Arc::new(move |e: &Event| {
+        if let Event::Progress { node, max, .. } = e {
+            if node == "7" {
+                sink.lock().expect("lock").push(*max);
+            }
+        }
+    });
+    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
+    let wf = sdkit_schema::workflow::load(&text, &lib.registry).expect("loads");
+    let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    rt.block_on(exec.run(&graph, RunOptions::new(events, CancelToken::new())))
+        .expect("runs");
+    let tiles = tiles.lock().expect("lock").clone();
+    assert_eq!(tiles.len(), 6, "the decode did not run in tiles: {tiles:?}");
+    assert!(tiles.iter().all(|&m| m == 6));
+    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
+}
+
 /// The same workflow on the wgpu backend (lavapipe on CI).
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {

@@ -85,7 +85,8 @@ pub enum Event {
         /// weights other models keep (≤ budget).
         device_bytes: u64,
         /// Times the device ran out of memory and the use was re-planned
-        /// under half the budget (`budget` is the one it ran under).
+        /// with half the room for weights (`budget` is the one it ran
+        /// under).
         out_of_memory_replans: u32,
     },
     /// The run's model uses in the order they will run (nodes that run a

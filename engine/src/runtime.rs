@@ -24,6 +24,21 @@ pub enum RuntimeError {
     Select { choice: String, message: String },
 }
 
+impl RuntimeError {
+    /// Whether a smaller problem would run: the device ran out of memory
+    /// (after re-planning), the budget cannot hold the activations, or a
+    /// buffer exceeds the device's size limit. Callers that can split
+    /// their work (tiled VAE decoding) retry smaller.
+    pub fn needs_less_memory(&self) -> bool {
+        matches!(
+            self,
+            RuntimeError::Wgpu(
+                WgpuError::OutOfMemory(_) | WgpuError::Budget(_) | WgpuError::TooLarge { .. }
+            )
+        )
+    }
+}
+
 #[derive(Clone)]
 enum Device {
     Cpu,
@@ -219,8 +234,10 @@ impl Runtime {
             }),
             Device::Wgpu(b) => {
                 // Out of device memory is not the end: free the weights
-                // kept from earlier runs and re-plan under half the budget
-                // (streaming more), down to what the planner can fit.
+                // kept from earlier runs and re-plan with half the room for
+                // weights (streaming more), up to six times. What still
+                // does not fit is an error callers may answer by splitting
+                // their work (`RuntimeError::needs_less_memory`).
                 let mut budget = b.budget();
                 let mut replans = 0;
                 loop {
@@ -228,13 +245,16 @@ impl Runtime {
                         Err(WgpuError::OutOfMemory(e)) if replans < 6 => {
                             replans += 1;
                             b.free_weights();
-                            // Halve what the use could take at most.
-                            let whole = b.activation_bytes(prog) + b.weight_bytes(prog);
+                            // Halve the room for weights (streaming more);
+                            // activations cannot shrink by re-planning.
+                            let act = b.activation_bytes(prog);
+                            let whole = act + b.weight_bytes(prog);
                             let now = budget.map_or(whole, |x| x.min(whole));
-                            budget = Some(now / 2);
+                            let next = act + now.saturating_sub(act) / 2;
+                            budget = Some(next);
                             tracing::warn!(
                                 "out of device memory ({e}); re-planning under {} MiB",
-                                (now / 2) >> 20
+                                next >> 20
                             );
                         }
                         r => {

@@ -95,6 +95,8 @@ pub fn library() -> NodeLibrary {
     lib.implement("SDTurboScheduler", diffusion::custom::SdTurboScheduler);
     lib.implement("VAEDecode", diffusion::vae::VaeDecode);
     lib.implement("VAEEncode", diffusion::vae::VaeEncode);
+    lib.implement("VAEDecodeTiled", diffusion::vae::VaeDecodeTiled);
+    lib.implement("VAEEncodeTiled", diffusion::vae::VaeEncodeTiled);
     lib.implement("ImageScale", image::ImageScale);
     lib.implement("ImageScaleBy", image::ImageScaleBy);
     lib.implement("ImageInvert", image::ImageInvert);

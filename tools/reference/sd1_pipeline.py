@@ -7,7 +7,8 @@ shapes come from ComfyUI's own UNetModel, AutoencoderKL and CLIPTextModel,
 with every value from an integer-hash formula that tests/sd1_pipeline.rs
 repeats bit for bit. Then runs the workflows in graphs/tiny_sd1_*.json
 through ComfyUI's own node classes (CheckpointLoaderSimple, CLIPSetLastLayer,
-CLIPTextEncode, KSampler, VAEEncode, VAEDecode, LoadImage, ImageScale), on
+CLIPTextEncode, KSampler, VAEEncode, VAEDecode, their tiled forms,
+LoadImage, ImageScale), on
 the CPU in f32, and writes tests/reference/sd1/expected.json: the key list
 with shapes, a checksum of the f16 weights, and for each workflow the
 latent SaveLatent gets and the image SaveImage gets (f32).
@@ -40,7 +41,7 @@ CKPT = "tiny_sd1.safetensors"
 WORKFLOWS = ["tiny_sd1_txt2img", "tiny_sd1_img2img", "tiny_sd1_ancestral",
              "tiny_sd1_advanced", "tiny_sd1_cfgpp", "tiny_sd1_custom",
              "tiny_sd1_vpred", "tiny_sd1_flow", "tiny_sd1_flux", "tiny_sd1_lcm",
-             "tiny_sd1_zsnr", "tiny_sd1_guiders"]
+             "tiny_sd1_zsnr", "tiny_sd1_guiders", "tiny_sd1_tiled"]
 
 UNET = dict(in_channels=4, out_channels=4, model_channels=32, channel_mult=[1, 2],
             num_res_blocks=[1, 1], transformer_depth=[1, 1],
@@ -230,7 +231,10 @@ def run_workflow(prompt, nodes, torch):
             else:
                 cls = nodes.NODE_CLASS_MAPPINGS.get(node["class_type"]) or EXTRA[node["class_type"]]
                 obj = cls()
-                results[nid] = getattr(obj, cls.FUNCTION)(**kwargs)
+                # ComfyUI's executor runs nodes in inference mode (the tiled
+                # VAE code updates inference tensors in place).
+                with torch.inference_mode():
+                    results[nid] = getattr(obj, cls.FUNCTION)(**kwargs)
         return results[nid]
 
     for nid in prompt:

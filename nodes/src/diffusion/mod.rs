@@ -12,6 +12,7 @@ pub mod custom;
 pub mod ksampler;
 pub mod loaders;
 pub mod preview;
+pub mod tiling;
 pub mod vae;
 
 use crate::clip_tokenizer::ClipTokenizer;
@@ -280,14 +281,44 @@ pub(crate) fn run_model(
     prog: &Program,
     bind: Bindings,
 ) -> Result<Vec<sdkit_engine::tensor::reference::Array>, NodeError> {
+    try_run_model(ctx, model, prog, bind, true).map_err(|e| e.into_node(what))
+}
+
+/// Why [`try_run_model`] failed: the node's own error (cancelled), or the
+/// device's, which a caller may answer by splitting the work.
+pub(crate) enum RunFailure {
+    Node(NodeError),
+    Device(sdkit_engine::RuntimeError),
+}
+
+impl RunFailure {
+    pub(crate) fn into_node(self, what: &str) -> NodeError {
+        match self {
+            RunFailure::Node(e) => e,
+            RunFailure::Device(e) => run_error(what, e),
+        }
+    }
+}
+
+/// [`run_model`] keeping the device error; `report` emits the residency
+/// event (off for the tiles of a tiled decode).
+pub(crate) fn try_run_model(
+    ctx: &sdkit_engine::NodeContext,
+    model: &str,
+    prog: &Program,
+    bind: Bindings,
+    report: bool,
+) -> Result<Vec<sdkit_engine::tensor::reference::Array>, RunFailure> {
     let before = ctx.runtime.bytes_uploaded();
     let mut session = ctx
         .runtime
         .prepare(prog, &bind)
-        .map_err(|e| run_error(what, e))?;
-    ctx.check_cancel()?;
-    let out = session.run(bind.inputs).map_err(|e| run_error(what, e))?;
-    report_residency(ctx, model, &session, 1, before);
+        .map_err(RunFailure::Device)?;
+    ctx.check_cancel().map_err(RunFailure::Node)?;
+    let out = session.run(bind.inputs).map_err(RunFailure::Device)?;
+    if report {
+        report_residency(ctx, model, &session, 1, before);
+    }
     Ok(out)
 }
 

@@ -150,10 +150,17 @@ pub fn encoder<'a>(g: &'a GraphBuilder, cfg: &VaeConfig, prefix: &str, x: T<'a>)
 /// `quant_conv` → the posterior's mode (the mean: the first `z_channels`
 /// moments). The latent is unscaled, as ComfyUI stores it.
 pub fn encode_image<'a>(g: &'a GraphBuilder, cfg: &VaeConfig, prefix: &str, image: T<'a>) -> R<'a> {
-    let x = image
-        .permute(&[0, 3, 1, 2])?
-        .mul_scalar(2.0)
-        .add_scalar(-1.0);
+    encode_pixels(g, cfg, prefix, image.permute(&[0, 3, 1, 2])?)
+}
+
+/// [`encode_image`] from pixels `[b, 3, H, W]` in 0..1 (a tile).
+pub fn encode_pixels<'a>(
+    g: &'a GraphBuilder,
+    cfg: &VaeConfig,
+    prefix: &str,
+    pixels: T<'a>,
+) -> R<'a> {
+    let x = pixels.mul_scalar(2.0).add_scalar(-1.0);
     let moments = encoder(g, cfg, &format!("{prefix}encoder."), x)?;
     let zc = 2 * cfg.z_channels;
     let moments = Ctx { g, prefix }.conv(moments, "quant_conv", zc, zc, 1)?;
@@ -169,11 +176,17 @@ pub fn decode_image<'a>(
     prefix: &str,
     latent: T<'a>,
 ) -> R<'a> {
-    let zc = cfg.z_channels;
-    let z = Ctx { g, prefix }.conv(latent, "post_quant_conv", zc, zc, 1)?;
-    let x = decoder(g, cfg, &format!("{prefix}decoder."), z)?;
-    x.add_scalar(1.0)
+    decode_raw(g, cfg, prefix, latent)?
+        .add_scalar(1.0)
         .mul_scalar(0.5)
         .clamp(0.0, 1.0)
         .permute(&[0, 2, 3, 1])
+}
+
+/// The decoder's own output `[b, 3, H, W]` (about −1..1, before ComfyUI's
+/// `process_output`): what tiled decoding blends.
+pub fn decode_raw<'a>(g: &'a GraphBuilder, cfg: &VaeConfig, prefix: &str, latent: T<'a>) -> R<'a> {
+    let zc = cfg.z_channels;
+    let z = Ctx { g, prefix }.conv(latent, "post_quant_conv", zc, zc, 1)?;
+    decoder(g, cfg, &format!("{prefix}decoder."), z)
 }
