@@ -8,7 +8,9 @@
 //! PyTorch's CPU f32 (both on all cores, or `RAYON_NUM_THREADS`).
 //! `SDKIT_BENCH_BUDGETS=1` runs it under device budgets of 100%, 50% and
 //! 25% of the UNet's weights: time and bytes moved per step beside the
-//! residency planner's lower bound.
+//! residency planner's lower bound and its predicted time (the resident
+//! step plus the streamed bytes at the measured host→device bandwidth);
+//! `SDKIT_BENCH_RUNS=N` times N steps per budget (default 3).
 //! `SDKIT_BENCH_SMALL=1` runs a width-32, 16×16 version for software
 //! adapters; `SDKIT_BENCH_PLAN_ONLY=1` stops after planning. PyTorch is
 //! `python3` or `SDKIT_BENCH_PYTHON`. Times cover
@@ -361,12 +363,21 @@ fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<
     };
     let act = probe.activation_bytes(prog);
     let weights = probe.weight_bytes(prog);
+    let bandwidth = probe.upload_bandwidth(256 << 20).unwrap_or(f64::NAN);
     drop(probe);
     println!(
-        "unet_step budgets: weights {:.1} MiB, activations {:.1} MiB",
+        "unet_step budgets: weights {:.1} MiB, activations {:.1} MiB, host->device {:.2} GB/s",
         weights as f64 / 1048576.0,
-        act as f64 / 1048576.0
+        act as f64 / 1048576.0,
+        bandwidth / 1e9
     );
+    // SDKIT_BENCH_RUNS: timed steps per budget (slow software adapters: 1).
+    let runs: usize = std::env::var("SDKIT_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let mut resident_step = None;
     for pct in [100u64, 50, 25] {
         let budget = act + weights * pct / 100;
         let gpu = match WgpuBackend::with_options(&Options {
@@ -390,9 +401,10 @@ fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<
         let Some(plan) = p.residency().cloned() else {
             continue;
         };
-        let _ = p.dispatch_only(1);
+        if runs > 1 {
+            let _ = p.dispatch_only(1);
+        }
         let before = gpu.bytes_uploaded();
-        let runs = 3;
         let t = Instant::now();
         if let Err(e) = p.dispatch_only(runs) {
             println!("  {pct}%: {e}");
@@ -400,9 +412,15 @@ fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<
         }
         let secs = t.elapsed().as_secs_f64() / runs as f64;
         let moved = (gpu.bytes_uploaded() - before) / runs as u64;
+        // Predicted: the resident step plus the streamed bytes at the
+        // measured bandwidth (copies and compute in one queue do not
+        // overlap).
+        let base = *resident_step.get_or_insert(secs);
+        let predicted = base + plan.streamed_bytes_per_run as f64 / bandwidth;
         println!(
-            "  {pct:>3}% budget: {:8.1} ms/step, moved {:7.1} MiB/step (plan {:.1}, lower bound {:.1}), resident {:.1} MiB, stream arena {:.1} MiB",
+            "  {pct:>3}% budget: {:8.1} ms/step (predicted {:.1}), moved {:7.1} MiB/step (plan {:.1}, lower bound {:.1}), resident {:.1} MiB, stream arena {:.1} MiB",
             secs * 1e3,
+            predicted * 1e3,
             moved as f64 / 1048576.0,
             plan.streamed_bytes_per_run as f64 / 1048576.0,
             plan.lower_bound_per_run as f64 / 1048576.0,

@@ -918,6 +918,41 @@ impl WgpuBackend {
         })
     }
 
+    /// Host → device copy speed in bytes per second, measured the way
+    /// streamed weights move: `bytes` from a host-visible staging buffer
+    /// into a device buffer, best of three. What the residency plans'
+    /// expected transfer times are computed with.
+    pub fn upload_bandwidth(&self, bytes: u64) -> Result<f64, WgpuError> {
+        let bytes = bytes.clamp(4, self.limits.max_buffer_size).div_ceil(4) * 4;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("bandwidth staging"),
+            size: bytes,
+            usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::MAP_WRITE,
+            mapped_at_creation: true,
+        });
+        staging.unmap();
+        let target = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("bandwidth target"),
+            size: bytes,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let mut encoder = self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            encoder.copy_buffer_to_buffer(&staging, 0, &target, 0, bytes);
+            let t = std::time::Instant::now();
+            self.queue.submit([encoder.finish()]);
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| WgpuError::Lost(e.to_string()))?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(bytes as f64 / best.max(1e-9))
+    }
+
     /// Bytes `prog`'s weights take on the device (f16 where stored so).
     pub fn weight_bytes(&self, prog: &Program) -> u64 {
         let elem = if self.f16_weights { 2 } else { 4 };
