@@ -10,7 +10,8 @@
 //! 25% of the UNet's weights: time and bytes moved per step beside the
 //! residency planner's lower bound and its predicted time (the resident
 //! step plus the streamed bytes at the measured host→device bandwidth);
-//! `SDKIT_BENCH_RUNS=N` times N steps per budget (default 3).
+//! `SDKIT_BENCH_RUNS=N` times N steps per budget (default 3);
+//! `SDKIT_BENCH_LATENT=16` runs another latent size (a multiple of 8).
 //! `SDKIT_BENCH_SMALL=1` runs a width-32, 16×16 version for software
 //! adapters; `SDKIT_BENCH_PLAN_ONLY=1` stops after planning. PyTorch is
 //! `python3` or `SDKIT_BENCH_PYTHON`. Times cover
@@ -72,7 +73,16 @@ fn fill(name: &str, shape: &[usize]) -> Vec<f32> {
 }
 
 fn graph(small: bool) -> (TensorGraph, String) {
-    let (mc, hw) = if small { (32, 16) } else { (320, 64) };
+    let (mc, mut hw) = if small { (32, 16) } else { (320, 64) };
+    // SDKIT_BENCH_LATENT: another latent size (a full-size model at a small
+    // latent keeps the weights, and so the residency numbers, of SD1.5 at
+    // a compute cost a software adapter can finish).
+    if let Some(v) = std::env::var("SDKIT_BENCH_LATENT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        hw = v.max(8) / 8 * 8;
+    }
     let cfg = sd15(mc);
     let g = GraphBuilder::new();
     let out = (|| {

@@ -3,7 +3,8 @@
 # built here first (benches/gpu/build.sh puts them in .gpubin/), the Vulkan
 # loader travels as .deb files in .gl/, and this script runs them there.
 # Same content as run.sh: devices, conformance on the real adapter, then
-# GEMM/conv/attention and an SD1.5 UNet step beside PyTorch.
+# GEMM/conv/attention and an SD1.5 UNet step beside PyTorch, then the
+# step under VRAM budgets (bytes moved and time vs the planner's bound).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp}"
@@ -32,4 +33,6 @@ b=.gpubin
     SDKIT_BENCH_TILINGS=1 timeout 150 $b/wgpu_ops --bench 2>&1
     echo "== SD1.5 UNet step vs torch fp16"
     timeout 180 $b/unet_step --bench 2>&1
+    echo "== SD1.5 UNet step under 100/50/25% VRAM budgets (residency)"
+    SDKIT_BENCH_BUDGETS=1 timeout 90 $b/unet_step --bench 2>&1
 } 2>&1 | tee "$report"
