@@ -503,10 +503,11 @@ fn bad_checkpoints_are_clear_errors() {
     }
 }
 
-/// The tiny checkpoint's UNet program (batch 2, 8×8 latent) with its
+/// The tiny checkpoint's UNet program (`batch`, 8×8 latent) with its
 /// weights and inputs bound.
 fn tiny_unet_program(
     base: &Path,
+    batch: usize,
 ) -> (
     sdkit_engine::plan::Program,
     sdkit_engine::backend::cpu::Bindings,
@@ -525,9 +526,9 @@ fn tiny_unet_program(
     let d = sdkit_nodes::models::detect::detect_checkpoint(&shapes).expect("detects");
     let g = GraphBuilder::new();
     let y = (|| {
-        let x = g.input("x", &[2, 4, 8, 8])?;
-        let t = g.input("t", &[2])?;
-        let c = g.input("context", &[2, 77, 64])?;
+        let x = g.input("x", &[batch, 4, 8, 8])?;
+        let t = g.input("t", &[batch])?;
+        let c = g.input("context", &[batch, 77, 64])?;
         sdkit_nodes::models::unet::unet(&g, &d.unet, d.num_heads, "model.diffusion_model.", x, t, c)
     })()
     .expect("unet graph");
@@ -542,10 +543,10 @@ fn tiny_unet_program(
     let wave = |n: usize, f: f32| -> Arc<Vec<f32>> {
         Arc::new((0..n).map(|i| (i as f32 * f).sin()).collect())
     };
-    bind.inputs.insert("x".into(), wave(2 * 4 * 64, 0.37));
-    bind.inputs.insert("t".into(), Arc::new(vec![981.0, 981.0]));
+    bind.inputs.insert("x".into(), wave(batch * 4 * 64, 0.37));
+    bind.inputs.insert("t".into(), Arc::new(vec![981.0; batch]));
     bind.inputs
-        .insert("context".into(), wave(2 * 77 * 64, 0.113));
+        .insert("context".into(), wave(batch * 77 * 64, 0.113));
     (prog, bind)
 }
 
@@ -562,7 +563,7 @@ fn unet_streams_under_a_budget() {
     };
     drop(open);
     let (base, _fx) = setup();
-    let (prog, bind) = tiny_unet_program(base.path());
+    let (prog, bind) = tiny_unet_program(base.path(), 2);
     let full = WgpuBackend::new(None).expect("adapter");
     let want = full.run(&prog, &bind).expect("runs")[0].data.clone();
     let weight_bytes = full.bytes_uploaded();
@@ -627,7 +628,7 @@ fn out_of_memory_replans_and_streams() {
         return;
     };
     let (base, _fx) = setup();
-    let (prog, bind) = tiny_unet_program(base.path());
+    let (prog, bind) = tiny_unet_program(base.path(), 2);
     let want = full.run(&prog, &bind).expect("runs")[0].data.clone();
     let whole = full.activation_bytes(&prog) + full.bytes_uploaded();
     drop(full);
@@ -648,6 +649,60 @@ fn out_of_memory_replans_and_streams() {
         .data
         .clone();
     assert_eq!(got, want, "the re-planned run differs");
+}
+
+/// Two programs of one model prepared side by side (a sampler's
+/// conditioning groups) under a budget below the model: the first leaves
+/// room for the second's activations and stream arena, the second keeps
+/// the weights the first holds resident, together they stay within the
+/// budget, and both give the unlimited outputs.
+#[test]
+fn programs_prepared_side_by_side_share_the_budget() {
+    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_engine::Runtime;
+
+    let Ok(full) = WgpuBackend::new(None) else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    let (base, _fx) = setup();
+    let (p2, bind2) = tiny_unet_program(base.path(), 2);
+    let (p4, bind4) = tiny_unet_program(base.path(), 4);
+    let want2 = full.run(&p2, &bind2).expect("runs")[0].data.clone();
+    let want4 = full.run(&p4, &bind4).expect("runs")[0].data.clone();
+    let weights = full.weight_bytes(&p2);
+    let (act2, act4) = (full.activation_bytes(&p2), full.activation_bytes(&p4));
+    drop(full);
+    let budget = act2 + act4 + weights * 3 / 4;
+    let runtime = Runtime::wgpu(
+        WgpuBackend::with_options(&Options {
+            budget: Some(budget),
+            ..Options::default()
+        })
+        .expect("adapter"),
+    );
+    let progs = [p2, p4];
+    let mut sessions = runtime.prepare_many(&progs, &bind2).expect("prepares both");
+    let first = sessions[0].residency().expect("plan").clone();
+    let second = sessions[1].use_step().expect("step").clone();
+    let plan = second.plan.as_ref().expect("plan");
+    assert!(first.streamed_bytes_per_run > 0 && plan.streamed_bytes_per_run > 0);
+    // The first's resident weights stay resident for the second.
+    assert!(plan.resident_bytes >= first.resident_bytes);
+    let live_first = first.device_bytes - first.resident_bytes;
+    assert!(
+        live_first + second.device_bytes <= budget,
+        "{live_first} + {} > {budget}",
+        second.device_bytes
+    );
+    let got2 = sessions[0].run(bind2.inputs.clone()).expect("runs")[0]
+        .data
+        .clone();
+    let got4 = sessions[1].run(bind4.inputs.clone()).expect("runs")[0]
+        .data
+        .clone();
+    assert_eq!(got2, want2);
+    assert_eq!(got4, want4);
 }
 
 /// Across runs in one process (watch, server): a prompt edit re-runs the

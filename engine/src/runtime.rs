@@ -224,6 +224,38 @@ impl Runtime {
         prog: &'a Program,
         weights: &Bindings,
     ) -> Result<Session<'a>, RuntimeError> {
+        self.prepare_reserving(prog, weights, 0)
+    }
+
+    /// Prepares several programs of one model that run side by side (a
+    /// sampler's conditioning groups). Each leaves room for those after it
+    /// (their activations and stream arenas), and sees those before it as
+    /// live, so together they stay within the budget.
+    pub fn prepare_many<'a>(
+        &'a self,
+        progs: &'a [Program],
+        weights: &Bindings,
+    ) -> Result<Vec<Session<'a>>, RuntimeError> {
+        let reserves: Vec<u64> = match &self.device {
+            Device::Wgpu(b) if b.budget().is_some() => {
+                progs.iter().map(|p| b.sibling_reserve(p)).collect()
+            }
+            _ => vec![0; progs.len()],
+        };
+        progs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.prepare_reserving(p, weights, reserves[i + 1..].iter().sum()))
+            .collect()
+    }
+
+    /// [`Runtime::prepare`] leaving `reserve` bytes of the budget free.
+    fn prepare_reserving<'a>(
+        &'a self,
+        prog: &'a Program,
+        weights: &Bindings,
+        reserve: u64,
+    ) -> Result<Session<'a>, RuntimeError> {
         match &self.device {
             Device::Cpu => Ok(Session::Cpu {
                 prog,
@@ -238,7 +270,7 @@ impl Runtime {
                 // weights (streaming more), up to six times. What still
                 // does not fit is an error callers may answer by splitting
                 // their work (`RuntimeError::needs_less_memory`).
-                let mut budget = b.budget();
+                let mut budget = b.budget().map(|x| x.saturating_sub(reserve));
                 let mut replans = 0;
                 loop {
                     match b.prepare_within(prog, weights, budget) {

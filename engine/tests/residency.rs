@@ -9,7 +9,15 @@ const ALIGN: u64 = 256;
 
 fn model_use() -> impl Strategy<Value = (ModelUse, u64, u64)> {
     (
-        prop::collection::vec((1u64..20_000, 0usize..3, prop::bool::weighted(0.1)), 1..50),
+        prop::collection::vec(
+            (
+                1u64..20_000,
+                0usize..3,
+                prop::bool::weighted(0.1),
+                prop::bool::weighted(0.05),
+            ),
+            1..50,
+        ),
         0u64..50_000,
         0.0f64..1.3,
         0.0f64..1.3,
@@ -17,7 +25,7 @@ fn model_use() -> impl Strategy<Value = (ModelUse, u64, u64)> {
         .prop_map(|(ws, act, f1, f2)| {
             let mut weights = Vec::new();
             let mut k = 0;
-            for (i, (bytes, span, long)) in ws.iter().enumerate() {
+            for (i, (bytes, span, long, keep)) in ws.iter().enumerate() {
                 // Mostly one weight per kernel or two; some read again far
                 // later (shared weights).
                 let first = k;
@@ -31,6 +39,7 @@ fn model_use() -> impl Strategy<Value = (ModelUse, u64, u64)> {
                     bytes: bytes.div_ceil(4) * 4,
                     first,
                     last,
+                    keep: *keep,
                 });
                 k += 1 + span;
             }
@@ -79,6 +88,12 @@ proptest! {
                 seen[s.weight] += 1;
             }
             prop_assert!(seen.iter().all(|&n| n == 1));
+            // Weights marked to keep stay resident.
+            for (i, w) in u.weights.iter().enumerate() {
+                if w.keep {
+                    prop_assert!(p.resident.contains(&i), "{} must stay", w.name);
+                }
+            }
             // Bytes per run: exactly what is not resident; never below the bound.
             prop_assert_eq!(p.streamed_bytes_per_run, total - p.resident_bytes);
             prop_assert!(p.streamed_bytes_per_run >= p.lower_bound_per_run);

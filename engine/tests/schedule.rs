@@ -22,6 +22,7 @@ fn model_weights(prefix: &str, sizes: &[(u64, bool)]) -> Vec<WeightUse> {
                 bytes: bytes.div_ceil(4) * 4,
                 first: k,
                 last: k + usize::from(pair),
+                keep: false,
             };
             k += 1 + usize::from(pair);
             w
@@ -126,7 +127,7 @@ proptest! {
             let mut moved = 0;
             for (u, expect) in uses.iter().zip(&plan.steps) {
                 let step = state
-                    .step(&u.model_use, Some(budget), ALIGN, u64::MAX, &schedule, Some(u.at), &u.models)
+                    .step(&u.model_use, Some(budget), ALIGN, u64::MAX, &schedule, Some(u.at), &u.models, &Default::default())
                     .expect("replays");
                 prop_assert_eq!(&step, expect);
                 // Within budget, counting what other models keep.
@@ -237,6 +238,7 @@ fn known_future_moves_fewer_bytes_than_recency() {
                 &UseSchedule::default(),
                 None,
                 &u.models,
+                &Default::default(),
             )
             .expect("steps");
         lru.push(step.loaded_bytes);
@@ -273,6 +275,7 @@ fn kept_weights_from_a_previous_run_are_reused() {
             &schedule,
             Some(u.at),
             &u.models,
+            &Default::default(),
         )
         .expect("steps");
     }

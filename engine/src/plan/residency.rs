@@ -38,6 +38,9 @@ pub struct WeightUse {
     /// First and last kernel (dispatch index) that read it.
     pub first: usize,
     pub last: usize,
+    /// Must stay resident: it is already on the device and in use by a
+    /// program still prepared (another of the same model's programs).
+    pub keep: bool,
 }
 
 /// One model's program, run `runs` times in a row.
@@ -104,6 +107,11 @@ pub enum ResidencyError {
         pinned: u64,
         stream: u64,
     },
+    #[error(
+        "the device memory budget ({budget} bytes) cannot hold this model use ({needed} bytes) \
+         beside the weights programs still prepared are using ({held} bytes)"
+    )]
+    InUse { budget: u64, needed: u64, held: u64 },
 }
 
 fn align_up(v: u64, align: u64) -> u64 {
@@ -207,7 +215,8 @@ fn ring(
 /// Plans residency for `u` under `budget` bytes. `align` is the device's
 /// storage-binding offset alignment (slots start on it). Weights read by
 /// kernels more than one apart are pinned resident (streaming them would
-/// hold a slot across the gap); so are weights larger than `max_stream`.
+/// hold a slot across the gap); so are weights larger than `max_stream`
+/// and those marked `keep`.
 pub fn plan_residency(
     u: &ModelUse,
     budget: u64,
@@ -238,7 +247,7 @@ pub fn plan_residency(
     }
     let (pinned, streamable): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&i| {
         let w = &u.weights[i];
-        w.last > w.first + 1 || w.bytes > max_stream
+        w.keep || w.last > w.first + 1 || w.bytes > max_stream
     });
     let pinned_bytes: u64 = pinned.iter().map(|&i| u.weights[i].bytes).sum();
     let reserve = ring_bound(&u.weights, &streamable, align);
@@ -294,6 +303,19 @@ pub fn plan_residency(
     })
 }
 
+/// The most stream arena a plan of `u` can need (every weight that may
+/// stream, streamed): what to leave free for a program prepared later
+/// beside others of the same model.
+pub fn stream_reserve(u: &ModelUse, align: u64, max_stream: u64) -> u64 {
+    let set: Vec<usize> = (0..u.weights.len())
+        .filter(|&i| {
+            let w = &u.weights[i];
+            !(w.keep || w.last > w.first + 1 || w.bytes > max_stream)
+        })
+        .collect();
+    ring_bound(&u.weights, &set, align.max(4))
+}
+
 /// The weights a program reads, with the dispatch range reading each, in
 /// bytes of `elem_bytes` per element (the backend's weight storage).
 pub fn weight_uses(prog: &super::Program, elem_bytes: u64) -> Vec<WeightUse> {
@@ -308,6 +330,7 @@ pub fn weight_uses(prog: &super::Program, elem_bytes: u64) -> Vec<WeightUse> {
                 bytes: align_up(prog.buffer(*buffer).len as u64 * elem_bytes, 4),
                 first: usize::MAX,
                 last: 0,
+                keep: false,
             });
         }
     }

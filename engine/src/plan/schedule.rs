@@ -154,7 +154,9 @@ impl DeviceWeights {
     /// counted twice), evicts other models' weights in
     /// [`DeviceWeights::eviction_order`] until the plan fits beside what
     /// stays, and records the plan's resident weights as held, read by
-    /// `models`.
+    /// `models`. Held weights named in `in_use` (programs still prepared
+    /// read them) are never evicted; the use's own such weights should be
+    /// marked `keep`.
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
@@ -165,6 +167,7 @@ impl DeviceWeights {
         schedule: &UseSchedule,
         at: Option<usize>,
         models: &[String],
+        in_use: &BTreeSet<String>,
     ) -> Result<UseStep, ResidencyError> {
         let plan = match budget {
             Some(b) => Some(plan_residency(u, b, align, max_stream)?),
@@ -185,6 +188,9 @@ impl DeviceWeights {
                 .collect();
             for s in &p.streamed {
                 let name = &u.weights[s.weight].name;
+                if in_use.contains(name) {
+                    continue;
+                }
                 if let Some(h) = self.held.remove(name) {
                     evicted_bytes += h.bytes;
                     evicted.push(name.clone());
@@ -204,11 +210,21 @@ impl DeviceWeights {
                     if p.device_bytes + others <= b {
                         break;
                     }
+                    if in_use.contains(&name) {
+                        continue;
+                    }
                     if let Some(h) = self.held.remove(&name) {
                         others -= h.bytes;
                         evicted_bytes += h.bytes;
                         evicted.push(name);
                     }
+                }
+                if p.device_bytes + others > b {
+                    return Err(ResidencyError::InUse {
+                        budget: b,
+                        needed: p.device_bytes,
+                        held: others,
+                    });
                 }
             }
         }
@@ -308,6 +324,7 @@ pub fn plan_workflow(
             schedule,
             Some(u.at),
             &u.models,
+            &BTreeSet::new(),
         )?;
         let runs = u.model_use.runs as u64;
         bytes_moved += step.loaded_bytes + step.streamed_bytes_per_run * runs;

@@ -389,10 +389,9 @@ pub fn sample(
         })
         .collect();
     let before_prepare = ctx.runtime.bytes_uploaded();
-    let mut sessions: Vec<Session<'_>> = progs
-        .iter()
-        .map(|p| ctx.runtime.prepare(p, &bind))
-        .collect::<Result<_, _>>()
+    let mut sessions: Vec<Session<'_>> = ctx
+        .runtime
+        .prepare_many(&progs, &bind)
         .map_err(|e| run_error("UNet", e))?;
 
     let total = sigmas.len() - 1;

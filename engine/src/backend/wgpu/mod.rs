@@ -344,6 +344,9 @@ pub struct WgpuBackend {
     device_memory: Option<u64>,
     resident: Mutex<Resident>,
     uploaded: std::sync::atomic::AtomicU64,
+    /// Device bytes besides weights (activation arenas, inputs, stream
+    /// arenas) of the programs prepared and not yet dropped.
+    live: std::sync::atomic::AtomicU64,
 }
 
 /// Weight buffers kept across prepares (the next sampler run, the next
@@ -477,6 +480,7 @@ impl WgpuBackend {
             device_memory: opts.device_memory,
             resident: Mutex::new(Resident::default()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
+            live: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -491,11 +495,35 @@ impl WgpuBackend {
         self.budget
     }
 
-    /// Drops every resident weight (`/free`, or before a model switch).
+    /// Drops every resident weight no prepared program still binds
+    /// (`/free`, or before an out-of-memory re-plan).
     pub fn free_weights(&self) {
         let mut r = self.lock_resident();
-        r.buffers.clear();
-        r.state.clear();
+        let free: Vec<String> = r
+            .buffers
+            .iter()
+            .filter(|(_, w)| Arc::strong_count(&w.buffer) == 1)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in free {
+            r.remove(&k);
+        }
+    }
+
+    /// Device bytes to leave free for `prog` when it is prepared after
+    /// other programs of the same model that stay prepared (a sampler's
+    /// conditioning groups): its activations and the most stream arena it
+    /// can need.
+    pub fn sibling_reserve(&self, prog: &Program) -> u64 {
+        let elem = if self.f16_weights { 2 } else { 4 };
+        let u = residency::ModelUse {
+            weights: residency::weight_uses(prog, elem),
+            kernels: prog.stats.dispatches,
+            activation_bytes: self.activation_bytes(prog),
+            runs: 1,
+        };
+        let align = u64::from(self.limits.min_storage_buffer_offset_alignment);
+        u.activation_bytes + residency::stream_reserve(&u, align, self.binding_limit())
     }
 
     /// Bytes of weights kept resident between prepares.
@@ -905,7 +933,12 @@ impl WgpuBackend {
         }
         drop(cache);
         self.save_pipeline_cache();
+        let live_bytes =
+            self.activation_bytes(prog) + stream.as_ref().map_or(0, |s| s.arena.size());
+        self.live
+            .fetch_add(live_bytes, std::sync::atomic::Ordering::Relaxed);
         Ok(Prepared {
+            live_bytes,
             backend: self,
             prog,
             arena,
@@ -1013,6 +1046,18 @@ impl WgpuBackend {
         for key in missing {
             cache.state.forget(&key);
         }
+        // Weights a program still prepared binds (its buffer has holders
+        // besides this cache): never evicted, and kept resident by this
+        // use if it reads them too. Programs still prepared also hold
+        // their activations, which this use's budget leaves room for.
+        let in_use: std::collections::BTreeSet<String> = cache
+            .buffers
+            .iter()
+            .filter(|(_, r)| Arc::strong_count(&r.buffer) > 1)
+            .map(|(key, _)| key.clone())
+            .collect();
+        let live = self.live.load(std::sync::atomic::Ordering::Relaxed);
+        let budget = budget.map(|b| b.saturating_sub(live));
         // The policy sees each weight by its resident key (name and data),
         // so two checkpoints with the same tensor names stay apart.
         let keyed = uses
@@ -1022,8 +1067,10 @@ impl WgpuBackend {
                     .weights
                     .get(&w.name)
                     .ok_or_else(|| BindError::MissingWeight(w.name.clone()))?;
+                let name = resident_key(&w.name, data);
                 Ok(residency::WeightUse {
-                    name: resident_key(&w.name, data),
+                    keep: in_use.contains(&name),
+                    name,
                     ..w.clone()
                 })
             })
@@ -1049,6 +1096,7 @@ impl WgpuBackend {
             &r.schedule,
             r.at,
             &models,
+            &in_use,
         )?;
         for name in &step.evicted {
             r.buffers.remove(name);
@@ -1087,6 +1135,16 @@ pub struct Prepared<'a> {
     stream: Option<Stream>,
     residency: Option<ResidencyPlan>,
     step: schedule::UseStep,
+    /// What it adds to the backend's live bytes while it exists.
+    live_bytes: u64,
+}
+
+impl Drop for Prepared<'_> {
+    fn drop(&mut self) {
+        self.backend
+            .live
+            .fetch_sub(self.live_bytes, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Prepared<'_> {
