@@ -93,6 +93,42 @@ fn prepared_program_replays_and_matches_cpu() {
     assert_eq!(gpu.pipelines_compiled(), compiled);
 }
 
+/// A dropped program's arena and input buffers serve the next prepare of
+/// the same shapes (a VAE's tiles, the next prompt's text encoder), with
+/// or without a budget, and the reused buffers give the same outputs.
+#[test]
+fn dropped_programs_buffers_are_reused() {
+    let Some(gpu) = backend() else { return };
+    let g = samples::resblock_graph(1, 32, 4, 64).expect("builds");
+    let prog = plan(&g).expect("plans");
+    let b = bindings(&g, 3);
+    let want = gpu.run(&prog, &b).expect("runs")[0].data.clone();
+    let created = gpu.buffers_created();
+    assert!(created >= 2, "an arena and an input");
+    for _ in 0..3 {
+        let p = gpu.prepare(&prog, &b).expect("prepares");
+        for _ in 0..2 {
+            assert_eq!(p.run(&b).expect("runs")[0].data, want);
+        }
+    }
+    assert_eq!(
+        gpu.buffers_created(),
+        created,
+        "a prepare created buffers again"
+    );
+    let budgeted = sdkit_engine::backend::wgpu::WgpuBackend::with_options(
+        &sdkit_engine::backend::wgpu::Options {
+            budget: Some(1 << 40),
+            ..Default::default()
+        },
+    )
+    .expect("adapter");
+    let _ = budgeted.run(&prog, &b).expect("runs");
+    let created = budgeted.buffers_created();
+    assert_eq!(budgeted.run(&prog, &b).expect("runs")[0].data, want);
+    assert_eq!(budgeted.buffers_created(), created);
+}
+
 #[test]
 fn missing_input_is_a_typed_error() {
     let Some(gpu) = backend() else { return };

@@ -347,7 +347,17 @@ pub struct WgpuBackend {
     /// Device bytes besides weights (activation arenas, inputs, stream
     /// arenas) of the programs prepared and not yet dropped.
     live: std::sync::atomic::AtomicU64,
+    /// Arena and input buffers of dropped programs, oldest first, reused
+    /// by the next prepare that needs one of the same size (the VAE's
+    /// tiles, the next prompt's text encoder).
+    pool: Mutex<Vec<Arc<wgpu::Buffer>>>,
+    /// Arena and input buffers created (not taken from the pool).
+    created: std::sync::atomic::AtomicUsize,
 }
+
+/// Idle buffers the pool keeps at most, and their bytes.
+const POOL_BUFFERS: usize = 16;
+const POOL_BYTES: u64 = 256 << 20;
 
 /// Weight buffers kept across prepares (the next sampler run, the next
 /// model use, the next prompt), keyed by name and host data (see
@@ -481,6 +491,8 @@ impl WgpuBackend {
             resident: Mutex::new(Resident::default()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
             live: std::sync::atomic::AtomicU64::new(0),
+            pool: Mutex::new(Vec::new()),
+            created: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -507,6 +519,53 @@ impl WgpuBackend {
             .collect();
         for k in free {
             r.remove(&k);
+        }
+        drop(r);
+        self.lock_pool().clear();
+    }
+
+    fn lock_pool(&self) -> std::sync::MutexGuard<'_, Vec<Arc<wgpu::Buffer>>> {
+        self.pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A storage buffer of `size` bytes: an idle one of that size from the
+    /// pool, or a new one.
+    fn storage_buffer(&self, size: u64, label: &str) -> Arc<wgpu::Buffer> {
+        let mut pool = self.lock_pool();
+        if let Some(i) = pool.iter().position(|b| b.size() == size) {
+            return pool.remove(i);
+        }
+        drop(pool);
+        self.created
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Arc::new(self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        }))
+    }
+
+    /// Arena and input buffers created so far; prepares that found one of
+    /// the right size idle in the pool create none.
+    pub fn buffers_created(&self) -> usize {
+        self.created.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Returns a buffer nothing else holds to the pool, dropping the
+    /// oldest idle ones past the pool's limits.
+    fn release(&self, buf: Arc<wgpu::Buffer>) {
+        if Arc::strong_count(&buf) != 1 || buf.size() > POOL_BYTES {
+            return;
+        }
+        let mut pool = self.lock_pool();
+        pool.push(buf);
+        while pool.len() > POOL_BUFFERS || pool.iter().map(|b| b.size()).sum::<u64>() > POOL_BYTES {
+            pool.remove(0);
         }
     }
 
@@ -692,12 +751,20 @@ impl WgpuBackend {
             | wgpu::BufferUsages::COPY_SRC
             | wgpu::BufferUsages::COPY_DST;
         let arena_bytes = (prog.stats.arena_bytes as u64).max(4);
-        let arena = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("arena"),
-            size: arena_bytes.div_ceil(4) * 4,
-            usage: storage,
-            mapped_at_creation: false,
-        });
+        let arena = self.storage_buffer(arena_bytes.div_ceil(4) * 4, "arena");
+        let mut input_buffers: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
+        for c in &prog.commands {
+            if let Command::Bind { buffer, name } = c {
+                let bytes = self.stored_bytes(prog.buffer(*buffer).len, self.f16_activations);
+                self.check_binding(bytes)?;
+                input_buffers.insert(buffer.0, self.storage_buffer(bytes, name));
+            }
+        }
+        // Under a budget, idle pooled buffers would sit outside every
+        // plan: what this prepare did not reuse goes back to the device.
+        if budget.is_some() {
+            self.lock_pool().clear();
+        }
         let mut external: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
         let mut inputs = Vec::new();
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
@@ -809,17 +876,10 @@ impl WgpuBackend {
                     external.insert(buffer.0, buf);
                 }
                 Command::Bind { buffer, name } => {
-                    let len = prog.buffer(*buffer).len;
-                    let bytes = self.stored_bytes(len, self.f16_activations);
-                    self.check_binding(bytes)?;
-                    let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
-                        label: Some(name),
-                        size: bytes,
-                        usage: storage,
-                        mapped_at_creation: false,
-                    });
-                    external.insert(buffer.0, Arc::new(buf));
-                    inputs.push((buffer.0, name.clone(), len));
+                    if let Some(buf) = input_buffers.remove(&buffer.0) {
+                        external.insert(buffer.0, buf);
+                    }
+                    inputs.push((buffer.0, name.clone(), prog.buffer(*buffer).len));
                 }
                 _ => {}
             }
@@ -887,7 +947,7 @@ impl WgpuBackend {
             for (v, (op, bytes)) in views.iter().zip(&operands) {
                 let b = prog.buffer(v.buffer);
                 let (buffer, base) = match (&b.kind, stream_slot.get(&v.buffer.0), &stream) {
-                    (BufferKind::Arena, _, _) => (&arena, b.offset as u64 * 4),
+                    (BufferKind::Arena, _, _) => (arena.as_ref(), b.offset as u64 * 4),
                     (_, Some(&offset), Some(s)) => (&s.arena, offset),
                     _ => (
                         external
@@ -935,15 +995,34 @@ impl WgpuBackend {
         self.save_pipeline_cache();
         let live_bytes =
             self.activation_bytes(prog) + stream.as_ref().map_or(0, |s| s.arena.size());
+        // One readback buffer per output, reused every run.
+        let readback = prog
+            .outputs
+            .iter()
+            .map(|v| {
+                let b = prog.buffer(v.buffer);
+                let half = match b.kind {
+                    BufferKind::Weight(_) => self.f16_weights,
+                    _ => self.f16_activations,
+                };
+                self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("readback"),
+                    size: self.stored_bytes(b.len, half),
+                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
         self.live
             .fetch_add(live_bytes, std::sync::atomic::Ordering::Relaxed);
         Ok(Prepared {
             live_bytes,
             backend: self,
             prog,
-            arena,
+            arena: Some(arena),
             external,
             inputs,
+            readback,
             dispatches: prepared,
             stream,
             residency: residency.map(|(p, _)| p),
@@ -1128,9 +1207,12 @@ type Dispatch = (Arc<wgpu::ComputePipeline>, wgpu::BindGroup, [u32; 3]);
 pub struct Prepared<'a> {
     backend: &'a WgpuBackend,
     prog: &'a Program,
-    arena: wgpu::Buffer,
+    /// Taken back into the backend's pool on drop.
+    arena: Option<Arc<wgpu::Buffer>>,
     external: HashMap<u32, Arc<wgpu::Buffer>>,
     inputs: Vec<(u32, String, usize)>,
+    /// One mappable buffer per output.
+    readback: Vec<wgpu::Buffer>,
     dispatches: Vec<Dispatch>,
     stream: Option<Stream>,
     residency: Option<ResidencyPlan>,
@@ -1144,6 +1226,16 @@ impl Drop for Prepared<'_> {
         self.backend
             .live
             .fetch_sub(self.live_bytes, std::sync::atomic::Ordering::Relaxed);
+        // The arena and input buffers go back to the pool (queue order
+        // keeps work already submitted ahead of any reuse).
+        for (buf, _, _) in &self.inputs {
+            if let Some(b) = self.external.remove(buf) {
+                self.backend.release(b);
+            }
+        }
+        if let Some(arena) = self.arena.take() {
+            self.backend.release(arena);
+        }
     }
 }
 
@@ -1169,22 +1261,14 @@ impl Prepared<'_> {
             dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         self.record(&mut encoder, 1);
         // Read back the outputs' whole buffers, then apply their views.
-        let mut staging = Vec::new();
-        for v in &self.prog.outputs {
+        for (v, st) in self.prog.outputs.iter().zip(&self.readback) {
             let b = self.prog.buffer(v.buffer);
-            let half = match b.kind {
-                BufferKind::Weight(_) => self.backend.f16_weights,
-                _ => self.backend.f16_activations,
-            };
-            let size = self.backend.stored_bytes(b.len, half);
-            let st = dev.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("readback"),
-                size,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            });
+            let size = st.size();
             let (src, off) = match b.kind {
-                BufferKind::Arena => (&self.arena, b.offset as u64 * 4),
+                BufferKind::Arena => match &self.arena {
+                    Some(a) => (a.as_ref(), b.offset as u64 * 4),
+                    None => return Err(BindError::MissingInput("the arena".into()).into()),
+                },
                 _ => match self.external.get(&v.buffer.0) {
                     Some(e) => (e.as_ref(), 0),
                     None => {
@@ -1194,12 +1278,11 @@ impl Prepared<'_> {
                     }
                 },
             };
-            encoder.copy_buffer_to_buffer(src, off, &st, 0, size);
-            staging.push(st);
+            encoder.copy_buffer_to_buffer(src, off, st, 0, size);
         }
         queue.submit([encoder.finish()]);
         let mut outs = Vec::new();
-        for (v, st) in self.prog.outputs.iter().zip(&staging) {
+        for (v, st) in self.prog.outputs.iter().zip(&self.readback) {
             let half = match self.prog.buffer(v.buffer).kind {
                 BufferKind::Weight(_) => self.backend.f16_weights,
                 _ => self.backend.f16_activations,
@@ -1216,13 +1299,10 @@ impl Prepared<'_> {
                 Ok(Err(e)) => return Err(WgpuError::Lost(e.to_string())),
                 Err(e) => return Err(WgpuError::Lost(e.to_string())),
             }
-            let data: Vec<f32> = {
-                let bytes = slice
-                    .get_mapped_range()
-                    .map_err(|e| WgpuError::Lost(e.to_string()))?;
-                decode(&bytes, half)
-            };
+            // Unmapped on every path: the buffer is reused next run.
+            let data = slice.get_mapped_range().map(|bytes| decode(&bytes, half));
             st.unmap();
+            let data = data.map_err(|e| WgpuError::Lost(e.to_string()))?;
             outs.push(Array::new(v.shape.clone(), read_view(v, &data)));
         }
         if let Some(e) = pollster::block_on(validation.pop()) {
