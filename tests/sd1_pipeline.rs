@@ -332,6 +332,36 @@ fn tiled_vae_matches_comfyui() {
     matches_on_cpu("tiny_sd1_tiled", "tiny_sd1_tiled");
 }
 
+/// Tiles that cannot overlap as asked (ComfyUI's tiled encode would step
+/// by zero) are a clear error naming the node, not a hang or a panic.
+#[test]
+fn impossible_tile_overlap_is_an_error() {
+    let (base, _) = setup();
+    let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+        .args([
+            "run",
+            "-q",
+            "--device",
+            "cpu",
+            "--set",
+            "4.tile_size=64",
+            "--set",
+            "4.overlap=32",
+        ])
+        .arg(root().join("graphs/tiny_sd1_tiled.json"))
+        .arg("--base-dir")
+        .arg(base.path())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("VAEEncodeTiled") && err.contains("cannot overlap by 32"),
+        "{err}"
+    );
+}
+
 /// A device too small for the VAE's decode of the whole batch: the
 /// runtime re-plans, then the decode falls back to tiles (as ComfyUI does
 /// on out-of-memory; here one tile per batch item, three passes), and the
