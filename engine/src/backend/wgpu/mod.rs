@@ -381,6 +381,19 @@ impl Resident {
         self.buffers.remove(name);
         self.state.forget(name);
     }
+
+    /// Drops every kept weight `drop` picks.
+    fn remove_where(&mut self, drop: impl Fn(&ResidentWeight) -> bool) {
+        let keys: Vec<String> = self
+            .buffers
+            .iter()
+            .filter(|(_, r)| drop(r))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            self.remove(&k);
+        }
+    }
 }
 
 struct ResidentWeight {
@@ -510,17 +523,8 @@ impl WgpuBackend {
     /// Drops every resident weight no prepared program still binds
     /// (`/free`, or before an out-of-memory re-plan).
     pub fn free_weights(&self) {
-        let mut r = self.lock_resident();
-        let free: Vec<String> = r
-            .buffers
-            .iter()
-            .filter(|(_, w)| Arc::strong_count(&w.buffer) == 1)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in free {
-            r.remove(&k);
-        }
-        drop(r);
+        self.lock_resident()
+            .remove_where(|w| Arc::strong_count(&w.buffer) == 1);
         self.lock_pool().clear();
     }
 
@@ -1104,15 +1108,8 @@ impl WgpuBackend {
     > {
         let elem = if self.f16_weights { 2 } else { 4 };
         let uses = residency::weight_uses(prog, elem);
-        let stale: Vec<String> = cache
-            .buffers
-            .iter()
-            .filter(|(_, r)| Arc::strong_count(&r.data) == 1)
-            .map(|(key, _)| key.clone())
-            .collect();
-        for key in stale {
-            cache.remove(&key);
-        }
+        // Weights whose host data nobody else holds: their model is gone.
+        cache.remove_where(|r| Arc::strong_count(&r.data) == 1);
         // A prepare that failed after planning (out of memory) left
         // weights the policy counts as held but no buffer holds.
         let missing: Vec<String> = cache
