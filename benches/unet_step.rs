@@ -247,13 +247,7 @@ fn main() {
             println!("unet_step [{label}]: failed: {e}");
             continue;
         }
-        let t = Instant::now();
-        let _ = prepared.dispatch_only(1);
-        let once = t.elapsed().as_secs_f64().max(1e-6);
-        let iters = ((2.0 / once) as usize).clamp(2, 50);
-        let t = Instant::now();
-        let _ = prepared.dispatch_only(iters);
-        let secs = t.elapsed().as_secs_f64() / iters as f64;
+        let (secs, _) = common::seconds_per_step(&prepared, 2.0, 2, 50);
         best = best.min(secs);
         println!(
             "unet_step [{label}] on {} ({}): {:.2} ms/step (prepare+upload {:.2} s, {} pipelines{agree})",

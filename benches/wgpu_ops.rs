@@ -18,7 +18,6 @@ use sdkit_engine::plan::{plan, samples};
 use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, InputKind, TensorGraph};
 use std::process::Command;
 use std::sync::Arc;
-use std::time::Instant;
 
 struct Case {
     name: &'static str,
@@ -293,13 +292,7 @@ fn main() {
                     continue;
                 }
             };
-            let t = Instant::now();
-            let _ = prepared.dispatch_only(1);
-            let once = t.elapsed().as_secs_f64().max(1e-6);
-            let iters = ((0.5 / once) as usize).clamp(1, 200);
-            let t = Instant::now();
-            let _ = prepared.dispatch_only(iters);
-            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            let (secs, iters) = common::seconds_per_step(&prepared, 0.5, 1, 200);
             let rate = if case.flops > 0.0 {
                 format!("{:8.1} GFLOP/s", case.flops / secs / 1e9)
             } else {

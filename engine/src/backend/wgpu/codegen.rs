@@ -1355,6 +1355,18 @@ impl CoopAttention {
         format!("coop_mat{0}x{0}<{scalar}, {role}>", self.t)
     }
 
+    /// `acc += pa · V[kf-th key fragment, f-th value fragment]`, with V
+    /// staged as f16 in `Vs` (rows `dvp` wide).
+    fn pv_line(&self, acc: &str, f: usize) -> String {
+        let (t, dvp) = (self.t, self.dvp);
+        format!(
+            "            {acc} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), {acc});",
+            self.ty("B", "f16"),
+            t * dvp,
+            f * t
+        )
+    }
+
     /// The workgroup arrays (`extra_decls` after them) and the entry
     /// point up to the query fragments `qa0…` in registers.
     fn head(&self, extra_decls: &str) -> String {
@@ -1494,13 +1506,7 @@ fn attention_coop_single(
     let mut store = String::new();
     for f in 0..ofrags {
         let _ = writeln!(pv_decl, "        var pv{f} = {}();", a.ty("C", "f32"));
-        let _ = writeln!(
-            pv_mac,
-            "            pv{f} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), pv{f});",
-            a.ty("B", "f16"),
-            t * dvp,
-            f * t
-        );
+        let _ = writeln!(pv_mac, "{}", a.pv_line(&format!("pv{f}"), f));
         let _ = writeln!(
             fold,
             "        coopStoreT(pv{f}, &Ss[sg * {}u], {t}u);\n        workgroupBarrier();",
@@ -1614,13 +1620,7 @@ fn attention_coop(
     let mut out = String::new();
     for f in 0..ofrags {
         let _ = writeln!(odecl, "    var o{f} = {}();", a.ty("C", "f32"));
-        let _ = writeln!(
-            pv,
-            "            o{f} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), o{f});",
-            a.ty("B", "f16"),
-            t * dvp,
-            f * t
-        );
+        let _ = writeln!(pv, "{}", a.pv_line(&format!("o{f}"), f));
         let _ = write!(
             out,
             "    coopStoreT(o{f}, &Ss[sg * {sub}u], {t}u);
