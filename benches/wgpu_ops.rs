@@ -198,13 +198,18 @@ fn main() {
             // f16 activations let matrix products read both operands
             // straight from their bindings; two-pass attention is the
             // fallback form.
-            for (name, f16_activations, two_pass_attention) in
-                [("coop f16-act", true, false), ("coop 2-pass", false, true)]
-            {
+            // Products without split-K show what splitting the depth buys
+            // on the small-grid shapes.
+            for (name, f16_activations, two_pass_attention, split_k) in [
+                ("coop f16-act", true, false, true),
+                ("coop 2-pass", false, true, true),
+                ("coop no split-K", false, false, false),
+            ] {
                 if let Ok(g) = WgpuBackend::with_options(&Options {
                     adapter: adapter.clone(),
                     f16_activations,
                     two_pass_attention,
+                    split_k,
                     ..Options::default()
                 }) {
                     paths.push((name.to_string(), g));
@@ -263,7 +268,9 @@ fn main() {
         for (path, gpu) in &paths {
             let tiling = path.starts_with("coop ") && path.contains("sg of");
             let products = matches!(case.name, "gemm" | "conv" | "linear" | "deep_conv");
-            if (tiling && !products) || (path == "coop 2-pass" && case.name != "attention") {
+            if ((tiling || path == "coop no split-K") && !products)
+                || (path == "coop 2-pass" && case.name != "attention")
+            {
                 continue;
             }
             let label = format!("{} [{path}]", case.name);

@@ -285,9 +285,14 @@ fn devices_command() -> Result<i32> {
                 a.cooperative_matrix.join(", ")
             )?;
         }
+        let subgroup = match a.subgroup_size {
+            (0, _) => String::new(),
+            (lo, hi) if lo == hi => format!(", subgroup {lo} lanes"),
+            (lo, hi) => format!(", subgroup {lo}-{hi} lanes"),
+        };
         writeln!(
             out,
-            "  max storage binding {} MiB, max buffer {} MiB, workgroup memory {} KiB",
+            "  max storage binding {} MiB, max buffer {} MiB, workgroup memory {} KiB{subgroup}",
             a.max_storage_buffer_binding_size >> 20,
             a.max_buffer_size >> 20,
             a.max_compute_workgroup_storage_size >> 10

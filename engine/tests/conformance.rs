@@ -42,9 +42,17 @@ fn gpu(allow_f16: bool) -> Option<&'static WgpuBackend> {
 
 /// The tensor-core path: matrix products on cooperative matrices with f16
 /// operands and f32 accumulation, where the adapter has them.
+/// On an adapter without them (lavapipe), the same kernels run on
+/// emulated fragments.
 fn gpu_coop() -> Option<&'static WgpuBackend> {
     static COOP: GpuSlot = std::sync::OnceLock::new();
-    coop_slot(&COOP, Options::default())
+    coop_slot(
+        &COOP,
+        Options {
+            emulate_coopmat: true,
+            ..Options::default()
+        },
+    )
 }
 
 /// The cooperative path's other kernel forms: two-pass attention and GEMM
@@ -59,6 +67,7 @@ fn gpu_coop_alt() -> Option<&'static WgpuBackend> {
         Options {
             two_pass_attention: true,
             gemm_tiles: staged,
+            emulate_coopmat: true,
             ..Options::default()
         },
     )
@@ -70,8 +79,16 @@ fn coop_slot(slot: &'static GpuSlot, opts: Options) -> Option<&'static WgpuBacke
         match b.coop {
             Some(c) => {
                 eprintln!(
-                    "conformance: wgpu-coop on {}: {}x{} tiles, subgroup {}",
-                    b.adapter.name, c.tile, c.tile, c.subgroup
+                    "conformance: wgpu-coop on {}: {}x{} tiles, subgroup {}{}",
+                    b.adapter.name,
+                    c.tile,
+                    c.tile,
+                    c.subgroup,
+                    if c.emulated {
+                        " (emulated fragments: no cooperative matrices on this adapter)"
+                    } else {
+                        ""
+                    }
                 );
                 Some(b)
             }
@@ -172,8 +189,9 @@ fn run_on(
 }
 
 /// (name, runner, nmse floor) for every backend and precision path
-/// available here.
-fn backends() -> Vec<(&'static str, Runner, f64)> {
+/// available here; with `emulated`, also the cooperative kernels on
+/// emulated fragments where the adapter has no cooperative matrices.
+fn backends(emulated: bool) -> Vec<(&'static str, Runner, f64)> {
     let mut v: Vec<(&'static str, Runner, f64)> = vec![("cpu", run_cpu, 0.0)];
     if std::env::var_os("SDKIT_SKIP_WGPU").is_none() {
         if let Some(best) = gpu(true) {
@@ -187,7 +205,7 @@ fn backends() -> Vec<(&'static str, Runner, f64)> {
                 v.push(("wgpu-f16", run_wgpu_f16, F16_NMSE));
             }
             // f16 operands: the same error floor as f16 storage.
-            if gpu_coop().is_some() {
+            if gpu_coop().is_some_and(|g| emulated || g.coop.is_some_and(|c| !c.emulated)) {
                 v.push(("wgpu-coop", run_wgpu_coop, F16_NMSE));
                 if gpu_coop_alt().is_some() {
                     v.push(("wgpu-coop-alt", run_wgpu_coop_alt, F16_NMSE));
@@ -264,12 +282,53 @@ fn nmse(got: &[f32], want: &[f32]) -> f64 {
     }
 }
 
+thread_local! {
+    /// Cases this test thread has run on emulated fragments.
+    static EMULATED_CASES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Property-test cases per test that also run the cooperative kernels on
+/// emulated fragments: each random shape is a new shader, and lavapipe
+/// takes seconds to compile an emulated one. The fixed-shape tests below
+/// always run them.
+const EMULATED_CASES_PER_TEST: usize = 3;
+
 /// Plans and runs `g` on every backend; compares with the reference.
 fn check(g: TensorGraph, seed: u64, tol: f64, vocab: usize) -> Result<(), TestCaseError> {
+    let emulated = EMULATED_CASES.with(|n| {
+        n.set(n.get() + 1);
+        n.get() <= EMULATED_CASES_PER_TEST
+    });
+    check_on(g, seed, tol, vocab, emulated)
+}
+
+/// [`check`] on every backend, emulated fragments included.
+fn check_all(g: TensorGraph, seed: u64, tol: f64, vocab: usize) -> Result<(), TestCaseError> {
+    check_on(g, seed, tol, vocab, true)
+}
+
+fn check_on(
+    g: TensorGraph,
+    seed: u64,
+    tol: f64,
+    vocab: usize,
+    emulated: bool,
+) -> Result<(), TestCaseError> {
     let inputs = inputs_for(&g, seed, vocab);
+    check_inputs(g, &inputs, tol, emulated)
+}
+
+/// [`check_on`] with given input values.
+fn check_inputs(
+    g: TensorGraph,
+    inputs: &HashMap<String, Array>,
+    tol: f64,
+    emulated: bool,
+) -> Result<(), TestCaseError> {
+    let inputs = inputs.clone();
     let want = evaluate(&g, &inputs).map_err(TestCaseError::fail)?;
     let prog = plan(&g).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    for (name, run, floor) in backends() {
+    for (name, run, floor) in backends(emulated) {
         let tol = tol.max(floor);
         let got = run(&prog, &inputs).map_err(|e| TestCaseError::fail(format!("{name}: {e}")))?;
         prop_assert_eq!(got.len(), want.len());
@@ -545,9 +604,9 @@ proptest! {
 fn sd_blocks_match_reference() {
     use sdkit_engine::plan::samples::{resblock_graph, transformer_graph};
     let rb = resblock_graph(2, 64, 8, 128).expect("builds");
-    check(rb, 7, 1e-9, 0).expect("resblock");
+    check_all(rb, 7, 1e-9, 0).expect("resblock");
     let tb = transformer_graph(1, 64, 6, 12, 48, 8).expect("builds");
-    check(tb, 11, 1e-9, 0).expect("transformer");
+    check_all(tb, 11, 1e-9, 0).expect("transformer");
 }
 
 #[test]
@@ -559,7 +618,7 @@ fn large_products_use_every_tile_shape() {
         g.input("a", &[8, 520, 72])?
             .matmul(g.input("b", &[8, 72, 515])?)
     });
-    check(g, 5, 1e-9, 0).expect("batched matmul");
+    check_all(g, 5, 1e-9, 0).expect("batched matmul");
     let p = Conv2dParams {
         stride: [1; 2],
         padding: [1; 2],
@@ -573,7 +632,7 @@ fn large_products_use_every_tile_shape() {
             p,
         )
     });
-    check(g, 9, 1e-9, 0).expect("conv");
+    check_all(g, 9, 1e-9, 0).expect("conv");
     // Depths of whole fragments: f16 weights read straight from their
     // binding, with row counts that are not (edge fragments clamp).
     // (Widths of 136 are not whole fragments: staged instead.)
@@ -582,13 +641,58 @@ fn large_products_use_every_tile_shape() {
             g.input("a", &[4, 300, 128])?
                 .linear(g.weight("w", &[n, 128])?, Some(g.weight("bias", &[n])?))
         });
-        check(g, 11, 1e-9, 0).expect("linear");
+        check_all(g, 11, 1e-9, 0).expect("linear");
     }
     let g = build(|g| {
         g.input("x", &[2, 16, 40, 40])?
             .conv2d(g.weight("w", &[144, 16, 3, 3])?, None, p)
     });
-    check(g, 13, 1e-9, 0).expect("conv, direct weights");
+    check_all(g, 13, 1e-9, 0).expect("conv, direct weights");
+}
+
+/// The cooperative path (where there is one) splits `g`'s product.
+fn assert_splits(g: &TensorGraph) {
+    if let Some(b) = gpu_coop() {
+        let prog = plan(g).expect("plans");
+        assert!(b.scratch_bytes(&prog) > 0, "not split:\n{prog}");
+    }
+}
+
+#[test]
+fn deep_products_split_the_depth() {
+    // Few output tiles over a long depth (the UNet's deepest levels): the
+    // cooperative kernels split the depth over workgroups and a second
+    // pass sums the parts and applies the epilogue (bias, residual, GELU).
+    let p = Conv2dParams {
+        stride: [1; 2],
+        padding: [1; 2],
+        dilation: [1; 2],
+        groups: 1,
+    };
+    let g = build(|g| {
+        let c = g.input("x", &[2, 64, 4, 5])?.conv2d(
+            g.weight("w", &[64, 64, 3, 3])?,
+            Some(g.weight("bias", &[64])?),
+            p,
+        )?;
+        let s = c.shape();
+        c.add(g.input("res", &s)?)
+    });
+    assert_splits(&g);
+    check_all(g, 31, 1e-9, 0).expect("deep conv");
+    let g = build(|g| {
+        g.input("a", &[1, 16, 2048])?
+            .linear(g.weight("w", &[64, 2048])?, Some(g.weight("bias", &[64])?))
+            .map(|y| y.gelu())
+    });
+    assert_splits(&g);
+    check_all(g, 32, 1e-9, 0).expect("long linear");
+    // Staged operands and a depth that ends inside a step.
+    let g = build(|g| {
+        g.input("a", &[2, 20, 1000])?
+            .matmul(g.input("b", &[2, 1000, 24])?)
+    });
+    check_all(g, 33, 1e-9, 0).expect("long batched matmul");
 }
 
 #[test]
@@ -608,8 +712,30 @@ fn attention_heads_of_sd_widths() {
             };
             q.attention(k, v, mask, 1.0 / (d as f32).sqrt())
         });
-        check(g, 20 + i as u64, 1e-9, 0).expect("attention");
+        check_all(g, 20 + i as u64, 1e-9, 0).expect("attention");
     }
+}
+
+#[test]
+fn attention_with_growing_scores_rescales() {
+    // Scores that climb along the keys (a ramp in the additive mask): every
+    // block or two raises a row's maximum by more than the single-pass
+    // kernel's margin, so its output fragments are rescaled by factors far
+    // from 0 and 1, between blocks that only accumulate.
+    let (sq, skv) = (40, 200);
+    let g = build(|g| {
+        g.input("q", &[1, 2, sq, 24])?.attention(
+            g.input("k", &[1, 2, skv, 24])?,
+            g.input("v", &[1, 2, skv, 24])?,
+            Some(g.input("mask", &[sq, skv])?),
+            0.2,
+        )
+    });
+    let mut inputs = inputs_for(&g, 41, 0);
+    // Steps of 1/4 stay exact in f16 storage.
+    let ramp = (0..sq * skv).map(|i| 0.25 * (i % skv) as f32).collect();
+    inputs.insert("mask".into(), Array::new(vec![sq, skv], ramp));
+    check_inputs(g, &inputs, 1e-9, true).expect("attention");
 }
 
 #[test]
@@ -618,7 +744,7 @@ fn unet_shaped_graph_matches_reference() {
     // planned Program (fusion, views, arena reuse) against unfused
     // evaluation.
     let g = sdkit_engine::plan::samples::unet_like_graph(1, 32, 8, 2).expect("builds");
-    check(g, 3, 1e-8, 0).expect("unet");
+    check_all(g, 3, 1e-8, 0).expect("unet");
 }
 
 #[test]

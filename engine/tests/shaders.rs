@@ -1,8 +1,9 @@
 //! Every generated kernel form is valid WGSL for each capability set the
 //! backend may pick, checked by naga (WGSL front end, validator, SPIR-V
-//! back end) without an adapter. The cooperative-matrix kernels cannot run
-//! on lavapipe; this proves they compile, and the conformance suite checks
-//! their numbers on adapters that have the feature.
+//! back end) without an adapter. The cooperative-matrix kernels need the
+//! adapter feature; this proves they compile, and the conformance suite
+//! checks their numbers on adapters that have it (and on emulated
+//! fragments everywhere else).
 
 use sdkit_engine::backend::wgpu::codegen::{generate, tilings, Caps, Coop, Operand};
 use sdkit_engine::plan::{plan, Command};
@@ -59,6 +60,24 @@ fn graphs() -> Vec<(&'static str, TensorGraph)> {
         )
     });
     v.push(("attention", g.finish(&[y.expect("attention")])));
+    // Deep-level shapes: few output tiles over a long depth, so the
+    // cooperative forms split the depth (split-K).
+    let g = GraphBuilder::new();
+    let y = g.input("x", &[2, 64, 4, 4]).and_then(|x| {
+        let c = x.conv2d(
+            g.weight("w", &[64, 64, 3, 3])?,
+            Some(g.weight("b", &[64])?),
+            p,
+        )?;
+        let s = c.shape();
+        c.add(g.input("res", &s)?)
+    });
+    v.push(("deep conv, split-K", g.finish(&[y.expect("conv")])));
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[1, 16, 2048])
+        .and_then(|a| a.linear(g.weight("w", &[64, 2048])?, Some(g.weight("b", &[64])?)));
+    v.push(("long linear, split-K", g.finish(&[y.expect("linear")])));
     v
 }
 
@@ -84,10 +103,12 @@ fn every_kernel_form_compiles_for_every_capability_set() {
     let coop16 = Some(Coop {
         tile: 16,
         subgroup: 32,
+        emulated: false,
     });
     let coop8 = Some(Coop {
         tile: 8,
         subgroup: 32,
+        emulated: false,
     });
     let caps = [
         ("plain", Caps::plain()),
@@ -106,6 +127,7 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                 workgroup_memory: 49152,
                 gemm_tiles: None,
                 two_pass_attention: false,
+                split_k: true,
             },
         ),
         (
@@ -116,6 +138,7 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                 workgroup_memory: 32768,
                 gemm_tiles: None,
                 two_pass_attention: false,
+                split_k: true,
             },
         ),
     ];
@@ -143,10 +166,26 @@ fn every_kernel_form_compiles_for_every_capability_set() {
             coop: Some(Coop {
                 tile: 16,
                 subgroup: 64,
+                emulated: false,
             }),
             ..caps[2].1
         },
     ));
+    // The emulated fragments CI runs on lavapipe (8 lanes), both forms.
+    for two_pass_attention in [false, true] {
+        caps.push((
+            "coop8 emulated",
+            Caps {
+                coop: Some(Coop {
+                    tile: 8,
+                    subgroup: 8,
+                    emulated: true,
+                }),
+                two_pass_attention,
+                ..caps[3].1
+            },
+        ));
+    }
     let mut checked = 0;
     for (gname, g) in graphs() {
         let prog = plan(&g).expect("plan");
@@ -160,10 +199,30 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                     let ops = vec![Operand::whole(f16); k.inputs.len() + 1];
                     let sh =
                         generate(k, &ops, cap).unwrap_or_else(|e| panic!("{gname} {cname}: {e}"));
-                    if cap.coop.is_some()
-                        && matches!(k.kind.name(), "matmul" | "conv2d" | "attention")
+                    if let Some(c) = cap
+                        .coop
+                        .filter(|_| matches!(k.kind.name(), "matmul" | "conv2d" | "attention"))
                     {
-                        assert!(sh.source.contains("coopMultiplyAdd"), "{gname}: no coop");
+                        // Emulated fragments multiply in `cmma`.
+                        let mma = if c.emulated {
+                            "cmma("
+                        } else {
+                            "coopMultiplyAdd"
+                        };
+                        assert!(sh.source.contains(mma), "{gname} {cname}: no coop");
+                    }
+                    if cap.coop.is_some()
+                        && cap.split_k
+                        && cap.gemm_tiles.is_none()
+                        && gname.ends_with("split-K")
+                    {
+                        assert!(sh.finish.is_some(), "{gname} {cname}: not split");
+                    }
+                    if let Some(f) = &sh.finish {
+                        validate(
+                            &format!("{gname} [{cname}, f16 {f16}, split-K sum]"),
+                            &f.source,
+                        );
                     }
                     let name = format!("{gname} [{cname}, f16 {f16}]");
                     // SDKIT_SHADER_DUMP=substring prints matching shaders.

@@ -19,6 +19,19 @@ pub struct Shader {
     pub source: String,
     /// Workgroups along x, y, z.
     pub groups: [u32; 3],
+    /// Split-K ([`Caps::split_k`]): the pass above writes partial products
+    /// into a scratch binding after the operands, and this second pass
+    /// (same bindings) sums them and applies the epilogue.
+    pub finish: Option<Finish>,
+}
+
+/// The second pass of a split-K product.
+#[derive(Clone, Debug)]
+pub struct Finish {
+    pub source: String,
+    pub groups: [u32; 3],
+    /// f32 elements the scratch binding holds.
+    pub scratch_elems: usize,
 }
 
 /// Exact f32 literal: bit pattern, so constants survive formatting and
@@ -179,6 +192,25 @@ impl Operand {
 pub struct Coop {
     pub tile: u32,
     pub subgroup: u32,
+    /// Fragments emulated in plain WGSL ([`super::emulate`]): the same
+    /// kernels on an adapter without cooperative matrices, for tests.
+    pub emulated: bool,
+}
+
+impl Coop {
+    /// A tile extent chosen for 16×16 fragments (a multiple of 16), in
+    /// this configuration's elements. Emulated fragments keep the 16×16
+    /// kernels' fragment counts (2×2 fragments per subgroup stay 2×2 on
+    /// emulated 8×8 ones), so tests on them run the structure tensor cores
+    /// run, at the emulation's compile cost per fragment; real 8×8
+    /// hardware keeps the extents.
+    fn extent(&self, elems: usize) -> usize {
+        if self.emulated {
+            elems * self.tile as usize / 16
+        } else {
+            elems
+        }
+    }
 }
 
 /// What the adapter lets generated kernels use.
@@ -197,6 +229,10 @@ pub struct Caps {
     /// instead of one with per-row rescaling; the conformance suite checks
     /// both forms.
     pub two_pass_attention: bool,
+    /// Cooperative products whose grid would leave most of a large GPU
+    /// idle (the deep UNet levels: few output tiles, long depth) split
+    /// the depth over several workgroups and sum in a second pass.
+    pub split_k: bool,
 }
 
 impl Caps {
@@ -209,6 +245,7 @@ impl Caps {
             workgroup_memory: 16384,
             gemm_tiles: None,
             two_pass_attention: false,
+            split_k: true,
         }
     }
 }
@@ -230,6 +267,8 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
         )
     };
     let groups;
+    // The split-K second pass's body, grid and scratch size.
+    let mut finish: Option<(String, [u32; 3], usize)> = None;
     match &k.kind {
         KernelKind::Elementwise => {
             src.push_str(&simple("    dst[gi] = epi(0.0, gi);"));
@@ -273,9 +312,10 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                     .get(1)
                     .and_then(|o| Direct::of(1, o, brs, (bo, bbs), bcs)),
             };
-            let (code, tiles) = g.emit(caps, &load_a, &load_b, &store);
+            let (code, tiles, split) = g.emit(caps, &load_a, &load_b, &store);
             src.push_str(&code);
             groups = tiles;
+            finish = split.map(|f| (format!("{PRELUDE}{}{}", epilogue_fn(k), f.0), f.1, f.2));
         }
         KernelKind::Conv2d {
             n,
@@ -343,9 +383,10 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                     .and_then(|o| Direct::of(1, o, 1, (0, 0), kk)),
                 direct_b: None,
             };
-            let (code, tiles) = gm.emit(caps, &load_a, &load_b, &store);
+            let (code, tiles, split) = gm.emit(caps, &load_a, &load_b, &store);
             src.push_str(&code);
             groups = tiles;
+            finish = split.map(|f| (format!("{PRELUDE}{}{}", epilogue_fn(k), f.0), f.1, f.2));
         }
         KernelKind::GroupNorm {
             n,
@@ -601,10 +642,6 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             groups = grid(n_out);
         }
     }
-    // Every input read goes through `rd{j}(i)` and every store through
-    // `wr(i, v)`: they widen f16 storage to f32 (arithmetic stays f32) and
-    // pick the binding of a tensor split over several.
-    let body = route_writes(&route_reads(&src, k.inputs.len()));
     if operands.len() != k.inputs.len() + 1 {
         return Err(format!(
             "{} operand layouts for {} inputs and an output",
@@ -612,6 +649,37 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             k.inputs.len()
         ));
     }
+    let split = finish.is_some();
+    let source = bind(&src, k.inputs.len(), operands, caps, split)?;
+    let finish = match finish {
+        Some((body, groups, scratch_elems)) => Some(Finish {
+            source: bind(&body, k.inputs.len(), operands, caps, true)?,
+            groups,
+            scratch_elems,
+        }),
+        None => None,
+    };
+    Ok(Shader {
+        source,
+        groups,
+        finish,
+    })
+}
+
+/// A kernel body made a complete shader: the bindings of its operands
+/// (and of the split-K scratch `part`, after them), their accessors, and
+/// emulated fragments where the caps ask for them.
+fn bind(
+    src: &str,
+    n_inputs: usize,
+    operands: &[Operand],
+    caps: &Caps,
+    scratch: bool,
+) -> Result<String, String> {
+    // Every input read goes through `rd{j}(i)` and every store through
+    // `wr(i, v)`: they widen f16 storage to f32 (arithmetic stays f32) and
+    // pick the binding of a tensor split over several.
+    let body = route_writes(&route_reads(src, n_inputs));
     let mut head = String::new();
     let coop = body.contains("coop_mat");
     if coop || operands.iter().any(|o| o.f16) {
@@ -624,7 +692,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
     // `enable subgroups;` directive yet.
     let mut binding = 0;
     for (j, op) in operands.iter().enumerate() {
-        let is_out = j == k.inputs.len();
+        let is_out = j == n_inputs;
         let name = if is_out {
             "dst".to_string()
         } else {
@@ -660,11 +728,19 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             let _ = writeln!(head, "fn rd{j}(i: u32) -> f32 {{ {access} }}");
         }
     }
+    if scratch {
+        let _ = writeln!(
+            head,
+            "@group(0) @binding({binding}) var<storage, read_write> part: array<f32>;"
+        );
+    }
     head.push_str(&body);
-    Ok(Shader {
-        source: head,
-        groups,
-    })
+    match caps.coop {
+        Some(c) if c.emulated && coop => {
+            super::emulate::emulate(&head, c.tile as usize, c.subgroup as usize)
+        }
+        _ => Ok(head),
+    }
 }
 
 /// Rewrites every `inJ[expr]` into `rdJ(expr)` (brackets matched).
@@ -869,6 +945,14 @@ impl Direct {
     }
 }
 
+/// Workgroups a split-K product aims for: about two per SM of a large GPU.
+const SPLIT_TARGET: usize = 256;
+/// Depth steps each split keeps at least, so the partial sums' extra
+/// traffic stays small beside the product.
+const SPLIT_MIN_STEPS: usize = 8;
+/// Partial-sum elements a split may write (64 MiB of f32).
+const SPLIT_MAX_SCRATCH: usize = 16 << 20;
+
 /// How a cooperative-matrix GEMM workgroup divides its tile:
 /// `sg_rows`×`sg_cols` subgroups, each owning `rows`×`cols` outputs
 /// (multiples of the fragment size), over depth steps of `bk`; `direct`
@@ -914,7 +998,14 @@ pub fn tilings() -> Vec<CoopTiles> {
 impl Gemm {
     /// The shader body and launch grid: cooperative matrices where the
     /// adapter has them, else the portable register-tiled kernel.
-    fn emit(&self, caps: &Caps, load_a: &str, load_b: &str, store: &str) -> (String, [u32; 3]) {
+    #[allow(clippy::type_complexity)]
+    fn emit(
+        &self,
+        caps: &Caps,
+        load_a: &str,
+        load_b: &str,
+        store: &str,
+    ) -> (String, [u32; 3], Option<(String, [u32; 3], usize)>) {
         let funcs = format!("{load_a}\n{load_b}\n{store}\n");
         let Some(c) = caps.coop else {
             return (
@@ -924,18 +1015,70 @@ impl Gemm {
                     self.m.div_ceil(64) as u32,
                     self.batch as u32,
                 ],
+                None,
             );
         };
-        let tiles = caps
-            .gemm_tiles
-            .unwrap_or_else(|| self.tiles_for(c.tile as usize));
-        let code = funcs + &self.coop(c, tiles);
+        let tiles = caps.gemm_tiles.unwrap_or_else(|| self.tiles_for(c));
+        let tiles = CoopTiles {
+            rows: c.extent(tiles.rows),
+            cols: c.extent(tiles.cols),
+            bk: c.extent(tiles.bk),
+            ..tiles
+        };
+        let gx = self.n.div_ceil(tiles.sg_cols * tiles.cols);
+        let gy = self.m.div_ceil(tiles.sg_rows * tiles.rows);
+        let split = if caps.split_k {
+            self.split(gx * gy * self.batch, tiles.bk)
+        } else {
+            None
+        };
+        let code = funcs.clone() + &self.coop(c, tiles, split);
         let groups = [
-            self.n.div_ceil(tiles.sg_cols * tiles.cols) as u32,
-            self.m.div_ceil(tiles.sg_rows * tiles.rows) as u32,
-            self.batch as u32,
+            gx as u32,
+            gy as u32,
+            (self.batch * split.map_or(1, |(s, _)| s)) as u32,
         ];
-        (code, groups)
+        let finish = split.map(|(splits, _)| {
+            let total = self.batch * self.m * self.n;
+            let body = format!(
+                "{funcs}@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{
+    {LINEAR_ID}
+    if (gi >= {total}u) {{ return; }}
+    var v = 0.0;
+    for (var p = 0u; p < {splits}u; p++) {{ v = v + part[p * {total}u + gi]; }}
+    let rc = gi % {mn}u;
+    store(gi / {mn}u, rc / {n}u, rc % {n}u, v);
+}}
+",
+                mn = self.m * self.n,
+                n = self.n,
+            );
+            (body, grid(total), splits * total)
+        });
+        (code, groups, finish)
+    }
+
+    /// Split-K for a grid of `workgroups` over depth steps of `bk`: None
+    /// when the grid already fills a large GPU (an H200 has 132 SMs), else
+    /// (splits, depth per split) so that about [`SPLIT_TARGET`] workgroups
+    /// run, each split keeping at least [`SPLIT_MIN_STEPS`] steps and the
+    /// partial sums within [`SPLIT_MAX_SCRATCH`] elements.
+    fn split(&self, workgroups: usize, bk: usize) -> Option<(usize, usize)> {
+        if workgroups >= SPLIT_TARGET / 2 {
+            return None;
+        }
+        let steps = self.k.div_ceil(bk);
+        let outputs = self.batch * self.m * self.n;
+        let want = SPLIT_TARGET
+            .div_ceil(workgroups)
+            .min(steps / SPLIT_MIN_STEPS)
+            .min(SPLIT_MAX_SCRATCH / outputs.max(1));
+        if want < 2 {
+            return None;
+        }
+        let per = steps.div_ceil(want);
+        Some((steps.div_ceil(per), per * bk))
     }
 
     /// The tiling by operand kind and size, from the tiling table measured
@@ -943,7 +1086,8 @@ impl Gemm {
     /// weights) 4×2 subgroups of 32×32 led at every conv size measured;
     /// with only B direct (linear weights) 2×2 of 32×32; with both staged,
     /// 128×128 tiles (2×4 of 64×32) where the grid stays large, else 64×64.
-    fn tiles_for(&self, t: usize) -> CoopTiles {
+    fn tiles_for(&self, c: Coop) -> CoopTiles {
+        let t = c.tile as usize;
         let whole = |dim: usize| self.k.is_multiple_of(t) && dim.is_multiple_of(t);
         let a_direct = self.direct_a.is_some() && whole(self.m);
         let b_direct = self.direct_b.is_some() && whole(self.n);
@@ -955,11 +1099,12 @@ impl Gemm {
             bk: 32,
             direct: true,
         };
-        let big_tiles = self.m.div_ceil(128) * self.n.div_ceil(128) * self.batch;
+        let big = c.extent(128);
+        let big_tiles = self.m.div_ceil(big) * self.n.div_ceil(big) * self.batch;
         match (a_direct, b_direct) {
             (true, false) => tiles(4, 2, 32, 32),
             (false, true) => tiles(2, 2, 32, 32),
-            _ if self.m >= 128 && self.n >= 128 && big_tiles >= 128 => tiles(2, 4, 64, 32),
+            _ if self.m >= big && self.n >= big && big_tiles >= 128 => tiles(2, 4, 64, 32),
             _ => tiles(2, 2, 32, 32),
         }
     }
@@ -971,7 +1116,7 @@ impl Gemm {
     /// goes through a per-subgroup f32 scratch fragment, so `store` (bias,
     /// activation, residual, f16 output, split bindings) stays the same as
     /// the portable kernel's.
-    fn coop<'a>(&'a self, c: Coop, sh: CoopTiles) -> String {
+    fn coop<'a>(&'a self, c: Coop, sh: CoopTiles, split: Option<(usize, usize)>) -> String {
         let t = c.tile as usize;
         let s = c.subgroup as usize;
         let (fm, fnn) = (sh.rows / t, sh.cols / t);
@@ -991,6 +1136,28 @@ impl Gemm {
         let da = usable(self.direct_a.as_ref(), m);
         let db = usable(self.direct_b.as_ref(), n);
         let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
+        // Where the workgroup's depth range starts and ends, and where its
+        // results go: the epilogue, or its split's partial sums.
+        let (prologue, k_begin, k_end, result) = match split {
+            None => (
+                "    let z = wg.z;\n".to_string(),
+                "0u".to_string(),
+                format!("{k}u"),
+                "store(z, r, col, Cs[sg * {tt}u + e])".replace("{tt}", &(t * t).to_string()),
+            ),
+            Some((splits, per)) => (
+                format!(
+                    "    let z = wg.z / {splits}u;\n    let k_begin = (wg.z % {splits}u) * {per}u;\n    let k_end = min(k_begin + {per}u, {k}u);\n"
+                ),
+                "k_begin".to_string(),
+                "k_end".to_string(),
+                format!(
+                    "part[(((wg.z % {splits}u) * {batch}u + z) * {m}u + r) * {n}u + col] = Cs[sg * {tt}u + e]",
+                    batch = self.batch,
+                    tt = t * t
+                ),
+            ),
+        };
         let mut decl = String::new();
         let mut mac = String::new();
         let mut epi = String::new();
@@ -1052,7 +1219,7 @@ impl Gemm {
     for (var e = lane; e < {tt}u; e += {s}u) {{
         let r = row0 + sm * {rows}u + {ri}u + e / {t}u;
         let col = col0 + sn * {cols}u + {ci}u + e % {t}u;
-        if (r < {m}u && col < {n}u) {{ store(z, r, col, Cs[sg * {tt}u + e]); }}
+        if (r < {m}u && col < {n}u) {{ {out}; }}
     }}
     workgroupBarrier();
 ",
@@ -1061,6 +1228,7 @@ impl Gemm {
                     cols = sh.cols,
                     ri = i * t,
                     ci = j * t,
+                    out = result,
                 );
             }
         }
@@ -1116,7 +1284,7 @@ impl Gemm {
         // fragment). A loop bound, not an `if`: naga treats branches on
         // local variables as non-uniform, which cooperative ops forbid.
         let depth_end = if da.is_some() || db.is_some() {
-            format!("min({bk}u, {k}u - k0)")
+            format!("min({bk}u, {k_end} - k0)")
         } else {
             format!("{bk}u")
         };
@@ -1124,12 +1292,11 @@ impl Gemm {
             "{shared}var<workgroup> Cs: array<f32, {c_len}>;
 @compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
-    let z = wg.z;
-    let row0 = wg.y * {bm}u;
+{prologue}    let row0 = wg.y * {bm}u;
     let col0 = wg.x * {bn}u;
     let sm = sg / {sgc}u;
     let sn = sg % {sgc}u;
-{decl}    for (var k0 = 0u; k0 < {k}u; k0 += {bk}u) {{
+{decl}    for (var k0 = {k_begin}; k0 < {k_end}; k0 += {bk}u) {{
 {stage}{barrier}        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
 {mac}        }}
 {barrier}    }}
@@ -1330,6 +1497,7 @@ impl CoopAttention {
         };
         let bk = [64, 32, 16]
             .into_iter()
+            .map(|b| c.extent(b))
             .filter(|&b| b >= t && b % lanes_per_row == 0)
             .find(|&b| bytes(b) <= caps.workgroup_memory as usize)?;
         let qblocks = sq.div_ceil(bq);
@@ -1457,11 +1625,19 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 /// multiple of T. Per block of keys: K and V are staged as f16, the
 /// scores come from fragments (Q held in registers) into workgroup
 /// memory, then every lane takes one query row and a share of the keys
-/// (rows' maxima and sums combined across lanes by subgroup shuffles),
-/// writes the probabilities as f16, and P·V lands in fresh fragments.
-/// Each lane keeps its row's share of the output in registers, where the
-/// per-row rescaling that fragments cannot do is a plain multiply.
-/// None when the workgroup memory cannot hold the smallest block.
+/// (rows' maxima and sums combined across lanes by subgroup shuffles) and
+/// writes the probabilities as f16, and P·V accumulates straight into the
+/// output fragments.
+///
+/// Fragments cannot be scaled per row, so the output is rescaled lazily:
+/// each row's probabilities are exp(s − m) against a reference maximum m
+/// that only moves when a block's maximum exceeds it by more than
+/// [`ATTN_RESCALE_MARGIN`] (probabilities stay ≤ e^8, well inside f16).
+/// Only then (on the first block, and rarely after) do the workgroup's
+/// output fragments take a round trip through workgroup memory to be
+/// multiplied by exp(m_old − m_new) row by row; the decision is one
+/// workgroup-uniform flag. None when the workgroup memory cannot hold the
+/// smallest block.
 #[allow(clippy::too_many_arguments)]
 fn attention_coop_single(
     bh: usize,
@@ -1485,10 +1661,13 @@ fn attention_coop_single(
         return None;
     }
     let cpl = t / lpr;
-    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, lpr, 0)?;
+    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, lpr, 4)?;
     let (bk, dvp) = (a.bk, a.dvp);
     let kpl = bk / lpr;
     let ofrags = dvp / t;
+    // Output fragments per round trip: as many as the subgroup's score
+    // rows hold.
+    let per_trip = (bk / t).max(1);
     // Subgroup all-reduce over the lanes sharing a row (lane = part·T + row).
     let reduce = |v: &str, combine: &dyn Fn(&str, &str) -> String| -> String {
         let mut out = String::new();
@@ -1500,42 +1679,69 @@ fn attention_coop_single(
         }
         out
     };
-    let mut pv_decl = String::new();
+    let tt = t * t;
+    let sub = t * bk;
+    let mut o_decl = String::new();
     let mut pv_mac = String::new();
-    let mut fold = String::new();
+    let mut rescale = String::new();
     let mut store = String::new();
     for f in 0..ofrags {
-        let _ = writeln!(pv_decl, "        var pv{f} = {}();", a.ty("C", "f32"));
-        let _ = writeln!(pv_mac, "{}", a.pv_line(&format!("pv{f}"), f));
+        let _ = writeln!(o_decl, "    var o{f} = {}();", a.ty("C", "f32"));
+        let _ = writeln!(pv_mac, "{}", a.pv_line(&format!("o{f}"), f));
+    }
+    // Round trips of up to `per_trip` fragments through the subgroup's
+    // score rows: store, scale the lane's share of its row, load back.
+    for first in (0..ofrags).step_by(per_trip) {
+        let trip: Vec<usize> = (first..(first + per_trip).min(ofrags)).collect();
+        for (i, f) in trip.iter().enumerate() {
+            let _ = writeln!(
+                rescale,
+                "            coopStoreT(o{f}, &Ss[sg * {sub}u + {}u], {t}u);",
+                i * tt
+            );
+        }
+        let _ = writeln!(rescale, "            workgroupBarrier();");
+        for i in 0..trip.len() {
+            let _ = writeln!(
+                rescale,
+                "            for (var e = 0u; e < {cpl}u; e++) {{ let at = sg * {sub}u + {}u + r * {t}u + part * {cpl}u + e; Ss[at] = Ss[at] * corr; }}",
+                i * tt
+            );
+        }
+        let _ = writeln!(rescale, "            workgroupBarrier();");
+        for (i, f) in trip.iter().enumerate() {
+            let _ = writeln!(
+                rescale,
+                "            o{f} = coopLoadT<{}>(&Ss[sg * {sub}u + {}u], {t}u);",
+                a.ty("C", "f32"),
+                i * tt
+            );
+        }
+        let _ = writeln!(rescale, "            workgroupBarrier();");
+    }
+    // The epilogue: each fragment through workgroup memory, divided by the
+    // row sums.
+    for f in 0..ofrags {
         let _ = writeln!(
-            fold,
-            "        coopStoreT(pv{f}, &Ss[sg * {}u], {t}u);\n        workgroupBarrier();",
-            t * bk
+            store,
+            "    coopStoreT(o{f}, &Ss[sg * {sub}u], {t}u);\n    workgroupBarrier();"
         );
         for i in 0..cpl {
             let _ = writeln!(
-                fold,
-                "        o[{oi}] = o[{oi}] * corr + Ss[sg * {sub}u + r * {t}u + part * {cpl}u + {i}u];",
-                oi = f * cpl + i,
-                sub = t * bk,
-            );
-            let _ = writeln!(
                 store,
-                "        {{ let col = {}u + part * {cpl}u + {i}u; if (col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; dst[oi] = epi(o[{}] / l, oi); }} }}",
+                "    {{ let col = {}u + part * {cpl}u + {i}u; if (qrow < {sq}u && col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; dst[oi] = epi(Ss[sg * {sub}u + r * {t}u + part * {cpl}u + {i}u] / l, oi); }} }}",
                 f * t,
-                f * cpl + i
             );
         }
-        let _ = writeln!(fold, "        workgroupBarrier();");
+        let _ = writeln!(store, "    workgroupBarrier();");
     }
     let code = format!(
         "{head}    let r = lane % {t}u;
     let part = lane / {t}u;
     let qrow = q0 + sg * {t}u + r;
     let qi = min(qrow, {sqm}u);
-    let srow = sg * {tbk}u + r * {bk}u + part * {kpl}u;
-    var o: array<f32, {olen}>;
-    var m = -3.4028235e38;
+    let srow = sg * {sub}u + r * {bk}u + part * {kpl}u;
+{o_decl}    var m = -3.4028235e38;
     var l = 0.0;
     for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
 {stage_k}{stage_v}        workgroupBarrier();
@@ -1546,43 +1752,54 @@ fn attention_coop_single(
             if (j0 + j < {skv}u) {{ var s = Ss[srow + jj]; {mask} Ss[srow + jj] = s; bm = max(bm, s); }}
         }}
        {red_max}
-        let mn = max(m, bm);
-        let corr = exp(m - mn);
+        if (bm > m + {margin}) {{ atomicOr(&rescale, 1u); }}
+        let moved = workgroupUniformLoad(&rescale);
+        if (tid == 0u) {{ atomicStore(&rescale, 0u); }}
+        var corr = 1.0;
+        if (moved != 0u) {{
+            let mn = max(m, bm);
+            corr = exp(m - mn);
+            m = mn;
+        }}
         var ps = 0.0;
         for (var jj = 0u; jj < {kpl}u; jj++) {{
             let j = part * {kpl}u + jj;
             var p = 0.0;
-            if (j0 + j < {skv}u) {{ p = exp(Ss[srow + jj] - mn); }}
+            if (j0 + j < {skv}u) {{ p = exp(Ss[srow + jj] - m); }}
             ps = ps + p;
             Ps[srow + jj] = f16(p);
         }}
        {red_sum}
         l = l * corr + ps;
-        m = mn;
         workgroupBarrier();
-{pv_decl}        for (var kf = 0u; kf < {kfs}u; kf++) {{
-            let pa = coopLoadT<{pty}>(&Ps[sg * {tbk}u + kf * {t}u], {bk}u);
+        if (moved != 0u) {{
+{rescale}        }}
+        for (var kf = 0u; kf < {kfs}u; kf++) {{
+            let pa = coopLoadT<{pty}>(&Ps[sg * {sub}u + kf * {t}u], {bk}u);
 {pv_mac}        }}
-{fold}    }}
-    if (qrow < {sq}u) {{
-{store}    }}
-}}
+        workgroupBarrier();
+    }}
+{store}}}
 ",
-        head = a.head(""),
+        head = a.head("var<workgroup> rescale: atomic<u32>;\n"),
         stage_k = a.stage_k(),
         stage_v = a.stage_v(),
         scores = a.scores(),
         mask = a.mask(masked),
-        tbk = t * bk,
         sqm = sq.saturating_sub(1),
-        olen = ofrags * cpl,
         kfs = bk / t,
         pty = a.ty("A", "f16"),
+        margin = lit(ATTN_RESCALE_MARGIN),
         red_max = reduce("bm", &|a, b| format!("max({a}, {b})")),
         red_sum = reduce("ps", &|a, b| format!("{a} + {b}")),
     );
     Some((code, a.groups()))
 }
+
+/// How far (natural log) a row's block maximum may exceed its reference
+/// maximum before the output is rescaled: probabilities stay ≤ e^8 ≈
+/// 2981, exact enough in f16 (max 65504) and summed in f32.
+const ATTN_RESCALE_MARGIN: f32 = 8.0;
 
 /// Attention on cooperative matrices: a workgroup of 4 subgroups takes
 /// 4·T queries of one (batch, head), each subgroup T of them, with the

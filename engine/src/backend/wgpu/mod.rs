@@ -7,12 +7,19 @@
 //! and are cached by source, so replaying a Program compiles nothing new.
 //!
 //! Weights are stored as f16 where the adapter has SHADER_F16 (arithmetic
-//! stays f32). Tensors larger than the device's storage binding limit are
-//! bound as several consecutive ranges, which the generated accessors pick
-//! between. Not yet: f16 arithmetic, subgroup and cooperative-matrix paths,
-//! overlapping uploads with compute.
+//! stays f32; activations too with [`Options::f16_activations`]).
+//! Reductions use subgroup operations where the adapter has SUBGROUP, and
+//! matmul, conv and attention run on cooperative matrices (tensor cores)
+//! where it offers f16 fragments with f32 accumulation; elsewhere the
+//! portable register-tiled kernels run, and [`Options::emulate_coopmat`]
+//! runs the cooperative kernels on emulated fragments for tests. Tensors
+//! larger than the device's storage binding limit are bound as several
+//! consecutive ranges, which the generated accessors pick between.
+//! Streamed weights are copied between compute passes on the one queue,
+//! not yet overlapped with compute.
 
 pub mod codegen;
+mod emulate;
 
 use crate::backend::cpu::Bindings;
 use crate::backend::BindError;
@@ -63,6 +70,8 @@ pub struct AdapterReport {
     pub max_storage_buffer_binding_size: u64,
     pub max_buffer_size: u64,
     pub max_compute_workgroup_storage_size: u32,
+    /// Lanes per subgroup (min, max); 0 where the adapter does not say.
+    pub subgroup_size: (u32, u32),
 }
 
 fn report(a: &wgpu::Adapter) -> AdapterReport {
@@ -108,6 +117,7 @@ fn report(a: &wgpu::Adapter) -> AdapterReport {
         max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
         max_buffer_size: limits.max_buffer_size,
         max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
+        subgroup_size: (info.subgroup_min_size, info.subgroup_max_size),
     }
 }
 
@@ -155,7 +165,20 @@ fn coop_config(a: &wgpu::Adapter) -> Option<codegen::Coop> {
             .then_some(codegen::Coop {
                 tile: t,
                 subgroup: info.subgroup_min_size,
+                emulated: false,
             })
+    })
+}
+
+/// Emulated fragments ([`Options::emulate_coopmat`]): a row per lane, so
+/// tiles as wide as the adapter's fixed subgroup (8 or 16 lanes).
+fn emulated_coop(a: &wgpu::Adapter) -> Option<codegen::Coop> {
+    let info = a.get_info();
+    let lanes = info.subgroup_min_size;
+    (lanes == info.subgroup_max_size && matches!(lanes, 8 | 16)).then_some(codegen::Coop {
+        tile: lanes,
+        subgroup: lanes,
+        emulated: true,
     })
 }
 
@@ -281,6 +304,14 @@ pub struct Options {
     pub gemm_tiles: Option<codegen::CoopTiles>,
     /// Cooperative attention in two passes (see [`codegen::Caps`]).
     pub two_pass_attention: bool,
+    /// Where the adapter has no cooperative matrices (but SUBGROUP and
+    /// SHADER_F16 with a fixed subgroup size), run the cooperative kernels
+    /// on fragments emulated in plain WGSL: much slower, for testing those
+    /// kernels on any adapter (lavapipe in CI).
+    pub emulate_coopmat: bool,
+    /// Split the depth of cooperative products whose grid is too small to
+    /// fill the GPU ([`codegen::Caps::split_k`]); off only to compare.
+    pub split_k: bool,
     /// Folder for the driver's compiled-pipeline cache (wgpu's
     /// PipelineCache, where the adapter has PIPELINE_CACHE): loaded when
     /// the device opens and rewritten after prepares that compiled new
@@ -312,6 +343,8 @@ impl Default for Options {
             max_binding_bytes: None,
             gemm_tiles: None,
             two_pass_attention: false,
+            emulate_coopmat: false,
+            split_k: true,
             pipeline_cache_dir: None,
             budget: None,
             device_memory: None,
@@ -336,6 +369,10 @@ pub struct WgpuBackend {
     pub adapter: AdapterReport,
     limits: wgpu::Limits,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    /// Bind group and pipeline layouts by binding count: every binding a
+    /// read-write storage buffer. Explicit, so both passes of a split-K
+    /// product take one bind group though each reads only some bindings.
+    layouts: Mutex<HashMap<u32, Arc<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>>>,
     /// The driver's pipeline cache and the file it persists to.
     pipeline_cache: Option<(wgpu::PipelineCache, std::path::PathBuf)>,
     /// Pipelines compiled since the cache file was last written.
@@ -443,11 +480,16 @@ impl WgpuBackend {
             features |= wgpu::Features::SUBGROUP;
         }
         let coop = if opts.allow_coopmat && f16 && subgroups {
-            coop_config(&adapter)
+            coop_config(&adapter).or_else(|| {
+                opts.emulate_coopmat
+                    .then(|| emulated_coop(&adapter))
+                    .flatten()
+            })
         } else {
             None
         };
-        if coop.is_some() {
+        let tensor_cores = coop.is_some_and(|c| !c.emulated);
+        if tensor_cores {
             features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
         }
         let cache_file = opts.pipeline_cache_dir.as_ref().and_then(|dir| {
@@ -464,7 +506,7 @@ impl WgpuBackend {
             label: Some("sdkit"),
             required_features: features,
             required_limits: limits.clone(),
-            experimental_features: if coop.is_some() {
+            experimental_features: if tensor_cores {
                 experimental()
             } else {
                 wgpu::ExperimentalFeatures::disabled()
@@ -483,6 +525,7 @@ impl WgpuBackend {
             workgroup_memory: limits.max_compute_workgroup_storage_size,
             gemm_tiles: opts.gemm_tiles,
             two_pass_attention: opts.two_pass_attention,
+            split_k: opts.split_k,
         };
         Ok(WgpuBackend {
             f16_weights: f16,
@@ -497,6 +540,7 @@ impl WgpuBackend {
             adapter: report(&adapter),
             limits,
             pipelines: Mutex::new(HashMap::new()),
+            layouts: Mutex::new(HashMap::new()),
             pipeline_cache,
             unsaved_pipelines: std::sync::atomic::AtomicUsize::new(0),
             budget: opts.budget,
@@ -614,7 +658,49 @@ impl WgpuBackend {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn pipeline(&self, source: &str) -> Result<Arc<wgpu::ComputePipeline>, String> {
+    /// The layouts of `bindings` read-write storage bindings.
+    fn layout(&self, bindings: u32) -> Arc<(wgpu::BindGroupLayout, wgpu::PipelineLayout)> {
+        let mut layouts = self
+            .layouts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        layouts
+            .entry(bindings)
+            .or_insert_with(|| {
+                let entries: Vec<wgpu::BindGroupLayoutEntry> = (0..bindings)
+                    .map(|binding| wgpu::BindGroupLayoutEntry {
+                        binding,
+                        visibility: wgpu::ShaderStages::COMPUTE,
+                        ty: wgpu::BindingType::Buffer {
+                            ty: wgpu::BufferBindingType::Storage { read_only: false },
+                            has_dynamic_offset: false,
+                            min_binding_size: None,
+                        },
+                        count: None,
+                    })
+                    .collect();
+                let group =
+                    self.device
+                        .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                            label: None,
+                            entries: &entries,
+                        });
+                let pipeline =
+                    self.device
+                        .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                            label: None,
+                            bind_group_layouts: &[Some(&group)],
+                            immediate_size: 0,
+                        });
+                Arc::new((group, pipeline))
+            })
+            .clone()
+    }
+
+    /// The pipeline of `source`, whose bindings are `bindings` read-write
+    /// storage buffers (compiled once per source).
+    fn pipeline(&self, source: &str, bindings: u32) -> Result<Arc<wgpu::ComputePipeline>, String> {
+        let layout = self.layout(bindings);
         let mut cache = self
             .pipelines
             .lock()
@@ -633,7 +719,7 @@ impl WgpuBackend {
             .device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: None,
-                layout: None,
+                layout: Some(&layout.1),
                 module: &module,
                 entry_point: Some("main"),
                 compilation_options: Default::default(),
@@ -888,6 +974,10 @@ impl WgpuBackend {
                 _ => {}
             }
         }
+        // One scratch buffer for every split-K product's partial sums.
+        let scratch_bytes = self.scratch_bytes(prog);
+        let scratch =
+            (scratch_bytes > 0).then(|| self.storage_buffer(scratch_bytes, "split-k scratch"));
         let mut prepared = Vec::new();
         for c in &prog.commands {
             let Command::Dispatch { kernel } = c else {
@@ -900,37 +990,13 @@ impl WgpuBackend {
                 kind: k.kind.name(),
                 message: m,
             };
-            // Each operand's binding layout: f16 for weights where the
-            // adapter has SHADER_F16; split into several bindings past the
-            // binding limit.
+            let operands = self.operand_layouts(prog, k);
+            self.split_operands.fetch_add(
+                operands.iter().filter(|(o, _)| o.chunks > 1).count(),
+                std::sync::atomic::Ordering::Relaxed,
+            );
             let views: Vec<&crate::plan::View> =
                 k.inputs.iter().chain(std::iter::once(&k.output)).collect();
-            let mut operands = Vec::new();
-            for v in &views {
-                let b = prog.buffer(v.buffer);
-                let half = match b.kind {
-                    BufferKind::Weight(_) => self.f16_weights,
-                    _ => self.f16_activations,
-                };
-                let elem = if half { 2u64 } else { 4 };
-                let bytes = (b.len as u64 * elem).div_ceil(4) * 4;
-                let limit = self.binding_limit();
-                let op = if bytes <= limit {
-                    codegen::Operand::whole(half)
-                } else {
-                    // Chunks start on the storage offset alignment.
-                    let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
-                    let chunk_bytes = (limit / align) * align;
-                    self.split_operands
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    codegen::Operand {
-                        f16: half,
-                        chunks: bytes.div_ceil(chunk_bytes) as usize,
-                        chunk_elems: (chunk_bytes / elem) as usize,
-                    }
-                };
-                operands.push((op, bytes));
-            }
             let total_bindings: usize = operands.iter().map(|(o, _)| o.chunks).sum();
             if total_bindings > self.limits.max_storage_buffers_per_shader_stage as usize {
                 return Err(unsupported(format!(
@@ -940,13 +1006,14 @@ impl WgpuBackend {
             }
             let layouts: Vec<codegen::Operand> = operands.iter().map(|(o, _)| *o).collect();
             let shader = codegen::generate(k, &layouts, &self.caps).map_err(unsupported)?;
-            let pipeline = self
-                .pipeline(&shader.source)
-                .map_err(|m| WgpuError::Unsupported {
-                    kernel: ki,
-                    kind: k.kind.name(),
-                    message: m,
-                })?;
+            let bindings = total_bindings as u32 + u32::from(shader.finish.is_some());
+            let pipeline =
+                self.pipeline(&shader.source, bindings)
+                    .map_err(|m| WgpuError::Unsupported {
+                        kernel: ki,
+                        kind: k.kind.name(),
+                        message: m,
+                    })?;
             let mut entries = Vec::new();
             for (v, (op, bytes)) in views.iter().zip(&operands) {
                 let b = prog.buffer(v.buffer);
@@ -982,12 +1049,35 @@ impl WgpuBackend {
                     });
                 }
             }
-            let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            let mut passes = Vec::new();
+            if let Some(f) = &shader.finish {
+                let scratch = scratch.as_ref().ok_or_else(|| {
+                    unsupported("split-K scratch was not sized for this kernel".into())
+                })?;
+                let size = f.scratch_elems as u64 * 4;
+                entries.push(wgpu::BindGroupEntry {
+                    binding: entries.len() as u32,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: scratch,
+                        offset: 0,
+                        size: std::num::NonZeroU64::new(size),
+                    }),
+                });
+                let second = self.pipeline(&f.source, bindings).map_err(unsupported)?;
+                passes.push((second, f.groups));
+            }
+            let group = Arc::new(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: None,
-                layout: &pipeline.get_bind_group_layout(0),
+                layout: &self.layout(bindings).0,
                 entries: &entries,
-            });
-            prepared.push((pipeline, group, shader.groups));
+            }));
+            passes.insert(0, (pipeline, shader.groups));
+            prepared.push(
+                passes
+                    .into_iter()
+                    .map(|(p, g)| (p, Arc::clone(&group), g))
+                    .collect(),
+            );
         }
         if let Some(e) = pollster::block_on(validation.pop()) {
             return Err(WgpuError::Validation(e.to_string()));
@@ -1024,6 +1114,7 @@ impl WgpuBackend {
             backend: self,
             prog,
             arena: Some(arena),
+            scratch,
             external,
             inputs,
             readback,
@@ -1079,12 +1170,71 @@ impl WgpuBackend {
     }
 
     /// Device bytes a prepared program needs besides its weights: the
-    /// activation arena and the input and readback buffers.
+    /// activation arena, the input and readback buffers and the split-K
+    /// scratch.
     pub fn activation_bytes(&self, prog: &Program) -> u64 {
         let arena = self.stored_bytes(prog.stats.arena_bytes / 4, self.f16_activations);
         let io: usize =
             prog.stats.input_bytes / 4 + prog.outputs.iter().map(|v| v.numel()).sum::<usize>();
-        arena + self.stored_bytes(io, self.f16_activations)
+        arena + self.stored_bytes(io, self.f16_activations) + self.scratch_bytes(prog)
+    }
+
+    /// How kernel `k`'s operands (inputs, then output) are bound, with
+    /// their byte sizes: f16 for weights where the adapter has SHADER_F16
+    /// (activations too with f16 activations); split into several bindings
+    /// past the binding limit.
+    fn operand_layouts(
+        &self,
+        prog: &Program,
+        k: &crate::plan::Kernel,
+    ) -> Vec<(codegen::Operand, u64)> {
+        let mut operands = Vec::new();
+        for v in k.inputs.iter().chain(std::iter::once(&k.output)) {
+            let b = prog.buffer(v.buffer);
+            let half = match b.kind {
+                BufferKind::Weight(_) => self.f16_weights,
+                _ => self.f16_activations,
+            };
+            let elem = if half { 2u64 } else { 4 };
+            let bytes = (b.len as u64 * elem).div_ceil(4) * 4;
+            let limit = self.binding_limit();
+            let op = if bytes <= limit {
+                codegen::Operand::whole(half)
+            } else {
+                // Chunks start on the storage offset alignment.
+                let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
+                let chunk_bytes = (limit / align) * align;
+                codegen::Operand {
+                    f16: half,
+                    chunks: bytes.div_ceil(chunk_bytes) as usize,
+                    chunk_elems: (chunk_bytes / elem) as usize,
+                }
+            };
+            operands.push((op, bytes));
+        }
+        operands
+    }
+
+    /// Bytes of the one scratch buffer `prog`'s split-K products share
+    /// (kernels run one after another, so the largest one's partial sums).
+    pub fn scratch_bytes(&self, prog: &Program) -> u64 {
+        if !self.caps.split_k || self.caps.coop.is_none() {
+            return 0;
+        }
+        prog.kernels
+            .iter()
+            .filter(|k| matches!(k.kind.name(), "matmul" | "conv2d"))
+            .filter_map(|k| {
+                let ops: Vec<codegen::Operand> = self
+                    .operand_layouts(prog, k)
+                    .iter()
+                    .map(|(o, _)| *o)
+                    .collect();
+                let f = codegen::generate(k, &ops, &self.caps).ok()?.finish?;
+                Some(f.scratch_elems as u64 * 4)
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Applies the residency policy to `prog`'s use: drops kept weights
@@ -1196,7 +1346,8 @@ struct Stream {
     bytes_per_run: u64,
 }
 
-type Dispatch = (Arc<wgpu::ComputePipeline>, wgpu::BindGroup, [u32; 3]);
+/// A kernel's passes: one, or a split-K product and its sum.
+type Dispatch = Vec<(Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3])>;
 
 /// A Program made resident: weights uploaded, pipelines and bind groups
 /// built. Each [`Prepared::run`] uploads the inputs, records every
@@ -1206,6 +1357,8 @@ pub struct Prepared<'a> {
     prog: &'a Program,
     /// Taken back into the backend's pool on drop.
     arena: Option<Arc<wgpu::Buffer>>,
+    /// Split-K partial sums (pooled too).
+    scratch: Option<Arc<wgpu::Buffer>>,
     external: HashMap<u32, Arc<wgpu::Buffer>>,
     inputs: Vec<(u32, String, usize)>,
     /// One mappable buffer per output.
@@ -1229,6 +1382,9 @@ impl Drop for Prepared<'_> {
             if let Some(b) = self.external.remove(buf) {
                 self.backend.release(b);
             }
+        }
+        if let Some(scratch) = self.scratch.take() {
+            self.backend.release(scratch);
         }
         if let Some(arena) = self.arena.take() {
             self.backend.release(arena);
@@ -1337,7 +1493,7 @@ impl Prepared<'_> {
                     })
                     .forget_lifetime(),
             );
-            for (i, (pipeline, group, g)) in self.dispatches.iter().enumerate() {
+            for (i, passes) in self.dispatches.iter().enumerate() {
                 if let Some(s) = self.stream.as_ref().filter(|s| !s.copies[i].is_empty()) {
                     drop(pass.take());
                     for &(from, to, bytes) in &s.copies[i] {
@@ -1357,9 +1513,11 @@ impl Prepared<'_> {
                     );
                 }
                 if let Some(p) = pass.as_mut() {
-                    p.set_pipeline(pipeline);
-                    p.set_bind_group(0, group, &[]);
-                    p.dispatch_workgroups(g[0], g[1], g[2]);
+                    for (pipeline, group, g) in passes {
+                        p.set_pipeline(pipeline);
+                        p.set_bind_group(0, group.as_ref(), &[]);
+                        p.dispatch_workgroups(g[0], g[1], g[2]);
+                    }
                 }
             }
         }
@@ -1376,7 +1534,7 @@ impl Prepared<'_> {
             _ => None,
         });
         let mut out = Vec::new();
-        for ((pipeline, group, g), kernel) in self.dispatches.iter().zip(kernels) {
+        for (passes, kernel) in self.dispatches.iter().zip(kernels) {
             let once = |n: usize| -> Result<f64, WgpuError> {
                 let mut encoder =
                     dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
@@ -1385,10 +1543,12 @@ impl Prepared<'_> {
                         label: Some("profile"),
                         timestamp_writes: None,
                     });
-                    pass.set_pipeline(pipeline);
-                    pass.set_bind_group(0, group, &[]);
                     for _ in 0..n {
-                        pass.dispatch_workgroups(g[0], g[1], g[2]);
+                        for (pipeline, group, g) in passes {
+                            pass.set_pipeline(pipeline);
+                            pass.set_bind_group(0, group.as_ref(), &[]);
+                            pass.dispatch_workgroups(g[0], g[1], g[2]);
+                        }
                     }
                 }
                 let t = std::time::Instant::now();
