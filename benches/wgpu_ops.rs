@@ -200,16 +200,20 @@ fn main() {
             // fallback form.
             // Products without split-K show what splitting the depth buys
             // on the small-grid shapes.
-            for (name, f16_activations, two_pass_attention, split_k) in [
-                ("coop f16-act", true, false, true),
-                ("coop 2-pass", false, true, true),
-                ("coop no split-K", false, false, false),
+            // Register prefetch of staged operands is off by default
+            // until these rows show it helps.
+            for (name, f16_activations, two_pass_attention, split_k, prefetch) in [
+                ("coop f16-act", true, false, true, false),
+                ("coop 2-pass", false, true, true, false),
+                ("coop no split-K", false, false, false, false),
+                ("coop prefetch", false, false, true, true),
             ] {
                 if let Ok(g) = WgpuBackend::with_options(&Options {
                     adapter: adapter.clone(),
                     f16_activations,
                     two_pass_attention,
                     split_k,
+                    prefetch,
                     ..Options::default()
                 }) {
                     paths.push((name.to_string(), g));
@@ -268,7 +272,7 @@ fn main() {
         for (path, gpu) in &paths {
             let tiling = path.starts_with("coop ") && path.contains("sg of");
             let products = matches!(case.name, "gemm" | "conv" | "linear" | "deep_conv");
-            if ((tiling || path == "coop no split-K") && !products)
+            if ((tiling || path == "coop no split-K" || path == "coop prefetch") && !products)
                 || (path == "coop 2-pass" && case.name != "attention")
             {
                 continue;

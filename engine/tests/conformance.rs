@@ -56,7 +56,8 @@ fn gpu_coop() -> Option<&'static WgpuBackend> {
 }
 
 /// The cooperative path's other kernel forms: two-pass attention and GEMM
-/// tiles staged through workgroup memory (no direct f16 reads).
+/// tiles staged through workgroup memory (no direct f16 reads), with
+/// register prefetch.
 fn gpu_coop_alt() -> Option<&'static WgpuBackend> {
     static ALT: GpuSlot = std::sync::OnceLock::new();
     let staged = sdkit_engine::backend::wgpu::codegen::tilings()
@@ -67,6 +68,7 @@ fn gpu_coop_alt() -> Option<&'static WgpuBackend> {
         Options {
             two_pass_attention: true,
             gemm_tiles: staged,
+            prefetch: true,
             emulate_coopmat: true,
             ..Options::default()
         },
@@ -619,12 +621,7 @@ fn large_products_use_every_tile_shape() {
             .matmul(g.input("b", &[8, 72, 515])?)
     });
     check_all(g, 5, 1e-9, 0).expect("batched matmul");
-    let p = Conv2dParams {
-        stride: [1; 2],
-        padding: [1; 2],
-        dilation: [1; 2],
-        groups: 1,
-    };
+    let p = same_3x3();
     let g = build(|g| {
         g.input("x", &[2, 8, 63, 65])?.conv2d(
             g.weight("w", &[260, 8, 3, 3])?,
@@ -650,6 +647,16 @@ fn large_products_use_every_tile_shape() {
     check_all(g, 13, 1e-9, 0).expect("conv, direct weights");
 }
 
+/// A 3×3 convolution's parameters that keep the image size.
+fn same_3x3() -> Conv2dParams {
+    Conv2dParams {
+        stride: [1; 2],
+        padding: [1; 2],
+        dilation: [1; 2],
+        groups: 1,
+    }
+}
+
 /// The cooperative path (where there is one) splits `g`'s product.
 fn assert_splits(g: &TensorGraph) {
     if let Some(b) = gpu_coop() {
@@ -663,12 +670,7 @@ fn deep_products_split_the_depth() {
     // Few output tiles over a long depth (the UNet's deepest levels): the
     // cooperative kernels split the depth over workgroups and a second
     // pass sums the parts and applies the epilogue (bias, residual, GELU).
-    let p = Conv2dParams {
-        stride: [1; 2],
-        padding: [1; 2],
-        dilation: [1; 2],
-        groups: 1,
-    };
+    let p = same_3x3();
     let g = build(|g| {
         let c = g.input("x", &[2, 64, 4, 5])?.conv2d(
             g.weight("w", &[64, 64, 3, 3])?,

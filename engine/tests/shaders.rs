@@ -128,6 +128,7 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                 gemm_tiles: None,
                 two_pass_attention: false,
                 split_k: true,
+                prefetch: false,
             },
         ),
         (
@@ -139,6 +140,7 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                 gemm_tiles: None,
                 two_pass_attention: false,
                 split_k: true,
+                prefetch: false,
             },
         ),
     ];
@@ -171,6 +173,17 @@ fn every_kernel_form_compiles_for_every_capability_set() {
             ..caps[2].1
         },
     ));
+    // Staged tilings with register prefetch.
+    for tiles in tilings().into_iter().filter(|t| !t.direct) {
+        caps.push((
+            "coop16, staged, prefetch",
+            Caps {
+                gemm_tiles: Some(tiles),
+                prefetch: true,
+                ..caps[2].1
+            },
+        ));
+    }
     // The emulated fragments CI runs on lavapipe (8 lanes), both forms.
     for two_pass_attention in [false, true] {
         caps.push((

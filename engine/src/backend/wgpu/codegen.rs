@@ -233,6 +233,10 @@ pub struct Caps {
     /// idle (the deep UNet levels: few output tiles, long depth) split
     /// the depth over several workgroups and sum in a second pass.
     pub split_k: bool,
+    /// Staged cooperative products load the next depth step into
+    /// registers while multiplying the current one (off by default until
+    /// measured on a GPU: `wgpu_ops` prints both).
+    pub prefetch: bool,
 }
 
 impl Caps {
@@ -246,6 +250,7 @@ impl Caps {
             gemm_tiles: None,
             two_pass_attention: false,
             split_k: true,
+            prefetch: false,
         }
     }
 }
@@ -1032,7 +1037,7 @@ impl Gemm {
         } else {
             None
         };
-        let code = funcs.clone() + &self.coop(c, tiles, split);
+        let code = funcs.clone() + &self.coop(c, tiles, split, caps.prefetch);
         let groups = [
             gx as u32,
             gy as u32,
@@ -1116,7 +1121,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     /// goes through a per-subgroup f32 scratch fragment, so `store` (bias,
     /// activation, residual, f16 output, split bindings) stays the same as
     /// the portable kernel's.
-    fn coop<'a>(&'a self, c: Coop, sh: CoopTiles, split: Option<(usize, usize)>) -> String {
+    fn coop<'a>(
+        &'a self,
+        c: Coop,
+        sh: CoopTiles,
+        split: Option<(usize, usize)>,
+        caps_prefetch: bool,
+    ) -> String {
         let t = c.tile as usize;
         let s = c.subgroup as usize;
         let (fm, fnn) = (sh.rows / t, sh.cols / t);
@@ -1245,6 +1256,65 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         };
         let mut shared = String::new();
         let mut stage = String::new();
+        // Register prefetch (`Caps::prefetch`): each thread's elements of
+        // the next step load into registers before this step's products,
+        // so global latency overlaps them; written to workgroup memory
+        // after. Needs whole elements per thread.
+        let prefetch = caps_prefetch
+            && (da.is_none() || db.is_none())
+            && (da.is_some() || (bm * bk).is_multiple_of(threads))
+            && (db.is_some() || (bk * bn).is_multiple_of(threads));
+        let mut fetch = String::new();
+        let mut commit = String::new();
+        let mut regs = String::new();
+        // `idx`: the WGSL binding a staged element's row and column.
+        let mut prefetched =
+            |name: &str, len: usize, idx: &str, guard: &str, load: &str, at: &str| {
+                let per = len / threads;
+                let _ = writeln!(regs, "    var p{name}: array<f16, {per}>;");
+                let _ = write!(
+                    fetch,
+                    "        for (var i = 0u; i < {per}u; i++) {{
+            let e = tid + i * {threads}u;
+            {idx}
+            var v = 0.0;
+            if ({guard}) {{ v = {load}; }}
+            p{name}[i] = f16(v);
+        }}
+"
+                );
+                let _ = write!(
+                    commit,
+                    "        for (var i = 0u; i < {per}u; i++) {{
+            let e = tid + i * {threads}u;
+            {idx}
+            {at} = p{name}[i];
+        }}
+"
+                );
+            };
+        if prefetch {
+            if da.is_none() {
+                prefetched(
+                    "a",
+                    bm * bk,
+                    &format!("let r = {a_r}; let kc = {a_c};"),
+                    &format!("row0 + r < {m}u && kn + kc < {k}u"),
+                    "load_a(z, row0 + r, kn + kc)",
+                    &format!("As[r * {bk}u + kc]"),
+                );
+            }
+            if db.is_none() {
+                prefetched(
+                    "b",
+                    bk * bn,
+                    &format!("let kr = {b_r}; let c = {b_c};"),
+                    &format!("kn + kr < {k}u && col0 + c < {n}u"),
+                    "load_b(z, kn + kr, col0 + c)",
+                    &format!("Bs[kr * {bn}u + c]"),
+                );
+            }
+        }
         if da.is_none() {
             let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * bk);
             let _ = write!(
@@ -1288,6 +1358,32 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         } else {
             format!("{bk}u")
         };
+        let main_loop = if prefetch {
+            // The first step staged as usual, then each step fetches the
+            // next before multiplying.
+            format!(
+                "{regs}    {{
+        let k0 = {k_begin};
+{stage}    }}
+    workgroupBarrier();
+    for (var k0 = {k_begin}; k0 < {k_end}; k0 += {bk}u) {{
+        let kn = k0 + {bk}u;
+{fetch}        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
+{mac}        }}
+        workgroupBarrier();
+{commit}        workgroupBarrier();
+    }}
+"
+            )
+        } else {
+            format!(
+                "    for (var k0 = {k_begin}; k0 < {k_end}; k0 += {bk}u) {{
+{stage}{barrier}        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
+{mac}        }}
+{barrier}    }}
+"
+            )
+        };
         format!(
             "{shared}var<workgroup> Cs: array<f32, {c_len}>;
 @compute @workgroup_size({threads})
@@ -1296,11 +1392,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let col0 = wg.x * {bn}u;
     let sm = sg / {sgc}u;
     let sn = sg % {sgc}u;
-{decl}    for (var k0 = {k_begin}; k0 < {k_end}; k0 += {bk}u) {{
-{stage}{barrier}        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
-{mac}        }}
-{barrier}    }}
-{epi}}}
+{decl}{main_loop}{epi}}}
 ",
             c_len = nsg * t * t,
             sgc = sh.sg_cols,

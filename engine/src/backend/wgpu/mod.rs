@@ -312,6 +312,9 @@ pub struct Options {
     /// Split the depth of cooperative products whose grid is too small to
     /// fill the GPU ([`codegen::Caps::split_k`]); off only to compare.
     pub split_k: bool,
+    /// Staged cooperative products prefetch the next depth step into
+    /// registers ([`codegen::Caps::prefetch`]).
+    pub prefetch: bool,
     /// Folder for the driver's compiled-pipeline cache (wgpu's
     /// PipelineCache, where the adapter has PIPELINE_CACHE): loaded when
     /// the device opens and rewritten after prepares that compiled new
@@ -345,6 +348,7 @@ impl Default for Options {
             two_pass_attention: false,
             emulate_coopmat: false,
             split_k: true,
+            prefetch: false,
             pipeline_cache_dir: None,
             budget: None,
             device_memory: None,
@@ -526,6 +530,7 @@ impl WgpuBackend {
             gemm_tiles: opts.gemm_tiles,
             two_pass_attention: opts.two_pass_attention,
             split_k: opts.split_k,
+            prefetch: opts.prefetch,
         };
         Ok(WgpuBackend {
             f16_weights: f16,
