@@ -251,3 +251,52 @@ fn every_kernel_form_compiles_for_every_capability_set() {
     eprintln!("{checked} shaders validated");
     assert!(checked >= 100);
 }
+
+#[test]
+fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
+    // SD1.5's 1280-channel 3×3 convs, batch 2, on 16×16 fragments: at 8²
+    // and 16² the output tiles alone are 20 and 80 workgroups, so the
+    // depth (11,520) is split until about 256 run; at 32² (640 channels,
+    // 160 workgroups) it is not.
+    let caps = Caps {
+        subgroups: true,
+        coop: Some(Coop {
+            tile: 16,
+            subgroup: 32,
+            emulated: false,
+        }),
+        workgroup_memory: 49152,
+        gemm_tiles: None,
+        two_pass_attention: false,
+        split_k: true,
+        prefetch: false,
+    };
+    let p = Conv2dParams {
+        stride: [1; 2],
+        padding: [1; 2],
+        dilation: [1; 2],
+        groups: 1,
+    };
+    for (ch, size, splits) in [(1280, 8, Some(13)), (1280, 16, Some(4)), (640, 32, None)] {
+        let g = GraphBuilder::new();
+        let y = g
+            .input("x", &[2, ch, size, size])
+            .and_then(|x| x.conv2d(g.weight("w", &[ch, ch, 3, 3])?, None, p));
+        let prog = plan(&g.finish(&[y.expect("conv")])).expect("plan");
+        let k = prog
+            .kernels
+            .iter()
+            .find(|k| k.kind.name() == "conv2d")
+            .expect("a conv kernel");
+        let ops = vec![Operand::whole(true); k.inputs.len() + 1];
+        let sh = generate(k, &ops, &caps).expect("generates");
+        let outputs = 2 * ch * size * size;
+        let got = sh.finish.as_ref().map(|f| f.scratch_elems / outputs);
+        assert_eq!(got, splits, "{ch} channels at {size}²");
+        let workgroups: u32 = sh.groups.iter().product();
+        eprintln!("{ch}@{size}²: {workgroups} workgroups, splits {got:?}");
+        if splits.is_some() {
+            assert!((200..=400).contains(&workgroups), "{workgroups}");
+        }
+    }
+}
