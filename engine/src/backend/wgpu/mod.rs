@@ -1010,7 +1010,16 @@ impl WgpuBackend {
                 )));
             }
             let layouts: Vec<codegen::Operand> = operands.iter().map(|(o, _)| *o).collect();
-            let shader = codegen::generate(k, &layouts, &self.caps).map_err(unsupported)?;
+            let mut shader = codegen::generate(k, &layouts, &self.caps).map_err(unsupported)?;
+            let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
+            if shader.finish.is_some() && total_bindings == max_bindings {
+                // No binding left for the split-K scratch: unsplit.
+                let caps = codegen::Caps {
+                    split_k: false,
+                    ..self.caps
+                };
+                shader = codegen::generate(k, &layouts, &caps).map_err(unsupported)?;
+            }
             let bindings = total_bindings as u32 + u32::from(shader.finish.is_some());
             let pipeline =
                 self.pipeline(&shader.source, bindings)
