@@ -836,7 +836,8 @@ fn route_writes(src: &str) -> String {
     out
 }
 
-fn is_ident(b: u8) -> bool {
+/// Whether `b` can be part of a WGSL identifier.
+pub(super) fn is_ident(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'_'
 }
 

@@ -1,13 +1,13 @@
 //! Cooperative-matrix kernels on adapters without cooperative matrices:
 //! rewrites a generated shader's fragment types and operations into plain
-//! WGSL with subgroup shuffles, so the tensor-core kernels' indexing,
+//! WGSL with subgroup broadcasts, so the tensor-core kernels' indexing,
 //! staging, barriers and softmax logic run on Mesa's lavapipe in CI, not
 //! only on the GPUs that have tensor cores.
 //!
 //! The fragment is T×T with a subgroup of exactly T lanes: lane r holds
 //! row r of every fragment (`array<s, T>`). A load or store moves the
 //! lane's row; a multiply-add takes A's row from the lane itself and B's
-//! row k from lane k by shuffle, accumulating the exact f16 products in
+//! row k from lane k by broadcast, accumulating the exact f16 products in
 //! f32 as tensor cores do. The layout inside a real fragment is opaque to
 //! the kernels, so any layout is a faithful stand-in.
 //!
@@ -15,6 +15,7 @@
 //! (r, c) at `c·stride + r` (column-major), the `T` forms at
 //! `r·stride + c` (row-major).
 
+use super::codegen::is_ident;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write;
 
@@ -62,10 +63,6 @@ struct Emulator {
     /// (array, row-major) of every store.
     stores: BTreeSet<(String, bool)>,
     mma: bool,
-}
-
-fn is_ident(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b == b'_'
 }
 
 /// The index one past the bracket closing the one at `open`, counting
