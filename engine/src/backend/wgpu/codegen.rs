@@ -320,7 +320,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             let (code, tiles, split) = g.emit(caps, &load_a, &load_b, &store);
             src.push_str(&code);
             groups = tiles;
-            finish = split.map(|f| (format!("{PRELUDE}{}{}", epilogue_fn(k), f.0), f.1, f.2));
+            finish = split;
         }
         KernelKind::Conv2d {
             n,
@@ -391,7 +391,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             let (code, tiles, split) = gm.emit(caps, &load_a, &load_b, &store);
             src.push_str(&code);
             groups = tiles;
-            finish = split.map(|f| (format!("{PRELUDE}{}{}", epilogue_fn(k), f.0), f.1, f.2));
+            finish = split;
         }
         KernelKind::GroupNorm {
             n,
@@ -658,7 +658,13 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
     let source = bind(&src, k.inputs.len(), operands, caps, split)?;
     let finish = match finish {
         Some((body, groups, scratch_elems)) => Some(Finish {
-            source: bind(&body, k.inputs.len(), operands, caps, true)?,
+            source: bind(
+                &format!("{PRELUDE}{}{body}", epilogue_fn(k)),
+                k.inputs.len(),
+                operands,
+                caps,
+                true,
+            )?,
             groups,
             scratch_elems,
         }),
@@ -1155,7 +1161,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 "    let z = wg.z;\n".to_string(),
                 "0u".to_string(),
                 format!("{k}u"),
-                "store(z, r, col, Cs[sg * {tt}u + e])".replace("{tt}", &(t * t).to_string()),
+                format!("store(z, r, col, Cs[sg * {}u + e])", t * t),
             ),
             Some((splits, per)) => (
                 format!(
@@ -1255,97 +1261,83 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         } else {
             (format!("e % {bk}u"), format!("e / {bk}u"))
         };
+        // The staged operands: register name, elements per step, the
+        // element's row and column, its value at depth step `K`, its slot.
+        type Value = Box<dyn Fn(&str) -> String>;
+        let mut staged: Vec<(&str, usize, String, Value, String)> = Vec::new();
         let mut shared = String::new();
-        let mut stage = String::new();
+        if da.is_none() {
+            let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * bk);
+            staged.push((
+                "a",
+                bm * bk,
+                format!("let r = {a_r}; let kc = {a_c};"),
+                Box::new(move |kv: &str| {
+                    format!("if (row0 + r < {m}u && {kv} + kc < {k}u) {{ v = load_a(z, row0 + r, {kv} + kc); }}")
+                }),
+                format!("As[r * {bk}u + kc]"),
+            ));
+        }
+        if db.is_none() {
+            let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * bn);
+            staged.push((
+                "b",
+                bk * bn,
+                format!("let kr = {b_r}; let c = {b_c};"),
+                Box::new(move |kv: &str| {
+                    format!("if ({kv} + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, {kv} + kr, col0 + c); }}")
+                }),
+                format!("Bs[kr * {bn}u + c]"),
+            ));
+        }
         // Register prefetch (`Caps::prefetch`): each thread's elements of
         // the next step load into registers before this step's products,
         // so global latency overlaps them; written to workgroup memory
         // after. Needs whole elements per thread.
         let prefetch = caps_prefetch
-            && (da.is_none() || db.is_none())
-            && (da.is_some() || (bm * bk).is_multiple_of(threads))
-            && (db.is_some() || (bk * bn).is_multiple_of(threads));
-        let mut fetch = String::new();
-        let mut commit = String::new();
-        let mut regs = String::new();
-        // `idx`: the WGSL binding a staged element's row and column.
-        let mut prefetched =
-            |name: &str, len: usize, idx: &str, guard: &str, load: &str, at: &str| {
+            && !staged.is_empty()
+            && staged.iter().all(|s| s.1.is_multiple_of(threads));
+        let (mut stage, mut fetch, mut commit, mut regs) =
+            (String::new(), String::new(), String::new(), String::new());
+        for (reg, len, idx, value, at) in &staged {
+            let _ = write!(
+                stage,
+                "        for (var e = tid; e < {len}u; e += {threads}u) {{
+            {idx}
+            var v = 0.0;
+            {}
+            {at} = f16(v);
+        }}
+",
+                value("k0")
+            );
+            if prefetch {
                 let per = len / threads;
-                let _ = writeln!(regs, "    var p{name}: array<f16, {per}>;");
+                let _ = writeln!(regs, "    var p{reg}: array<f16, {per}>;");
                 let _ = write!(
                     fetch,
                     "        for (var i = 0u; i < {per}u; i++) {{
             let e = tid + i * {threads}u;
             {idx}
             var v = 0.0;
-            if ({guard}) {{ v = {load}; }}
-            p{name}[i] = f16(v);
+            {}
+            p{reg}[i] = f16(v);
         }}
-"
+",
+                    value("kn")
                 );
                 let _ = write!(
                     commit,
                     "        for (var i = 0u; i < {per}u; i++) {{
             let e = tid + i * {threads}u;
             {idx}
-            {at} = p{name}[i];
+            {at} = p{reg}[i];
         }}
 "
                 );
-            };
-        if prefetch {
-            if da.is_none() {
-                prefetched(
-                    "a",
-                    bm * bk,
-                    &format!("let r = {a_r}; let kc = {a_c};"),
-                    &format!("row0 + r < {m}u && kn + kc < {k}u"),
-                    "load_a(z, row0 + r, kn + kc)",
-                    &format!("As[r * {bk}u + kc]"),
-                );
-            }
-            if db.is_none() {
-                prefetched(
-                    "b",
-                    bk * bn,
-                    &format!("let kr = {b_r}; let c = {b_c};"),
-                    &format!("kn + kr < {k}u && col0 + c < {n}u"),
-                    "load_b(z, kn + kr, col0 + c)",
-                    &format!("Bs[kr * {bn}u + c]"),
-                );
             }
         }
-        if da.is_none() {
-            let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * bk);
-            let _ = write!(
-                stage,
-                "        for (var e = tid; e < {len}u; e += {threads}u) {{
-            let r = {a_r}; let kc = {a_c};
-            var v = 0.0;
-            if (row0 + r < {m}u && k0 + kc < {k}u) {{ v = load_a(z, row0 + r, k0 + kc); }}
-            As[r * {bk}u + kc] = f16(v);
-        }}
-",
-                len = bm * bk
-            );
-        }
-        if db.is_none() {
-            let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * bn);
-            let _ = write!(
-                stage,
-                "        for (var e = tid; e < {len}u; e += {threads}u) {{
-            let kr = {b_r}; let c = {b_c};
-            var v = 0.0;
-            if (k0 + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, k0 + kr, col0 + c); }}
-            Bs[kr * {bn}u + c] = f16(v);
-        }}
-",
-                len = bk * bn
-            );
-        }
-        let staged = da.is_none() || db.is_none();
-        let barrier = if staged {
+        let barrier = if !staged.is_empty() {
             "        workgroupBarrier();\n"
         } else {
             ""
