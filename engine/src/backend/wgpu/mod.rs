@@ -863,8 +863,11 @@ impl WgpuBackend {
         let mut external: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
         let mut inputs = Vec::new();
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
+        // Sizing the scratch generates the products' shaders: once.
+        let scratch_bytes = self.scratch_bytes(prog);
+        let activation_bytes = self.arena_io_bytes(prog) + scratch_bytes;
         let mut cache = self.lock_resident();
-        let (residency, step) = self.plan_use(&mut cache, prog, bind, budget)?;
+        let (residency, step) = self.plan_use(&mut cache, prog, bind, budget, activation_bytes)?;
         if let Some(memory) = self.device_memory.filter(|&m| step.device_bytes > m) {
             return Err(WgpuError::OutOfMemory(format!(
                 "the use needs {} bytes, the device has {memory}",
@@ -980,7 +983,6 @@ impl WgpuBackend {
             }
         }
         // One scratch buffer for every split-K product's partial sums.
-        let scratch_bytes = self.scratch_bytes(prog);
         let scratch =
             (scratch_bytes > 0).then(|| self.storage_buffer(scratch_bytes, "split-k scratch"));
         let mut prepared = Vec::new();
@@ -1101,8 +1103,7 @@ impl WgpuBackend {
         }
         drop(cache);
         self.save_pipeline_cache();
-        let live_bytes =
-            self.activation_bytes(prog) + stream.as_ref().map_or(0, |s| s.arena.size());
+        let live_bytes = activation_bytes + stream.as_ref().map_or(0, |s| s.arena.size());
         // One readback buffer per output, reused every run.
         let readback = prog
             .outputs
@@ -1187,10 +1188,15 @@ impl WgpuBackend {
     /// activation arena, the input and readback buffers and the split-K
     /// scratch.
     pub fn activation_bytes(&self, prog: &Program) -> u64 {
+        self.arena_io_bytes(prog) + self.scratch_bytes(prog)
+    }
+
+    /// [`WgpuBackend::activation_bytes`] without the split-K scratch.
+    fn arena_io_bytes(&self, prog: &Program) -> u64 {
         let arena = self.stored_bytes(prog.stats.arena_bytes / 4, self.f16_activations);
         let io: usize =
             prog.stats.input_bytes / 4 + prog.outputs.iter().map(|v| v.numel()).sum::<usize>();
-        arena + self.stored_bytes(io, self.f16_activations) + self.scratch_bytes(prog)
+        arena + self.stored_bytes(io, self.f16_activations)
     }
 
     /// How kernel `k`'s operands (inputs, then output) are bound, with
@@ -1253,8 +1259,9 @@ impl WgpuBackend {
 
     /// Applies the residency policy to `prog`'s use: drops kept weights
     /// whose host data is gone (or whose name now holds other data),
-    /// plans the use within `budget` and evicts what the plan needs room
-    /// for ([`schedule::DeviceWeights::step`]). Returns the plan (with a
+    /// plans the use (`activation_bytes` besides its weights) within
+    /// `budget` and evicts what the plan needs room for
+    /// ([`schedule::DeviceWeights::step`]). Returns the plan (with a
     /// budget) and the step.
     #[allow(clippy::type_complexity)]
     fn plan_use(
@@ -1263,6 +1270,7 @@ impl WgpuBackend {
         prog: &Program,
         bind: &Bindings,
         budget: Option<u64>,
+        activation_bytes: u64,
     ) -> Result<
         (
             Option<(ResidencyPlan, Vec<residency::WeightUse>)>,
@@ -1318,7 +1326,7 @@ impl WgpuBackend {
         let u = residency::ModelUse {
             weights: keyed,
             kernels: prog.stats.dispatches,
-            activation_bytes: self.activation_bytes(prog),
+            activation_bytes,
             runs: 1,
         };
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment);
