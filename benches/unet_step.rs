@@ -187,19 +187,23 @@ fn main() {
         return;
     }
     // The portable kernels, then matrix products on cooperative matrices
-    // (tensor cores) where the adapter has them.
+    // (tensor cores) where the adapter has them; the last again with
+    // wgpu's shader runtime checks, which the engine turns off, to show
+    // what they cost.
     let variants = [
-        ("f16 weights, f32 activations", false, false),
-        ("coop, f32 activations", false, true),
-        ("coop, f16 activations", true, true),
+        ("f16 weights, f32 activations", false, false, false),
+        ("coop, f32 activations", false, true, false),
+        ("coop, f16 activations", true, true, false),
+        ("coop, f16 activations, shader checks", true, true, true),
     ];
     let mut best = f64::INFINITY;
     let mut first: Option<Vec<f32>> = None;
-    for (label, f16_act, coop) in variants {
+    for (label, f16_act, coop, shader_checks) in variants {
         let opts = Options {
             adapter: adapter.clone(),
             f16_activations: f16_act,
             allow_coopmat: coop,
+            shader_checks,
             ..Options::default()
         };
         let gpu = match WgpuBackend::with_options(&opts) {
@@ -248,7 +252,9 @@ fn main() {
             continue;
         }
         let (secs, _) = common::seconds_per_step(&prepared, 2.0, 2, 50);
-        best = best.min(secs);
+        if !shader_checks {
+            best = best.min(secs);
+        }
         println!(
             "unet_step [{label}] on {} ({}): {:.2} ms/step (prepare+upload {:.2} s, {} pipelines{agree})",
             gpu.adapter.name,
@@ -257,6 +263,9 @@ fn main() {
             prep,
             gpu.pipelines_compiled()
         );
+        if shader_checks {
+            continue;
+        }
         if let Ok(times) = prepared.profile(3) {
             print_profile(&prog, &times);
         }

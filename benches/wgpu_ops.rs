@@ -174,14 +174,15 @@ fn torch_time(py: &str, body: &str, iters: usize, half: bool) -> Option<f64> {
 fn main() {
     let small = std::env::var_os("SDKIT_BENCH_SMALL").is_some();
     let adapter = std::env::var("SDKIT_ADAPTER").ok();
-    let open = |coop: bool| {
+    let open = |coop: bool, shader_checks: bool| {
         WgpuBackend::with_options(&Options {
             adapter: adapter.clone(),
             allow_coopmat: coop,
+            shader_checks,
             ..Options::default()
         })
     };
-    let portable = match open(false) {
+    let portable = match open(false, false) {
         Ok(g) => g,
         Err(e) => {
             println!("wgpu_ops: skipped, no adapter: {e}");
@@ -192,9 +193,18 @@ fn main() {
     // cooperative matrices; PyTorch runs fp16 for it and f32 (no TF32) for
     // the portable path.
     let mut paths = vec![("f32".to_string(), portable)];
-    match open(true) {
+    // Each default path again with wgpu's shader runtime checks (index
+    // clamps, loop counters, zeroed workgroup memory), which the engine
+    // turns off: what that buys on this adapter.
+    if let Ok(g) = open(false, true) {
+        paths.push(("f32 checked".to_string(), g));
+    }
+    match open(true, false) {
         Ok(g) if g.coop.is_some() => {
             paths.push(("coop".to_string(), g));
+            if let Ok(g) = open(true, true) {
+                paths.push(("coop checked".to_string(), g));
+            }
             // f16 activations let matrix products read both operands
             // straight from their bindings; two-pass attention is the
             // fallback form.
@@ -315,7 +325,7 @@ fn main() {
                 case.what
             );
             // The peer once per path kind, not per tiling.
-            if !case.torch.is_empty() && !tiling {
+            if !case.torch.is_empty() && !tiling && !path.ends_with("checked") {
                 match torch_time(&py, &case.torch, iters.max(5), path.starts_with("coop")) {
                     Some(tt) => print!(
                         "   torch {:9.3} ms  sdkit/torch time {:.2}x",

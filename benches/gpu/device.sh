@@ -30,7 +30,9 @@ b=.gpubin
     timeout 60 $b/wgpu_backend -q 2>&1 | tail -n 25
     timeout 30 $b/shaders -q 2>&1 | tail -n 3
     echo "== wgpu_ops (GEMM, conv, attention, UNet-shaped) vs torch"
-    SDKIT_BENCH_TILINGS=1 timeout 150 $b/wgpu_ops --bench 2>&1
+    # SDKIT_BENCH_TILINGS=1 adds every fixed GEMM tiling (retuning the
+    # tiling table on a new adapter; the H200's is in RESULTS.md).
+    timeout 150 $b/wgpu_ops --bench 2>&1
     echo "== SD1.5 UNet step vs torch fp16"
     timeout 180 $b/unet_step --bench 2>&1
     echo "== SD1.5 UNet step under 100/50/25% VRAM budgets (residency)"

@@ -109,31 +109,19 @@ impl Runtime {
                 if !hardware {
                     return Ok(Runtime::cpu());
                 }
-                match WgpuBackend::with_options(&Options {
-                    budget,
-                    allow_coopmat: tensor_cores,
-                    pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
-                    ..Options::default()
-                }) {
+                match WgpuBackend::with_options(&gpu_options(None, budget, tensor_cores)) {
                     Ok(b) if b.adapter.device_type != "Cpu" => Ok(Runtime::wgpu(b)),
                     _ => Ok(Runtime::cpu()),
                 }
             }
-            "wgpu" | "gpu" => WgpuBackend::with_options(&Options {
+            "wgpu" | "gpu" => WgpuBackend::with_options(&gpu_options(None, budget, tensor_cores))
+                .map(Runtime::wgpu)
+                .map_err(|e| err(e.to_string())),
+            name => WgpuBackend::with_options(&gpu_options(
+                Some(name.to_string()),
                 budget,
-                allow_coopmat: tensor_cores,
-                pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
-                ..Options::default()
-            })
-            .map(Runtime::wgpu)
-            .map_err(|e| err(e.to_string())),
-            name => WgpuBackend::with_options(&Options {
-                adapter: Some(name.to_string()),
-                budget,
-                allow_coopmat: tensor_cores,
-                pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
-                ..Options::default()
-            })
+                tensor_cores,
+            ))
             .map(Runtime::wgpu)
             .map_err(|e| err(format!("{e} (`sdkit devices` lists the adapters)"))),
         }
@@ -418,3 +406,19 @@ pub fn parse_budget(text: &str) -> Result<Option<u64>, String> {
 /// memory an adapter has, so a conservative 4 GiB (most discrete GPUs
 /// sold since 2016 have at least that).
 pub const AUTO_BUDGET: u64 = 4 << 30;
+
+/// The wgpu options the CLI and server open a device with.
+/// `SDKIT_SHADER_CHECKS=1` compiles shaders with wgpu's runtime checks
+/// (`Options::shader_checks`), to rule the generated kernels out when a
+/// GPU gives wrong images.
+fn gpu_options(adapter: Option<String>, budget: Option<u64>, tensor_cores: bool) -> Options {
+    Options {
+        adapter,
+        budget,
+        allow_coopmat: tensor_cores,
+        pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
+        shader_checks: std::env::var("SDKIT_SHADER_CHECKS")
+            .is_ok_and(|v| !v.is_empty() && v != "0"),
+        ..Options::default()
+    }
+}

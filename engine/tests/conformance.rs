@@ -4,8 +4,11 @@
 //! (Σ(got − want)² / Σ want²), with a tolerance per op (ggml's
 //! test-backend-ops is the model).
 //!
-//! Backends: `cpu` now; the wgpu backend joins by adding itself to
-//! [`backends`].
+//! Backends ([`backends`]): `cpu`, and each wgpu precision path the
+//! adapter offers (on lavapipe the cooperative kernels run on emulated
+//! fragments). The wgpu kernels run as they ship, without wgpu's shader
+//! runtime checks, and with their workgroup memory poisoned with NaN
+//! first, so a kernel that reads an element it never wrote fails here.
 
 use proptest::prelude::*;
 use sdkit_engine::backend::cpu;
@@ -50,6 +53,7 @@ fn gpu_coop() -> Option<&'static WgpuBackend> {
         &COOP,
         Options {
             emulate_coopmat: true,
+            poison_workgroup_memory: true,
             ..Options::default()
         },
     )
@@ -70,6 +74,7 @@ fn gpu_coop_alt() -> Option<&'static WgpuBackend> {
             gemm_tiles: staged,
             prefetch: true,
             emulate_coopmat: true,
+            poison_workgroup_memory: true,
             ..Options::default()
         },
     )
@@ -125,6 +130,7 @@ fn gpu_with(allow_f16: bool, f16_activations: bool) -> Option<&'static WgpuBacke
             // Checked on its own, to its own tolerance (`gpu_coop`).
             allow_coopmat: false,
             f16_activations,
+            poison_workgroup_memory: true,
             ..Options::default()
         };
         match WgpuBackend::with_options(&opts) {

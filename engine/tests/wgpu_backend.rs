@@ -201,3 +201,48 @@ fn compiled_pipelines_persist_to_the_cache_file() {
     let out = third.run(&prog, &b).expect("runs");
     assert_eq!(first[0].data, out[0].data);
 }
+
+/// Shaders run without wgpu's runtime checks (`Options::shader_checks`
+/// off): index clamps, loop counters, guarded division and zeroed
+/// workgroup memory change nothing in a kernel that stays in bounds and
+/// writes before it reads, so checked and unchecked runs agree to the bit.
+/// An out-of-bounds index would read a clamped element in one and a
+/// neighbour in the other. Covers the portable kernels and the
+/// cooperative ones (on emulated fragments where the adapter has none).
+#[test]
+fn unchecked_shaders_match_checked_ones_bit_for_bit() {
+    use sdkit_engine::backend::wgpu::Options;
+    let g = samples::unet_like_graph(1, 32, 16, 2).expect("builds");
+    let prog = plan(&g).expect("plans");
+    let b = bindings(&g, 3);
+    for coop in [false, true] {
+        let run = |shader_checks: bool| {
+            let gpu = WgpuBackend::with_options(&Options {
+                allow_coopmat: coop,
+                emulate_coopmat: coop,
+                shader_checks,
+                ..Options::default()
+            })
+            .ok()?;
+            if coop && gpu.coop.is_none() {
+                eprintln!("skipped: unchecked cooperative kernels: no (emulated) cooperative path on this adapter");
+                return None;
+            }
+            Some(gpu.run(&prog, &b).expect("runs").remove(0).data)
+        };
+        let (Some(unchecked), Some(checked)) = (run(false), run(true)) else {
+            continue;
+        };
+        let differ = unchecked
+            .iter()
+            .zip(&checked)
+            .filter(|(u, c)| u.to_bits() != c.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "coop {coop}: {differ} of {} values differ",
+            checked.len()
+        );
+    }
+}

@@ -20,6 +20,7 @@
 
 pub mod codegen;
 mod emulate;
+mod poison;
 
 use crate::backend::cpu::Bindings;
 use crate::backend::BindError;
@@ -201,6 +202,21 @@ fn load_pipeline_cache(device: &wgpu::Device, data: Option<&[u8]>) -> wgpu::Pipe
     }
 }
 
+/// A shader module compiled without wgpu's runtime checks (index clamps,
+/// loop-bounding counters, guarded division: [`Options::shader_checks`]).
+#[allow(unsafe_code)]
+fn trusted_module(device: &wgpu::Device, desc: wgpu::ShaderModuleDescriptor) -> wgpu::ShaderModule {
+    // SAFETY: every shader comes from `codegen`, whose kernels index
+    // arrays only within their declared lengths (edge tiles are guarded by
+    // explicit comparisons, not by clamping), bound every loop by a
+    // constant or a monotone count, divide only by non-zero constants and
+    // write workgroup memory before reading it; the conformance suite runs
+    // them this way, with workgroup memory poisoned. Buffer accesses stay
+    // bounds-checked by the device's robust buffer access, which wgpu
+    // enables where the adapter has it.
+    unsafe { device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+}
+
 /// Where the CLI keeps the pipeline cache: `SDKIT_CACHE_DIR`, else the
 /// platform's cache folder (`XDG_CACHE_HOME` or `~/.cache` on Linux,
 /// `~/Library/Caches` on macOS, `%LOCALAPPDATA%` on Windows) + `sdkit`.
@@ -315,6 +331,21 @@ pub struct Options {
     /// Staged cooperative products prefetch the next depth step into
     /// registers ([`codegen::Caps::prefetch`]).
     pub prefetch: bool,
+    /// Compile shaders with wgpu's runtime checks: index clamping on
+    /// every array access, a counter bounding every loop, guarded integer
+    /// division and zeroed workgroup memory. Off by default: the
+    /// generated kernels keep their indices in bounds, their loops have
+    /// fixed bounds and they write workgroup memory before reading it (the
+    /// conformance suite runs them unchecked, with workgroup memory
+    /// poisoned), and the checks cost the tight loops their unrolling.
+    /// Buffer accesses stay bounds-checked by the driver's robust buffer
+    /// access either way. On to rule the generated code out when chasing
+    /// a wrong result.
+    pub shader_checks: bool,
+    /// Test aid: every kernel first fills its workgroup memory with NaN
+    /// (garbage for integers), so a read of an element it never wrote
+    /// shows in the output (see [`poison`]).
+    pub poison_workgroup_memory: bool,
     /// Folder for the driver's compiled-pipeline cache (wgpu's
     /// PipelineCache, where the adapter has PIPELINE_CACHE): loaded when
     /// the device opens and rewritten after prepares that compiled new
@@ -349,6 +380,8 @@ impl Default for Options {
             emulate_coopmat: false,
             split_k: true,
             prefetch: false,
+            shader_checks: false,
+            poison_workgroup_memory: false,
             pipeline_cache_dir: None,
             budget: None,
             device_memory: None,
@@ -366,6 +399,9 @@ pub struct WgpuBackend {
     /// Matrix products run on cooperative matrices (tile and subgroup size).
     pub coop: Option<codegen::Coop>,
     caps: codegen::Caps,
+    /// [`Options::shader_checks`] and [`Options::poison_workgroup_memory`].
+    shader_checks: bool,
+    poison: bool,
     binding_cap: Option<u64>,
     split_operands: std::sync::atomic::AtomicUsize,
     device: wgpu::Device,
@@ -538,6 +574,8 @@ impl WgpuBackend {
             subgroups,
             coop,
             caps,
+            shader_checks: opts.shader_checks,
+            poison: opts.poison_workgroup_memory,
             binding_cap: opts.max_binding_bytes,
             split_operands: std::sync::atomic::AtomicUsize::new(0),
             device,
@@ -713,13 +751,23 @@ impl WgpuBackend {
         if let Some(p) = cache.get(source) {
             return Ok(p.clone());
         }
+        let poisoned;
+        let text = if self.poison {
+            poisoned = poison::poison_workgroup_memory(source)?;
+            &poisoned
+        } else {
+            source
+        };
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module = self
-            .device
-            .create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: None,
-                source: wgpu::ShaderSource::Wgsl(source.into()),
-            });
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: None,
+            source: wgpu::ShaderSource::Wgsl(text.into()),
+        };
+        let module = if self.shader_checks {
+            self.device.create_shader_module(desc)
+        } else {
+            trusted_module(&self.device, desc)
+        };
         let p = self
             .device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -727,7 +775,10 @@ impl WgpuBackend {
                 layout: Some(&layout.1),
                 module: &module,
                 entry_point: Some("main"),
-                compilation_options: Default::default(),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    zero_initialize_workgroup_memory: self.shader_checks,
+                    ..Default::default()
+                },
                 cache: self.pipeline_cache.as_ref().map(|(c, _)| c),
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
