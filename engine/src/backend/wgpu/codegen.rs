@@ -34,6 +34,43 @@ pub struct Finish {
     pub scratch_elems: usize,
 }
 
+/// WGSL: `body` for `e = first, first + step, …` below `len`, as a loop
+/// with a trip count fixed at compile time (⌈len / step⌉; a guard only
+/// where `step` does not divide `len`). Drivers unroll fixed-count loops,
+/// so a staging loop issues all its global loads before waiting on the
+/// first; `for (e = tid; e < len; e += step)` has a per-thread count.
+/// `body` is whole lines, indented for inside the loop.
+fn strided(indent: &str, first: &str, len: usize, step: usize, body: &str) -> String {
+    strided_as(indent, "e", "se", first, len, step, body)
+}
+
+/// [`strided`] with the element named `var`, counted by `counter`.
+fn strided_as(
+    indent: &str,
+    var: &str,
+    counter: &str,
+    first: &str,
+    len: usize,
+    step: usize,
+    body: &str,
+) -> String {
+    let trips = len.div_ceil(step);
+    let guarded: String;
+    let (open, body, close) = if len.is_multiple_of(step) {
+        (String::new(), body, String::new())
+    } else {
+        guarded = body.lines().map(|l| format!("    {l}\n")).collect();
+        (
+            format!("{indent}    if ({var} < {len}u) {{\n"),
+            guarded.as_str(),
+            format!("{indent}    }}\n"),
+        )
+    };
+    format!(
+        "{indent}for (var {counter} = 0u; {counter} < {trips}u; {counter}++) {{\n{indent}    let {var} = {first} + {counter} * {step}u;\n{open}{body}{close}{indent}}}\n"
+    )
+}
+
 /// Exact f32 literal: bit pattern, so constants survive formatting and
 /// non-finite values are representable.
 fn lit(v: f32) -> String {
@@ -1234,32 +1271,55 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                     epi,
                     "    coopStoreT(c{i}_{j}, &Cs[sg * {tt}u], {t}u);
     workgroupBarrier();
-    for (var e = lane; e < {tt}u; e += {s}u) {{
-        let r = row0 + sm * {rows}u + {ri}u + e / {t}u;
-        let col = col0 + sn * {cols}u + {ci}u + e % {t}u;
-        if (r < {m}u && col < {n}u) {{ {out}; }}
-    }}
-    workgroupBarrier();
+{copy}    workgroupBarrier();
 ",
                     tt = t * t,
-                    rows = sh.rows,
-                    cols = sh.cols,
-                    ri = i * t,
-                    ci = j * t,
-                    out = result,
+                    copy = strided(
+                        "    ",
+                        "lane",
+                        t * t,
+                        s,
+                        &format!(
+                            "        let r = row0 + sm * {rows}u + {ri}u + e / {t}u;
+        let col = col0 + sn * {cols}u + {ci}u + e % {t}u;
+        if (r < {m}u && col < {n}u) {{ {result}; }}
+",
+                            rows = sh.rows,
+                            cols = sh.cols,
+                            ri = i * t,
+                            ci = j * t,
+                        )
+                    ),
                 );
             }
         }
-        // Staging: neighbouring threads take neighbouring memory.
+        // Staging: neighbouring threads take neighbouring memory. Element
+        // e = tid + se·threads of a tile `width` wide is at (e / width,
+        // e % width); where the threads are a multiple of the width each
+        // thread keeps one position along it for all its elements, said
+        // so, so the driver computes what depends on it once (a conv's
+        // output pixel, from its column).
+        let across = |width: usize| {
+            if threads.is_multiple_of(width) {
+                (
+                    format!("tid / {width}u + se * {}u", threads / width),
+                    format!("tid % {width}u"),
+                )
+            } else {
+                (format!("e / {width}u"), format!("e % {width}u"))
+            }
+        };
         let (a_r, a_c) = if self.a_k_contiguous {
-            (format!("e / {bk}u"), format!("e % {bk}u"))
+            across(bk)
         } else {
-            (format!("e % {bm}u"), format!("e / {bm}u"))
+            let (q, rem) = across(bm);
+            (rem, q)
         };
         let (b_r, b_c) = if self.b_n_contiguous {
-            (format!("e / {bn}u"), format!("e % {bn}u"))
+            across(bn)
         } else {
-            (format!("e % {bk}u"), format!("e / {bk}u"))
+            let (q, rem) = across(bk);
+            (rem, q)
         };
         // The staged operands: register name, elements per step, the
         // element's row and column, its value at depth step `K`, its slot.
@@ -1300,41 +1360,48 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let (mut stage, mut fetch, mut commit, mut regs) =
             (String::new(), String::new(), String::new(), String::new());
         for (reg, len, idx, value, at) in &staged {
-            let _ = write!(
-                stage,
-                "        for (var e = tid; e < {len}u; e += {threads}u) {{
-            {idx}
+            stage.push_str(&strided(
+                "        ",
+                "tid",
+                *len,
+                threads,
+                &format!(
+                    "            {idx}
             var v = 0.0;
             {}
             {at} = f16(v);
-        }}
 ",
-                value("k0")
-            );
+                    value("k0")
+                ),
+            ));
             if prefetch {
                 let per = len / threads;
                 let _ = writeln!(regs, "    var p{reg}: array<f16, {per}>;");
-                let _ = write!(
-                    fetch,
-                    "        for (var i = 0u; i < {per}u; i++) {{
-            let e = tid + i * {threads}u;
-            {idx}
+                fetch.push_str(&strided(
+                    "        ",
+                    "tid",
+                    *len,
+                    threads,
+                    &format!(
+                        "            {idx}
             var v = 0.0;
             {}
-            p{reg}[i] = f16(v);
-        }}
+            p{reg}[se] = f16(v);
 ",
-                    value("kn")
-                );
-                let _ = write!(
-                    commit,
-                    "        for (var i = 0u; i < {per}u; i++) {{
-            let e = tid + i * {threads}u;
-            {idx}
-            {at} = p{reg}[i];
-        }}
+                        value("kn")
+                    ),
+                ));
+                commit.push_str(&strided(
+                    "        ",
+                    "tid",
+                    *len,
+                    threads,
+                    &format!(
+                        "            {idx}
+            {at} = p{reg}[se];
 "
-                );
+                    ),
+                ));
             }
         }
         let barrier = if !staged.is_empty() {
@@ -1452,17 +1519,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     var acc: array<f32, {dv}>;
     var m = -3.4028235e38; var l = 0.0;
     for (var j0 = 0u; j0 < {skv}u; j0 += {kb}u) {{
-        for (var e = lid.x; e < {kl}u; e += {Q}u) {{
-            let jj = e / {d}u; var v = 0.0;
-            if (j0 + jj < {skv}u) {{ v = in1[k_off(bh, j0 + jj, e % {d}u)]; }}
-            Ks[e] = v;
-        }}
-        for (var e = lid.x; e < {vl}u; e += {Q}u) {{
-            let jj = e / {dv}u; var v = 0.0;
-            if (j0 + jj < {skv}u) {{ v = in2[v_off(bh, j0 + jj, e % {dv}u)]; }}
-            Vs[e] = v;
-        }}
-        workgroupBarrier();
+{stage_k}{stage_v}        workgroupBarrier();
         let cnt = min({kb}u, {skv}u - j0);
         for (var jj = 0u; jj < cnt; jj++) {{
             var s = 0.0;
@@ -1487,6 +1544,30 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         vl = kb * dv,
         sqm = sq.saturating_sub(1),
         sc = lit(scale),
+        stage_k = strided(
+            "        ",
+            "lid.x",
+            kb * d,
+            Q,
+            &format!(
+                "            let jj = e / {d}u; var v = 0.0;
+            if (j0 + jj < {skv}u) {{ v = in1[k_off(bh, j0 + jj, e % {d}u)]; }}
+            Ks[e] = v;
+"
+            )
+        ),
+        stage_v = strided(
+            "        ",
+            "lid.x",
+            kb * dv,
+            Q,
+            &format!(
+                "            let jj = e / {dv}u; var v = 0.0;
+            if (j0 + jj < {skv}u) {{ v = in2[v_off(bh, j0 + jj, e % {dv}u)]; }}
+            Vs[e] = v;
+"
+            )
+        ),
     );
     let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
     (code, groups)
@@ -1636,12 +1717,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     if (blk >= {blocks}u) {{ return; }}
     let bh = blk / {qblocks}u;
     let q0 = (blk % {qblocks}u) * {bq}u;
-    for (var e = tid; e < {bq}u * {dp}u; e += {threads}u) {{
-        let r = e / {dp}u; let t = e % {dp}u; var v = 0.0;
-        if (q0 + r < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + r, t)] * {sc}; }}
-        KQ[e] = f16(v);
-    }}
-    workgroupBarrier();
+{stage_q}    workgroupBarrier();
 {qload}    workgroupBarrier();
 ",
             kql = bk.max(bq) * dp,
@@ -1649,7 +1725,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             sl = COOP_ATTN_SUBGROUPS * t * bk,
             blocks = self.blocks,
             qblocks = self.qblocks,
-            sc = lit(self.scale),
+            stage_q = self.by_rows(
+                "    ",
+                bq,
+                dp,
+                &format!(
+                    "        var v = 0.0;
+        if (q0 + kr < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + kr, t)] * {}; }}
+        KQ[kr * {dp}u + t] = f16(v);
+",
+                    lit(self.scale)
+                )
+            ),
             qload = coop_q_fragments(t, dp / t, dp),
         )
     }
@@ -1668,17 +1755,40 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     /// Copies `bk` rows (keys from `j0`) of `input` (rows `width` wide,
     /// addressed by `offset`) into `array` as f16 rows `padded` wide.
     fn stage(&self, array: &str, input: &str, offset: &str, padded: usize, width: usize) -> String {
-        format!(
-            "        for (var e = tid; e < {len}u; e += {threads}u) {{
-            let kr = e / {padded}u; let t = e % {padded}u; var v = 0.0;
+        self.by_rows(
+            "        ",
+            self.bk,
+            padded,
+            &format!(
+                "            var v = 0.0;
             if (j0 + kr < {skv}u && t < {width}u) {{ v = {input}[{offset}(bh, j0 + kr, t)]; }}
-            {array}[e] = f16(v);
-        }}
+            {array}[kr * {padded}u + t] = f16(v);
 ",
-            len = self.bk * padded,
-            threads = self.threads,
-            skv = self.skv,
+                skv = self.skv,
+            ),
         )
+    }
+
+    /// WGSL: `body` for every element (row `kr`, column `t`) of a tile of
+    /// `rows` rows `padded` wide: subgroup `sg` takes rows sg, sg + 4, …
+    /// and each lane a fixed set of columns, in loops of fixed trip count.
+    /// A lane's columns never change, so the driver computes their
+    /// addressing once and unrolls the rest; neighbouring lanes read
+    /// neighbouring elements of a row.
+    fn by_rows(&self, indent: &str, rows: usize, padded: usize, body: &str) -> String {
+        const NS: usize = COOP_ATTN_SUBGROUPS;
+        let lanes = self.threads / NS;
+        let inner: String = body.lines().map(|l| format!("    {l}\n")).collect();
+        let columns = strided_as(
+            &format!("{indent}    "),
+            "t",
+            "sc",
+            "lane",
+            padded,
+            lanes,
+            &inner,
+        );
+        strided_as(indent, "kr", "sr", "sg", rows, NS, &columns)
     }
 
     /// Scores of the subgroup's rows against the staged key block.
@@ -1927,19 +2037,26 @@ fn attention_coop(
             out,
             "    coopStoreT(o{f}, &Ss[sg * {sub}u], {t}u);
     workgroupBarrier();
-    for (var e = lane; e < {tt}u; e += {lanes}u) {{
-        let r = e / {t}u; let col = {c0}u + e % {t}u;
+{copy}    workgroupBarrier();
+",
+            copy = strided(
+                "    ",
+                "lane",
+                t * t,
+                lanes,
+                &format!(
+                    "        let r = e / {t}u; let col = {c0}u + e % {t}u;
         let qrow = q0 + sg * {t}u + r;
         if (qrow < {sq}u && col < {dv}u) {{
             let oi = (bh * {sq}u + qrow) * {dv}u + col;
             dst[oi] = epi(Ss[sg * {sub}u + e] / Ls[sg * {t}u + r], oi);
         }}
-    }}
-    workgroupBarrier();
 ",
+                    sub = t * bk,
+                    c0 = f * t,
+                )
+            ),
             sub = t * bk,
-            tt = t * t,
-            c0 = f * t,
         );
     }
     let code = format!(
