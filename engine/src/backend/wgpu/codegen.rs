@@ -1504,6 +1504,22 @@ fn attention(
     };
     let qblocks = sq.div_ceil(Q);
     let blocks = bh * qblocks;
+    // Copies the block of keys from `j0` of `input` (rows `width` wide)
+    // into `array`, zeros past the last key.
+    let stage = |array: &str, input: &str, offset: &str, width: usize| {
+        strided(
+            "        ",
+            "lid.x",
+            kb * width,
+            Q,
+            &format!(
+                "            let jj = e / {width}u; var v = 0.0;
+            if (j0 + jj < {skv}u) {{ v = {input}[{offset}(bh, j0 + jj, e % {width}u)]; }}
+            {array}[e] = v;
+"
+            ),
+        )
+    };
     let code = format!(
         "var<workgroup> Ks: array<f32, {kl}>;
 var<workgroup> Vs: array<f32, {vl}>;
@@ -1544,30 +1560,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         vl = kb * dv,
         sqm = sq.saturating_sub(1),
         sc = lit(scale),
-        stage_k = strided(
-            "        ",
-            "lid.x",
-            kb * d,
-            Q,
-            &format!(
-                "            let jj = e / {d}u; var v = 0.0;
-            if (j0 + jj < {skv}u) {{ v = in1[k_off(bh, j0 + jj, e % {d}u)]; }}
-            Ks[e] = v;
-"
-            )
-        ),
-        stage_v = strided(
-            "        ",
-            "lid.x",
-            kb * dv,
-            Q,
-            &format!(
-                "            let jj = e / {dv}u; var v = 0.0;
-            if (j0 + jj < {skv}u) {{ v = in2[v_off(bh, j0 + jj, e % {dv}u)]; }}
-            Vs[e] = v;
-"
-            )
-        ),
+        stage_k = stage("Ks", "in1", "k_off", d),
+        stage_v = stage("Vs", "in2", "v_off", dv),
     );
     let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
     (code, groups)
