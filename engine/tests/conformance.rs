@@ -336,9 +336,20 @@ fn check_inputs(
     let inputs = inputs.clone();
     let want = evaluate(&g, &inputs).map_err(TestCaseError::fail)?;
     let prog = plan(&g).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    // SDKIT_CONFORMANCE_TIMES=1 prints each backend's time per case
+    // (on lavapipe mostly shader compilation): where the suite's time goes.
+    let timed = std::env::var_os("SDKIT_CONFORMANCE_TIMES").is_some();
     for (name, run, floor) in backends(emulated) {
         let tol = tol.max(floor);
+        let started = std::time::Instant::now();
         let got = run(&prog, &inputs).map_err(|e| TestCaseError::fail(format!("{name}: {e}")))?;
+        if timed {
+            eprintln!(
+                "conformance time: {name} {:.2} s, {} kernels",
+                started.elapsed().as_secs_f64(),
+                prog.kernels.len()
+            );
+        }
         prop_assert_eq!(got.len(), want.len());
         for (o, (a, b)) in got.iter().zip(&want).enumerate() {
             prop_assert_eq!(&a.shape, &b.shape);
@@ -720,7 +731,11 @@ fn attention_heads_of_sd_widths() {
             };
             q.attention(k, v, mask, 1.0 / (d as f32).sqrt())
         });
-        check_all(g, 20 + i as u64, 1e-9, 0).expect("attention");
+        // On emulated 8×8 fragments (lavapipe's 32 KiB of workgroup
+        // memory) the 160-wide head still takes full key blocks, so there
+        // it adds two minutes of shader compilation and no coverage; real
+        // cooperative matrices run it.
+        check_on(g, 20 + i as u64, 1e-9, 0, d != 160).expect("attention");
     }
 }
 
