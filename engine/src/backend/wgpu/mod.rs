@@ -202,19 +202,38 @@ fn load_pipeline_cache(device: &wgpu::Device, data: Option<&[u8]>) -> wgpu::Pipe
     }
 }
 
-/// A shader module compiled without wgpu's runtime checks (index clamps,
-/// loop-bounding counters, guarded division: [`Options::shader_checks`]).
+/// The runtime checks generated shaders go without
+/// ([`Options::shader_checks`] off): the counter wgpu puts in every loop
+/// (which stops drivers unrolling it) and the guards on integer division
+/// everywhere; bounds checks (index clamps, and buffer accesses where
+/// the platform has no checks of its own) only on Vulkan, where wgpu
+/// enables the device's robust buffer access, which keeps buffer accesses
+/// checked. On Metal and DX12 they stay.
+fn trusted_checks(backend: wgpu::Backend) -> wgpu::ShaderRuntimeChecks {
+    let mut checks = wgpu::ShaderRuntimeChecks::checked();
+    checks.force_loop_bounding = false;
+    checks.int_div_checks = false;
+    checks.bounds_checks = backend != wgpu::Backend::Vulkan;
+    checks
+}
+
+/// A shader module compiled with only `checks` of wgpu's runtime checks.
 #[allow(unsafe_code)]
-fn trusted_module(device: &wgpu::Device, desc: wgpu::ShaderModuleDescriptor) -> wgpu::ShaderModule {
-    // SAFETY: every shader comes from `codegen`, whose kernels index
-    // arrays only within their declared lengths (edge tiles are guarded by
-    // explicit comparisons, not by clamping), bound every loop by a
-    // constant or a monotone count, divide only by non-zero constants and
-    // write workgroup memory before reading it; the conformance suite runs
-    // them this way, with workgroup memory poisoned. Buffer accesses stay
-    // bounds-checked by the device's robust buffer access, which wgpu
-    // enables where the adapter has it.
-    unsafe { device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+fn trusted_module(
+    device: &wgpu::Device,
+    desc: wgpu::ShaderModuleDescriptor,
+    checks: wgpu::ShaderRuntimeChecks,
+) -> wgpu::ShaderModule {
+    // SAFETY: every shader comes from `codegen`, whose kernels bound every
+    // loop by a constant or a monotone count (no infinite loops), divide
+    // integers only by non-zero constants, index arrays and buffers only
+    // within their lengths (edge tiles are guarded by explicit
+    // comparisons or clamped indices, never by the runtime's clamping)
+    // and write workgroup memory before reading it. The conformance suite
+    // runs them this way, with workgroup memory poisoned, and a backend
+    // test holds them to the checked build's bits. `checks` keeps bounds
+    // checks wherever the device does not check buffer accesses itself.
+    unsafe { device.create_shader_module_trusted(desc, checks) }
 }
 
 /// Where the CLI keeps the pipeline cache: `SDKIT_CACHE_DIR`, else the
@@ -331,16 +350,17 @@ pub struct Options {
     /// Staged cooperative products prefetch the next depth step into
     /// registers ([`codegen::Caps::prefetch`]).
     pub prefetch: bool,
-    /// Compile shaders with wgpu's runtime checks: index clamping on
-    /// every array access, a counter bounding every loop, guarded integer
-    /// division and zeroed workgroup memory. Off by default: the
+    /// Compile shaders with all of wgpu's runtime checks: index clamping
+    /// on every array access, a counter bounding every loop, guarded
+    /// integer division and zeroed workgroup memory. Off by default: the
     /// generated kernels keep their indices in bounds, their loops have
     /// fixed bounds and they write workgroup memory before reading it (the
     /// conformance suite runs them unchecked, with workgroup memory
-    /// poisoned), and the checks cost the tight loops their unrolling.
-    /// Buffer accesses stay bounds-checked by the driver's robust buffer
-    /// access either way. On to rule the generated code out when chasing
-    /// a wrong result.
+    /// poisoned), and the loop counters cost the tight loops their
+    /// unrolling. Off, bounds checks still stay where the device does not
+    /// check buffer accesses itself (everywhere but Vulkan, whose robust
+    /// buffer access wgpu enables). On to rule the generated code out when
+    /// chasing a wrong result.
     pub shader_checks: bool,
     /// Test aid: every kernel first fills its workgroup memory with NaN
     /// (garbage for integers), so a read of an element it never wrote
@@ -402,6 +422,7 @@ pub struct WgpuBackend {
     /// [`Options::shader_checks`] and [`Options::poison_workgroup_memory`].
     shader_checks: bool,
     poison: bool,
+    backend: wgpu::Backend,
     binding_cap: Option<u64>,
     split_operands: std::sync::atomic::AtomicUsize,
     device: wgpu::Device,
@@ -576,6 +597,7 @@ impl WgpuBackend {
             caps,
             shader_checks: opts.shader_checks,
             poison: opts.poison_workgroup_memory,
+            backend: adapter.get_info().backend,
             binding_cap: opts.max_binding_bytes,
             split_operands: std::sync::atomic::AtomicUsize::new(0),
             device,
@@ -766,7 +788,7 @@ impl WgpuBackend {
         let module = if self.shader_checks {
             self.device.create_shader_module(desc)
         } else {
-            trusted_module(&self.device, desc)
+            trusted_module(&self.device, desc, trusted_checks(self.backend))
         };
         let p = self
             .device
