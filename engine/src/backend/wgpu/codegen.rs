@@ -1360,24 +1360,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let (mut stage, mut fetch, mut commit, mut regs) =
             (String::new(), String::new(), String::new(), String::new());
         for (reg, len, idx, value, at) in &staged {
-            stage.push_str(&strided(
-                "        ",
-                "tid",
-                *len,
-                threads,
-                &format!(
-                    "            {idx}
-            var v = 0.0;
-            {}
-            {at} = f16(v);
-",
-                    value("k0")
-                ),
-            ));
-            if prefetch {
-                let per = len / threads;
-                let _ = writeln!(regs, "    var p{reg}: array<f16, {per}>;");
-                fetch.push_str(&strided(
+            // This thread's elements at depth step `kv`, loaded into `into`.
+            let load = |kv: &str, into: &str| {
+                strided(
                     "        ",
                     "tid",
                     *len,
@@ -1386,11 +1371,17 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                         "            {idx}
             var v = 0.0;
             {}
-            p{reg}[se] = f16(v);
+            {into} = f16(v);
 ",
-                        value("kn")
+                        value(kv)
                     ),
-                ));
+                )
+            };
+            stage.push_str(&load("k0", at));
+            if prefetch {
+                let per = len / threads;
+                let _ = writeln!(regs, "    var p{reg}: array<f16, {per}>;");
+                fetch.push_str(&load("kn", &format!("p{reg}[se]")));
                 commit.push_str(&strided(
                     "        ",
                     "tid",
