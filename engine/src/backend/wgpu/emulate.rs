@@ -68,7 +68,7 @@ struct Emulator {
 /// The index one past the bracket closing the one at `open`, counting
 /// only `open_c`/`close_c` (arguments here hold index arithmetic, calls
 /// and subscripts, never comparisons inside template brackets).
-fn matching(s: &str, open: usize, open_c: u8, close_c: u8) -> Option<usize> {
+pub(super) fn matching(s: &str, open: usize, open_c: u8, close_c: u8) -> Option<usize> {
     let mut depth = 0usize;
     for (i, &b) in s.as_bytes().iter().enumerate().skip(open) {
         if b == open_c {

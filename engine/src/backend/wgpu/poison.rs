@@ -135,20 +135,9 @@ fn workgroup_threads(src: &str) -> Result<usize, String> {
 
 /// The index of the `)` closing the `(` at `open`.
 fn matching_paren(src: &str, open: usize) -> Result<usize, String> {
-    let mut depth = 0usize;
-    for (i, c) in src[open..].char_indices() {
-        match c {
-            '(' => depth += 1,
-            ')' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Ok(open + i);
-                }
-            }
-            _ => {}
-        }
-    }
-    Err("poison: unbalanced parentheses".into())
+    super::emulate::matching(src, open, b'(', b')')
+        .map(|past| past - 1)
+        .ok_or_else(|| "poison: unbalanced parentheses".to_string())
 }
 
 /// The parameter name bound to `@builtin(builtin)` in an entry point's
