@@ -57,7 +57,13 @@ pub enum Command {
         dirs: DirArgs,
     },
     /// List GPU adapters with their backend, features and limits.
-    Devices,
+    Devices {
+        /// Also measure an adapter's ceilings (memory bandwidth, FMA and
+        /// tensor-core rates, fragment loads): the best adapter, or the
+        /// one whose name contains NAME.
+        #[arg(long, value_name = "NAME", num_args = 0..=1, default_missing_value = "")]
+        probe: Option<String>,
+    },
     /// Plan a sample SD-structured tensor graph and print its Program:
     /// every dispatch with its fused epilogue, arena offsets, and statistics.
     Plan {
@@ -244,7 +250,7 @@ pub fn main(cli: Cli) -> Result<i32> {
             let lib = sdkit_nodes::library();
             print_json(&workflow_json_schema(&lib.registry, &dirs.paths()?))
         }
-        Command::Devices => devices_command(),
+        Command::Devices { probe } => devices_command(probe),
         Command::Plan {
             graph,
             batch,
@@ -256,7 +262,7 @@ pub fn main(cli: Cli) -> Result<i32> {
     }
 }
 
-fn devices_command() -> Result<i32> {
+fn devices_command(probe: Option<String>) -> Result<i32> {
     let list = sdkit_engine::backend::wgpu::adapters();
     let mut out = std::io::stdout().lock();
     writeln!(out, "cpu: {} threads (always available)", rayon_threads())?;
@@ -298,7 +304,41 @@ fn devices_command() -> Result<i32> {
             a.max_compute_workgroup_storage_size >> 10
         )?;
     }
+    if let Some(name) = probe {
+        probe_command(&mut out, (!name.is_empty()).then_some(name))?;
+    }
     Ok(0)
+}
+
+/// Prints the measured ceilings of the best adapter (or the named one).
+fn probe_command(out: &mut impl Write, adapter: Option<String>) -> Result<()> {
+    use sdkit_engine::backend::wgpu::{probe::ProbeSize, Options, WgpuBackend};
+    let gpu = WgpuBackend::with_options(&Options {
+        adapter,
+        ..Options::default()
+    })
+    .context("cannot open the adapter to probe")?;
+    // A software adapter would take minutes over the full sizes.
+    let size = if gpu.adapter.device_type.contains("Cpu") {
+        ProbeSize {
+            min_secs: 0.05,
+            ..ProbeSize::quick()
+        }
+    } else {
+        ProbeSize::full()
+    };
+    writeln!(
+        out,
+        "probe of {} ({}):",
+        gpu.adapter.name, gpu.adapter.backend
+    )?;
+    if gpu.coop.is_none() {
+        writeln!(out, "  no cooperative matrices: fragment probes skipped")?;
+    }
+    for r in gpu.probe(&size).context("probe failed")? {
+        writeln!(out, "  {r}")?;
+    }
+    Ok(())
 }
 
 fn rayon_threads() -> usize {

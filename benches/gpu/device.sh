@@ -2,7 +2,7 @@
 # The GPU check for a lent machine that has no Rust toolchain: binaries are
 # built here first (benches/gpu/build.sh puts them in .gpubin/), the Vulkan
 # loader travels as .deb files in .gl/, and this script runs them there.
-# Same content as run.sh: devices, conformance on the real adapter, then
+# Same content as run.sh: devices and their measured ceilings, conformance on the real adapter, then
 # GEMM/conv/attention and an SD1.5 UNet step beside PyTorch, then the
 # step under VRAM budgets (bytes moved and time vs the planner's bound).
 set -uo pipefail
@@ -25,6 +25,8 @@ b=.gpubin
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
     echo "== devices"
     timeout 60 $b/sdkit devices
+    echo "== adapter ceilings (what wgpu reaches on this GPU: the kernels' roof)"
+    timeout 60 $b/sdkit devices --probe "$SDKIT_ADAPTER"
     echo "== conformance + backend tests on the real adapter"
     timeout 150 $b/conformance -q 2>&1 | grep -E "conformance:|test result|FAILED|panicked|nmse|failures" | head -n 40
     timeout 60 $b/wgpu_backend -q 2>&1 | tail -n 25

@@ -11,7 +11,7 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 out="${OUT:-/tmp}/sdkit-gpu-report.txt"
 {
     echo "== devices"
-    cargo run --release -q -- devices
+    cargo run --release -q -- devices --probe "${SDKIT_ADAPTER:-}"
     echo "== conformance (cpu + wgpu on the real adapter)"
     cargo test --release -q -p sdkit-engine --test conformance --test wgpu_backend 2>&1 | tail -n 30
     echo "== benchmarks"

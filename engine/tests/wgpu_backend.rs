@@ -246,3 +246,46 @@ fn unchecked_shaders_match_checked_ones_bit_for_bit() {
         );
     }
 }
+
+#[test]
+fn probes_measure_the_adapter_and_check_their_results() {
+    use sdkit_engine::backend::wgpu::probe::ProbeSize;
+    use sdkit_engine::backend::wgpu::Options;
+    // Emulated fragments where the adapter has none (lavapipe), so the
+    // fragment probes' shaders and expected values are checked here too;
+    // poisoned workgroup memory, so a probe that reads a tile it never
+    // filled fails its check.
+    let Ok(gpu) = WgpuBackend::with_options(&Options {
+        emulate_coopmat: true,
+        poison_workgroup_memory: true,
+        ..Options::default()
+    }) else {
+        eprintln!("skipped: probes: no wgpu adapter");
+        return;
+    };
+    let results = gpu
+        .probe(&ProbeSize::quick())
+        .expect("every probe runs and checks");
+    let names: Vec<&str> = results.iter().map(|r| r.name.as_str()).collect();
+    assert!(
+        names.contains(&"memory read") && names.contains(&"f32 FMA"),
+        "{names:?}"
+    );
+    if gpu.f16_weights {
+        assert!(names.contains(&"f16 FMA"), "{names:?}");
+    }
+    match gpu.coop {
+        Some(_) => assert_eq!(
+            names.iter().filter(|n| n.contains("fragments")).count(),
+            4,
+            "{names:?}"
+        ),
+        None => {
+            eprintln!("skipped: fragment probes: no (emulated) cooperative path on this adapter")
+        }
+    }
+    for r in &results {
+        assert!(r.rate.is_finite() && r.rate > 0.0, "{r}");
+        eprintln!("{r}");
+    }
+}

@@ -21,6 +21,7 @@
 pub mod codegen;
 mod emulate;
 mod poison;
+pub mod probe;
 
 use crate::backend::cpu::Bindings;
 use crate::backend::BindError;
@@ -55,6 +56,8 @@ pub enum WgpuError {
     Validation(String),
     #[error("device lost or readback failed: {0}")]
     Lost(String),
+    #[error("probe {probe}: {message}")]
+    Probe { probe: String, message: String },
 }
 
 /// A description of an adapter, for `sdkit devices`.
