@@ -324,3 +324,24 @@ fn unreadable_input_image_is_a_node_error_not_a_panic() {
     assert!(err.contains("broken.png") && err.contains("load"), "{err}");
     assert!(files_under(&base.path().join("output")).is_empty());
 }
+
+#[test]
+fn devices_probe_measures_the_adapter_or_names_what_is_missing() {
+    let o = sdkit().args(["devices", "--probe"]).output().expect("runs");
+    let out = text(&o);
+    if out.contains("no GPU adapters") {
+        assert!(!o.status.success(), "{out}");
+        eprintln!("skipped: devices --probe: no wgpu adapter");
+        return;
+    }
+    assert!(o.status.success(), "{out}");
+    for line in ["probe of ", "memory read: ", "f32 FMA: "] {
+        assert!(out.contains(line), "missing {line:?} in:\n{out}");
+    }
+    let o = sdkit()
+        .args(["devices", "--probe", "no such adapter"])
+        .output()
+        .expect("runs");
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("matching \"no such adapter\""), "{}", text(&o));
+}
