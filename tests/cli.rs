@@ -343,5 +343,9 @@ fn devices_probe_measures_the_adapter_or_names_what_is_missing() {
         .output()
         .expect("runs");
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("matching \"no such adapter\""), "{}", text(&o));
+    assert!(
+        text(&o).contains("matching \"no such adapter\""),
+        "{}",
+        text(&o)
+    );
 }

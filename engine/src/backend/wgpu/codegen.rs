@@ -994,6 +994,15 @@ impl Direct {
     }
 }
 
+/// f16 elements (16 bytes) added to each row of a tile staged in
+/// workgroup memory for cooperative loads. Unpadded, a tile's rows are
+/// 64–256 bytes apart, so the rows of one fragment start in the same few
+/// of the 32 four-byte banks and a fragment load serialises 4–8 ways; 16
+/// more bytes per row spread 8 consecutive rows over all 32 banks. 16
+/// bytes keep every row start as aligned as cooperative loads want.
+/// `sdkit devices --probe` times fragment loads at both strides.
+const SMEM_PAD: usize = 8;
+
 /// Workgroups a split-K product aims for: about two per SM of a large GPU.
 const SPLIT_TARGET: usize = 256;
 /// Depth steps each split keeps at least, so the partial sums' extra
@@ -1190,6 +1199,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         };
         let da = usable(self.direct_a.as_ref(), m);
         let db = usable(self.direct_b.as_ref(), n);
+        // Staged tiles' row strides, padded (see [`SMEM_PAD`]).
+        let (sa, sb) = (bk + SMEM_PAD, bn + SMEM_PAD);
         let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
         // Where the workgroup's depth range starts and ends, and where its
         // results go: the epilogue, or its split's partial sums.
@@ -1230,7 +1241,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                     d.stride
                 ),
                 None => format!(
-                    "coopLoadT<{}>(&As[(sm * {}u + {}u) * {bk}u + kk], {bk}u)",
+                    "coopLoadT<{}>(&As[(sm * {}u + {}u) * {sa}u + kk], {sa}u)",
                     ty("A", "f16"),
                     sh.rows,
                     i * t
@@ -1252,7 +1263,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                     d.stride
                 ),
                 None => format!(
-                    "coopLoadT<{}>(&Bs[kk * {bn}u + sn * {}u + {}u], {bn}u)",
+                    "coopLoadT<{}>(&Bs[kk * {sb}u + sn * {}u + {}u], {sb}u)",
                     ty("B", "f16"),
                     sh.cols,
                     j * t
@@ -1327,7 +1338,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let mut staged: Vec<(&str, usize, String, Value, String)> = Vec::new();
         let mut shared = String::new();
         if da.is_none() {
-            let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * bk);
+            let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * sa);
             staged.push((
                 "a",
                 bm * bk,
@@ -1335,11 +1346,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 Box::new(move |kv: &str| {
                     format!("if (row0 + r < {m}u && {kv} + kc < {k}u) {{ v = load_a(z, row0 + r, {kv} + kc); }}")
                 }),
-                format!("As[r * {bk}u + kc]"),
+                format!("As[r * {sa}u + kc]"),
             ));
         }
         if db.is_none() {
-            let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * bn);
+            let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * sb);
             staged.push((
                 "b",
                 bk * bn,
@@ -1347,7 +1358,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 Box::new(move |kv: &str| {
                     format!("if ({kv} + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, {kv} + kr, col0 + c); }}")
                 }),
-                format!("Bs[kr * {bn}u + c]"),
+                format!("Bs[kr * {sb}u + c]"),
             ));
         }
         // Register prefetch (`Caps::prefetch`): each thread's elements of
@@ -1559,14 +1570,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
 }
 
 /// WGSL loading a subgroup's query fragments (its T rows of the staged,
-/// scaled Q tile `KQ`, head padded to `dp`) into registers `qa0…`.
-fn coop_q_fragments(t: usize, qfrags: usize, dp: usize) -> String {
+/// scaled Q tile `KQ`, rows `ks` apart) into registers `qa0…`.
+fn coop_q_fragments(t: usize, qfrags: usize, ks: usize) -> String {
     let mut out = String::new();
     for f in 0..qfrags {
         let _ = writeln!(
             out,
-            "    let qa{f} = coopLoadT<coop_mat{t}x{t}<f16, A>>(&KQ[sg * {}u + {}u], {dp}u);",
-            t * dp,
+            "    let qa{f} = coopLoadT<coop_mat{t}x{t}<f16, A>>(&KQ[sg * {}u + {}u], {ks}u);",
+            t * ks,
             f * t
         );
     }
@@ -1574,9 +1585,9 @@ fn coop_q_fragments(t: usize, qfrags: usize, dp: usize) -> String {
 }
 
 /// WGSL scoring the subgroup's query fragments against a staged block of
-/// `bk` keys (`KQ`, row-major by key): f32 fragments stored into the
-/// subgroup's rows of `Ss` (row stride `bk`).
-fn coop_scores(t: usize, qfrags: usize, dp: usize, bk: usize) -> String {
+/// `bk` keys (`KQ`, row-major by key, rows `ks` apart): f32 fragments
+/// stored into the subgroup's rows of `Ss` (rows `ss` apart).
+fn coop_scores(t: usize, qfrags: usize, ks: usize, bk: usize, ss: usize) -> String {
     let mut out = String::new();
     for jf in 0..bk / t {
         let _ = writeln!(
@@ -1586,14 +1597,14 @@ fn coop_scores(t: usize, qfrags: usize, dp: usize, bk: usize) -> String {
         for f in 0..qfrags {
             let _ = writeln!(
                 out,
-                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<coop_mat{t}x{t}<f16, B>>(&KQ[{}u], {dp}u), sacc);",
-                jf * t * dp + f * t
+                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<coop_mat{t}x{t}<f16, B>>(&KQ[{}u], {ks}u), sacc);",
+                jf * t * ks + f * t
             );
         }
         let _ = writeln!(
             out,
-            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {bk}u);\n        }}",
-            t * bk,
+            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {ss}u);\n        }}",
+            t * ss,
             jf * t
         );
     }
@@ -1610,6 +1621,12 @@ struct CoopAttention {
     dp: usize,
     dvp: usize,
     bk: usize,
+    /// Row strides (elements) of `KQ`, `Vs`, `Ss` and `Ps`: each row
+    /// padded by 16 bytes ([`SMEM_PAD`]).
+    ks: usize,
+    vs: usize,
+    ss: usize,
+    ps: usize,
     sq: usize,
     skv: usize,
     d: usize,
@@ -1643,8 +1660,16 @@ impl CoopAttention {
         let bq = NS * t;
         let dp = d.div_ceil(t) * t;
         let dvp = dv.div_ceil(t) * t;
+        let (ks, vs) = (dp + SMEM_PAD, dvp + SMEM_PAD);
+        // f32 score rows pad by 4 elements, f16 rows by 8: 16 bytes each.
+        let ss = |bk: usize| bk + SMEM_PAD / 2;
+        let ps = |bk: usize| bk + SMEM_PAD;
         let bytes = |bk: usize| {
-            bk.max(bq) * dp * 2 + bk * dvp * 2 + NS * t * bk * 4 + NS * t * bk * 2 + extra_bytes
+            bk.max(bq) * ks * 2
+                + bk * vs * 2
+                + NS * t * ss(bk) * 4
+                + NS * t * ps(bk) * 2
+                + extra_bytes
         };
         let bk = [64, 32, 16]
             .into_iter()
@@ -1658,6 +1683,10 @@ impl CoopAttention {
             dp,
             dvp,
             bk,
+            ks,
+            vs,
+            ss: ss(bk),
+            ps: ps(bk),
             sq,
             skv,
             d,
@@ -1675,13 +1704,13 @@ impl CoopAttention {
     }
 
     /// `acc += pa · V[kf-th key fragment, f-th value fragment]`, with V
-    /// staged as f16 in `Vs` (rows `dvp` wide).
+    /// staged as f16 in `Vs` (rows `vs` apart).
     fn pv_line(&self, acc: &str, f: usize) -> String {
-        let (t, dvp) = (self.t, self.dvp);
+        let (t, vs) = (self.t, self.vs);
         format!(
-            "            {acc} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {dvp}u), {acc});",
+            "            {acc} = coopMultiplyAdd(pa, coopLoadT<{}>(&Vs[kf * {}u + {}u], {vs}u), {acc});",
             self.ty("B", "f16"),
-            t * dvp,
+            t * vs,
             f * t
         )
     }
@@ -1695,7 +1724,7 @@ impl CoopAttention {
             "var<workgroup> KQ: array<f16, {kql}>;
 var<workgroup> Vs: array<f16, {vl}>;
 var<workgroup> Ss: array<f32, {sl}>;
-var<workgroup> Ps: array<f16, {sl}>;
+var<workgroup> Ps: array<f16, {pl}>;
 {extra_decls}@compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
     let blk = wg.x + wg.y * 65535u;
@@ -1705,9 +1734,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 {stage_q}    workgroupBarrier();
 {qload}    workgroupBarrier();
 ",
-            kql = bk.max(bq) * dp,
-            vl = bk * self.dvp,
-            sl = COOP_ATTN_SUBGROUPS * t * bk,
+            kql = bk.max(bq) * self.ks,
+            vl = bk * self.vs,
+            sl = COOP_ATTN_SUBGROUPS * t * self.ss,
+            pl = COOP_ATTN_SUBGROUPS * t * self.ps,
             blocks = self.blocks,
             qblocks = self.qblocks,
             stage_q = self.by_rows(
@@ -1717,29 +1747,38 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 &format!(
                     "        var v = 0.0;
         if (q0 + kr < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + kr, t)] * {}; }}
-        KQ[kr * {dp}u + t] = f16(v);
+        KQ[kr * {ks}u + t] = f16(v);
 ",
-                    lit(self.scale)
+                    lit(self.scale),
+                    ks = self.ks,
                 )
             ),
-            qload = coop_q_fragments(t, dp / t, dp),
+            qload = coop_q_fragments(t, dp / t, self.ks),
         )
     }
 
     /// Stages the key block at `j0` into `KQ` (zeros past the keys and the
     /// head).
     fn stage_k(&self) -> String {
-        self.stage("KQ", "in1", "k_off", self.dp, self.d)
+        self.stage("KQ", "in1", "k_off", (self.dp, self.ks), self.d)
     }
 
     /// Stages the value block at `j0` into `Vs`.
     fn stage_v(&self) -> String {
-        self.stage("Vs", "in2", "v_off", self.dvp, self.dv)
+        self.stage("Vs", "in2", "v_off", (self.dvp, self.vs), self.dv)
     }
 
     /// Copies `bk` rows (keys from `j0`) of `input` (rows `width` wide,
-    /// addressed by `offset`) into `array` as f16 rows `padded` wide.
-    fn stage(&self, array: &str, input: &str, offset: &str, padded: usize, width: usize) -> String {
+    /// addressed by `offset`) into `array` as f16 rows `padded` wide,
+    /// `stride` apart.
+    fn stage(
+        &self,
+        array: &str,
+        input: &str,
+        offset: &str,
+        (padded, stride): (usize, usize),
+        width: usize,
+    ) -> String {
         self.by_rows(
             "        ",
             self.bk,
@@ -1747,7 +1786,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             &format!(
                 "            var v = 0.0;
             if (j0 + kr < {skv}u && t < {width}u) {{ v = {input}[{offset}(bh, j0 + kr, t)]; }}
-            {array}[kr * {padded}u + t] = f16(v);
+            {array}[kr * {stride}u + t] = f16(v);
 ",
                 skv = self.skv,
             ),
@@ -1778,7 +1817,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 
     /// Scores of the subgroup's rows against the staged key block.
     fn scores(&self) -> String {
-        coop_scores(self.t, self.dp / self.t, self.dp, self.bk)
+        coop_scores(self.t, self.dp / self.t, self.ks, self.bk, self.ss)
     }
 
     /// The additive mask's term for score `s` of key `j0 + j`.
@@ -1860,7 +1899,9 @@ fn attention_coop_single(
         out
     };
     let tt = t * t;
-    let sub = t * bk;
+    // Each subgroup's share of `Ss` and of `Ps`.
+    let sub = t * a.ss;
+    let psub = t * a.ps;
     let mut o_decl = String::new();
     let mut pv_mac = String::new();
     let mut rescale = String::new();
@@ -1915,12 +1956,18 @@ fn attention_coop_single(
         }
         let _ = writeln!(store, "    workgroupBarrier();");
     }
+    // Each lane walks its keys from its own starting point, (jj + lane)
+    // mod kpl: walked in step, the lanes' score rows (`ss` apart) would
+    // meet in the same bank at every step, a 32-way conflict when rows
+    // are 64 floats apart; staggered, with 16-byte padded rows, the 32
+    // lanes of a 16×16 tile's rows touch 32 different banks.
     let code = format!(
         "{head}    let r = lane % {t}u;
     let part = lane / {t}u;
     let qrow = q0 + sg * {t}u + r;
     let qi = min(qrow, {sqm}u);
-    let srow = sg * {sub}u + r * {bk}u + part * {kpl}u;
+    let srow = sg * {sub}u + r * {ss}u + part * {kpl}u;
+    let prow = sg * {psub}u + r * {ps}u + part * {kpl}u;
 {o_decl}    var m = -3.4028235e38;
     var l = 0.0;
     for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
@@ -1928,8 +1975,9 @@ fn attention_coop_single(
 {scores}        workgroupBarrier();
         var bm = -3.4028235e38;
         for (var jj = 0u; jj < {kpl}u; jj++) {{
-            let j = part * {kpl}u + jj;
-            if (j0 + j < {skv}u) {{ var s = Ss[srow + jj]; {mask} Ss[srow + jj] = s; bm = max(bm, s); }}
+            let jr = (jj + lane) % {kpl}u;
+            let j = part * {kpl}u + jr;
+            if (j0 + j < {skv}u) {{ var s = Ss[srow + jr]; {mask} Ss[srow + jr] = s; bm = max(bm, s); }}
         }}
        {red_max}
         if (bm > m + {margin}) {{ atomicOr(&rescale, 1u); }}
@@ -1943,11 +1991,12 @@ fn attention_coop_single(
         }}
         var ps = 0.0;
         for (var jj = 0u; jj < {kpl}u; jj++) {{
-            let j = part * {kpl}u + jj;
+            let jr = (jj + lane) % {kpl}u;
+            let j = part * {kpl}u + jr;
             var p = 0.0;
-            if (j0 + j < {skv}u) {{ p = exp(Ss[srow + jj] - m); }}
+            if (j0 + j < {skv}u) {{ p = exp(Ss[srow + jr] - m); }}
             ps = ps + p;
-            Ps[srow + jj] = f16(p);
+            Ps[prow + jr] = f16(p);
         }}
        {red_sum}
         l = l * corr + ps;
@@ -1955,7 +2004,7 @@ fn attention_coop_single(
         if (moved != 0u) {{
 {rescale}        }}
         for (var kf = 0u; kf < {kfs}u; kf++) {{
-            let pa = coopLoadT<{pty}>(&Ps[sg * {sub}u + kf * {t}u], {bk}u);
+            let pa = coopLoadT<{pty}>(&Ps[sg * {psub}u + kf * {t}u], {ps}u);
 {pv_mac}        }}
         workgroupBarrier();
     }}
@@ -1970,6 +2019,8 @@ fn attention_coop_single(
         kfs = bk / t,
         pty = a.ty("A", "f16"),
         margin = lit(ATTN_RESCALE_MARGIN),
+        ss = a.ss,
+        ps = a.ps,
         red_max = reduce("bm", &|a, b| format!("max({a}, {b})")),
         red_sum = reduce("ps", &|a, b| format!("{a} + {b}")),
     );
@@ -2037,15 +2088,17 @@ fn attention_coop(
             dst[oi] = epi(Ss[sg * {sub}u + e] / Ls[sg * {t}u + r], oi);
         }}
 ",
-                    sub = t * bk,
+                    sub = t * a.ss,
                     c0 = f * t,
                 )
             ),
-            sub = t * bk,
+            sub = t * a.ss,
         );
     }
+    // Lanes stagger their keys as in the single-pass form.
     let code = format!(
-        "{head}    let row = sg * {tbk}u + min(lane, {tm}u) * {bk}u;
+        "{head}    let srow = sg * {tss}u + min(lane, {tm}u) * {ss}u;
+    let prow = sg * {tps}u + min(lane, {tm}u) * {ps}u;
     let qi = min(q0 + sg * {t}u + min(lane, {tm}u), {sqm}u);
     var m = -3.4028235e38;
     var l = 0.0;
@@ -2053,8 +2106,9 @@ fn attention_coop(
 {stage_k}        workgroupBarrier();
 {scores}        workgroupBarrier();
         if (lane < {t}u) {{
-            for (var j = 0u; j < {bk}u; j++) {{
-                if (j0 + j < {skv}u) {{ var s = Ss[row + j]; {mask} m = max(m, s); }}
+            for (var jj = 0u; jj < {bk}u; jj++) {{
+                let j = (jj + lane) % {bk}u;
+                if (j0 + j < {skv}u) {{ var s = Ss[srow + j]; {mask} m = max(m, s); }}
             }}
         }}
         workgroupBarrier();
@@ -2063,16 +2117,17 @@ fn attention_coop(
 {stage_k}{stage_v}        workgroupBarrier();
 {scores}        workgroupBarrier();
         if (lane < {t}u) {{
-            for (var j = 0u; j < {bk}u; j++) {{
+            for (var jj = 0u; jj < {bk}u; jj++) {{
+                let j = (jj + lane) % {bk}u;
                 var p = 0.0;
-                if (j0 + j < {skv}u) {{ var s = Ss[row + j]; {mask} p = exp(s - m); }}
+                if (j0 + j < {skv}u) {{ var s = Ss[srow + j]; {mask} p = exp(s - m); }}
                 l = l + p;
-                Ps[row + j] = f16(p);
+                Ps[prow + j] = f16(p);
             }}
         }}
         workgroupBarrier();
         for (var kf = 0u; kf < {kfs}u; kf++) {{
-            let pa = coopLoadT<{pty}>(&Ps[sg * {tbk}u + kf * {t}u], {bk}u);
+            let pa = coopLoadT<{pty}>(&Ps[sg * {tps}u + kf * {t}u], {ps}u);
 {pv}        }}
         workgroupBarrier();
     }}
@@ -2085,7 +2140,10 @@ fn attention_coop(
         stage_v = a.stage_v(),
         scores = a.scores(),
         mask = a.mask(masked),
-        tbk = t * bk,
+        tss = t * a.ss,
+        tps = t * a.ps,
+        ss = a.ss,
+        ps = a.ps,
         tm = t - 1,
         sqm = sq.saturating_sub(1),
         kfs = bk / t,
