@@ -5,8 +5,10 @@
 //! checks their numbers on adapters that have it (and on emulated
 //! fragments everywhere else).
 
-use sdkit_engine::backend::wgpu::codegen::{generate, tilings, Caps, Coop, Operand};
-use sdkit_engine::plan::{plan, Command};
+use sdkit_engine::backend::wgpu::codegen::{
+    conv_taps_first, generate, tilings, Caps, Coop, Operand,
+};
+use sdkit_engine::plan::{plan, Command, KernelKind};
 use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, TensorGraph};
 
 fn graphs() -> Vec<(&'static str, TensorGraph)> {
@@ -209,7 +211,11 @@ fn every_kernel_form_compiles_for_every_capability_set() {
             let k = &prog.kernels[kernel.0 as usize];
             for (cname, cap) in &caps {
                 for f16 in [false, true] {
-                    let ops = vec![Operand::whole(f16); k.inputs.len() + 1];
+                    let mut ops = vec![Operand::whole(f16); k.inputs.len() + 1];
+                    // Conv weights as the backend stores them.
+                    if let KernelKind::Conv2d { kh, kw, .. } = &k.kind {
+                        ops[1].taps_first = conv_taps_first(cap.coop.is_some(), kh * kw);
+                    }
                     let sh =
                         generate(k, &ops, cap).unwrap_or_else(|e| panic!("{gname} {cname}: {e}"));
                     if let Some(c) = cap

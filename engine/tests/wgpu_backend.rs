@@ -289,3 +289,39 @@ fn probes_measure_the_adapter_and_check_their_results() {
         eprintln!("{r}");
     }
 }
+
+/// On cooperative matrices conv weights are stored tap-major: relaid out
+/// on upload and on every streamed copy alike, so a model whose weights
+/// stream under a budget gives the resident model's result.
+#[test]
+fn tap_major_conv_weights_match_whether_resident_or_streamed() {
+    use sdkit_engine::backend::wgpu::Options;
+    let Ok(gpu) = WgpuBackend::with_options(&Options {
+        emulate_coopmat: true,
+        poison_workgroup_memory: true,
+        ..Options::default()
+    }) else {
+        eprintln!("skipped: tap-major weights: no wgpu adapter");
+        return;
+    };
+    if gpu.coop.is_none() {
+        eprintln!("skipped: tap-major weights: no (emulated) cooperative path on this adapter");
+        return;
+    }
+    let g = samples::unet_like_graph(1, 32, 16, 2).expect("builds");
+    let prog = plan(&g).expect("plans");
+    let b = bindings(&g, 5);
+    let want = cpu::run(&prog, &b).expect("cpu runs");
+    let resident = gpu.run(&prog, &b).expect("runs resident");
+    let e = nmse(&resident[0].data, &want[0].data);
+    assert!(e < tolerance(&gpu), "resident: nmse {e}");
+    gpu.free_weights();
+    let budget = gpu.activation_bytes(&prog) + gpu.weight_bytes(&prog) / 2;
+    let prepared = gpu
+        .prepare_within(&prog, &b, Some(budget))
+        .expect("prepares under a budget");
+    assert!(prepared.streamed_bytes_per_run() > 0, "nothing streamed");
+    let streamed = prepared.run(&b).expect("runs streamed");
+    let e = nmse(&streamed[0].data, &want[0].data);
+    assert!(e < tolerance(&gpu), "streamed: nmse {e}");
+}

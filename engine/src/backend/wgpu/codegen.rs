@@ -210,6 +210,9 @@ pub struct Operand {
     pub chunks: usize,
     /// Elements per binding (all but the last are full).
     pub chunk_elems: usize,
+    /// A conv weight stored tap-major, `[out][ky·kw + kx][in / groups]`,
+    /// instead of `[out][in / groups][ky][kx]` (see [`conv_taps_first`]).
+    pub taps_first: bool,
 }
 
 impl Operand {
@@ -218,8 +221,36 @@ impl Operand {
             f16,
             chunks: 1,
             chunk_elems: usize::MAX,
+            taps_first: false,
         }
     }
+}
+
+/// Whether a conv with these weights (`taps` = kh·kw) takes them
+/// tap-major on the GPU: on cooperative matrices with more than one tap.
+/// The product's depth then runs tap by tap, each tap over the input
+/// channels, so a depth step of the staged im2col operand (32 channels of
+/// one tap) shares one input pixel per output pixel: the pixel's address
+/// and padding test are worked out once per step and each staged element
+/// is one load `channel · H·W` further on, where the channel-major order
+/// divides every element's depth index into (channel, ky, kx).
+pub fn conv_taps_first(coop: bool, taps: usize) -> bool {
+    coop && taps > 1
+}
+
+/// `[out][in][taps]` → `[out][taps][in]` (the tap-major conv weight).
+pub fn taps_first_layout(data: &[f32], per_out: usize, taps: usize) -> Vec<f32> {
+    let ins = per_out / taps.max(1);
+    let mut out = vec![0.0; data.len()];
+    for (o, row) in data.chunks(per_out).enumerate() {
+        let base = o * per_out;
+        for (ci, taps_of) in row.chunks(taps).enumerate() {
+            for (t, &v) in taps_of.iter().enumerate() {
+                out[base + t * ins + ci] = v;
+            }
+        }
+    }
+    out
 }
 
 /// A cooperative-matrix (tensor core) configuration the adapter offers:
@@ -331,7 +362,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                 "fn load_a(z: u32, r: u32, c: u32) -> f32 {{ return in0[{ao}u + z * {abs_}u + r * {ars}u + c * {acs}u]; }}"
             );
             let load_b = format!(
-                "fn load_b(z: u32, r: u32, c: u32) -> f32 {{ return in1[{bo}u + z * {bbs}u + r * {brs}u + c * {bcs}u]; }}"
+                "fn load_b(z: u32, k0: u32, kr: u32, c: u32) -> f32 {{ let r = k0 + kr; return in1[{bo}u + z * {bbs}u + r * {brs}u + c * {bcs}u]; }}"
             );
             let store = format!(
                 "fn store(z: u32, r: u32, c: u32, v: f32) {{ let oi = z * {}u + r * {n}u + c; dst[oi] = epi(v, oi); }}",
@@ -377,28 +408,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             let oh = (h + 2 * params.padding[0] - eff_h) / params.stride[0] + 1;
             let ow = (w + 2 * params.padding[1] - eff_w) / params.stride[1] + 1;
             let kk = cg * kh * kw;
-            // GEMM per (image, group): rows = output channels of the group,
-            // cols = output pixels, depth = input channels x kernel taps.
-            let load_a = format!(
-                "fn load_a(z: u32, r: u32, c: u32) -> f32 {{ let g = z % {g}u; return in1[(g * {og}u + r) * {kk}u + c]; }}"
-            );
-            let load_b = format!(
-                "fn load_b(z: u32, r: u32, c: u32) -> f32 {{
-    let b = z / {g}u; let g = z % {g}u;
-    let ci = r / {khw}u; let ky = (r / {kw}u) % {kh}u; let kx = r % {kw}u;
-    let oy = c / {ow}u; let ox = c % {ow}u;
-    let iy = i32(oy * {sh}u + ky * {dh}u) - {ph}; let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};
-    if (iy < 0 || ix < 0 || iy >= {h} || ix >= {w}) {{ return 0.0; }}
-    return in0[((b * {c}u + g * {cg}u + ci) * {h}u + u32(iy)) * {w}u + u32(ix)];
-}}",
-                khw = kh * kw,
-                sh = params.stride[0],
-                sw = params.stride[1],
-                dh = params.dilation[0],
-                dw = params.dilation[1],
-                ph = params.padding[0],
-                pw = params.padding[1],
-            );
+            let taps = kh * kw;
             let bias_term = if *bias { "in2[oc]" } else { "0.0" };
             let store = format!(
                 "fn store(z: u32, r: u32, c: u32, v: f32) {{ let b = z / {g}u; let g = z % {g}u; let oc = g * {og}u + r; let oi = (b * {o}u + oc) * {ohw}u + c; dst[oi] = epi(v + {bias_term}, oi); }}",
@@ -408,8 +418,10 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             if z > 65535 {
                 return Err(format!("batch x groups {z} exceeds 65535 workgroups"));
             }
-            // Weights are [out][in x taps] (depth contiguous); the implicit
-            // im2col operand walks pixels contiguously.
+            // GEMM per (image, group): rows = output channels of the group,
+            // cols = output pixels, depth = input channels x kernel taps.
+            // Weights are [out][in x taps] (depth contiguous, in either
+            // order); the implicit im2col operand walks pixels contiguously.
             let gm = Gemm {
                 m: og,
                 n: oh * ow,
@@ -425,6 +437,48 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                     .and_then(|o| Direct::of(1, o, 1, (0, 0), kk)),
                 direct_b: None,
             };
+            let taps_first = operands.get(1).is_some_and(|o| o.taps_first);
+            let load_a = format!(
+                "fn load_a(z: u32, r: u32, c: u32) -> f32 {{ let g = z % {g}u; return in1[(g * {og}u + r) * {kk}u + c]; }}"
+            );
+            // The depth index r = k0 + kr as (channel, ky, kx). Tap-major
+            // with whole steps of channels (every SD conv but the first),
+            // the tap and first channel come from the step's start alone,
+            // so everything but the final `+ kr·H·W` is the same for all of
+            // a thread's elements in a step and is computed once.
+            let step_whole = gm
+                .coop_depth_step(caps)
+                .is_some_and(|bk| cg.is_multiple_of(bk));
+            let depth = match (taps_first, step_whole) {
+                (false, _) => {
+                    format!("let r = k0 + kr; let ci = r / {taps}u; let tap = r % {taps}u;")
+                }
+                (true, false) => {
+                    format!("let r = k0 + kr; let tap = r / {cg}u; let ci = r % {cg}u;")
+                }
+                (true, true) => format!("let tap = k0 / {cg}u; let ci = k0 % {cg}u;"),
+            };
+            let tail = if taps_first && step_whole {
+                format!(" + kr * {}u", h * w)
+            } else {
+                String::new()
+            };
+            let load_b = format!(
+                "fn load_b(z: u32, k0: u32, kr: u32, c: u32) -> f32 {{
+    let b = z / {g}u; let g = z % {g}u;
+    {depth} let ky = tap / {kw}u; let kx = tap % {kw}u;
+    let oy = c / {ow}u; let ox = c % {ow}u;
+    let iy = i32(oy * {sh}u + ky * {dh}u) - {ph}; let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};
+    if (iy < 0 || ix < 0 || iy >= {h} || ix >= {w}) {{ return 0.0; }}
+    return in0[((b * {c}u + g * {cg}u + ci) * {h}u + u32(iy)) * {w}u + u32(ix){tail}];
+}}",
+                sh = params.stride[0],
+                sw = params.stride[1],
+                dh = params.dilation[0],
+                dw = params.dilation[1],
+                ph = params.padding[0],
+                pw = params.padding[1],
+            );
             let (code, tiles, split) = gm.emit(caps, &load_a, &load_b, &store);
             src.push_str(&code);
             groups = tiles;
@@ -885,7 +939,8 @@ pub(super) fn is_ident(b: u8) -> bool {
 }
 
 /// A 64x64-tiled GEMM (16x16 threads, 4x4 outputs each, K-steps of 16
-/// through workgroup memory) over `load_a(z, row, k)`, `load_b(z, k, col)`
+/// through workgroup memory) over `load_a(z, row, k)`, `load_b(z, k0, kr,
+/// col)` (depth k0 + kr, k0 the step's start)
 /// and `store(z, row, col, v)`, which precede it in the shader. Workgroup (x, y, z) = (col tile, row tile,
 /// batch).
 fn gemm(m: usize, n: usize, k: usize) -> String {
@@ -908,7 +963,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
             As[ka * 64u + ma] = va;
             let nb = e % 64u; let kb = e / 64u;
             var vb = 0.0;
-            if (col0 + nb < {n}u && k0 + kb < {k}u) {{ vb = load_b(z, k0 + kb, col0 + nb); }}
+            if (col0 + nb < {n}u && k0 + kb < {k}u) {{ vb = load_b(z, k0, kb, col0 + nb); }}
             Bs[kb * 64u + nb] = vb;
         }}
         workgroupBarrier();
@@ -1076,13 +1131,7 @@ impl Gemm {
                 None,
             );
         };
-        let tiles = caps.gemm_tiles.unwrap_or_else(|| self.tiles_for(c));
-        let tiles = CoopTiles {
-            rows: c.extent(tiles.rows),
-            cols: c.extent(tiles.cols),
-            bk: c.extent(tiles.bk),
-            ..tiles
-        };
+        let tiles = self.coop_tiles(c, caps);
         let gx = self.n.div_ceil(tiles.sg_cols * tiles.cols);
         let gy = self.m.div_ceil(tiles.sg_rows * tiles.rows);
         let split = if caps.split_k {
@@ -1115,6 +1164,23 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             (body, grid(total), splits * total)
         });
         (code, groups, finish)
+    }
+
+    /// The cooperative tiling `emit` uses, in this configuration's
+    /// elements.
+    fn coop_tiles(&self, c: Coop, caps: &Caps) -> CoopTiles {
+        let tiles = caps.gemm_tiles.unwrap_or_else(|| self.tiles_for(c));
+        CoopTiles {
+            rows: c.extent(tiles.rows),
+            cols: c.extent(tiles.cols),
+            bk: c.extent(tiles.bk),
+            ..tiles
+        }
+    }
+
+    /// The depth step of the cooperative kernel; None on the portable one.
+    fn coop_depth_step(&self, caps: &Caps) -> Option<usize> {
+        caps.coop.map(|c| self.coop_tiles(c, caps).bk)
     }
 
     /// Split-K for a grid of `workgroups` over depth steps of `bk`: None
@@ -1356,7 +1422,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 bk * bn,
                 format!("let kr = {b_r}; let c = {b_c};"),
                 Box::new(move |kv: &str| {
-                    format!("if ({kv} + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, {kv} + kr, col0 + c); }}")
+                    format!("if ({kv} + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, {kv}, kr, col0 + c); }}")
                 }),
                 format!("Bs[kr * {sb}u + c]"),
             ));
@@ -1415,7 +1481,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         // it rather than read past the row (k is then a multiple of the
         // fragment). A loop bound, not an `if`: naga treats branches on
         // local variables as non-uniform, which cooperative ops forbid.
-        let depth_end = if da.is_some() || db.is_some() {
+        // Where every step is whole (SD's convs and linears: depths are
+        // multiples of 32), the bound stays a constant, so the driver can
+        // unroll the loop and issue the direct fragment loads together.
+        let depth_end = if (da.is_some() || db.is_some()) && !k.is_multiple_of(bk) {
             format!("min({bk}u, {k_end} - k0)")
         } else {
             format!("{bk}u")
@@ -2277,3 +2346,24 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     }
 }
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn taps_first_layout_moves_each_tap_before_the_channels() {
+        // Two output channels of 3 input channels × 2 taps, valued
+        // o·100 + ci·10 + tap.
+        let data: Vec<f32> = (0..2)
+            .flat_map(|o| {
+                (0..3).flat_map(move |ci| (0..2).map(move |t| (o * 100 + ci * 10 + t) as f32))
+            })
+            .collect();
+        let got = taps_first_layout(&data, 6, 2);
+        let want = [
+            0.0, 10.0, 20.0, 1.0, 11.0, 21.0, 100.0, 110.0, 120.0, 101.0, 111.0, 121.0,
+        ];
+        assert_eq!(got, want);
+    }
+}

@@ -943,7 +943,9 @@ impl WgpuBackend {
         let scratch_bytes = self.scratch_bytes(prog);
         let activation_bytes = self.arena_io_bytes(prog) + scratch_bytes;
         let mut cache = self.lock_resident();
-        let (residency, step) = self.plan_use(&mut cache, prog, bind, budget, activation_bytes)?;
+        let taps = self.taps_first_weights(prog);
+        let (residency, step) =
+            self.plan_use(&mut cache, prog, &taps, bind, budget, activation_bytes)?;
         if let Some(memory) = self.device_memory.filter(|&m| step.device_bytes > m) {
             return Err(WgpuError::OutOfMemory(format!(
                 "the use needs {} bytes, the device has {memory}",
@@ -972,7 +974,7 @@ impl WgpuBackend {
                     .weights
                     .get(&w.name)
                     .ok_or_else(|| BindError::MissingWeight(w.name.clone()))?;
-                let bytes = encode(data, self.f16_weights);
+                let bytes = encode(&device_order(data, taps.get(&w.name)), self.f16_weights);
                 let at = staging_bytes.len() as u64;
                 staging_bytes.extend_from_slice(&bytes);
                 staging_bytes.resize(
@@ -1024,12 +1026,13 @@ impl WgpuBackend {
                         .ok_or_else(|| BindError::MissingWeight(name.clone()))?;
                     let want = prog.buffer(*buffer).len;
                     BindError::check_len(name, data.len(), want)?;
-                    let key = resident_key(name, data);
+                    let layout = taps.get(name);
+                    let key = resident_key(name, data, layout.is_some());
                     if let Some(r) = cache.buffers.get(&key) {
                         external.insert(buffer.0, Arc::clone(&r.buffer));
                         continue;
                     }
-                    let bytes = encode(data, self.f16_weights);
+                    let bytes = encode(&device_order(data, layout), self.f16_weights);
                     self.check_binding(bytes.len() as u64)?;
                     let buf = Arc::new(self.device.create_buffer_init(
                         &wgpu::util::BufferInitDescriptor {
@@ -1073,7 +1076,7 @@ impl WgpuBackend {
                 kind: k.kind.name(),
                 message: m,
             };
-            let operands = self.operand_layouts(prog, k);
+            let operands = self.operand_layouts(prog, k, &taps);
             self.split_operands.fetch_add(
                 operands.iter().filter(|(o, _)| o.chunks > 1).count(),
                 std::sync::atomic::Ordering::Relaxed,
@@ -1283,10 +1286,12 @@ impl WgpuBackend {
         &self,
         prog: &Program,
         k: &crate::plan::Kernel,
+        taps: &TapsFirst,
     ) -> Vec<(codegen::Operand, u64)> {
         let mut operands = Vec::new();
         for v in k.inputs.iter().chain(std::iter::once(&k.output)) {
             let b = prog.buffer(v.buffer);
+            let taps_first = matches!(&b.kind, BufferKind::Weight(n) if taps.contains_key(n));
             let half = match b.kind {
                 BufferKind::Weight(_) => self.f16_weights,
                 _ => self.f16_activations,
@@ -1295,7 +1300,10 @@ impl WgpuBackend {
             let bytes = (b.len as u64 * elem).div_ceil(4) * 4;
             let limit = self.binding_limit();
             let op = if bytes <= limit {
-                codegen::Operand::whole(half)
+                codegen::Operand {
+                    taps_first,
+                    ..codegen::Operand::whole(half)
+                }
             } else {
                 // Chunks start on the storage offset alignment.
                 let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
@@ -1304,11 +1312,50 @@ impl WgpuBackend {
                     f16: half,
                     chunks: bytes.div_ceil(chunk_bytes) as usize,
                     chunk_elems: (chunk_bytes / elem) as usize,
+                    taps_first,
                 }
             };
             operands.push((op, bytes));
         }
         operands
+    }
+
+    /// The weights this backend stores tap-major: those whose every use in
+    /// `prog` is as the weights of convs that take them so
+    /// ([`codegen::conv_taps_first`]), all of one shape and whole.
+    fn taps_first_weights(&self, prog: &Program) -> TapsFirst {
+        use crate::plan::KernelKind;
+        let mut conv: TapsFirst = HashMap::new();
+        let mut other = std::collections::HashSet::new();
+        for k in &prog.kernels {
+            for (i, v) in k.inputs.iter().enumerate() {
+                let BufferKind::Weight(name) = &prog.buffer(v.buffer).kind else {
+                    continue;
+                };
+                let layout = match &k.kind {
+                    KernelKind::Conv2d {
+                        c, kh, kw, params, ..
+                    } if i == 1
+                        && codegen::conv_taps_first(self.coop.is_some(), kh * kw)
+                        && v.offset == 0
+                        && v.numel() == prog.buffer(v.buffer).len =>
+                    {
+                        Some((c / params.groups.max(1) * kh * kw, kh * kw))
+                    }
+                    _ => None,
+                };
+                match layout {
+                    Some(l) if conv.get(name).is_none_or(|&seen| seen == l) => {
+                        conv.insert(name.clone(), l);
+                    }
+                    _ => {
+                        other.insert(name.clone());
+                    }
+                }
+            }
+        }
+        conv.retain(|name, _| !other.contains(name));
+        conv
     }
 
     /// Bytes of the one scratch buffer `prog`'s split-K products share
@@ -1317,12 +1364,13 @@ impl WgpuBackend {
         if !self.caps.split_k || self.caps.coop.is_none() {
             return 0;
         }
+        let taps = self.taps_first_weights(prog);
         prog.kernels
             .iter()
             .filter(|k| matches!(k.kind.name(), "matmul" | "conv2d"))
             .filter_map(|k| {
                 let ops: Vec<codegen::Operand> = self
-                    .operand_layouts(prog, k)
+                    .operand_layouts(prog, k, &taps)
                     .iter()
                     .map(|(o, _)| *o)
                     .collect();
@@ -1344,6 +1392,7 @@ impl WgpuBackend {
         &self,
         cache: &mut Resident,
         prog: &Program,
+        taps: &TapsFirst,
         bind: &Bindings,
         budget: Option<u64>,
         activation_bytes: u64,
@@ -1391,7 +1440,7 @@ impl WgpuBackend {
                     .weights
                     .get(&w.name)
                     .ok_or_else(|| BindError::MissingWeight(w.name.clone()))?;
-                let name = resident_key(&w.name, data);
+                let name = resident_key(&w.name, data, taps.contains_key(&w.name));
                 Ok(residency::WeightUse {
                     keep: in_use.contains(&name),
                     name,
@@ -1430,9 +1479,28 @@ impl WgpuBackend {
     }
 }
 
-/// A kept weight's key: its name and the host data it was made from.
-fn resident_key(name: &str, data: &Arc<Vec<f32>>) -> String {
-    format!("{name}#{:x}", Arc::as_ptr(data) as usize)
+/// A kept weight's key: its name, the host data it was made from, and
+/// whether the device holds it tap-major (a conv weight: see
+/// [`codegen::conv_taps_first`]).
+fn resident_key(name: &str, data: &Arc<Vec<f32>>, taps_first: bool) -> String {
+    let layout = if taps_first { "/taps" } else { "" };
+    format!("{name}#{:x}{layout}", Arc::as_ptr(data) as usize)
+}
+
+/// Weight name → (elements per output channel, taps) of the tap-major
+/// conv weights.
+type TapsFirst = HashMap<String, (usize, usize)>;
+
+/// `data` in the order the device stores it: tap-major where `layout`
+/// says so.
+fn device_order<'d>(
+    data: &'d [f32],
+    layout: Option<&(usize, usize)>,
+) -> std::borrow::Cow<'d, [f32]> {
+    match layout {
+        Some(&(per_out, taps)) => codegen::taps_first_layout(data, per_out, taps).into(),
+        None => data.into(),
+    }
 }
 
 /// The streamed weights of a prepared program.
