@@ -13,6 +13,7 @@ mod common;
 
 use common::nmse;
 use sdkit_engine::backend::cpu::Bindings;
+use sdkit_engine::backend::wgpu::probe::ProbeSize;
 use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
 use sdkit_engine::plan::{plan, samples};
 use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, InputKind, TensorGraph};
@@ -254,6 +255,24 @@ fn main() {
             }
         }
     }
+    // The tensor-core roof through wgpu on this adapter (fragments in
+    // registers, `sdkit devices --probe`): cooperative rows print their
+    // share of it.
+    let roof = paths
+        .iter()
+        .find(|(p, g)| p == "coop" && g.coop.is_some_and(|c| !c.emulated))
+        .filter(|_| !small)
+        .and_then(|(_, g)| match g.probe(&ProbeSize::full()) {
+            Ok(results) => results
+                .into_iter()
+                .inspect(|r| println!("probe: {r}"))
+                .find(|r| r.name.contains("in registers"))
+                .map(|r| r.rate),
+            Err(e) => {
+                println!("probe failed: {e}");
+                None
+            }
+        });
     let py = std::env::var("SDKIT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
     println!(
         "wgpu_ops on {} ({}, {}){}",
@@ -315,7 +334,13 @@ fn main() {
             };
             let (secs, iters) = common::seconds_per_step(&prepared, 0.5, 1, 200);
             let rate = if case.flops > 0.0 {
-                format!("{:8.1} GFLOP/s", case.flops / secs / 1e9)
+                let share = match roof.filter(|_| path.starts_with("coop")) {
+                    Some(tflops) => {
+                        format!(" ({:.0}% of roof)", case.flops / secs / 1e10 / tflops)
+                    }
+                    None => String::new(),
+                };
+                format!("{:8.1} GFLOP/s{share}", case.flops / secs / 1e9)
             } else {
                 format!("{} dispatches", prog.stats.dispatches)
             };
