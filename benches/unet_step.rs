@@ -188,22 +188,30 @@ fn main() {
     }
     // The portable kernels, then matrix products on cooperative matrices
     // (tensor cores) where the adapter has them; the last again with
-    // wgpu's shader runtime checks, which the engine turns off, to show
-    // what they cost.
+    // wgpu's index clamps (bounds checks), then with all its shader
+    // runtime checks, which the engine turns off, to show what they cost.
     let variants = [
-        ("f16 weights, f32 activations", false, false, false),
-        ("coop, f32 activations", false, true, false),
-        ("coop, f16 activations", true, true, false),
-        ("coop, f16 activations, shader checks", true, true, true),
+        ("f16 weights, f32 activations", false, false, ""),
+        ("coop, f32 activations", false, true, ""),
+        ("coop, f16 activations", true, true, ""),
+        ("coop, f16 activations, bounds checks", true, true, "bounds"),
+        (
+            "coop, f16 activations, shader checks",
+            true,
+            true,
+            "checked",
+        ),
     ];
     let mut best = f64::INFINITY;
     let mut first: Option<Vec<f32>> = None;
-    for (label, f16_act, coop, shader_checks) in variants {
+    for (label, f16_act, coop, checks) in variants {
+        let shader_checks = checks == "checked";
         let opts = Options {
             adapter: adapter.clone(),
             f16_activations: f16_act,
             allow_coopmat: coop,
             shader_checks,
+            bounds_checks: checks == "bounds",
             ..Options::default()
         };
         let gpu = match WgpuBackend::with_options(&opts) {
@@ -263,7 +271,7 @@ fn main() {
             prep,
             gpu.pipelines_compiled()
         );
-        if shader_checks {
+        if !checks.is_empty() {
             continue;
         }
         if let Ok(times) = prepared.profile(3) {

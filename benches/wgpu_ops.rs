@@ -175,15 +175,17 @@ fn torch_time(py: &str, body: &str, iters: usize, half: bool) -> Option<f64> {
 fn main() {
     let small = std::env::var_os("SDKIT_BENCH_SMALL").is_some();
     let adapter = std::env::var("SDKIT_ADAPTER").ok();
-    let open = |coop: bool, shader_checks: bool| {
+    // `checks`: none (as shipped), bounds checks only, or all of wgpu's.
+    let open = |coop: bool, checks: &str| {
         WgpuBackend::with_options(&Options {
             adapter: adapter.clone(),
             allow_coopmat: coop,
-            shader_checks,
+            shader_checks: checks == "checked",
+            bounds_checks: checks == "bounds",
             ..Options::default()
         })
     };
-    let portable = match open(false, false) {
+    let portable = match open(false, "") {
         Ok(g) => g,
         Err(e) => {
             println!("wgpu_ops: skipped, no adapter: {e}");
@@ -196,15 +198,20 @@ fn main() {
     let mut paths = vec![("f32".to_string(), portable)];
     // Each default path again with wgpu's shader runtime checks (index
     // clamps, loop counters, zeroed workgroup memory), which the engine
-    // turns off: what that buys on this adapter.
-    if let Ok(g) = open(false, true) {
-        paths.push(("f32 checked".to_string(), g));
+    // turns off, and with the index clamps alone: what each costs or
+    // saves on this adapter.
+    for checks in ["bounds", "checked"] {
+        if let Ok(g) = open(false, checks) {
+            paths.push((format!("f32 {checks}"), g));
+        }
     }
-    match open(true, false) {
+    match open(true, "") {
         Ok(g) if g.coop.is_some() => {
             paths.push(("coop".to_string(), g));
-            if let Ok(g) = open(true, true) {
-                paths.push(("coop checked".to_string(), g));
+            for checks in ["bounds", "checked"] {
+                if let Ok(g) = open(true, checks) {
+                    paths.push((format!("coop {checks}"), g));
+                }
             }
             // f16 activations let matrix products read both operands
             // straight from their bindings; two-pass attention is the
@@ -350,7 +357,8 @@ fn main() {
                 case.what
             );
             // The peer once per path kind, not per tiling.
-            if !case.torch.is_empty() && !tiling && !path.ends_with("checked") {
+            let variant = path.ends_with("checked") || path.ends_with("bounds");
+            if !case.torch.is_empty() && !tiling && !variant {
                 match torch_time(&py, &case.torch, iters.max(5), path.starts_with("coop")) {
                     Some(tt) => print!(
                         "   torch {:9.3} ms  sdkit/torch time {:.2}x",
