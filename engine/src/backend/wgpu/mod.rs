@@ -467,6 +467,12 @@ pub struct WgpuBackend {
     created: std::sync::atomic::AtomicUsize,
 }
 
+/// Usage of every storage buffer kernels bind: written by uploads and
+/// copies, read back by copies.
+const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
+
 /// Idle buffers the pool keeps at most, and their bytes.
 const POOL_BUFFERS: usize = 16;
 const POOL_BYTES: u64 = 256 << 20;
@@ -671,9 +677,7 @@ impl WgpuBackend {
         Arc::new(self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST,
+            usage: STORAGE,
             mapped_at_creation: false,
         }))
     }
@@ -934,9 +938,7 @@ impl WgpuBackend {
         use wgpu::util::DeviceExt;
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let storage = wgpu::BufferUsages::STORAGE
-            | wgpu::BufferUsages::COPY_SRC
-            | wgpu::BufferUsages::COPY_DST;
+        let storage = STORAGE;
         let arena_bytes = (prog.stats.arena_bytes as u64).max(4);
         let arena = self.storage_buffer(arena_bytes.div_ceil(4) * 4, "arena");
         let mut input_buffers: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
