@@ -449,19 +449,19 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             let step_whole = gm
                 .coop_depth_step(caps)
                 .is_some_and(|bk| cg.is_multiple_of(bk));
-            let depth = match (taps_first, step_whole) {
-                (false, _) => {
-                    format!("let r = k0 + kr; let ci = r / {taps}u; let tap = r % {taps}u;")
-                }
-                (true, false) => {
-                    format!("let r = k0 + kr; let tap = r / {cg}u; let ci = r % {cg}u;")
-                }
-                (true, true) => format!("let tap = k0 / {cg}u; let ci = k0 % {cg}u;"),
-            };
-            let tail = if taps_first && step_whole {
-                format!(" + kr * {}u", h * w)
-            } else {
-                String::new()
+            let (depth, tail) = match (taps_first, step_whole) {
+                (false, _) => (
+                    format!("let r = k0 + kr; let ci = r / {taps}u; let tap = r % {taps}u;"),
+                    String::new(),
+                ),
+                (true, false) => (
+                    format!("let r = k0 + kr; let tap = r / {cg}u; let ci = r % {cg}u;"),
+                    String::new(),
+                ),
+                (true, true) => (
+                    format!("let tap = k0 / {cg}u; let ci = k0 % {cg}u;"),
+                    format!(" + kr * {}u", h * w),
+                ),
             };
             let load_b = format!(
                 "fn load_b(z: u32, k0: u32, kr: u32, c: u32) -> f32 {{

@@ -938,7 +938,6 @@ impl WgpuBackend {
         use wgpu::util::DeviceExt;
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let storage = STORAGE;
         let arena_bytes = (prog.stats.arena_bytes as u64).max(4);
         let arena = self.storage_buffer(arena_bytes.div_ceil(4) * 4, "arena");
         let mut input_buffers: HashMap<u32, Arc<wgpu::Buffer>> = HashMap::new();
@@ -958,10 +957,10 @@ impl WgpuBackend {
         let mut inputs = Vec::new();
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
         // Sizing the scratch generates the products' shaders: once.
-        let scratch_bytes = self.scratch_bytes(prog);
+        let taps = self.taps_first_weights(prog);
+        let scratch_bytes = self.scratch_bytes_with(prog, &taps);
         let activation_bytes = self.arena_io_bytes(prog) + scratch_bytes;
         let mut cache = self.lock_resident();
-        let taps = self.taps_first_weights(prog);
         let (residency, step) =
             self.plan_use(&mut cache, prog, &taps, bind, budget, activation_bytes)?;
         if let Some(memory) = self.device_memory.filter(|&m| step.device_bytes > m) {
@@ -1013,7 +1012,7 @@ impl WgpuBackend {
                 let arena = self.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("stream arena"),
                     size: plan.stream_arena_bytes.max(4),
-                    usage: storage,
+                    usage: STORAGE,
                     mapped_at_creation: false,
                 });
                 let staging = self
@@ -1056,7 +1055,7 @@ impl WgpuBackend {
                         &wgpu::util::BufferInitDescriptor {
                             label: Some(name),
                             contents: &bytes,
-                            usage: storage,
+                            usage: STORAGE,
                         },
                     ));
                     self.uploaded
@@ -1379,16 +1378,20 @@ impl WgpuBackend {
     /// Bytes of the one scratch buffer `prog`'s split-K products share
     /// (kernels run one after another, so the largest one's partial sums).
     pub fn scratch_bytes(&self, prog: &Program) -> u64 {
+        self.scratch_bytes_with(prog, &self.taps_first_weights(prog))
+    }
+
+    /// [`WgpuBackend::scratch_bytes`] with the tap-major weights known.
+    fn scratch_bytes_with(&self, prog: &Program, taps: &TapsFirst) -> u64 {
         if !self.caps.split_k || self.caps.coop.is_none() {
             return 0;
         }
-        let taps = self.taps_first_weights(prog);
         prog.kernels
             .iter()
             .filter(|k| matches!(k.kind.name(), "matmul" | "conv2d"))
             .filter_map(|k| {
                 let ops: Vec<codegen::Operand> = self
-                    .operand_layouts(prog, k, &taps)
+                    .operand_layouts(prog, k, taps)
                     .iter()
                     .map(|(o, _)| *o)
                     .collect();
@@ -1625,17 +1628,7 @@ impl Prepared<'_> {
                 _ => self.backend.f16_activations,
             };
             let slice = st.slice(..);
-            let (tx, rx) = std::sync::mpsc::channel();
-            slice.map_async(wgpu::MapMode::Read, move |r| {
-                let _ = tx.send(r);
-            });
-            dev.poll(wgpu::PollType::wait_indefinitely())
-                .map_err(|e| WgpuError::Lost(e.to_string()))?;
-            match rx.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(WgpuError::Lost(e.to_string())),
-                Err(e) => return Err(WgpuError::Lost(e.to_string())),
-            }
+            map_for_reading(dev, &slice)?;
             // Unmapped on every path: the buffer is reused next run.
             let data = slice.get_mapped_range().map(|bytes| decode(&bytes, half));
             st.unmap();
@@ -1758,6 +1751,21 @@ impl Prepared<'_> {
         dev.poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| WgpuError::Lost(e.to_string()))?;
         Ok(())
+    }
+}
+
+/// Maps `slice` of a MAP_READ buffer and waits until it is readable.
+fn map_for_reading(dev: &wgpu::Device, slice: &wgpu::BufferSlice) -> Result<(), WgpuError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    slice.map_async(wgpu::MapMode::Read, move |r| {
+        let _ = tx.send(r);
+    });
+    dev.poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| WgpuError::Lost(e.to_string()))?;
+    match rx.recv() {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(WgpuError::Lost(e.to_string())),
+        Err(e) => Err(WgpuError::Lost(e.to_string())),
     }
 }
 

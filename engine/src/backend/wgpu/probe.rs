@@ -484,18 +484,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         encoder.copy_buffer_to_buffer(buf, 0, &staging, 0, buf.size());
         self.queue.submit([encoder.finish()]);
         let slice = staging.slice(..);
-        let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| WgpuError::Lost(e.to_string()))?;
-        match rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(WgpuError::Lost(e.to_string())),
-            Err(e) => return Err(WgpuError::Lost(e.to_string())),
-        }
+        super::map_for_reading(&self.device, &slice)?;
         let wrong = {
             let bytes = slice
                 .get_mapped_range()
