@@ -178,6 +178,12 @@ pub struct RunArgs {
     /// PyTorch and ComfyUI in fp16); `f32` keeps every product in f32.
     #[arg(long, value_name = "auto|f32", default_value = "auto")]
     pub precision: Precision,
+    /// Time the variants of each tensor-core kernel (tilings, split-K)
+    /// the first time it runs and keep the fastest in the cache folder;
+    /// without, runs use what earlier tuned runs chose. Costs the first
+    /// run of each new image size seconds to a minute.
+    #[arg(long)]
+    pub tune: bool,
     /// After each run, drop cached node outputs and the GPU's resident
     /// weights (what ComfyUI's /free does), so `watch` gives memory back
     /// while the file is edited; the next run loads models again.
@@ -199,6 +205,7 @@ impl RunArgs {
             &self.device,
             self.vram_budget.as_deref(),
             self.precision,
+            self.tune,
             lib,
             paths,
         )
@@ -210,6 +217,7 @@ pub fn make_executor(
     device: &str,
     vram_budget: Option<&str>,
     precision: Precision,
+    tune: bool,
     lib: Arc<sdkit_engine::NodeLibrary>,
     paths: Paths,
 ) -> Result<Executor> {
@@ -229,8 +237,17 @@ pub fn make_executor(
                 }
             },
         };
-        let runtime =
-            sdkit_engine::Runtime::select_precision(device, budget, precision == Precision::Auto)?;
+        let tuning = if tune {
+            sdkit_engine::backend::wgpu::Tuning::Measure
+        } else {
+            sdkit_engine::backend::wgpu::Tuning::Cached
+        };
+        let runtime = sdkit_engine::Runtime::select_tuned(
+            device,
+            budget,
+            precision == Precision::Auto,
+            tuning,
+        )?;
         tracing::info!("models run on {}", runtime.describe());
         Ok(Executor::new(lib, Arc::new(paths)).with_runtime(runtime))
     }

@@ -6,7 +6,7 @@
 //! the pipelines compiled then, and each step only uploads its inputs.
 
 use crate::backend::cpu::{self, Bindings, CpuError};
-use crate::backend::wgpu::{Options, Prepared, WgpuBackend, WgpuError};
+use crate::backend::wgpu::{Options, Prepared, Tuning, WgpuBackend, WgpuError};
 use crate::plan::residency::ResidencyPlan;
 use crate::plan::schedule::{UseSchedule, UseStep};
 use crate::plan::Program;
@@ -93,6 +93,19 @@ impl Runtime {
         budget: Option<u64>,
         tensor_cores: bool,
     ) -> Result<Self, RuntimeError> {
+        Self::select_tuned(choice, budget, tensor_cores, Tuning::Cached)
+    }
+
+    /// [`Runtime::select_precision`], choosing whether tensor-core kernels
+    /// are tuned ([`Tuning`]): the others use what earlier runs tuned
+    /// (the file in the cache folder), measuring nothing.
+    pub fn select_tuned(
+        choice: &str,
+        budget: Option<u64>,
+        tensor_cores: bool,
+        tuning: Tuning,
+    ) -> Result<Self, RuntimeError> {
+        let gpu_options = |adapter| gpu_options(adapter, budget, tensor_cores, tuning);
         let err = |message: String| RuntimeError::Select {
             choice: choice.to_string(),
             message,
@@ -109,21 +122,17 @@ impl Runtime {
                 if !hardware {
                     return Ok(Runtime::cpu());
                 }
-                match WgpuBackend::with_options(&gpu_options(None, budget, tensor_cores)) {
+                match WgpuBackend::with_options(&gpu_options(None)) {
                     Ok(b) if b.adapter.device_type != "Cpu" => Ok(Runtime::wgpu(b)),
                     _ => Ok(Runtime::cpu()),
                 }
             }
-            "wgpu" | "gpu" => WgpuBackend::with_options(&gpu_options(None, budget, tensor_cores))
+            "wgpu" | "gpu" => WgpuBackend::with_options(&gpu_options(None))
                 .map(Runtime::wgpu)
                 .map_err(|e| err(e.to_string())),
-            name => WgpuBackend::with_options(&gpu_options(
-                Some(name.to_string()),
-                budget,
-                tensor_cores,
-            ))
-            .map(Runtime::wgpu)
-            .map_err(|e| err(format!("{e} (`sdkit devices` lists the adapters)"))),
+            name => WgpuBackend::with_options(&gpu_options(Some(name.to_string())))
+                .map(Runtime::wgpu)
+                .map_err(|e| err(format!("{e} (`sdkit devices` lists the adapters)"))),
         }
     }
 
@@ -411,11 +420,17 @@ pub const AUTO_BUDGET: u64 = 4 << 30;
 /// `SDKIT_SHADER_CHECKS=1` compiles shaders with wgpu's runtime checks
 /// (`Options::shader_checks`), to rule the generated kernels out when a
 /// GPU gives wrong images.
-fn gpu_options(adapter: Option<String>, budget: Option<u64>, tensor_cores: bool) -> Options {
+fn gpu_options(
+    adapter: Option<String>,
+    budget: Option<u64>,
+    tensor_cores: bool,
+    tuning: Tuning,
+) -> Options {
     Options {
         adapter,
         budget,
         allow_coopmat: tensor_cores,
+        tuning,
         pipeline_cache_dir: crate::backend::wgpu::default_cache_dir(),
         shader_checks: std::env::var("SDKIT_SHADER_CHECKS")
             .is_ok_and(|v| !v.is_empty() && v != "0"),

@@ -325,3 +325,84 @@ fn tap_major_conv_weights_match_whether_resident_or_streamed() {
     let e = nmse(&streamed[0].data, &want[0].data);
     assert!(e < tolerance(&gpu), "streamed: nmse {e}");
 }
+
+/// Tuning times every variant of each tensor-core kernel once, keeps the
+/// fastest in the cache folder, and a later process runs those variants
+/// without measuring again; a damaged file is ignored, not fatal. Every
+/// variant computes the same product, so outputs match the CPU's. (One
+/// product and one attention: emulated fragments compile slowly.)
+#[test]
+fn tuned_kernels_persist_and_match_cpu() {
+    use sdkit_engine::backend::wgpu::{Options, Tuning};
+    use sdkit_engine::tensor::GraphBuilder;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let open = |tuning| {
+        WgpuBackend::with_options(&Options {
+            emulate_coopmat: true,
+            tuning,
+            pipeline_cache_dir: Some(dir.path().to_path_buf()),
+            ..Options::default()
+        })
+    };
+    let Ok(gpu) = open(Tuning::Measure) else {
+        eprintln!("skipped: tuning: no wgpu adapter");
+        return;
+    };
+    if gpu.coop.is_none() {
+        eprintln!("skipped: tuning: no (emulated) cooperative path on this adapter");
+        return;
+    }
+    let gb = GraphBuilder::new();
+    let build = || -> Result<_, sdkit_engine::tensor::ShapeError> {
+        let x = gb.input("x", &[1, 64, 32])?;
+        let w = gb.weight("w", &[32, 32])?;
+        let h = x.linear(w, None)?;
+        let q = h.reshape(&[1, 64, 2, 16])?.permute(&[0, 2, 1, 3])?;
+        q.attention(q, q, None, 0.25)
+    };
+    let y = build().expect("builds");
+    let g = gb.finish(&[y]);
+    let prog = plan(&g).expect("plans");
+    let b = bindings(&g, 7);
+    let want = cpu::run(&prog, &b).expect("cpu runs");
+    let measured = gpu.run(&prog, &b).expect("runs tuned").remove(0).data;
+    let e = nmse(&measured, &want[0].data);
+    assert!(e < tolerance(&gpu), "tuned: nmse {e}");
+    let tuned = gpu.tuned_kernels(&prog);
+    let kinds: Vec<&str> = tuned.iter().map(|t| t.tuned.kind.as_str()).collect();
+    assert_eq!(kinds, ["matmul", "attention"], "{tuned:?}");
+    for t in &tuned {
+        eprintln!("kernel {}: {}", t.kernel, t.tuned);
+        assert!(t.tuned.candidates >= 2, "{t:?}");
+        assert!(t.tuned.seconds <= t.tuned.default_seconds, "{t:?}");
+    }
+    assert_eq!(gpu.tuning_counts(), (2, 2));
+    let file = gpu.tuning_file().expect("tuning file");
+    assert!(file.exists(), "{} not written", file.display());
+    drop(gpu);
+
+    // Another process: the file's variants, nothing measured, the same
+    // result to the bit.
+    let cached = open(Tuning::Cached).expect("reopens");
+    let again = cached.run(&prog, &b).expect("runs cached").remove(0).data;
+    assert_eq!(cached.tuning_counts(), (0, 2));
+    let same = again
+        .iter()
+        .zip(&measured)
+        .all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(same, "cached variants give other values");
+    let variants = |ts: Vec<sdkit_engine::backend::wgpu::TunedKernel>| {
+        ts.into_iter().map(|t| t.tuned.variant).collect::<Vec<_>>()
+    };
+    assert_eq!(variants(cached.tuned_kernels(&prog)), variants(tuned));
+    drop(cached);
+
+    // A damaged file: defaults, and nothing measured with `Cached`.
+    std::fs::write(&file, b"{ not json").expect("damages the file");
+    let damaged = open(Tuning::Cached).expect("opens over a damaged file");
+    let out = damaged.run(&prog, &b).expect("runs").remove(0).data;
+    let e = nmse(&out, &want[0].data);
+    assert!(e < tolerance(&damaged), "defaults: nmse {e}");
+    assert_eq!(damaged.tuning_counts(), (0, 0));
+    assert!(damaged.tuned_kernels(&prog).is_empty());
+}

@@ -53,6 +53,9 @@ pub struct ServeArgs {
     /// GPU matrix products: `auto` (tensor cores where present) or `f32`.
     #[arg(long, value_name = "auto|f32", default_value = "auto")]
     pub precision: crate::cli::Precision,
+    /// Tune tensor-core kernels on first use (see `sdkit run --tune`).
+    #[arg(long)]
+    pub tune: bool,
 }
 
 /// What every handler shares.
@@ -120,6 +123,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         &args.device,
         args.vram_budget.as_deref(),
         args.precision,
+        args.tune,
         Arc::clone(&lib),
         paths,
     )?;

@@ -272,7 +272,7 @@ impl Coop {
     /// emulated 8×8 ones), so tests on them run the structure tensor cores
     /// run, at the emulation's compile cost per fragment; real 8×8
     /// hardware keeps the extents.
-    fn extent(&self, elems: usize) -> usize {
+    pub(super) fn extent(&self, elems: usize) -> usize {
         if self.emulated {
             elems * self.tile as usize / 16
         } else {
@@ -1071,7 +1071,7 @@ const SPLIT_MAX_SCRATCH: usize = 16 << 20;
 /// (multiples of the fragment size), over depth steps of `bk`; `direct`
 /// lets f16 operands skip staging ([`Direct`]). Chosen by size unless
 /// [`Caps::gemm_tiles`] fixes it (for tuning).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CoopTiles {
     pub sg_rows: usize,
     pub sg_cols: usize,

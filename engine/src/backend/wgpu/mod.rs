@@ -22,6 +22,7 @@ pub mod codegen;
 mod emulate;
 mod poison;
 pub mod probe;
+mod tune;
 
 use crate::backend::cpu::Bindings;
 use crate::backend::BindError;
@@ -31,6 +32,7 @@ use crate::plan::{BufferKind, Command, KernelId, Program};
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+pub use tune::{Tuned, TunedKernel, Tuning, Variant};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WgpuError {
@@ -380,9 +382,14 @@ pub struct Options {
     /// Folder for the driver's compiled-pipeline cache (wgpu's
     /// PipelineCache, where the adapter has PIPELINE_CACHE): loaded when
     /// the device opens and rewritten after prepares that compiled new
-    /// kernels, so the next process skips the driver's compile. None: no
-    /// file ([`default_cache_dir`] is what the CLI uses).
+    /// kernels, so the next process skips the driver's compile. The
+    /// kernel tuning file ([`Options::tuning`]) lives there too. None: no
+    /// files ([`default_cache_dir`] is what the CLI uses).
     pub pipeline_cache_dir: Option<std::path::PathBuf>,
+    /// Whether tensor-core kernels run variants measured fastest on this
+    /// device ([`Tuning`]; [`tune`] says what varies). Off by default:
+    /// measuring costs the first prepare of each kernel shape.
+    pub tuning: Tuning,
     /// Bind at most this many bytes per binding (below the adapter's own
     /// limit), splitting larger tensors; lets tests exercise splitting.
     pub max_binding_bytes: Option<u64>,
@@ -415,6 +422,7 @@ impl Default for Options {
             bounds_checks: false,
             poison_workgroup_memory: false,
             pipeline_cache_dir: None,
+            tuning: Tuning::Off,
             budget: None,
             device_memory: None,
         }
@@ -452,6 +460,9 @@ pub struct WgpuBackend {
     pipeline_cache: Option<(wgpu::PipelineCache, std::path::PathBuf)>,
     /// Pipelines compiled since the cache file was last written.
     unsaved_pipelines: std::sync::atomic::AtomicUsize,
+    tuning: Tuning,
+    /// Tuned kernels, loaded from and saved to the cache folder.
+    tuning_table: Mutex<tune::Table>,
     budget: Option<u64>,
     device_memory: Option<u64>,
     resident: Mutex<Resident>,
@@ -600,6 +611,12 @@ impl WgpuBackend {
             let data = std::fs::read(&file).ok();
             (load_pipeline_cache(&device, data.as_deref()), file)
         });
+        let tuning_table = tune::Table::open(
+            opts.pipeline_cache_dir
+                .as_deref()
+                .filter(|_| opts.tuning != Tuning::Off),
+            &adapter.get_info(),
+        );
         let caps = codegen::Caps {
             subgroups,
             coop,
@@ -629,6 +646,8 @@ impl WgpuBackend {
             layouts: Mutex::new(HashMap::new()),
             pipeline_cache,
             unsaved_pipelines: std::sync::atomic::AtomicUsize::new(0),
+            tuning: opts.tuning,
+            tuning_table: Mutex::new(tuning_table),
             budget: opts.budget,
             device_memory: opts.device_memory,
             resident: Mutex::new(Resident::default()),
@@ -853,15 +872,7 @@ impl WgpuBackend {
         let Some(data) = cache.get_data() else {
             return;
         };
-        let write = || -> std::io::Result<()> {
-            if let Some(dir) = file.parent() {
-                std::fs::create_dir_all(dir)?;
-            }
-            let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-            std::fs::write(&tmp, &data)?;
-            std::fs::rename(&tmp, file)
-        };
-        if let Err(e) = write() {
+        if let Err(e) = write_atomically(file, &data) {
             tracing::warn!("pipeline cache {}: {e}", file.display());
         }
     }
@@ -958,6 +969,7 @@ impl WgpuBackend {
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
         // Sizing the scratch generates the products' shaders: once.
         let taps = self.taps_first_weights(prog);
+        self.tune_program(prog, &taps)?;
         let scratch_bytes = self.scratch_bytes_with(prog, &taps);
         let activation_bytes = self.arena_io_bytes(prog) + scratch_bytes;
         let mut cache = self.lock_resident();
@@ -1108,7 +1120,7 @@ impl WgpuBackend {
                 )));
             }
             let layouts: Vec<codegen::Operand> = operands.iter().map(|(o, _)| *o).collect();
-            let mut shader = codegen::generate(k, &layouts, &self.caps).map_err(unsupported)?;
+            let mut shader = self.generate(k, &layouts).map_err(unsupported)?;
             let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
             if shader.finish.is_some() && total_bindings == max_bindings {
                 // No binding left for the split-K scratch: unsplit.
@@ -1126,10 +1138,10 @@ impl WgpuBackend {
                         kind: k.kind.name(),
                         message: m,
                     })?;
-            let mut entries = Vec::new();
-            for (v, (op, bytes)) in views.iter().zip(&operands) {
+            let mut at = Vec::new();
+            for v in &views {
                 let b = prog.buffer(v.buffer);
-                let (buffer, base) = match (&b.kind, stream_slot.get(&v.buffer.0), &stream) {
+                at.push(match (&b.kind, stream_slot.get(&v.buffer.0), &stream) {
                     (BufferKind::Arena, _, _) => (arena.as_ref(), b.offset as u64 * 4),
                     (_, Some(&offset), Some(s)) => (&s.arena, offset),
                     _ => (
@@ -1141,40 +1153,20 @@ impl WgpuBackend {
                             })?,
                         0,
                     ),
-                };
-                let elem = if op.f16 { 2u64 } else { 4 };
-                for c in 0..op.chunks {
-                    let (offset, size) = if op.chunks == 1 {
-                        (base, *bytes)
-                    } else {
-                        let chunk = op.chunk_elems as u64 * elem;
-                        let start = c as u64 * chunk;
-                        (base + start, chunk.min(bytes - start))
-                    };
-                    entries.push(wgpu::BindGroupEntry {
-                        binding: entries.len() as u32,
-                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                            buffer,
-                            offset,
-                            size: std::num::NonZeroU64::new(size),
-                        }),
-                    });
-                }
+                });
             }
+            let mut entries = operand_entries(&operands, &at);
             let mut passes = Vec::new();
             if let Some(f) = &shader.finish {
                 let scratch = scratch.as_ref().ok_or_else(|| {
                     unsupported("split-K scratch was not sized for this kernel".into())
                 })?;
-                let size = f.scratch_elems as u64 * 4;
-                entries.push(wgpu::BindGroupEntry {
-                    binding: entries.len() as u32,
-                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                        buffer: scratch,
-                        offset: 0,
-                        size: std::num::NonZeroU64::new(size),
-                    }),
-                });
+                entries.push(buffer_entry(
+                    entries.len() as u32,
+                    scratch,
+                    0,
+                    f.scratch_elems as u64 * 4,
+                ));
                 let second = self.pipeline(&f.source, bindings).map_err(unsupported)?;
                 passes.push((second, f.groups));
             }
@@ -1395,7 +1387,7 @@ impl WgpuBackend {
                     .iter()
                     .map(|(o, _)| *o)
                     .collect();
-                let f = codegen::generate(k, &ops, &self.caps).ok()?.finish?;
+                let f = self.generate(k, &ops).ok()?.finish?;
                 Some(f.scratch_elems as u64 * 4)
             })
             .max()
@@ -1705,37 +1697,15 @@ impl Prepared<'_> {
     /// over `reps`): where a step's time goes, for benchmarks. Streamed
     /// weights are not copied (their slots keep what they hold).
     pub fn profile(&self, reps: usize) -> Result<Vec<(KernelId, f64)>, WgpuError> {
-        let dev = &self.backend.device;
         let kernels = self.prog.commands.iter().filter_map(|c| match c {
             Command::Dispatch { kernel } => Some(*kernel),
             _ => None,
         });
         let mut out = Vec::new();
         for (passes, kernel) in self.dispatches.iter().zip(kernels) {
-            let once = |n: usize| -> Result<f64, WgpuError> {
-                let mut encoder =
-                    dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-                {
-                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: Some("profile"),
-                        timestamp_writes: None,
-                    });
-                    for _ in 0..n {
-                        for (pipeline, group, g) in passes {
-                            pass.set_pipeline(pipeline);
-                            pass.set_bind_group(0, group.as_ref(), &[]);
-                            pass.dispatch_workgroups(g[0], g[1], g[2]);
-                        }
-                    }
-                }
-                let t = std::time::Instant::now();
-                self.backend.queue.submit([encoder.finish()]);
-                dev.poll(wgpu::PollType::wait_indefinitely())
-                    .map_err(|e| WgpuError::Lost(e.to_string()))?;
-                Ok(t.elapsed().as_secs_f64())
-            };
-            once(1)?;
-            out.push((kernel, once(reps.max(1))? / reps.max(1) as f64));
+            self.backend.time_passes(passes, 1)?;
+            let n = reps.max(1);
+            out.push((kernel, self.backend.time_passes(passes, n)? / n as f64));
         }
         Ok(out)
     }
@@ -1752,6 +1722,103 @@ impl Prepared<'_> {
             .map_err(|e| WgpuError::Lost(e.to_string()))?;
         Ok(())
     }
+}
+
+/// One kernel's passes: pipeline, bind group and workgroups of each.
+type Passes = [(Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3])];
+
+impl WgpuBackend {
+    /// Wall seconds of `n` replays of `passes` recorded in one submission
+    /// and waited for: with `n` large enough the submission's own cost
+    /// vanishes in the kernels' time (profiles and tuning).
+    fn time_passes(&self, passes: &Passes, n: usize) -> Result<f64, WgpuError> {
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("timed"),
+                timestamp_writes: None,
+            });
+            for _ in 0..n {
+                for (pipeline, group, g) in passes {
+                    pass.set_pipeline(pipeline);
+                    pass.set_bind_group(0, group.as_ref(), &[]);
+                    pass.dispatch_workgroups(g[0], g[1], g[2]);
+                }
+            }
+        }
+        let t = std::time::Instant::now();
+        self.queue.submit([encoder.finish()]);
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgpuError::Lost(e.to_string()))?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Drops the compiled pipelines of these sources from this process's
+    /// cache (tuning's losing variants).
+    fn forget_pipelines<'s>(&self, sources: impl Iterator<Item = &'s String>) {
+        let mut cache = self
+            .pipelines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for s in sources {
+            cache.remove(s);
+        }
+    }
+}
+
+/// Bind group entries for a kernel's operands (inputs, then output):
+/// each bound at `at` (buffer, byte offset), an operand past the binding
+/// limit as its chunks.
+fn operand_entries<'b>(
+    operands: &[(codegen::Operand, u64)],
+    at: &[(&'b wgpu::Buffer, u64)],
+) -> Vec<wgpu::BindGroupEntry<'b>> {
+    let mut entries = Vec::new();
+    for ((op, bytes), &(buffer, base)) in operands.iter().zip(at) {
+        let elem = if op.f16 { 2u64 } else { 4 };
+        for c in 0..op.chunks {
+            let (offset, size) = if op.chunks == 1 {
+                (base, *bytes)
+            } else {
+                let chunk = op.chunk_elems as u64 * elem;
+                let start = c as u64 * chunk;
+                (base + start, chunk.min(bytes - start))
+            };
+            entries.push(buffer_entry(entries.len() as u32, buffer, offset, size));
+        }
+    }
+    entries
+}
+
+/// Binding `binding`: `size` bytes of `buffer` from byte `offset`.
+fn buffer_entry(
+    binding: u32,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    size: u64,
+) -> wgpu::BindGroupEntry<'_> {
+    wgpu::BindGroupEntry {
+        binding,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer,
+            offset,
+            size: std::num::NonZeroU64::new(size),
+        }),
+    }
+}
+
+/// Writes `data` to `file` through a temporary file and a rename, so a
+/// reader never sees half a file; creates the folder.
+fn write_atomically(file: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, file)
 }
 
 /// Maps `slice` of a MAP_READ buffer and waits until it is readable.

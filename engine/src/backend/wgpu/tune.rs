@@ -1,0 +1,560 @@
+//! Kernel tuning: which variant of a tensor-core kernel runs fastest on
+//! this device, measured the first time the kernel is prepared and kept
+//! in a file beside the pipeline cache, so later processes reuse it.
+//!
+//! The defaults (`Gemm::tiles_for`, split-K above a grid size, single-pass
+//! attention) were chosen from one GPU's measurements; the best tiling
+//! differs by shape even there (benches/gpu/RESULTS.md: a conv ran 0.56 ms
+//! on one tiling and 0.69 on the default) and will differ between
+//! vendors. Tuning times every variant of each product and attention
+//! kernel on zero-filled operands of its real sizes, as PyTorch's cuDNN
+//! benchmark mode does, and keeps the fastest.
+//!
+//! A kernel is named by a hash of the source the default variant
+//! generates: shapes, epilogue and precision are all in it, and a change
+//! to the code generator names kernels anew, so stale timings are never
+//! applied to changed code.
+
+use super::{codegen, TapsFirst, WgpuBackend, WgpuError, STORAGE};
+use crate::plan::{Command, Kernel, Program};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+/// Whether kernels are tuned ([`super::Options::tuning`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Tuning {
+    /// Every kernel runs its default variant; no file is read.
+    #[default]
+    Off,
+    /// Kernels tuned earlier (the file in the cache folder) run their
+    /// tuned variant; the others run the default. Nothing is measured.
+    Cached,
+    /// As `Cached`, and a kernel not tuned yet is measured when a program
+    /// using it is prepared (tens of milliseconds to seconds per kernel
+    /// on a GPU, once).
+    Measure,
+}
+
+/// What tuning may change about a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Variant {
+    /// The cooperative GEMM tiling (products); None: chosen by size.
+    pub tiles: Option<codegen::CoopTiles>,
+    /// Split the depth of products whose grid is small.
+    pub split_k: bool,
+    /// Register prefetch of staged operands.
+    pub prefetch: bool,
+    /// Attention in two passes over the keys.
+    pub two_pass_attention: bool,
+}
+
+impl Variant {
+    /// The variant `caps` generate by default.
+    fn of(caps: &codegen::Caps) -> Self {
+        Variant {
+            tiles: caps.gemm_tiles,
+            split_k: caps.split_k,
+            prefetch: caps.prefetch,
+            two_pass_attention: caps.two_pass_attention,
+        }
+    }
+
+    /// `caps` with this variant's choices.
+    pub fn apply(&self, caps: &codegen::Caps) -> codegen::Caps {
+        codegen::Caps {
+            gemm_tiles: self.tiles,
+            split_k: self.split_k,
+            prefetch: self.prefetch,
+            two_pass_attention: self.two_pass_attention,
+            ..*caps
+        }
+    }
+}
+
+impl Variant {
+    /// What this variant chooses for a kernel of `kind`.
+    pub fn describe(&self, kind: &str) -> String {
+        if kind == "attention" {
+            return if self.two_pass_attention {
+                "two-pass"
+            } else {
+                "single-pass"
+            }
+            .into();
+        }
+        let mut d = match self.tiles {
+            Some(t) => format!(
+                "{}x{} subgroups of {}x{}, depth step {}, {}",
+                t.sg_rows,
+                t.sg_cols,
+                t.rows,
+                t.cols,
+                t.bk,
+                if t.direct { "direct" } else { "staged" }
+            ),
+            None => "tiling by size".into(),
+        };
+        if self.split_k {
+            d += ", split-K where the grid is small";
+        }
+        if self.prefetch {
+            d += ", prefetch";
+        }
+        d
+    }
+}
+
+/// A tuned kernel: the variant it runs and what was measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Tuned {
+    /// `matmul`, `conv2d` or `attention`.
+    pub kind: String,
+    pub variant: Variant,
+    /// Seconds per run of the chosen variant, and of the default one.
+    pub seconds: f64,
+    pub default_seconds: f64,
+    /// Distinct variants measured.
+    pub candidates: usize,
+}
+
+impl std::fmt::Display for Tuned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {}, {:.3} ms against {:.3} ms by default ({} variants)",
+            self.kind,
+            self.variant.describe(&self.kind),
+            self.seconds * 1e3,
+            self.default_seconds * 1e3,
+            self.candidates
+        )
+    }
+}
+
+/// The tuning file's format. `adapter` and `driver` are informative: the
+/// file's name already holds their hash.
+#[derive(Serialize, Deserialize)]
+struct TableFile {
+    version: u32,
+    adapter: String,
+    driver: String,
+    kernels: BTreeMap<String, Tuned>,
+}
+
+/// Bumped when what a [`Variant`] means changes.
+const VERSION: u32 = 1;
+
+/// The tuned kernels of one adapter, by the hash of their default source.
+#[derive(Default)]
+pub(super) struct Table {
+    kernels: HashMap<u64, Tuned>,
+    file: Option<std::path::PathBuf>,
+    unsaved: bool,
+    /// Kernels measured by this process.
+    measured: usize,
+}
+
+/// FNV-1a, 64 bits: a stable hash (std's is seeded per process) of the
+/// kernel's source text.
+fn key(source: &str) -> u64 {
+    source.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+impl Table {
+    /// The table of `adapter` in `dir`: the file's kernels where it exists
+    /// and reads as a table of this version; empty otherwise (a damaged
+    /// file is logged and rewritten at the next save).
+    pub(super) fn open(dir: Option<&std::path::Path>, adapter: &wgpu::AdapterInfo) -> Self {
+        let Some(dir) = dir else {
+            return Table::default();
+        };
+        let id = format!(
+            "{}|{:x}|{:x}|{}|{}|{:?}",
+            adapter.name,
+            adapter.vendor,
+            adapter.device,
+            adapter.driver,
+            adapter.driver_info,
+            adapter.backend
+        );
+        let file = dir.join(format!("tuning-{:016x}.json", key(&id)));
+        let mut table = Table {
+            file: Some(file.clone()),
+            ..Table::default()
+        };
+        let text = match std::fs::read_to_string(&file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return table,
+            Err(e) => {
+                tracing::warn!("kernel tuning file {}: {e}", file.display());
+                return table;
+            }
+        };
+        match serde_json::from_str::<TableFile>(&text) {
+            Ok(t) if t.version == VERSION => {
+                table.kernels = t
+                    .kernels
+                    .into_iter()
+                    .filter_map(|(k, v)| Some((u64::from_str_radix(&k, 16).ok()?, v)))
+                    .collect();
+            }
+            Ok(t) => tracing::info!(
+                "kernel tuning file {} is version {}, this build reads {VERSION}: kernels are tuned anew",
+                file.display(),
+                t.version
+            ),
+            Err(e) => tracing::warn!(
+                "kernel tuning file {} is damaged ({e}); kernels are tuned anew",
+                file.display()
+            ),
+        }
+        table
+    }
+
+    /// Writes the table (atomically) when kernels were tuned since the
+    /// last write. A failure only costs the next process a re-measure:
+    /// logged, not raised.
+    fn save(&mut self, adapter: &super::AdapterReport) {
+        let Some(file) = self.file.as_ref().filter(|_| self.unsaved) else {
+            return;
+        };
+        self.unsaved = false;
+        let t = TableFile {
+            version: VERSION,
+            adapter: adapter.name.clone(),
+            driver: adapter.driver.clone(),
+            kernels: self
+                .kernels
+                .iter()
+                .map(|(k, v)| (format!("{k:016x}"), v.clone()))
+                .collect(),
+        };
+        let written = serde_json::to_vec_pretty(&t)
+            .map_err(std::io::Error::other)
+            .and_then(|data| super::write_atomically(file, &data));
+        if let Err(e) = written {
+            tracing::warn!("kernel tuning file {}: {e}", file.display());
+        }
+    }
+}
+
+/// The variants worth measuring for a kernel of `kind` under `caps`, the
+/// default first; none for kernels without variants (everything off
+/// cooperative matrices, and every kind but products and attention).
+fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
+    let base = Variant::of(caps);
+    if caps.coop.is_none() {
+        return Vec::new();
+    }
+    match kind {
+        "matmul" | "conv2d" => {
+            let mut v = vec![base];
+            // Split-K stays off when the caller turned it off (a
+            // comparison); otherwise both are measured.
+            let splits: &[bool] = if caps.split_k {
+                &[true, false]
+            } else {
+                &[false]
+            };
+            for tiles in codegen::tilings() {
+                for &split_k in splits {
+                    for prefetch in [false, true] {
+                        v.push(Variant {
+                            tiles: Some(tiles),
+                            split_k,
+                            prefetch,
+                            ..base
+                        });
+                    }
+                }
+            }
+            v
+        }
+        "attention" => vec![
+            base,
+            Variant {
+                two_pass_attention: !base.two_pass_attention,
+                ..base
+            },
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// A tuned kernel of a prepared program, for reports.
+#[derive(Clone, Debug)]
+pub struct TunedKernel {
+    /// Index into the program's kernels.
+    pub kernel: usize,
+    pub tuned: Tuned,
+}
+
+impl WgpuBackend {
+    /// Kernel `k`'s shader: the tuned variant where the table has one
+    /// (with [`Tuning::Cached`] or [`Tuning::Measure`]), else the default.
+    pub(super) fn generate(
+        &self,
+        k: &Kernel,
+        ops: &[codegen::Operand],
+    ) -> Result<codegen::Shader, String> {
+        let shader = codegen::generate(k, ops, &self.caps)?;
+        if self.tuning == Tuning::Off {
+            return Ok(shader);
+        }
+        let variant = self
+            .lock_tuning()
+            .kernels
+            .get(&key(&shader.source))
+            .map(|t| t.variant);
+        match variant {
+            Some(v) if v != Variant::of(&self.caps) => {
+                codegen::generate(k, ops, &v.apply(&self.caps))
+            }
+            _ => Ok(shader),
+        }
+    }
+
+    fn lock_tuning(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.tuning_table
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// With [`Tuning::Measure`], measures every kernel of `prog` that has
+    /// variants and is not tuned yet, and saves the table.
+    pub(super) fn tune_program(&self, prog: &Program, taps: &TapsFirst) -> Result<(), WgpuError> {
+        if self.tuning != Tuning::Measure || self.caps.coop.is_none() {
+            return Ok(());
+        }
+        for c in &prog.commands {
+            let Command::Dispatch { kernel } = c else {
+                continue;
+            };
+            let k = &prog.kernels[kernel.0 as usize];
+            let kind = k.kind.name();
+            if variants(kind, &self.caps).len() < 2 {
+                continue;
+            }
+            let layouts = self.operand_layouts(prog, k, taps);
+            let ops: Vec<codegen::Operand> = layouts.iter().map(|(o, _)| *o).collect();
+            let Ok(default) = codegen::generate(k, &ops, &self.caps) else {
+                continue;
+            };
+            let id = key(&default.source);
+            if self.lock_tuning().kernels.contains_key(&id) {
+                continue;
+            }
+            let started = std::time::Instant::now();
+            let Some(tuned) = self.measure(k, &layouts)? else {
+                continue;
+            };
+            tracing::info!(
+                "tuned kernel {} in {:.1} s: {tuned}",
+                kernel.0,
+                started.elapsed().as_secs_f64()
+            );
+            let mut table = self.lock_tuning();
+            table.kernels.insert(id, tuned);
+            table.unsaved = true;
+            table.measured += 1;
+        }
+        self.lock_tuning().save(&self.adapter);
+        self.save_pipeline_cache();
+        Ok(())
+    }
+
+    /// Times each distinct variant of `k` on zero-filled operands of its
+    /// sizes and returns the fastest; the default is kept unless another
+    /// is at least 2% faster (timings repeat to about that). None when
+    /// the default itself does not compile here (prepare reports that).
+    fn measure(
+        &self,
+        k: &Kernel,
+        layouts: &[(codegen::Operand, u64)],
+    ) -> Result<Option<Tuned>, WgpuError> {
+        let ops: Vec<codegen::Operand> = layouts.iter().map(|(o, _)| *o).collect();
+        let buffers: Vec<wgpu::Buffer> = layouts
+            .iter()
+            .map(|(_, bytes)| {
+                self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("tuning operand"),
+                    size: (*bytes).max(4),
+                    usage: STORAGE,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
+        let at: Vec<(&wgpu::Buffer, u64)> = buffers.iter().map(|b| (b, 0)).collect();
+        let operand_bindings: usize = ops.iter().map(|o| o.chunks).sum();
+        let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
+        let mut seen = HashSet::new();
+        let mut shaders = Vec::new();
+        for v in variants(k.kind.name(), &self.caps) {
+            let Ok(shader) = codegen::generate(k, &ops, &v.apply(&self.caps)) else {
+                continue;
+            };
+            if !seen.insert(shader.source.clone()) {
+                continue;
+            }
+            if shader.finish.is_some() && operand_bindings >= max_bindings {
+                continue;
+            }
+            shaders.push((v, shader));
+        }
+        // Tilings whose workgroup tiles cover more than twice the output
+        // area the tightest one covers only pay for padding: not measured
+        // (this only prunes small products; large ones tile exactly).
+        let covered = |v: &Variant, s: &codegen::Shader| {
+            let (Some(t), Some(c)) = (v.tiles, self.caps.coop) else {
+                return None;
+            };
+            let tile = t.sg_rows * c.extent(t.rows) * t.sg_cols * c.extent(t.cols);
+            Some(s.groups[0] as usize * s.groups[1] as usize * tile)
+        };
+        let tightest = shaders.iter().filter_map(|(v, s)| covered(v, s)).min();
+        shaders.retain(|(v, s)| {
+            *v == Variant::of(&self.caps)
+                || covered(v, s).zip(tightest).is_none_or(|(a, t)| a <= 2 * t)
+        });
+        let mut timed: Vec<(Variant, f64)> = Vec::new();
+        let mut sources: Vec<String> = Vec::new();
+        for (v, shader) in shaders {
+            let bindings = (operand_bindings + usize::from(shader.finish.is_some())) as u32;
+            let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+            let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+            let built = self.variant_passes(&shader, bindings, layouts, &at);
+            let oom = pollster::block_on(oom.pop());
+            let invalid = pollster::block_on(scope.pop());
+            let passes = match (built, oom, invalid) {
+                (Ok(p), None, None) => p,
+                // A variant this device cannot build (workgroup memory,
+                // bindings) is simply not a candidate.
+                _ => {
+                    if timed.is_empty() && Variant::of(&self.caps) == v {
+                        return Ok(None);
+                    }
+                    continue;
+                }
+            };
+            sources.push(shader.source.clone());
+            if let Some(f) = &shader.finish {
+                sources.push(f.source.clone());
+            }
+            // Once to settle (first use of a pipeline pays setup), once to
+            // size the repeat count to ~10 ms, then the best of two.
+            self.time_passes(&passes, 1)?;
+            let once = self.time_passes(&passes, 1)?;
+            let reps = ((0.01 / once.max(1e-6)) as usize).clamp(1, 100);
+            let t = self
+                .time_passes(&passes, reps)?
+                .min(self.time_passes(&passes, reps)?)
+                / reps as f64;
+            timed.push((v, t));
+        }
+        let Some(&(default, default_seconds)) = timed.first() else {
+            return Ok(None);
+        };
+        let (mut variant, mut seconds) = (default, default_seconds);
+        for &(v, t) in &timed[1..] {
+            if t < seconds && t < default_seconds * 0.98 {
+                (variant, seconds) = (v, t);
+            }
+        }
+        // Only the winner's pipelines stay compiled in this process (the
+        // driver's cache file keeps the others' binaries anyway).
+        let keep = codegen::generate(k, &ops, &variant.apply(&self.caps)).ok();
+        let keep: HashSet<&str> = keep
+            .iter()
+            .flat_map(|s| {
+                std::iter::once(s.source.as_str()).chain(s.finish.iter().map(|f| f.source.as_str()))
+            })
+            .collect();
+        self.forget_pipelines(sources.iter().filter(|s| !keep.contains(s.as_str())));
+        Ok(Some(Tuned {
+            kind: k.kind.name().to_string(),
+            variant,
+            seconds,
+            default_seconds,
+            candidates: timed.len(),
+        }))
+    }
+
+    /// The passes of one variant bound to the operand buffers `at`, with a
+    /// scratch buffer of its own for split-K.
+    #[allow(clippy::type_complexity)]
+    fn variant_passes(
+        &self,
+        shader: &codegen::Shader,
+        bindings: u32,
+        layouts: &[(codegen::Operand, u64)],
+        at: &[(&wgpu::Buffer, u64)],
+    ) -> Result<Vec<(Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3])>, String> {
+        let first = self.pipeline(&shader.source, bindings)?;
+        let scratch = shader.finish.as_ref().map(|f| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("tuning scratch"),
+                size: (f.scratch_elems as u64 * 4).max(4),
+                usage: STORAGE,
+                mapped_at_creation: false,
+            })
+        });
+        let mut entries = super::operand_entries(layouts, at);
+        if let (Some(s), Some(f)) = (&scratch, &shader.finish) {
+            entries.push(super::buffer_entry(
+                entries.len() as u32,
+                s,
+                0,
+                f.scratch_elems as u64 * 4,
+            ));
+        }
+        let group = Arc::new(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &self.layout(bindings).0,
+            entries: &entries,
+        }));
+        let mut passes = vec![(first, Arc::clone(&group), shader.groups)];
+        if let Some(f) = &shader.finish {
+            passes.push((self.pipeline(&f.source, bindings)?, group, f.groups));
+        }
+        Ok(passes)
+    }
+
+    /// The tuned kernels `prog` runs (with tuning on), in kernel order.
+    pub fn tuned_kernels(&self, prog: &Program) -> Vec<TunedKernel> {
+        if self.tuning == Tuning::Off {
+            return Vec::new();
+        }
+        let taps = self.taps_first_weights(prog);
+        let table = self.lock_tuning();
+        prog.kernels
+            .iter()
+            .enumerate()
+            .filter_map(|(i, k)| {
+                let ops: Vec<codegen::Operand> = self
+                    .operand_layouts(prog, k, &taps)
+                    .iter()
+                    .map(|(o, _)| *o)
+                    .collect();
+                let s = codegen::generate(k, &ops, &self.caps).ok()?;
+                let tuned = table.kernels.get(&key(&s.source))?.clone();
+                Some(TunedKernel { kernel: i, tuned })
+            })
+            .collect()
+    }
+
+    /// Kernels measured by this process, and kernels the table holds.
+    pub fn tuning_counts(&self) -> (usize, usize) {
+        let t = self.lock_tuning();
+        (t.measured, t.kernels.len())
+    }
+
+    /// The tuning file, where tuning is on and a cache folder was given.
+    pub fn tuning_file(&self) -> Option<std::path::PathBuf> {
+        (self.tuning != Tuning::Off)
+            .then(|| self.lock_tuning().file.clone())
+            .flatten()
+    }
+}
