@@ -20,7 +20,7 @@
 mod common;
 
 use sdkit_engine::backend::cpu::Bindings;
-use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+use sdkit_engine::backend::wgpu::{Options, Tuning, WgpuBackend};
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::{GraphBuilder, InputKind, TensorGraph};
 use sdkit_nodes::models::detect::UnetConfig;
@@ -187,13 +187,16 @@ fn main() {
         return;
     }
     // The portable kernels, then matrix products on cooperative matrices
-    // (tensor cores) where the adapter has them; the last again with
+    // (tensor cores) where the adapter has them; the last with its
+    // kernels tuned on this device (`Tuning::Measure`: prepare includes
+    // the measuring; `SDKIT_BENCH_TUNE=0` skips the row), then with
     // wgpu's index clamps (bounds checks), then with all its shader
     // runtime checks, which the engine turns off, to show what they cost.
     let variants = [
         ("f16 weights, f32 activations", false, false, ""),
         ("coop, f32 activations", false, true, ""),
         ("coop, f16 activations", true, true, ""),
+        ("coop, f16 activations, tuned", true, true, "tuned"),
         ("coop, f16 activations, bounds checks", true, true, "bounds"),
         (
             "coop, f16 activations, shader checks",
@@ -204,14 +207,23 @@ fn main() {
     ];
     let mut best = f64::INFINITY;
     let mut first: Option<Vec<f32>> = None;
-    for (label, f16_act, coop, checks) in variants {
-        let shader_checks = checks == "checked";
+    let tune = std::env::var("SDKIT_BENCH_TUNE").map_or(true, |v| v != "0");
+    for (label, f16_act, coop, mode) in variants {
+        if mode == "tuned" && !tune {
+            continue;
+        }
+        let shader_checks = mode == "checked";
         let opts = Options {
             adapter: adapter.clone(),
             f16_activations: f16_act,
             allow_coopmat: coop,
             shader_checks,
-            bounds_checks: checks == "bounds",
+            bounds_checks: mode == "bounds",
+            tuning: if mode == "tuned" {
+                Tuning::Measure
+            } else {
+                Tuning::Off
+            },
             ..Options::default()
         };
         let gpu = match WgpuBackend::with_options(&opts) {
@@ -271,7 +283,10 @@ fn main() {
             prep,
             gpu.pipelines_compiled()
         );
-        if !checks.is_empty() {
+        if mode == "tuned" {
+            print_tuning(&gpu.tuned_kernels(&prog));
+        }
+        if !matches!(mode, "" | "tuned") {
             continue;
         }
         if let Ok(times) = prepared.profile(3) {
@@ -287,6 +302,48 @@ fn main() {
         ),
         Ok(tt) => println!("unet_step: torch fp16 {:.2} ms/step", tt * 1e3),
         Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+    }
+}
+
+/// What tuning chose: each kind's kernels timed alone by default and
+/// tuned, how often each variant won, and the largest gains.
+fn print_tuning(tuned: &[sdkit_engine::backend::wgpu::TunedKernel]) {
+    let mut kinds: Vec<(&str, f64, f64, usize)> = Vec::new();
+    let mut wins: Vec<(String, usize)> = Vec::new();
+    for t in tuned {
+        let t = &t.tuned;
+        match kinds.iter_mut().find(|k| k.0 == t.kind) {
+            Some(k) => {
+                k.1 += t.default_seconds;
+                k.2 += t.seconds;
+                k.3 += 1;
+            }
+            None => kinds.push((&t.kind, t.default_seconds, t.seconds, 1)),
+        }
+        let won = format!("{}: {}", t.kind, t.variant.describe(&t.kind));
+        match wins.iter_mut().find(|w| w.0 == won) {
+            Some(w) => w.1 += 1,
+            None => wins.push((won, 1)),
+        }
+    }
+    for (kind, default, tuned, n) in &kinds {
+        println!(
+            "  tuned {n} {kind} kernels: {:.2} ms by default, {:.2} ms tuned (each alone, summed)",
+            default * 1e3,
+            tuned * 1e3
+        );
+    }
+    wins.sort_by_key(|w| std::cmp::Reverse(w.1));
+    for (won, n) in &wins {
+        println!("    {n:3}x {won}");
+    }
+    let mut gains: Vec<&sdkit_engine::backend::wgpu::TunedKernel> = tuned.iter().collect();
+    gains.sort_by(|a, b| {
+        (b.tuned.default_seconds - b.tuned.seconds)
+            .total_cmp(&(a.tuned.default_seconds - a.tuned.seconds))
+    });
+    for t in gains.iter().take(5) {
+        println!("    kernel {}: {}", t.kernel, t.tuned);
     }
 }
 
