@@ -153,9 +153,18 @@ fn setup() -> (tempfile::TempDir, serde_json::Value) {
 
 fn run(base: &Path, graph: &str, device: &str) {
     // The references are f32: no tensor-core products on GPUs that have
-    // them (lavapipe has none either way).
+    // them (lavapipe has none either way), so `--tune` has nothing to
+    // measure: it must change nothing.
     let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(["run", "-q", "--precision", "f32", "--device", device])
+        .args([
+            "run",
+            "-q",
+            "--tune",
+            "--precision",
+            "f32",
+            "--device",
+            device,
+        ])
         .arg(root().join("graphs").join(format!("{graph}.json")))
         .arg("--base-dir")
         .arg(base)

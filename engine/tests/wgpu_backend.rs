@@ -354,10 +354,11 @@ fn tuned_kernels_persist_and_match_cpu() {
     }
     let gb = GraphBuilder::new();
     let build = || -> Result<_, sdkit_engine::tensor::ShapeError> {
-        let x = gb.input("x", &[1, 64, 32])?;
-        let w = gb.weight("w", &[32, 32])?;
+        // Depth 512 over a grid of one or two workgroups: split-K.
+        let x = gb.input("x", &[1, 32, 512])?;
+        let w = gb.weight("w", &[32, 512])?;
         let h = x.linear(w, None)?;
-        let q = h.reshape(&[1, 64, 2, 16])?.permute(&[0, 2, 1, 3])?;
+        let q = h.reshape(&[1, 32, 2, 16])?.permute(&[0, 2, 1, 3])?;
         q.attention(q, q, None, 0.25)
     };
     let y = build().expect("builds");
@@ -396,6 +397,46 @@ fn tuned_kernels_persist_and_match_cpu() {
     };
     assert_eq!(variants(cached.tuned_kernels(&prog)), variants(tuned));
     drop(cached);
+
+    // The file decides: a product edited to run unsplit needs no split-K
+    // scratch (scratch sizing follows the tuned variant) and still gives
+    // the product.
+    let untuned = WgpuBackend::with_options(&Options {
+        emulate_coopmat: true,
+        ..Options::default()
+    })
+    .expect("opens");
+    assert!(untuned.scratch_bytes(&prog) > 0, "the default splits");
+    drop(untuned);
+    let mut table: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("reads")).expect("json");
+    let tiles = serde_json::json!({
+        "sg_rows": 2, "sg_cols": 2, "rows": 32, "cols": 32, "bk": 32, "direct": true
+    });
+    for (_, k) in table["kernels"].as_object_mut().expect("kernels") {
+        if k["kind"] == "matmul" {
+            k["variant"]["split_k"] = false.into();
+            k["variant"]["tiles"] = tiles.clone();
+        }
+    }
+    std::fs::write(&file, table.to_string()).expect("writes");
+    let edited = open(Tuning::Cached).expect("reopens");
+    assert_eq!(
+        edited.scratch_bytes(&prog),
+        0,
+        "the edited variant is unsplit"
+    );
+    let out = edited.run(&prog, &b).expect("runs edited").remove(0).data;
+    let e = nmse(&out, &want[0].data);
+    assert!(e < tolerance(&edited), "edited: nmse {e}");
+    let kinds = edited.tuned_kernels(&prog);
+    assert!(
+        kinds
+            .iter()
+            .any(|t| t.tuned.kind == "matmul" && !t.tuned.variant.split_k),
+        "{kinds:?}"
+    );
+    drop(edited);
 
     // A damaged file: defaults, and nothing measured with `Cached`.
     std::fs::write(&file, b"{ not json").expect("damages the file");

@@ -369,13 +369,17 @@ impl WgpuBackend {
     /// Times each distinct variant of `k` on zero-filled operands of its
     /// sizes and returns the fastest; the default is kept unless another
     /// is at least 2% faster (timings repeat to about that). None when
-    /// the default itself does not compile here (prepare reports that).
+    /// the default itself does not compile here (prepare reports that)
+    /// or the operands do not fit beside what the device holds.
     fn measure(
         &self,
         k: &Kernel,
         layouts: &[(codegen::Operand, u64)],
     ) -> Result<Option<Tuned>, WgpuError> {
         let ops: Vec<codegen::Operand> = layouts.iter().map(|(o, _)| *o).collect();
+        // Operands of their own, outside any budget: where the device
+        // has no room for them, the kernel is left untuned this time.
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buffers: Vec<wgpu::Buffer> = layouts
             .iter()
             .map(|(_, bytes)| {
@@ -387,6 +391,10 @@ impl WgpuBackend {
                 })
             })
             .collect();
+        if let Some(e) = pollster::block_on(oom.pop()) {
+            tracing::info!("kernel tuning skipped: no device memory for its operands ({e})");
+            return Ok(None);
+        }
         let at: Vec<(&wgpu::Buffer, u64)> = buffers.iter().map(|b| (b, 0)).collect();
         let operand_bindings: usize = ops.iter().map(|o| o.chunks).sum();
         let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
@@ -404,9 +412,10 @@ impl WgpuBackend {
             }
             shaders.push((v, shader));
         }
-        // Tilings whose workgroup tiles cover more than twice the output
-        // area the tightest one covers only pay for padding: not measured
-        // (this only prunes small products; large ones tile exactly).
+        // Tilings whose workgroup tiles cover over 1.5 times the output
+        // area the tightest one covers mostly pay for padding: not
+        // measured (this prunes small products; large ones tile nearly
+        // exactly every way).
         let covered = |v: &Variant, s: &codegen::Shader| {
             let (Some(t), Some(c)) = (v.tiles, self.caps.coop) else {
                 return None;
@@ -417,7 +426,9 @@ impl WgpuBackend {
         let tightest = shaders.iter().filter_map(|(v, s)| covered(v, s)).min();
         shaders.retain(|(v, s)| {
             *v == Variant::of(&self.caps)
-                || covered(v, s).zip(tightest).is_none_or(|(a, t)| a <= 2 * t)
+                || covered(v, s)
+                    .zip(tightest)
+                    .is_none_or(|(a, t)| 2 * a <= 3 * t)
         });
         let mut timed: Vec<(Variant, f64)> = Vec::new();
         let mut sources: Vec<String> = Vec::new();
