@@ -320,6 +320,13 @@ fn devices_command(probe: Option<String>) -> Result<i32> {
             a.max_buffer_size >> 20,
             a.max_compute_workgroup_storage_size >> 10
         )?;
+        if a.tuned_kernels > 0 {
+            writeln!(
+                out,
+                "  tuned kernels: {} (`sdkit run --tune`; runs use them)",
+                a.tuned_kernels
+            )?;
+        }
     }
     if let Some(name) = probe {
         probe_command(&mut out, (!name.is_empty()).then_some(name))?;

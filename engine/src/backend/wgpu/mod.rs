@@ -78,6 +78,10 @@ pub struct AdapterReport {
     pub max_compute_workgroup_storage_size: u32,
     /// Lanes per subgroup (min, max); 0 where the adapter does not say.
     pub subgroup_size: (u32, u32),
+    /// Kernels tuned on this adapter and driver ([`Tuning`]): in the
+    /// default cache folder for [`adapters`], in the backend's own for a
+    /// backend.
+    pub tuned_kernels: usize,
 }
 
 fn report(a: &wgpu::Adapter) -> AdapterReport {
@@ -124,6 +128,7 @@ fn report(a: &wgpu::Adapter) -> AdapterReport {
         max_buffer_size: limits.max_buffer_size,
         max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
         subgroup_size: (info.subgroup_min_size, info.subgroup_max_size),
+        tuned_kernels: 0,
     }
 }
 
@@ -138,7 +143,10 @@ pub fn adapters() -> Vec<AdapterReport> {
     let inst = instance();
     pollster::block_on(inst.enumerate_adapters(wgpu::Backends::all()))
         .iter()
-        .map(report)
+        .map(|a| AdapterReport {
+            tuned_kernels: tune::Table::open(default_cache_dir().as_deref(), &a.get_info()).len(),
+            ..report(a)
+        })
         .collect()
 }
 
@@ -640,7 +648,10 @@ impl WgpuBackend {
             split_operands: std::sync::atomic::AtomicUsize::new(0),
             device,
             queue,
-            adapter: report(&adapter),
+            adapter: AdapterReport {
+                tuned_kernels: tuning_table.len(),
+                ..report(&adapter)
+            },
             limits,
             pipelines: Mutex::new(HashMap::new()),
             layouts: Mutex::new(HashMap::new()),

@@ -214,6 +214,11 @@ impl Table {
         table
     }
 
+    /// Kernels tuned.
+    pub(super) fn len(&self) -> usize {
+        self.kernels.len()
+    }
+
     /// Writes the table (atomically) when kernels were tuned since the
     /// last write. A failure only costs the next process a re-measure:
     /// logged, not raised.
