@@ -1735,14 +1735,14 @@ impl Prepared<'_> {
     }
 }
 
-/// One kernel's passes: pipeline, bind group and workgroups of each.
-type Passes = [(Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3])];
+/// One pass of a kernel: pipeline, bind group and workgroups.
+type Pass = (Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3]);
 
 impl WgpuBackend {
     /// Wall seconds of `n` replays of `passes` recorded in one submission
     /// and waited for: with `n` large enough the submission's own cost
     /// vanishes in the kernels' time (profiles and tuning).
-    fn time_passes(&self, passes: &Passes, n: usize) -> Result<f64, WgpuError> {
+    fn time_passes(&self, passes: &[Pass], n: usize) -> Result<f64, WgpuError> {
         let mut encoder = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });

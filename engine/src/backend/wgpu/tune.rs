@@ -15,7 +15,7 @@
 //! to the code generator names kernels anew, so stale timings are never
 //! applied to changed code.
 
-use super::{codegen, TapsFirst, WgpuBackend, WgpuError, STORAGE};
+use super::{codegen, Pass, TapsFirst, WgpuBackend, WgpuError, STORAGE};
 use crate::plan::{Command, Kernel, Program};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -246,38 +246,23 @@ impl Table {
     }
 }
 
-/// The variants worth measuring for a kernel of `kind` under `caps`, the
-/// default first; none for kernels without variants (everything off
-/// cooperative matrices, and every kind but products and attention).
+/// The variants a kernel of `kind` under `caps` is first measured in, the
+/// default first: each GEMM tiling with the default's split-K and
+/// prefetch (products), or both attention forms. None for kernels without
+/// variants (everything off cooperative matrices, and every kind but
+/// products and attention).
 fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
     let base = Variant::of(caps);
     if caps.coop.is_none() {
         return Vec::new();
     }
     match kind {
-        "matmul" | "conv2d" => {
-            let mut v = vec![base];
-            // Split-K stays off when the caller turned it off (a
-            // comparison); otherwise both are measured.
-            let splits: &[bool] = if caps.split_k {
-                &[true, false]
-            } else {
-                &[false]
-            };
-            for tiles in codegen::tilings() {
-                for &split_k in splits {
-                    for prefetch in [false, true] {
-                        v.push(Variant {
-                            tiles: Some(tiles),
-                            split_k,
-                            prefetch,
-                            ..base
-                        });
-                    }
-                }
-            }
-            v
-        }
+        "matmul" | "conv2d" => std::iter::once(base)
+            .chain(codegen::tilings().into_iter().map(|tiles| Variant {
+                tiles: Some(tiles),
+                ..base
+            }))
+            .collect(),
         "attention" => vec![
             base,
             Variant {
@@ -287,6 +272,49 @@ fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
         ],
         _ => Vec::new(),
     }
+}
+
+/// The second round for a product's fastest tilings: split-K and prefetch
+/// each way (split-K stays off where the caller turned it off, a
+/// comparison). Measuring every tiling each way would take four times
+/// as many compiles for what is nearly always the same ranking.
+fn refinements(v: Variant, caps: &codegen::Caps) -> Vec<Variant> {
+    let splits: &[bool] = if caps.split_k {
+        &[true, false]
+    } else {
+        &[false]
+    };
+    let mut out = Vec::new();
+    for &split_k in splits {
+        for prefetch in [false, true] {
+            let r = Variant {
+                split_k,
+                prefetch,
+                ..v
+            };
+            if r != v {
+                out.push(r);
+            }
+        }
+    }
+    out
+}
+
+/// How many of the first round's fastest tilings the second refines.
+const REFINED: usize = 2;
+
+/// Variants measured for one kernel so far.
+#[derive(Default)]
+struct Trials {
+    /// Every source generated (variants that generate the same code are
+    /// measured once).
+    seen: HashSet<String>,
+    /// Sources compiled, to forget the losers' pipelines.
+    compiled: Vec<String>,
+    timed: Vec<(Variant, f64)>,
+    /// The default's passes and time, and the fastest other variant's.
+    default: Option<(Variant, f64, Vec<Pass>)>,
+    best: Option<(Variant, f64, Vec<Pass>)>,
 }
 
 /// A tuned kernel of a prepared program, for reports.
@@ -415,24 +443,21 @@ impl WgpuBackend {
         let at: Vec<(&wgpu::Buffer, u64)> = buffers.iter().map(|b| (b, 0)).collect();
         let operand_bindings: usize = ops.iter().map(|o| o.chunks).sum();
         let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
-        let mut seen = HashSet::new();
-        let mut shaders = Vec::new();
-        for v in variants(k.kind.name(), &self.caps) {
-            let Ok(shader) = codegen::generate(k, &ops, &v.apply(&self.caps)) else {
-                continue;
-            };
-            if !seen.insert(shader.source.clone()) {
-                continue;
+        let mut trials = Trials::default();
+        let generate = |trials: &mut Trials, v: &Variant| {
+            let shader = codegen::generate(k, &ops, &v.apply(&self.caps)).ok()?;
+            if !trials.seen.insert(shader.source.clone())
+                || (shader.finish.is_some() && operand_bindings >= max_bindings)
+            {
+                return None;
             }
-            if shader.finish.is_some() && operand_bindings >= max_bindings {
-                continue;
-            }
-            shaders.push((v, shader));
-        }
+            Some(shader)
+        };
         // Tilings whose workgroup tiles cover over 1.5 times the output
         // area the tightest one covers mostly pay for padding: not
         // measured (this prunes small products; large ones tile nearly
-        // exactly every way).
+        // exactly every way). Judged before duplicates are dropped: the
+        // default's own tiling, named, is one of them.
         let covered = |v: &Variant, s: &codegen::Shader| {
             let (Some(t), Some(c)) = (v.tiles, self.caps.coop) else {
                 return None;
@@ -440,53 +465,46 @@ impl WgpuBackend {
             let tile = t.sg_rows * c.extent(t.rows) * t.sg_cols * c.extent(t.cols);
             Some(s.groups[0] as usize * s.groups[1] as usize * tile)
         };
-        let tightest = shaders.iter().filter_map(|(v, s)| covered(v, s)).min();
-        shaders.retain(|(v, s)| {
-            *v == Variant::of(&self.caps)
-                || covered(v, s)
-                    .zip(tightest)
-                    .is_none_or(|(a, t)| 2 * a <= 3 * t)
-        });
-        // The default's passes and the fastest other variant's so far.
-        let mut default = None;
-        let mut best = None;
-        let mut count = 0;
-        let mut sources: Vec<String> = Vec::new();
-        for (v, shader) in shaders {
-            let bindings = (operand_bindings + usize::from(shader.finish.is_some())) as u32;
-            let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-            let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-            let built = self.variant_passes(&shader, bindings, layouts, &at);
-            let oom = pollster::block_on(oom.pop());
-            let invalid = pollster::block_on(scope.pop());
-            let passes = match (built, oom, invalid) {
-                (Ok(p), None, None) => p,
-                // A variant this device cannot build (workgroup memory,
-                // bindings) is simply not a candidate.
-                _ => {
-                    if default.is_none() && Variant::of(&self.caps) == v {
-                        return Ok(None);
-                    }
-                    continue;
-                }
-            };
-            sources.push(shader.source.clone());
-            if let Some(f) = &shader.finish {
-                sources.push(f.source.clone());
-            }
-            let t = self.time_variant(&passes)?;
-            count += 1;
-            match (&default, &best) {
-                (None, _) => default = Some((v, t, passes)),
-                (Some(_), Some((_, b, _))) if *b <= t => {}
-                _ => best = Some((v, t, passes)),
+        let all: Vec<(Variant, codegen::Shader)> = variants(k.kind.name(), &self.caps)
+            .into_iter()
+            .filter_map(|v| Some((v, codegen::generate(k, &ops, &v.apply(&self.caps)).ok()?)))
+            .collect();
+        let tightest = all.iter().filter_map(|(v, s)| covered(v, s)).min();
+        let first: Vec<(Variant, codegen::Shader)> = all
+            .into_iter()
+            .filter(|(v, s)| {
+                *v == Variant::of(&self.caps)
+                    || covered(v, s)
+                        .zip(tightest)
+                        .is_none_or(|(a, t)| 2 * a <= 3 * t)
+            })
+            .filter_map(|(v, _)| Some((v, generate(&mut trials, &v)?)))
+            .collect();
+        for (v, shader) in first {
+            if !self.trial(&mut trials, v, &shader, operand_bindings, layouts, &at)? {
+                return Ok(None);
             }
         }
-        let Some((default, mut default_seconds, default_passes)) = default else {
+        // The default's own tiling was measured as the default (the same
+        // tiling named explicitly generated the same code), so it is
+        // refined as such.
+        let mut ranked = trials.timed.clone();
+        ranked.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let products = matches!(k.kind.name(), "matmul" | "conv2d");
+        for (v, _) in ranked.into_iter().filter(|_| products).take(REFINED) {
+            for r in refinements(v, &self.caps) {
+                if let Some(shader) = generate(&mut trials, &r) {
+                    self.trial(&mut trials, r, &shader, operand_bindings, layouts, &at)?;
+                }
+            }
+        }
+        let count = trials.timed.len();
+        let sources = std::mem::take(&mut trials.compiled);
+        let Some((default, mut default_seconds, default_passes)) = trials.default else {
             return Ok(None);
         };
         let (mut variant, mut seconds) = (default, default_seconds);
-        if let Some((v, mut t, passes)) = best {
+        if let Some((v, mut t, passes)) = trials.best {
             // The default was timed first, perhaps before the GPU's clocks
             // rose: the two again, alternately, before the choice.
             for _ in 0..2 {
@@ -517,10 +535,47 @@ impl WgpuBackend {
         }))
     }
 
+    /// Builds and times one variant into `trials`. False when the
+    /// default (the first trial) cannot be built here: the kernel is not
+    /// tuned. Another variant this device cannot build (workgroup memory,
+    /// bindings) is simply not a candidate.
+    fn trial(
+        &self,
+        trials: &mut Trials,
+        v: Variant,
+        shader: &codegen::Shader,
+        operand_bindings: usize,
+        layouts: &[(codegen::Operand, u64)],
+        at: &[(&wgpu::Buffer, u64)],
+    ) -> Result<bool, WgpuError> {
+        let bindings = (operand_bindings + usize::from(shader.finish.is_some())) as u32;
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let built = self.variant_passes(shader, bindings, layouts, at);
+        let oom = pollster::block_on(oom.pop());
+        let invalid = pollster::block_on(scope.pop());
+        let passes = match (built, oom, invalid) {
+            (Ok(p), None, None) => p,
+            _ => return Ok(trials.default.is_some()),
+        };
+        trials.compiled.push(shader.source.clone());
+        if let Some(f) = &shader.finish {
+            trials.compiled.push(f.source.clone());
+        }
+        let t = self.time_variant(&passes)?;
+        trials.timed.push((v, t));
+        match (&trials.default, &trials.best) {
+            (None, _) => trials.default = Some((v, t, passes)),
+            (Some(_), Some((_, b, _))) if *b <= t => {}
+            _ => trials.best = Some((v, t, passes)),
+        }
+        Ok(true)
+    }
+
     /// Seconds per run of one variant's passes: once to settle (a
     /// pipeline's first use pays setup), once to size the repeat count to
     /// about 10 ms, then the best of two such batches.
-    fn time_variant(&self, passes: &super::Passes) -> Result<f64, WgpuError> {
+    fn time_variant(&self, passes: &[Pass]) -> Result<f64, WgpuError> {
         self.time_passes(passes, 1)?;
         let once = self.time_passes(passes, 1)?;
         let reps = ((0.01 / once.max(1e-6)) as usize).clamp(1, 100);
@@ -539,7 +594,7 @@ impl WgpuBackend {
         bindings: u32,
         layouts: &[(codegen::Operand, u64)],
         at: &[(&wgpu::Buffer, u64)],
-    ) -> Result<Vec<(Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3])>, String> {
+    ) -> Result<Vec<Pass>, String> {
         let first = self.pipeline(&shader.source, bindings)?;
         let scratch = shader.finish.as_ref().map(|f| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
