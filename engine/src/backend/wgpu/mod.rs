@@ -1751,10 +1751,14 @@ impl WgpuBackend {
                 label: Some("timed"),
                 timestamp_writes: None,
             });
-            for _ in 0..n {
+            // One pass is bound once, so short kernels (the probes)
+            // time dispatches alone.
+            for rep in 0..n {
                 for (pipeline, group, g) in passes {
-                    pass.set_pipeline(pipeline);
-                    pass.set_bind_group(0, group.as_ref(), &[]);
+                    if rep == 0 || passes.len() > 1 {
+                        pass.set_pipeline(pipeline);
+                        pass.set_bind_group(0, group.as_ref(), &[]);
+                    }
                     pass.dispatch_workgroups(g[0], g[1], g[2]);
                 }
             }

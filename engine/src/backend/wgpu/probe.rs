@@ -15,7 +15,6 @@
 
 use super::{codegen::Coop, f32_to_f16_bits, WgpuBackend, WgpuError};
 use std::fmt::Write;
-use std::time::Instant;
 
 /// How much work each probe does.
 #[derive(Clone, Debug)]
@@ -432,28 +431,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             entries: &entries,
         });
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let run = |reps: u32| -> Result<f64, WgpuError> {
-            let mut encoder = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            {
-                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("probe"),
-                    timestamp_writes: None,
-                });
-                pass.set_pipeline(&pipeline);
-                pass.set_bind_group(0, &group, &[]);
-                for _ in 0..reps {
-                    pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
-                }
-            }
-            let t = Instant::now();
-            self.queue.submit([encoder.finish()]);
-            self.device
-                .poll(wgpu::PollType::wait_indefinitely())
-                .map_err(|e| WgpuError::Lost(e.to_string()))?;
-            Ok(t.elapsed().as_secs_f64())
-        };
+        let passes = [(pipeline, std::sync::Arc::new(group), groups)];
+        let run = |reps: u32| self.time_passes(&passes, reps as usize);
         run(1)?;
         let mut reps = 1u32;
         let mut took = run(reps)?;
