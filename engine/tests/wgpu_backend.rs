@@ -348,6 +348,9 @@ fn tuned_kernels_persist_and_match_cpu() {
         eprintln!("skipped: tuning: no wgpu adapter");
         return;
     };
+    // A second process, open from the start: it reads no file now and
+    // tunes another program after the first has saved.
+    let other = open(Tuning::Measure).expect("opens");
     if gpu.coop.is_none() {
         eprintln!("skipped: tuning: no (emulated) cooperative path on this adapter");
         return;
@@ -437,6 +440,25 @@ fn tuned_kernels_persist_and_match_cpu() {
         "{kinds:?}"
     );
     drop(edited);
+
+    // The second process's save keeps what the first tuned.
+    let gb2 = GraphBuilder::new();
+    let build2 = || -> Result<_, sdkit_engine::tensor::ShapeError> {
+        gb2.input("x", &[1, 32, 64])?
+            .linear(gb2.weight("w", &[48, 64])?, None)
+    };
+    let y2 = build2().expect("builds");
+    let g2 = gb2.finish(&[y2]);
+    let prog2 = plan(&g2).expect("plans");
+    let b2 = bindings(&g2, 8);
+    let want2 = cpu::run(&prog2, &b2).expect("cpu runs");
+    let got2 = other.run(&prog2, &b2).expect("runs").remove(0).data;
+    assert!(nmse(&got2, &want2[0].data) < tolerance(&other));
+    assert_eq!(other.tuning_counts(), (1, 1));
+    drop(other);
+    let merged = open(Tuning::Cached).expect("reopens");
+    assert_eq!(merged.tuning_counts(), (0, 3), "both processes' kernels");
+    drop(merged);
 
     // A damaged file: defaults, and nothing measured with `Cached`.
     std::fs::write(&file, b"{ not json").expect("damages the file");

@@ -227,15 +227,25 @@ impl Table {
             return;
         };
         self.unsaved = false;
+        // Another process (a server beside a CLI run) may have tuned other
+        // kernels since this one read the file: kept, this one's own
+        // measurements winning.
+        let mut kernels: BTreeMap<String, Tuned> = std::fs::read_to_string(file)
+            .ok()
+            .and_then(|text| serde_json::from_str::<TableFile>(&text).ok())
+            .filter(|t| t.version == VERSION)
+            .map(|t| t.kernels)
+            .unwrap_or_default();
+        kernels.extend(
+            self.kernels
+                .iter()
+                .map(|(k, v)| (format!("{k:016x}"), v.clone())),
+        );
         let t = TableFile {
             version: VERSION,
             adapter: adapter.name.clone(),
             driver: adapter.driver.clone(),
-            kernels: self
-                .kernels
-                .iter()
-                .map(|(k, v)| (format!("{k:016x}"), v.clone()))
-                .collect(),
+            kernels,
         };
         let written = serde_json::to_vec_pretty(&t)
             .map_err(std::io::Error::other)
