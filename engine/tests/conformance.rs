@@ -607,6 +607,25 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(16))]
 
+    /// Rows of 8192+ elements in few groups: the GPU splits each row's
+    /// statistics over chunks and combines them (`norm_split`), chunk
+    /// lengths not dividing the row.
+    #[test]
+    fn group_norm_long_rows(n in 1usize..3, groups in 1usize..4, per in 1usize..3, hw in 91usize..140, affine in any::<bool>(), seed in any::<u64>()) {
+        let c = groups * per;
+        let g = build(|g| {
+            let x = g.input("x", &[n, c, hw, hw])?;
+            let y = if affine {
+                let (w, b) = (g.weight("w", &[c])?, g.weight("b", &[c])?);
+                x.group_norm(groups, Some(w), Some(b), 1e-5)?
+            } else {
+                x.group_norm(groups, None, None, 1e-6)?
+            };
+            y.silu().add(x)
+        });
+        check(g, seed, 1e-9, 0)?;
+    }
+
     #[test]
     fn rope_pairs(b in 1usize..3, h in 1usize..4, l in 1usize..9, half in 1usize..9, shared in any::<bool>(), seed in any::<u64>()) {
         let fb = if shared { 1 } else { b };

@@ -80,6 +80,21 @@ fn graphs() -> Vec<(&'static str, TensorGraph)> {
         .input("a", &[1, 16, 2048])
         .and_then(|a| a.linear(g.weight("w", &[64, 2048])?, Some(g.weight("b", &[64])?)));
     v.push(("long linear, split-K", g.finish(&[y.expect("linear")])));
+    // Two groups of 18,432 elements: each row's statistics in chunks.
+    let g = GraphBuilder::new();
+    let y = g.input("x", &[1, 4, 96, 96]).and_then(|x| {
+        let n = x.group_norm(
+            2,
+            Some(g.weight("w", &[4])?),
+            Some(g.weight("b", &[4])?),
+            1e-5,
+        )?;
+        Ok(n.silu())
+    });
+    v.push((
+        "group norm, long rows, split",
+        g.finish(&[y.expect("group norm")]),
+    ));
     v
 }
 
@@ -230,16 +245,16 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                         };
                         assert!(sh.source.contains(mma), "{gname} {cname}: no coop");
                     }
-                    if cap.coop.is_some()
-                        && cap.split_k
+                    let split = (cap.coop.is_some()
                         && cap.gemm_tiles.is_none()
-                        && gname.ends_with("split-K")
-                    {
+                        && gname.ends_with("split-K"))
+                        || gname.ends_with(", split");
+                    if split && cap.split_k {
                         assert!(sh.finish.is_some(), "{gname} {cname}: not split");
                     }
                     if let Some(f) = &sh.finish {
                         validate(
-                            &format!("{gname} [{cname}, f16 {f16}, split-K sum]"),
+                            &format!("{gname} [{cname}, f16 {f16}, second pass]"),
                             &f.source,
                         );
                     }

@@ -19,9 +19,10 @@ pub struct Shader {
     pub source: String,
     /// Workgroups along x, y, z.
     pub groups: [u32; 3],
-    /// Split-K ([`Caps::split_k`]): the pass above writes partial products
-    /// into a scratch binding after the operands, and this second pass
-    /// (same bindings) sums them and applies the epilogue.
+    /// Split kernels ([`Caps::split_k`]): the pass above writes partial
+    /// results (products, or a group norm's chunk statistics) into a
+    /// scratch binding after the operands, and this second pass (same
+    /// bindings) combines them and applies the epilogue.
     pub finish: Option<Finish>,
 }
 
@@ -299,7 +300,9 @@ pub struct Caps {
     pub two_pass_attention: bool,
     /// Cooperative products whose grid would leave most of a large GPU
     /// idle (the deep UNet levels: few output tiles, long depth) split
-    /// the depth over several workgroups and sum in a second pass.
+    /// the depth over several workgroups and sum in a second pass; group
+    /// norms with few long rows (a workgroup per group: 32 per image)
+    /// split each row's statistics likewise ([`norm_split`]).
     pub split_k: bool,
     /// Staged cooperative products load the next depth step into
     /// registers while multiplying the current one (off by default until
@@ -498,18 +501,41 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             } else {
                 ""
             };
-            let body = with_reductions(ROW_NORM, subgroups)
-                .replace("ROW_LEN", &format!("{per}u"))
-                .replace("READ(j)", "in0[base + j]")
-                .replace("BASE", &format!("row * {per}u"))
-                .replace("CENTER", "true")
-                .replace("EPS", &lit(*eps))
-                .replace("AFFINE", affine_code)
-                .replace("SPATIAL", &format!("{spatial}u"))
-                .replace("ROWS", &format!("{}u", n * gr))
-                .replace("CH", &format!("{c}u"));
-            src.push_str(&body);
-            groups = [(n * gr) as u32, 1, 1];
+            let rows = n * gr;
+            if let Some((chunks, clen)) = norm_split(rows, per).filter(|_| caps.split_k) {
+                // Few long rows (the VAE's and the UNet's outer levels):
+                // each row's statistics in chunks over many workgroups,
+                // then the normalisation on the same grid.
+                let fill = |t: &str| {
+                    with_reductions(t, subgroups)
+                        .replace("TOTAL", &format!("{}u", rows * chunks))
+                        .replace("CHUNKS", &format!("{chunks}u"))
+                        .replace("CLEN", &format!("{clen}u"))
+                        .replace("PER", &format!("{per}u"))
+                        .replace("EPS", &lit(*eps))
+                        .replace("AFFINE", affine_code)
+                        .replace("SPATIAL", &format!("{spatial}u"))
+                        .replace("CH", &format!("{c}u"))
+                };
+                let total = rows * chunks;
+                let grid2 = [total.min(65535) as u32, total.div_ceil(65535) as u32, 1];
+                src.push_str(&fill(NORM_STATS));
+                groups = grid2;
+                finish = Some((fill(NORM_APPLY), grid2, 2 * total));
+            } else {
+                let body = with_reductions(ROW_NORM, subgroups)
+                    .replace("ROW_LEN", &format!("{per}u"))
+                    .replace("READ(j)", "in0[base + j]")
+                    .replace("BASE", &format!("row * {per}u"))
+                    .replace("CENTER", "true")
+                    .replace("EPS", &lit(*eps))
+                    .replace("AFFINE", affine_code)
+                    .replace("SPATIAL", &format!("{spatial}u"))
+                    .replace("ROWS", &format!("{}u", n * gr))
+                    .replace("CH", &format!("{c}u"));
+                src.push_str(&body);
+                groups = [(n * gr) as u32, 1, 1];
+            }
         }
         KernelKind::LayerNorm {
             rows,
@@ -2316,6 +2342,92 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let rstd = inverseSqrt(wg_sum(q, t) / f32(ROW_LEN) + EPS);
     for (var j = t; j < ROW_LEN; j = j + 256u) {
         var y = (READ(j) - mean) * rstd;
+        AFFINE
+        let oi = base + j;
+        dst[oi] = epi(y, oi);
+    }
+}
+"#;
+
+/// Workgroups a split group norm aims for: several per SM of a large GPU,
+/// so the loads of enough warps are in flight to hide memory latency.
+const NORM_SPLIT_TARGET: usize = 1024;
+/// Elements a split group norm's workgroup keeps at least (16 per thread).
+const NORM_MIN_CHUNK: usize = 4096;
+
+/// How a group norm of `rows` rows of `per` elements splits each row:
+/// (chunks per row, elements per chunk), or None where the rows alone
+/// give enough workgroups or are too short to split.
+fn norm_split(rows: usize, per: usize) -> Option<(usize, usize)> {
+    if rows >= NORM_SPLIT_TARGET / 2 {
+        return None;
+    }
+    // At most one chunk per thread of the combining workgroup.
+    let want = NORM_SPLIT_TARGET
+        .div_ceil(rows)
+        .min(per / NORM_MIN_CHUNK)
+        .min(256);
+    if want < 2 {
+        return None;
+    }
+    let clen = per.div_ceil(want);
+    Some((per.div_ceil(clen), clen))
+}
+
+/// Split group norm, first pass: a workgroup per (row, chunk) writes the
+/// chunk's mean and sum of squared deviations (two passes over the chunk,
+/// as `ROW_NORM`, for accuracy) to `part`.
+const NORM_STATS: &str = r#"
+REDUCE
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
+    MAIN_SETUP
+    let id = wg.x + wg.y * 65535u;
+    if (id >= TOTAL) { return; }
+    let row = id / CHUNKS;
+    let t = lid.x;
+    let base = row * PER;
+    let lo = id % CHUNKS * CLEN;
+    let hi = min(lo + CLEN, PER);
+    var s = 0.0;
+    for (var j = lo + t; j < hi; j = j + 256u) { s = s + in0[base + j]; }
+    let mean = wg_sum(s, t) / f32(hi - lo);
+    var q = 0.0;
+    for (var j = lo + t; j < hi; j = j + 256u) { let d = in0[base + j] - mean; q = q + d * d; }
+    let m2 = wg_sum(q, t);
+    if (t == 0u) { part[id * 2u] = mean; part[id * 2u + 1u] = m2; }
+}
+"#;
+
+/// Split group norm, second pass (same grid): each workgroup combines its
+/// row's chunk statistics (Chan et al.'s pairwise update: the row's sum
+/// of squared deviations is the chunks' plus each chunk's count times its
+/// mean's squared distance from the row's) and normalises its chunk.
+const NORM_APPLY: &str = r#"
+REDUCE
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
+    MAIN_SETUP
+    let id = wg.x + wg.y * 65535u;
+    if (id >= TOTAL) { return; }
+    let row = id / CHUNKS;
+    let t = lid.x;
+    var cnt = 0.0;
+    var cm = 0.0;
+    var cq = 0.0;
+    if (t < CHUNKS) {
+        cnt = f32(min((t + 1u) * CLEN, PER) - t * CLEN);
+        cm = part[(row * CHUNKS + t) * 2u];
+        cq = part[(row * CHUNKS + t) * 2u + 1u];
+    }
+    let mean = wg_sum(cnt * cm, t) / f32(PER);
+    let dm = cm - mean;
+    let rstd = inverseSqrt(wg_sum(cq + cnt * dm * dm, t) / f32(PER) + EPS);
+    let base = row * PER;
+    let lo = id % CHUNKS * CLEN;
+    let hi = min(lo + CLEN, PER);
+    for (var j = lo + t; j < hi; j = j + 256u) {
+        var y = (in0[base + j] - mean) * rstd;
         AFFINE
         let oi = base + j;
         dst[oi] = epi(y, oi);

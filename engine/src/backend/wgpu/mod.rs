@@ -359,8 +359,9 @@ pub struct Options {
     /// on fragments emulated in plain WGSL: much slower, for testing those
     /// kernels on any adapter (lavapipe in CI).
     pub emulate_coopmat: bool,
-    /// Split the depth of cooperative products whose grid is too small to
-    /// fill the GPU ([`codegen::Caps::split_k`]); off only to compare.
+    /// Split the depth of cooperative products, and the rows of group
+    /// norms, whose grid is too small to fill the GPU
+    /// ([`codegen::Caps::split_k`]); off only to compare.
     pub split_k: bool,
     /// Staged cooperative products prefetch the next depth step into
     /// registers ([`codegen::Caps::prefetch`]).
@@ -1378,20 +1379,21 @@ impl WgpuBackend {
         conv
     }
 
-    /// Bytes of the one scratch buffer `prog`'s split-K products share
-    /// (kernels run one after another, so the largest one's partial sums).
+    /// Bytes of the one scratch buffer `prog`'s split-K products and split
+    /// group norms share (kernels run one after another, so the largest
+    /// one's partial results).
     pub fn scratch_bytes(&self, prog: &Program) -> u64 {
         self.scratch_bytes_with(prog, &self.taps_first_weights(prog))
     }
 
     /// [`WgpuBackend::scratch_bytes`] with the tap-major weights known.
     fn scratch_bytes_with(&self, prog: &Program, taps: &TapsFirst) -> u64 {
-        if !self.caps.split_k || self.caps.coop.is_none() {
+        if !self.caps.split_k {
             return 0;
         }
         prog.kernels
             .iter()
-            .filter(|k| matches!(k.kind.name(), "matmul" | "conv2d"))
+            .filter(|k| matches!(k.kind.name(), "matmul" | "conv2d" | "group_norm"))
             .filter_map(|k| {
                 let ops: Vec<codegen::Operand> = self
                     .operand_layouts(prog, k, taps)
