@@ -186,17 +186,23 @@ fn main() {
         budgets(&prog, &bind, adapter.as_deref());
         return;
     }
+    // The peer first, so a run cut short still compares what it measured.
+    let torch = torch_time(&py, small, false);
+    match &torch {
+        Ok(tt) => println!("unet_step: torch fp16 {:.2} ms/step", tt * 1e3),
+        Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+    }
     // The portable kernels, then matrix products on cooperative matrices
-    // (tensor cores) where the adapter has them; the last with its
-    // kernels tuned on this device (`Tuning::Measure`: prepare includes
-    // the measuring; `SDKIT_BENCH_TUNE=0` skips the row), then with
+    // (tensor cores) where the adapter has them; the last again with
     // wgpu's index clamps (bounds checks), then with all its shader
-    // runtime checks, which the engine turns off, to show what they cost.
+    // runtime checks, which the engine turns off, to show what they cost;
+    // last (it takes longest) with its kernels tuned on this device
+    // (`Tuning::Measure`: prepare includes the measuring;
+    // `SDKIT_BENCH_TUNE=0` skips the row).
     let variants = [
         ("f16 weights, f32 activations", false, false, ""),
         ("coop, f32 activations", false, true, ""),
         ("coop, f16 activations", true, true, ""),
-        ("coop, f16 activations, tuned", true, true, "tuned"),
         ("coop, f16 activations, bounds checks", true, true, "bounds"),
         (
             "coop, f16 activations, shader checks",
@@ -204,6 +210,7 @@ fn main() {
             true,
             "checked",
         ),
+        ("coop, f16 activations, tuned", true, true, "tuned"),
     ];
     let mut best = f64::INFINITY;
     let mut first: Option<Vec<f32>> = None;
@@ -275,8 +282,12 @@ fn main() {
         if !shader_checks {
             best = best.min(secs);
         }
+        let ratio = match &torch {
+            Ok(tt) => format!(" ({:.2}x torch)", secs / tt),
+            Err(_) => String::new(),
+        };
         println!(
-            "unet_step [{label}] on {} ({}): {:.2} ms/step (prepare+upload {:.2} s, {} pipelines{agree})",
+            "unet_step [{label}] on {} ({}): {:.2} ms/step{ratio} (prepare+upload {:.2} s, {} pipelines{agree})",
             gpu.adapter.name,
             gpu.adapter.backend,
             secs * 1e3,
@@ -293,15 +304,13 @@ fn main() {
             print_profile(&prog, &times);
         }
     }
-    match torch_time(&py, small, false) {
-        Ok(tt) if best.is_finite() => println!(
+    if let Some(tt) = torch.ok().filter(|_| best.is_finite()) {
+        println!(
             "unet_step: torch fp16 {:.2} ms/step, sdkit best {:.2} ms/step, sdkit/torch time {:.2}x",
             tt * 1e3,
             best * 1e3,
             best / tt
-        ),
-        Ok(tt) => println!("unet_step: torch fp16 {:.2} ms/step", tt * 1e3),
-        Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+        );
     }
 }
 
