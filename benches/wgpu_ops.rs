@@ -147,6 +147,28 @@ fn cases(small: bool) -> Vec<Case> {
         torch: format!("q = torch.randn(1, {h}, {sq}, {d}, device=dev, dtype=dt); k = torch.randn_like(q); v = torch.randn_like(q)\ndef run(): return torch.nn.functional.scaled_dot_product_attention(q, k, v)"),
     });
 
+    // The VAE decoder's last level at a 512² image: 32 groups of a million
+    // elements, split over many workgroups (`[coop no split-K]`: one
+    // workgroup per group, as before).
+    let (c, hw) = (s(128, 32), s(512, 128));
+    let g = GraphBuilder::new();
+    let y = g.input("x", &[1, c, hw, hw]).and_then(|x| {
+        let n = x.group_norm(
+            32,
+            Some(g.weight("w", &[c])?),
+            Some(g.weight("b", &[c])?),
+            1e-6,
+        )?;
+        Ok(n.silu())
+    });
+    v.push(Case {
+        name: "group_norm",
+        what: format!("1x{c}x{hw}x{hw}, 32 groups, + SiLU"),
+        flops: 0.0,
+        graph: g.finish(&[y.expect("group norm graph")]),
+        torch: format!("x = torch.randn(1, {c}, {hw}, {hw}, device=dev, dtype=dt); w = torch.randn({c}, device=dev, dtype=dt); bb = torch.randn({c}, device=dev, dtype=dt)\ndef run(): return torch.nn.functional.silu(torch.nn.functional.group_norm(x, 32, w, bb, 1e-6))"),
+    });
+
     let (base, size) = (s(320, 32), s(64, 16));
     let graph = samples::unet_like_graph(2, base, size, 3).expect("unet graph");
     v.push(Case {
@@ -204,6 +226,15 @@ fn main() {
         if let Ok(g) = open(false, checks) {
             paths.push((format!("f32 {checks}"), g));
         }
+    }
+    // Group norms unsplit (a workgroup per group), for comparison.
+    if let Ok(g) = WgpuBackend::with_options(&Options {
+        adapter: adapter.clone(),
+        allow_coopmat: false,
+        split_k: false,
+        ..Options::default()
+    }) {
+        paths.push(("f32 no split".to_string(), g));
     }
     match open(true, "") {
         Ok(g) if g.coop.is_some() => {
@@ -308,7 +339,10 @@ fn main() {
         for (path, gpu) in &paths {
             let tiling = path.starts_with("coop ") && path.contains("sg of");
             let products = matches!(case.name, "gemm" | "conv" | "linear" | "deep_conv");
-            if ((tiling || path == "coop no split-K" || path == "coop prefetch") && !products)
+            let split = products || case.name == "group_norm";
+            if ((tiling || path == "coop prefetch") && !products)
+                || (path == "coop no split-K" && !split)
+                || (path == "f32 no split" && case.name != "group_norm")
                 || (path == "coop 2-pass" && case.name != "attention")
             {
                 continue;
@@ -357,7 +391,8 @@ fn main() {
                 case.what
             );
             // The peer once per path kind, not per tiling.
-            let variant = path.ends_with("checked") || path.ends_with("bounds");
+            let variant =
+                path.ends_with("checked") || path.ends_with("bounds") || path.contains("no split");
             if !case.torch.is_empty() && !tiling && !variant {
                 match torch_time(&py, &case.torch, iters.max(5), path.starts_with("coop")) {
                     Some(tt) => print!(
