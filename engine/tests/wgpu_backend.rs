@@ -378,6 +378,10 @@ fn tuned_kernels_persist_and_match_cpu() {
     for t in &tuned {
         eprintln!("kernel {}: {}", t.kernel, t.tuned);
         assert!(t.tuned.candidates >= 2, "{t:?}");
+        assert_eq!(
+            t.tuned.rejected, 0,
+            "every variant computes the product: {t:?}"
+        );
         assert!(t.tuned.seconds <= t.tuned.default_seconds, "{t:?}");
     }
     assert_eq!(gpu.tuning_counts(), (2, 2));

@@ -7,8 +7,9 @@
 //! differs by shape even there (benches/gpu/RESULTS.md: a conv ran 0.56 ms
 //! on one tiling and 0.69 on the default) and will differ between
 //! vendors. Tuning times every variant of each product and attention
-//! kernel on zero-filled operands of its real sizes, as PyTorch's cuDNN
-//! benchmark mode does, and keeps the fastest.
+//! kernel on operands of its real sizes (pseudo-random values), as
+//! PyTorch's cuDNN benchmark mode does, and keeps the fastest of those
+//! whose output matches the default's.
 //!
 //! A kernel is named by a hash of the source the default variant
 //! generates: shapes, epilogue and precision are all in it, and a change
@@ -116,6 +117,10 @@ pub struct Tuned {
     pub default_seconds: f64,
     /// Distinct variants measured.
     pub candidates: usize,
+    /// Variants left out because their output differed from the
+    /// default's (a driver bug, or one of ours).
+    #[serde(default)]
+    pub rejected: usize,
 }
 
 impl std::fmt::Display for Tuned {
@@ -128,7 +133,11 @@ impl std::fmt::Display for Tuned {
             self.seconds * 1e3,
             self.default_seconds * 1e3,
             self.candidates
-        )
+        )?;
+        if self.rejected > 0 {
+            write!(f, ", {} variants computed differently", self.rejected)?;
+        }
+        Ok(())
     }
 }
 
@@ -310,6 +319,25 @@ fn refinements(v: Variant, caps: &codegen::Caps) -> Vec<Variant> {
     out
 }
 
+/// The output buffer of a kernel being tuned.
+struct Output<'b> {
+    buffer: &'b wgpu::Buffer,
+    bytes: u64,
+    half: bool,
+}
+
+/// Normalised squared error of `got` against `want` (NaN where either
+/// holds one).
+fn nmse(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+    num / den.max(1e-30)
+}
+
 /// How many of the first round's fastest tilings the second refines.
 const REFINED: usize = 2;
 
@@ -325,6 +353,12 @@ struct Trials {
     /// The default's passes and time, and the fastest other variant's.
     default: Option<(Variant, f64, Vec<Pass>)>,
     best: Option<(Variant, f64, Vec<Pass>)>,
+    /// The default's output, which every other variant must reproduce.
+    reference: Option<Vec<f32>>,
+    /// The kernel's kind, for messages.
+    kind: String,
+    /// Variants whose output differed from the default's.
+    rejected: usize,
 }
 
 /// A tuned kernel of a prepared program, for reports.
@@ -421,8 +455,9 @@ impl WgpuBackend {
         Ok(())
     }
 
-    /// Times each distinct variant of `k` on zero-filled operands of its
-    /// sizes and returns the fastest; the default is kept unless another
+    /// Times each distinct variant of `k` on operands of its sizes and
+    /// returns the fastest that computes what the default computes; the
+    /// default is kept unless another
     /// is at least 2% faster (timings repeat to about that). None when
     /// the default itself does not compile here (prepare reports that)
     /// or the operands do not fit beside what the device holds.
@@ -450,10 +485,27 @@ impl WgpuBackend {
             tracing::info!("kernel tuning skipped: no device memory for its operands ({e})");
             return Ok(None);
         }
+        // Inputs hold small pseudo-random values: timing sees real data,
+        // and every variant's output is checked against the default's.
+        let inputs = layouts.len().saturating_sub(1);
+        for ((op, bytes), buf) in layouts.iter().zip(&buffers).take(inputs) {
+            self.fill_pattern(buf, *bytes, op.f16);
+        }
         let at: Vec<(&wgpu::Buffer, u64)> = buffers.iter().map(|b| (b, 0)).collect();
+        let output = match (layouts.last(), buffers.last()) {
+            (Some((op, bytes)), Some(buf)) => Output {
+                buffer: buf,
+                bytes: *bytes,
+                half: op.f16,
+            },
+            _ => return Ok(None),
+        };
         let operand_bindings: usize = ops.iter().map(|o| o.chunks).sum();
         let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
-        let mut trials = Trials::default();
+        let mut trials = Trials {
+            kind: k.kind.name().to_string(),
+            ..Trials::default()
+        };
         let generate = |trials: &mut Trials, v: &Variant| {
             let shader = codegen::generate(k, &ops, &v.apply(&self.caps)).ok()?;
             if !trials.seen.insert(shader.source.clone())
@@ -491,7 +543,15 @@ impl WgpuBackend {
             .filter_map(|(v, _)| Some((v, generate(&mut trials, &v)?)))
             .collect();
         for (v, shader) in first {
-            if !self.trial(&mut trials, v, &shader, operand_bindings, layouts, &at)? {
+            if !self.trial(
+                &mut trials,
+                v,
+                &shader,
+                operand_bindings,
+                layouts,
+                &at,
+                &output,
+            )? {
                 return Ok(None);
             }
         }
@@ -504,7 +564,15 @@ impl WgpuBackend {
         for (v, _) in ranked.into_iter().filter(|_| products).take(REFINED) {
             for r in refinements(v, &self.caps) {
                 if let Some(shader) = generate(&mut trials, &r) {
-                    self.trial(&mut trials, r, &shader, operand_bindings, layouts, &at)?;
+                    self.trial(
+                        &mut trials,
+                        r,
+                        &shader,
+                        operand_bindings,
+                        layouts,
+                        &at,
+                        &output,
+                    )?;
                 }
             }
         }
@@ -542,13 +610,17 @@ impl WgpuBackend {
             seconds,
             default_seconds,
             candidates: count,
+            rejected: trials.rejected,
         }))
     }
 
-    /// Builds and times one variant into `trials`. False when the
+    /// Builds, checks and times one variant into `trials`. False when the
     /// default (the first trial) cannot be built here: the kernel is not
     /// tuned. Another variant this device cannot build (workgroup memory,
-    /// bindings) is simply not a candidate.
+    /// bindings), or whose output differs from the default's (a driver
+    /// miscompiling one form must not make it the fastest), is simply not
+    /// a candidate.
+    #[allow(clippy::too_many_arguments)]
     fn trial(
         &self,
         trials: &mut Trials,
@@ -557,6 +629,7 @@ impl WgpuBackend {
         operand_bindings: usize,
         layouts: &[(codegen::Operand, u64)],
         at: &[(&wgpu::Buffer, u64)],
+        output: &Output,
     ) -> Result<bool, WgpuError> {
         let bindings = (operand_bindings + usize::from(shader.finish.is_some())) as u32;
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -572,6 +645,24 @@ impl WgpuBackend {
         if let Some(f) = &shader.finish {
             trials.compiled.push(f.source.clone());
         }
+        let out = self.output_of(&passes, output)?;
+        match &trials.reference {
+            None => trials.reference = Some(out),
+            Some(want) => {
+                let e = nmse(&out, want);
+                // Orders of summation differ between variants (f32
+                // accumulators, f16 probabilities): ~1e-6 at most; a
+                // wrong result is of order 1.
+                if e.is_nan() || e > 1e-4 {
+                    tracing::warn!(
+                        "kernel tuning: variant {} computes differently from the default (nmse {e:.1e}); not used",
+                        v.describe(&trials.kind)
+                    );
+                    trials.rejected += 1;
+                    return Ok(true);
+                }
+            }
+        }
         let t = self.time_variant(&passes)?;
         trials.timed.push((v, t));
         match (&trials.default, &trials.best) {
@@ -580,6 +671,67 @@ impl WgpuBackend {
             _ => trials.best = Some((v, t, passes)),
         }
         Ok(true)
+    }
+
+    /// Fills `bytes` of `buf` with values in [-0.5, 0.5), as f16 or f32,
+    /// a few MiB at a time.
+    fn fill_pattern(&self, buf: &wgpu::Buffer, bytes: u64, half: bool) {
+        let elem = if half { 2 } else { 4 };
+        let chunk = 1usize << 20;
+        let total = (bytes / elem) as usize;
+        let mut at = 0;
+        while at < total {
+            let n = chunk.min(total - at);
+            let data: Vec<f32> = (at..at + n)
+                .map(|i| {
+                    let x = (i as u32).wrapping_mul(2_654_435_761);
+                    (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+                })
+                .collect();
+            let mut b = super::encode(&data, half);
+            b.truncate(n * elem as usize);
+            // Writes must be whole words: an odd f16 tail is left zero.
+            b.truncate(b.len() / 4 * 4);
+            self.queue.write_buffer(buf, at as u64 * elem, &b);
+            at += n;
+        }
+    }
+
+    /// The output of one run of `passes`, the output buffer first filled
+    /// with NaN so an element a variant never writes shows.
+    fn output_of(&self, passes: &[Pass], out: &Output) -> Result<Vec<f32>, WgpuError> {
+        self.queue
+            .write_buffer(out.buffer, 0, &vec![0xFF; out.bytes as usize]);
+        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("tuning readback"),
+            size: out.bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("tuning check"),
+                timestamp_writes: None,
+            });
+            for (pipeline, group, g) in passes {
+                pass.set_pipeline(pipeline);
+                pass.set_bind_group(0, group.as_ref(), &[]);
+                pass.dispatch_workgroups(g[0], g[1], g[2]);
+            }
+        }
+        encoder.copy_buffer_to_buffer(out.buffer, 0, &readback, 0, out.bytes);
+        self.queue.submit([encoder.finish()]);
+        let slice = readback.slice(..);
+        super::map_for_reading(&self.device, &slice)?;
+        let data = slice
+            .get_mapped_range()
+            .map(|bytes| super::decode(&bytes, out.half))
+            .map_err(|e| WgpuError::Lost(e.to_string()));
+        readback.unmap();
+        data
     }
 
     /// Seconds per run of one variant's passes: once to settle (a
