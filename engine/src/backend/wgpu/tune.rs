@@ -319,6 +319,14 @@ fn refinements(v: Variant, caps: &codegen::Caps) -> Vec<Variant> {
     out
 }
 
+/// The operands a kernel is tuned on: layouts, where each is bound, and
+/// the output.
+struct Operands<'b> {
+    layouts: &'b [(codegen::Operand, u64)],
+    at: Vec<(&'b wgpu::Buffer, u64)>,
+    output: Output<'b>,
+}
+
 /// The output buffer of a kernel being tuned.
 struct Output<'b> {
     buffer: &'b wgpu::Buffer,
@@ -491,7 +499,6 @@ impl WgpuBackend {
         for ((op, bytes), buf) in layouts.iter().zip(&buffers).take(inputs) {
             self.fill_pattern(buf, *bytes, op.f16);
         }
-        let at: Vec<(&wgpu::Buffer, u64)> = buffers.iter().map(|b| (b, 0)).collect();
         let output = match (layouts.last(), buffers.last()) {
             (Some((op, bytes)), Some(buf)) => Output {
                 buffer: buf,
@@ -499,6 +506,11 @@ impl WgpuBackend {
                 half: op.f16,
             },
             _ => return Ok(None),
+        };
+        let operands = Operands {
+            layouts,
+            at: buffers.iter().map(|b| (b, 0)).collect(),
+            output,
         };
         let operand_bindings: usize = ops.iter().map(|o| o.chunks).sum();
         let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
@@ -543,15 +555,7 @@ impl WgpuBackend {
             .filter_map(|(v, _)| Some((v, generate(&mut trials, &v)?)))
             .collect();
         for (v, shader) in first {
-            if !self.trial(
-                &mut trials,
-                v,
-                &shader,
-                operand_bindings,
-                layouts,
-                &at,
-                &output,
-            )? {
+            if !self.trial(&mut trials, v, &shader, &operands)? {
                 return Ok(None);
             }
         }
@@ -564,15 +568,7 @@ impl WgpuBackend {
         for (v, _) in ranked.into_iter().filter(|_| products).take(REFINED) {
             for r in refinements(v, &self.caps) {
                 if let Some(shader) = generate(&mut trials, &r) {
-                    self.trial(
-                        &mut trials,
-                        r,
-                        &shader,
-                        operand_bindings,
-                        layouts,
-                        &at,
-                        &output,
-                    )?;
+                    self.trial(&mut trials, r, &shader, &operands)?;
                 }
             }
         }
@@ -620,21 +616,18 @@ impl WgpuBackend {
     /// bindings), or whose output differs from the default's (a driver
     /// miscompiling one form must not make it the fastest), is simply not
     /// a candidate.
-    #[allow(clippy::too_many_arguments)]
     fn trial(
         &self,
         trials: &mut Trials,
         v: Variant,
         shader: &codegen::Shader,
-        operand_bindings: usize,
-        layouts: &[(codegen::Operand, u64)],
-        at: &[(&wgpu::Buffer, u64)],
-        output: &Output,
+        operands: &Operands,
     ) -> Result<bool, WgpuError> {
+        let operand_bindings: usize = operands.layouts.iter().map(|(o, _)| o.chunks).sum();
         let bindings = (operand_bindings + usize::from(shader.finish.is_some())) as u32;
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let built = self.variant_passes(shader, bindings, layouts, at);
+        let built = self.variant_passes(shader, bindings, operands.layouts, &operands.at);
         let oom = pollster::block_on(oom.pop());
         let invalid = pollster::block_on(scope.pop());
         let passes = match (built, oom, invalid) {
@@ -645,7 +638,7 @@ impl WgpuBackend {
         if let Some(f) = &shader.finish {
             trials.compiled.push(f.source.clone());
         }
-        let out = self.output_of(&passes, output)?;
+        let out = self.output_of(&passes, &operands.output)?;
         match &trials.reference {
             None => trials.reference = Some(out),
             Some(want) => {
