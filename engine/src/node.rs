@@ -104,6 +104,24 @@ impl NodeContext {
         });
     }
 
+    /// Progress reports for this node that outlive a borrow of it (kernel
+    /// tuning during a prepare, [`crate::Runtime::with_tuning_progress`]).
+    pub fn progress_sink(&self) -> Arc<dyn Fn(usize, usize) + Send + Sync> {
+        let (events, prompt_id, node) = (
+            Arc::clone(&self.events),
+            self.prompt_id.clone(),
+            self.node_id.clone(),
+        );
+        Arc::new(move |value, max| {
+            events(&Event::Progress {
+                value: value as u64,
+                max: max as u64,
+                prompt_id: prompt_id.clone(),
+                node: node.clone(),
+            })
+        })
+    }
+
     /// Reports progress and checks for cancellation.
     pub fn progress(&self, value: u64, max: u64) -> Result<(), NodeError> {
         (self.events)(&Event::Progress {

@@ -215,6 +215,25 @@ impl Runtime {
         }
     }
 
+    /// Runs `f` (prepares) telling `progress` (kernels tuned, kernels to
+    /// tune) while kernels are measured ([`Tuning::Measure`]); a node
+    /// shows it as its progress.
+    pub fn with_tuning_progress<R>(
+        &self,
+        progress: crate::backend::wgpu::TuningObserver,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        match &self.device {
+            Device::Cpu => f(),
+            Device::Wgpu(b) => {
+                b.observe_tuning(Some(progress));
+                let r = f();
+                b.observe_tuning(None);
+                r
+            }
+        }
+    }
+
     /// Binds a program's weights for repeated runs.
     pub fn prepare<'a>(
         &'a self,

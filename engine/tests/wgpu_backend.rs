@@ -369,7 +369,17 @@ fn tuned_kernels_persist_and_match_cpu() {
     let prog = plan(&g).expect("plans");
     let b = bindings(&g, 7);
     let want = cpu::run(&prog, &b).expect("cpu runs");
+    // Progress as kernels are measured: before the first, after each.
+    let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = Arc::clone(&told);
+    gpu.observe_tuning(Some(Arc::new(move |done, of| {
+        sink.lock().expect("progress list").push((done, of))
+    })));
     let measured = gpu.run(&prog, &b).expect("runs tuned").remove(0).data;
+    assert_eq!(
+        *told.lock().expect("progress list"),
+        [(0, 2), (1, 2), (2, 2)]
+    );
     let e = nmse(&measured, &want[0].data);
     assert!(e < tolerance(&gpu), "tuned: nmse {e}");
     let tuned = gpu.tuned_kernels(&prog);

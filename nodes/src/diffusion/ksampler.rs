@@ -391,7 +391,9 @@ pub fn sample(
     let before_prepare = ctx.runtime.bytes_uploaded();
     let mut sessions: Vec<Session<'_>> = ctx
         .runtime
-        .prepare_many(&progs, &bind)
+        .with_tuning_progress(ctx.progress_sink(), || {
+            ctx.runtime.prepare_many(&progs, &bind)
+        })
         .map_err(|e| run_error("UNet", e))?;
 
     let total = sigmas.len() - 1;

@@ -312,7 +312,7 @@ pub(crate) fn try_run_model(
     let before = ctx.runtime.bytes_uploaded();
     let mut session = ctx
         .runtime
-        .prepare(prog, &bind)
+        .with_tuning_progress(ctx.progress_sink(), || ctx.runtime.prepare(prog, &bind))
         .map_err(RunFailure::Device)?;
     ctx.check_cancel().map_err(RunFailure::Node)?;
     let out = session.run(bind.inputs).map_err(RunFailure::Device)?;

@@ -32,7 +32,7 @@ use crate::plan::{BufferKind, Command, KernelId, Program};
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-pub use tune::{Tuned, TunedKernel, Tuning, Variant};
+pub use tune::{Tuned, TunedKernel, Tuning, TuningObserver, Variant};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WgpuError {
@@ -472,6 +472,7 @@ pub struct WgpuBackend {
     tuning: Tuning,
     /// Tuned kernels, loaded from and saved to the cache folder.
     tuning_table: Mutex<tune::Table>,
+    tuning_observer: Mutex<Option<TuningObserver>>,
     budget: Option<u64>,
     device_memory: Option<u64>,
     resident: Mutex<Resident>,
@@ -660,6 +661,7 @@ impl WgpuBackend {
             unsaved_pipelines: std::sync::atomic::AtomicUsize::new(0),
             tuning: opts.tuning,
             tuning_table: Mutex::new(tuning_table),
+            tuning_observer: Mutex::new(None),
             budget: opts.budget,
             device_memory: opts.device_memory,
             resident: Mutex::new(Resident::default()),

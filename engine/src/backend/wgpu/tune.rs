@@ -369,6 +369,11 @@ struct Trials {
     rejected: usize,
 }
 
+/// Told (kernels tuned, kernels to tune) as a prepare measures kernels:
+/// progress for a display, since the first prepare of a new shape can
+/// spend a minute measuring.
+pub type TuningObserver = Arc<dyn Fn(usize, usize) + Send + Sync>;
+
 /// A tuned kernel of a prepared program, for reports.
 #[derive(Clone, Debug)]
 pub struct TunedKernel {
@@ -443,6 +448,17 @@ impl WgpuBackend {
             );
         }
         let count = todo.len();
+        let observer = self
+            .tuning_observer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let tell = |done: usize| {
+            if let Some(o) = observer.as_ref().filter(|_| count > 0) {
+                o(done, count);
+            }
+        };
+        tell(0);
         for (i, (id, index, k, layouts)) in todo.into_iter().enumerate() {
             let started = std::time::Instant::now();
             let Some(tuned) = self.measure(k, &layouts)? else {
@@ -457,6 +473,8 @@ impl WgpuBackend {
             table.kernels.insert(id, tuned);
             table.unsaved = true;
             table.measured += 1;
+            drop(table);
+            tell(i + 1);
         }
         self.lock_tuning().save(&self.adapter);
         self.save_pipeline_cache();
@@ -801,6 +819,15 @@ impl WgpuBackend {
                 Some(TunedKernel { kernel: i, tuned })
             })
             .collect()
+    }
+
+    /// Sets (or with None clears) who is told the progress of tuning in
+    /// the prepares that follow.
+    pub fn observe_tuning(&self, observer: Option<TuningObserver>) {
+        *self
+            .tuning_observer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = observer;
     }
 
     /// Kernels measured by this process, and kernels the table holds.
