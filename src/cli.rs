@@ -280,7 +280,7 @@ pub fn main(cli: Cli) -> Result<i32> {
 }
 
 fn devices_command(probe: Option<String>) -> Result<i32> {
-    let list = sdkit_engine::backend::wgpu::adapters();
+    let list = sdkit_engine::backend::wgpu::adapters_with_tuning();
     let mut out = std::io::stdout().lock();
     writeln!(out, "cpu: {} threads (always available)", rayon_threads())?;
     if list.is_empty() {

@@ -507,7 +507,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                 // each row's statistics in chunks over many workgroups,
                 // then the normalisation on the same grid.
                 let fill = |t: &str| {
-                    with_reductions(t, subgroups)
+                    with_reductions(&t.replace("CHUNK_SETUP", NORM_CHUNK_SETUP), subgroups)
                         .replace("TOTAL", &format!("{}u", rows * chunks))
                         .replace("CHUNKS", &format!("{chunks}u"))
                         .replace("CLEN", &format!("{clen}u"))
@@ -2374,6 +2374,17 @@ fn norm_split(rows: usize, per: usize) -> Option<(usize, usize)> {
     Some((per.div_ceil(clen), clen))
 }
 
+/// The start of both split group norm passes: the workgroup's (row,
+/// chunk), its thread, and the chunk's element range within the row.
+const NORM_CHUNK_SETUP: &str = "MAIN_SETUP
+    let id = wg.x + wg.y * 65535u;
+    if (id >= TOTAL) { return; }
+    let row = id / CHUNKS;
+    let t = lid.x;
+    let base = row * PER;
+    let lo = id % CHUNKS * CLEN;
+    let hi = min(lo + CLEN, PER);";
+
 /// Split group norm, first pass: a workgroup per (row, chunk) writes the
 /// chunk's mean and sum of squared deviations (two passes over the chunk,
 /// as `ROW_NORM`, for accuracy) to `part`.
@@ -2381,14 +2392,7 @@ const NORM_STATS: &str = r#"
 REDUCE
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
-    MAIN_SETUP
-    let id = wg.x + wg.y * 65535u;
-    if (id >= TOTAL) { return; }
-    let row = id / CHUNKS;
-    let t = lid.x;
-    let base = row * PER;
-    let lo = id % CHUNKS * CLEN;
-    let hi = min(lo + CLEN, PER);
+    CHUNK_SETUP
     var s = 0.0;
     for (var j = lo + t; j < hi; j = j + 256u) { s = s + in0[base + j]; }
     let mean = wg_sum(s, t) / f32(hi - lo);
@@ -2407,11 +2411,7 @@ const NORM_APPLY: &str = r#"
 REDUCE
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
-    MAIN_SETUP
-    let id = wg.x + wg.y * 65535u;
-    if (id >= TOTAL) { return; }
-    let row = id / CHUNKS;
-    let t = lid.x;
+    CHUNK_SETUP
     var cnt = 0.0;
     var cm = 0.0;
     var cq = 0.0;
@@ -2423,9 +2423,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let mean = wg_sum(cnt * cm, t) / f32(PER);
     let dm = cm - mean;
     let rstd = inverseSqrt(wg_sum(cq + cnt * dm * dm, t) / f32(PER) + EPS);
-    let base = row * PER;
-    let lo = id % CHUNKS * CLEN;
-    let hi = min(lo + CLEN, PER);
     for (var j = lo + t; j < hi; j = j + 256u) {
         var y = (in0[base + j] - mean) * rstd;
         AFFINE

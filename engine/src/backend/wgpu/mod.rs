@@ -79,8 +79,9 @@ pub struct AdapterReport {
     /// Lanes per subgroup (min, max); 0 where the adapter does not say.
     pub subgroup_size: (u32, u32),
     /// Kernels tuned on this adapter and driver ([`Tuning`]): in the
-    /// default cache folder for [`adapters`], in the backend's own for a
-    /// backend.
+    /// default cache folder for [`adapters_with_tuning`], in the
+    /// backend's own for a backend; 0 from [`adapters`], which reads no
+    /// file (device selection calls it).
     pub tuned_kernels: usize,
 }
 
@@ -140,11 +141,22 @@ fn instance() -> wgpu::Instance {
 
 /// Every adapter this machine offers.
 pub fn adapters() -> Vec<AdapterReport> {
+    list_adapters(false)
+}
+
+/// [`adapters`], each with the kernels tuned for it in the default cache
+/// folder (`sdkit devices`).
+pub fn adapters_with_tuning() -> Vec<AdapterReport> {
+    list_adapters(true)
+}
+
+fn list_adapters(tuning: bool) -> Vec<AdapterReport> {
+    let dir = tuning.then(default_cache_dir).flatten();
     let inst = instance();
     pollster::block_on(inst.enumerate_adapters(wgpu::Backends::all()))
         .iter()
         .map(|a| AdapterReport {
-            tuned_kernels: tune::Table::open(default_cache_dir().as_deref(), &a.get_info()).len(),
+            tuned_kernels: tune::Table::open(dir.as_deref(), &a.get_info()).len(),
             ..report(a)
         })
         .collect()
@@ -1747,16 +1759,27 @@ impl WgpuBackend {
     /// and waited for: with `n` large enough the submission's own cost
     /// vanishes in the kernels' time (profiles and tuning).
     fn time_passes(&self, passes: &[Pass], n: usize) -> Result<f64, WgpuError> {
+        let encoder = self.record_passes(passes, n);
+        let t = std::time::Instant::now();
+        self.queue.submit([encoder.finish()]);
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgpuError::Lost(e.to_string()))?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// An encoder holding `n` replays of `passes` in one compute pass. One
+    /// pass is bound once, so short kernels (the probes) time dispatches
+    /// alone.
+    fn record_passes(&self, passes: &[Pass], n: usize) -> wgpu::CommandEncoder {
         let mut encoder = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("timed"),
+                label: Some("replayed"),
                 timestamp_writes: None,
             });
-            // One pass is bound once, so short kernels (the probes)
-            // time dispatches alone.
             for rep in 0..n {
                 for (pipeline, group, g) in passes {
                     if rep == 0 || passes.len() > 1 {
@@ -1767,12 +1790,7 @@ impl WgpuBackend {
                 }
             }
         }
-        let t = std::time::Instant::now();
-        self.queue.submit([encoder.finish()]);
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| WgpuError::Lost(e.to_string()))?;
-        Ok(t.elapsed().as_secs_f64())
+        encoder
     }
 
     /// Drops the compiled pipelines of these sources from this process's

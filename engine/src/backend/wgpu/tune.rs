@@ -352,9 +352,9 @@ const REFINED: usize = 2;
 /// Variants measured for one kernel so far.
 #[derive(Default)]
 struct Trials {
-    /// Every source generated (variants that generate the same code are
-    /// measured once).
-    seen: HashSet<String>,
+    /// The hash of every source admitted (variants that generate the
+    /// same code are measured once).
+    seen: HashSet<u64>,
     /// Sources compiled, to forget the losers' pipelines.
     compiled: Vec<String>,
     timed: Vec<(Variant, f64)>,
@@ -394,11 +394,15 @@ impl WgpuBackend {
         if self.tuning == Tuning::Off {
             return Ok(shader);
         }
-        let variant = self
-            .lock_tuning()
-            .kernels
-            .get(&key(&shader.source))
-            .map(|t| t.variant);
+        let variant = {
+            let table = self.lock_tuning();
+            // Hashing every kernel's source is skipped while nothing is
+            // tuned (a run without --tune on a new machine).
+            if table.kernels.is_empty() {
+                return Ok(shader);
+            }
+            table.kernels.get(&key(&shader.source)).map(|t| t.variant)
+        };
         match variant {
             Some(v) if v != Variant::of(&self.caps) => {
                 codegen::generate(k, ops, &v.apply(&self.caps))
@@ -536,14 +540,11 @@ impl WgpuBackend {
             kind: k.kind.name().to_string(),
             ..Trials::default()
         };
-        let generate = |trials: &mut Trials, v: &Variant| {
-            let shader = codegen::generate(k, &ops, &v.apply(&self.caps)).ok()?;
-            if !trials.seen.insert(shader.source.clone())
-                || (shader.finish.is_some() && operand_bindings >= max_bindings)
-            {
-                return None;
-            }
-            Some(shader)
+        // A variant is measured unless one with the same code was, or it
+        // splits and no binding is left for the scratch.
+        let admit = |trials: &mut Trials, s: &codegen::Shader| {
+            trials.seen.insert(key(&s.source))
+                && !(s.finish.is_some() && operand_bindings >= max_bindings)
         };
         // Tilings whose workgroup tiles cover over 1.5 times the output
         // area the tightest one covers mostly pay for padding: not
@@ -570,7 +571,7 @@ impl WgpuBackend {
                         .zip(tightest)
                         .is_none_or(|(a, t)| 2 * a <= 3 * t)
             })
-            .filter_map(|(v, _)| Some((v, generate(&mut trials, &v)?)))
+            .filter(|(_, s)| admit(&mut trials, s))
             .collect();
         for (v, shader) in first {
             if !self.trial(&mut trials, v, &shader, &operands)? {
@@ -585,7 +586,10 @@ impl WgpuBackend {
         let products = matches!(k.kind.name(), "matmul" | "conv2d");
         for (v, _) in ranked.into_iter().filter(|_| products).take(REFINED) {
             for r in refinements(v, &self.caps) {
-                if let Some(shader) = generate(&mut trials, &r) {
+                let Ok(shader) = codegen::generate(k, &ops, &r.apply(&self.caps)) else {
+                    continue;
+                };
+                if admit(&mut trials, &shader) {
                     self.trial(&mut trials, r, &shader, &operands)?;
                 }
             }
@@ -719,20 +723,7 @@ impl WgpuBackend {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let mut encoder = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("tuning check"),
-                timestamp_writes: None,
-            });
-            for (pipeline, group, g) in passes {
-                pass.set_pipeline(pipeline);
-                pass.set_bind_group(0, group.as_ref(), &[]);
-                pass.dispatch_workgroups(g[0], g[1], g[2]);
-            }
-        }
+        let mut encoder = self.record_passes(passes, 1);
         encoder.copy_buffer_to_buffer(out.buffer, 0, &readback, 0, out.bytes);
         self.queue.submit([encoder.finish()]);
         let slice = readback.slice(..);
