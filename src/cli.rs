@@ -3,7 +3,8 @@
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sdkit_engine::{
-    validate, CancelToken, EventSink, Executor, Graph, NodeLibrary, Paths, RunError, RunOptions,
+    validate_for, CancelToken, EventSink, Executor, Graph, NodeLibrary, Outputs, Paths, RunError,
+    RunOptions,
 };
 use sdkit_schema::export::{object_info, workflow_json_schema};
 use sdkit_schema::workflow::{self, InputDoc};
@@ -189,6 +190,22 @@ pub struct RunArgs {
     /// while the file is edited; the next run loads models again.
     #[arg(long)]
     pub free_after_run: bool,
+    /// Refuse the whole workflow on any error. Without it, as ComfyUI
+    /// does, outputs whose branch has an error are reported and skipped,
+    /// the others run (and the exit code is still 2).
+    #[arg(long)]
+    pub strict: bool,
+}
+
+impl RunArgs {
+    /// What errors refuse, by `--strict`.
+    pub fn outputs(&self) -> Outputs {
+        if self.strict {
+            Outputs::All
+        } else {
+            Outputs::Valid
+        }
+    }
 }
 
 /// `--precision`.
@@ -478,6 +495,7 @@ pub fn load_and_validate(
     sets: &[String],
     lib: &NodeLibrary,
     paths: &Paths,
+    outputs: Outputs,
 ) -> Result<Loaded> {
     let text = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let text = match String::from_utf8(text) {
@@ -496,7 +514,7 @@ pub fn load_and_validate(
     if let Err(d) = apply_sets(&mut wf, sets) {
         return Ok(Loaded::Invalid(d));
     }
-    Ok(match validate(&wf, &lib.registry, paths) {
+    Ok(match validate_for(&wf, lib, paths, outputs) {
         Ok(g) => Loaded::Ok(Box::new(g)),
         Err(d) => Loaded::Invalid(d),
     })
@@ -561,7 +579,7 @@ pub fn print_diagnostics(file: &Path, diags: &[Diagnostic]) {
 fn validate_command(file: &Path, dirs: &DirArgs, format: Format) -> Result<i32> {
     let lib = sdkit_nodes::library();
     let paths = dirs.paths()?;
-    let (diags, code) = match load_and_validate(file, &[], &lib, &paths)? {
+    let (diags, code) = match load_and_validate(file, &[], &lib, &paths, Outputs::All)? {
         Loaded::Ok(g) => (g.warnings.clone(), 0),
         Loaded::Invalid(d) => (d, EXIT_INVALID),
     };
@@ -671,14 +689,14 @@ pub async fn run_graph(
 fn run_command(args: RunArgs) -> Result<i32> {
     let lib = Arc::new(sdkit_nodes::library());
     let paths = args.dirs.paths()?;
-    let graph = match load_and_validate(&args.file, &args.set, &lib, &paths)? {
+    let graph = match load_and_validate(&args.file, &args.set, &lib, &paths, args.outputs())? {
         Loaded::Ok(g) => g,
         Loaded::Invalid(d) => {
             print_diagnostics(&args.file, &d);
             return Ok(EXIT_INVALID);
         }
     };
-    print_diagnostics(&args.file, &graph.warnings);
+    print_graph_diagnostics(&args.file, &graph);
     let (sink, progress) = event_sink(&args)?;
     let exec = args.executor(lib, paths)?;
     let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
@@ -686,5 +704,22 @@ fn run_command(args: RunArgs) -> Result<i32> {
     if let Some(p) = progress {
         p.finish();
     }
-    Ok(code)
+    // Outputs dropped for errors make the run incomplete.
+    Ok(if code == 0 && !graph.dropped.is_empty() {
+        EXIT_INVALID
+    } else {
+        code
+    })
+}
+
+/// A runnable graph's warnings, and the errors of the outputs it skips.
+pub fn print_graph_diagnostics(file: &Path, graph: &Graph) {
+    print_diagnostics(file, &graph.warnings);
+    if !graph.dropped.is_empty() {
+        print_diagnostics(file, &graph.dropped);
+        eprintln!(
+            "{}: running the outputs without errors (--strict refuses the whole file)",
+            file.display()
+        );
+    }
 }

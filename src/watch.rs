@@ -5,7 +5,10 @@
 //! replaces the inode a file watch would follow. The executor (and its cache)
 //! lives across runs, so a re-run executes only changed nodes.
 
-use crate::cli::{event_sink, load_and_validate, print_diagnostics, run_graph, Loaded, RunArgs};
+use crate::cli::{
+    event_sink, load_and_validate, print_diagnostics, print_graph_diagnostics, run_graph, Loaded,
+    RunArgs,
+};
 use anyhow::{Context, Result};
 use notify::{RecursiveMode, Watcher};
 use sdkit_engine::CancelToken;
@@ -61,9 +64,9 @@ async fn watch_async(args: RunArgs) -> Result<i32> {
         .with_context(|| format!("cannot watch {}", dir.display()))?;
 
     loop {
-        match load_and_validate(&args.file, &args.set, &lib, &paths) {
+        match load_and_validate(&args.file, &args.set, &lib, &paths, args.outputs()) {
             Ok(Loaded::Ok(graph)) => {
-                print_diagnostics(&args.file, &graph.warnings);
+                print_graph_diagnostics(&args.file, &graph);
                 run_graph(&exec, &graph, sink.clone(), CancelToken::new()).await;
                 if args.free_after_run {
                     exec.clear_cache();

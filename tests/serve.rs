@@ -731,8 +731,8 @@ fn cross_origin_posts_and_oversized_bodies_are_refused() {
         body.as_bytes(),
     );
     assert_eq!(other_port.status, 403);
-    // A non-loopback Host is not checked (as ComfyUI: the check guards
-    // loopback servers against pages elsewhere).
+    // A loopback server answers no other Host (DNS rebinding; see
+    // loopback_server_answers_only_loopback_hosts).
     let lan = http(
         a,
         "GET",
@@ -743,7 +743,7 @@ fn cross_origin_posts_and_oversized_bodies_are_refused() {
         ],
         b"",
     );
-    assert_eq!(lan.status, 200);
+    assert_eq!(lan.status, 403);
     // 0.01 MB cap.
     let big = vec![b'a'; 20_000];
     let r = http(
@@ -837,4 +837,210 @@ fn many_prompts_and_clients_with_disconnects() {
     let id = r["prompt_id"].as_str().expect("id").to_string();
     let msgs = ws_until_done(&mut clients[0], &id);
     assert!(msgs.iter().any(|m| m["type"] == "execution_success"));
+}
+
+/// Issue probes: writes through symlinked folders, folders created before
+/// a refusal, unclear answers. Each failed before its fix.
+#[cfg(unix)]
+#[test]
+fn symlinked_folders_never_take_writes_outside() {
+    let s = start(&["--max-upload-size", "1"]);
+    let a = &s.addr;
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    let out = elsewhere.path();
+    let user = s.base.path().join("user/default");
+    std::os::unix::fs::symlink(out, user.join("ulink")).expect("symlink");
+    std::os::unix::fs::symlink(out.join("gone"), user.join("dangling")).expect("symlink");
+    let input = s.base.path().join("input");
+    std::os::unix::fs::symlink(out, input.join("linkdir")).expect("symlink");
+
+    let refused = |r: Reply, what: &str| {
+        assert_eq!(r.status, 403, "{what}: {}", String::from_utf8_lossy(&r.body));
+        assert!(!r.body.is_empty(), "{what}: a refusal says why");
+    };
+    refused(
+        http(a, "POST", "/userdata/ulink%2Fpwned.txt", &[], b"x"),
+        "write through a link",
+    );
+    refused(
+        http(a, "POST", "/userdata/ulink%2Fnew%2Fdeep.txt", &[], b"x"),
+        "new folder through a link",
+    );
+    refused(
+        http(a, "POST", "/userdata/dangling%2Fx.txt", &[], b"x"),
+        "dangling link",
+    );
+    assert_eq!(
+        http(a, "POST", "/userdata/workflows%2Fm.json", &[], b"{}").status,
+        200
+    );
+    refused(
+        http(
+            a,
+            "POST",
+            "/userdata/workflows%2Fm.json/move/ulink%2Fmoved.json",
+            &[],
+            b"",
+        ),
+        "move out through a link",
+    );
+    assert!(user.join("workflows/m.json").is_file(), "the source stays");
+    let red = png([255, 0, 0]);
+    refused(
+        upload(
+            a,
+            &[
+                ("image", Some("p.png"), &red),
+                ("subfolder", None, b"linkdir/newsub"),
+            ],
+        ),
+        "upload into a new folder through a link",
+    );
+    let left: Vec<_> = std::fs::read_dir(out).expect("dir").flatten().collect();
+    assert!(left.is_empty(), "written outside: {left:?}");
+    assert!(!out.join("gone").exists());
+
+    // Nested folders that stay inside are still made.
+    let r = http(a, "POST", "/userdata/workflows%2Fa%2Fb%2Fc.json", &[], b"1");
+    assert_eq!(r.status, 200);
+    assert!(user.join("workflows/a/b/c.json").is_file());
+    let r = upload(
+        a,
+        &[
+            ("image", Some("p.png"), &red),
+            ("subfolder", None, b"x/y"),
+        ],
+    );
+    assert_eq!(r.status, 200);
+    assert!(input.join("x/y/p.png").is_file());
+
+    // Unclear answers: a long name works to NAME_MAX, past it is 400 with a
+    // reason; an upload past the cap is 413; traversal refusals say why.
+    let long = format!("{}.png", "n".repeat(250));
+    let r = upload(a, &[("image", Some(&long), &red)]);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let longer = format!("{}.png", "n".repeat(260));
+    let r = upload(a, &[("image", Some(&longer), &red)]);
+    assert_eq!(r.status, 400);
+    assert!(String::from_utf8_lossy(&r.body).contains("too long"));
+    let big = vec![7u8; 2 << 20];
+    let r = upload(a, &[("image", Some("big.png"), &big)]);
+    assert_eq!(r.status, 413);
+    assert!(String::from_utf8_lossy(&r.body).contains("--max-upload-size"));
+    let r = get(a, "/view?filename=..%2F..%2Fetc%2Fpasswd");
+    assert_eq!(r.status, 400);
+    assert!(!r.body.is_empty());
+    let r = get(a, "/view?filename=x.png&subfolder=..%2F..");
+    assert_eq!(r.status, 403);
+    assert!(!r.body.is_empty());
+}
+
+/// DNS rebinding: a page under an attacker's name resolving to 127.0.0.1
+/// sends its own Host with a matching Origin.
+#[test]
+fn loopback_server_answers_only_loopback_hosts() {
+    let s = start(&[]);
+    let a = &s.addr;
+    let port = a.rsplit(':').next().expect("port");
+    let host = format!("attacker.example:{port}");
+    let origin = format!("http://attacker.example:{port}");
+    let body = json!({"prompt": small(0, "x")}).to_string();
+    let r = http(
+        a,
+        "POST",
+        "/prompt",
+        &[("Host", host.as_str()), ("Origin", origin.as_str())],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 403);
+    assert!(String::from_utf8_lossy(&r.body).contains("--allow-host"));
+    assert_eq!(
+        http(a, "GET", "/queue", &[("Host", host.as_str())], b"").status,
+        403
+    );
+    for ok in [format!("localhost:{port}"), format!("[::1]:{port}"), "127.0.0.2".into()] {
+        assert_eq!(
+            http(a, "GET", "/queue", &[("Host", ok.as_str())], b"").status,
+            200,
+            "{ok}"
+        );
+    }
+    drop(s);
+    // A reverse proxy's name is allowed by the operator.
+    let s = start(&["--allow-host", "Studio.Example"]);
+    let r = http(&s.addr, "GET", "/queue", &[("Host", "studio.example")], b"");
+    assert_eq!(r.status, 200);
+    let r = http(&s.addr, "GET", "/queue", &[("Host", "other.example")], b"");
+    assert_eq!(r.status, 403);
+}
+
+/// ComfyUI's `/prompt` rule: valid outputs run, invalid ones are reported
+/// with 200; unknown types anywhere and oversized prompts are refused.
+#[test]
+fn prompts_run_their_valid_outputs_and_report_the_rest() {
+    let s = start(&[]);
+    let a = &s.addr;
+    let mut ws = ws_connect(a, "partial");
+    let mut p = small(0, "good");
+    // A second branch whose EmptyImage is out of range.
+    p["11"] = json!({"class_type": "EmptyImage", "inputs": {"width": 0, "height": 8, "batch_size": 1, "color": 0}});
+    p["13"] = json!({"class_type": "SaveImage", "inputs": {"images": ["11", 0], "filename_prefix": "bad"}});
+    // A third through a registered type sdkit does not implement.
+    p["21"] = json!({"class_type": "ImagePadForOutpaint", "inputs": {"image": ["1", 0], "left": 8, "top": 0, "right": 0, "bottom": 0, "feathering": 0}});
+    p["23"] = json!({"class_type": "SaveImage", "inputs": {"images": ["21", 0], "filename_prefix": "pad"}});
+    // A cycle no output uses.
+    p["31"] = json!({"class_type": "ImageInvert", "inputs": {"image": ["32", 0]}});
+    p["32"] = json!({"class_type": "ImageInvert", "inputs": {"image": ["31", 0]}});
+    let r = post_json(a, "/prompt", &json!({"prompt": p, "client_id": "partial"}));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    let errs = &v["node_errors"];
+    assert_eq!(errs["11"]["errors"][0]["type"], "value_smaller_than_min");
+    assert_eq!(errs["11"]["dependent_outputs"], json!(["13"]));
+    assert_eq!(errs["21"]["errors"][0]["type"], "node_not_implemented");
+    assert_eq!(errs["21"]["dependent_outputs"], json!(["23"]));
+    assert!(errs.get("31").is_none() && errs.get("3").is_none(), "{errs}");
+    let id = v["prompt_id"].as_str().expect("id").to_string();
+    let msgs = ws_until_done(&mut ws, &id);
+    assert!(msgs.iter().any(|m| m["type"] == "execution_success"), "{msgs:?}");
+    let outputs = get(a, &format!("/history/{id}")).json()[&id]["outputs"].clone();
+    let ran: Vec<&String> = outputs.as_object().expect("outputs").keys().collect();
+    assert_eq!(ran, vec!["3"]);
+
+    // Every output invalid: refused, nothing queued.
+    let mut p = small(0, "bad");
+    p["1"]["inputs"]["width"] = json!(0);
+    assert_eq!(post_json(a, "/prompt", &json!({"prompt": p})).status, 400);
+    // An unknown type where no output needs it still refuses the prompt.
+    let mut p = small(0, "x");
+    p["9"] = json!({"class_type": "NoSuchNode", "inputs": {}});
+    let r = post_json(a, "/prompt", &json!({"prompt": p}));
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "invalid_prompt");
+
+    // Bounded work per request: too many nodes is refused at once, a body
+    // past the prompt cap is 413 before it is parsed.
+    let mut p = serde_json::Map::new();
+    for i in 0..20_001 {
+        p.insert(i.to_string(), json!({"class_type": "ImageInvert", "inputs": {}}));
+    }
+    let start = Instant::now();
+    let r = post_json(a, "/prompt", &json!({"prompt": p}));
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("20001 nodes")));
+    assert!(start.elapsed() < Duration::from_secs(20));
+    // A 48 MB body is refused from its Content-Length, before it is sent.
+    let mut c = TcpStream::connect(a.as_str()).expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(30))).ok();
+    let head = format!(
+        "POST /prompt HTTP/1.1\r\nHost: {a}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{\"prompt\": ",
+        48 << 20
+    );
+    c.write_all(head.as_bytes()).expect("write");
+    let mut line = String::new();
+    BufReader::new(&mut c).read_line(&mut line).expect("status line");
+    assert!(line.contains(" 413 "), "{line}");
+    assert_eq!(get(a, "/queue").json()["queue_pending"], json!([]));
 }

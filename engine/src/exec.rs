@@ -15,6 +15,7 @@ use crate::paths::Paths;
 use crate::plan::schedule::{ScheduledUse, UseSchedule};
 use crate::runtime::Runtime;
 use crate::value::Value;
+use sdkit_schema::diagnostic::MAX_MESSAGE;
 use serde_json::{Map, Value as Json};
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -66,6 +67,11 @@ pub enum RunError {
     },
     #[error("interrupted")]
     Interrupted,
+}
+
+/// What every node of one run shares.
+struct RunShared {
+    extra_pnginfo: Arc<Map<String, Json>>,
 }
 
 #[derive(Clone)]
@@ -163,18 +169,17 @@ impl Executor {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn context(&self, graph: &Graph, i: usize, opts: &RunOptions) -> NodeContext {
-        let mut extra = opts.extra_pnginfo.clone();
-        if let (false, Some(w)) = (extra.contains_key("workflow"), &graph.ui_workflow) {
-            extra.insert("workflow".into(), w.clone());
-        }
+    /// A node's context. The prompt and PNG chunks are shared by every
+    /// node of a run (one copy per run, not per node: a copy per node made
+    /// a run's time grow with the square of its node count).
+    fn context(&self, graph: &Graph, i: usize, opts: &RunOptions, shared: &RunShared) -> NodeContext {
         NodeContext {
             node_id: graph.nodes[i].id.clone(),
             class_type: graph.nodes[i].class_type.clone(),
             prompt_id: opts.prompt_id.clone(),
             paths: self.paths.clone(),
-            prompt: Arc::new(graph.api_json.clone()),
-            extra_pnginfo: Arc::new(extra),
+            prompt: Arc::clone(&graph.api_json),
+            extra_pnginfo: Arc::clone(&shared.extra_pnginfo),
             cancel: opts.cancel.clone(),
             events: opts.events.clone(),
             runtime: self.runtime.clone(),
@@ -182,7 +187,13 @@ impl Executor {
     }
 
     /// Cache keys of the needed nodes, in execution order.
-    fn keys(&self, graph: &Graph, needed: &[usize], opts: &RunOptions) -> HashMap<usize, u64> {
+    fn keys(
+        &self,
+        graph: &Graph,
+        needed: &[usize],
+        opts: &RunOptions,
+        shared: &RunShared,
+    ) -> HashMap<usize, u64> {
         let mut keys = HashMap::new();
         for &i in needed {
             let node = &graph.nodes[i];
@@ -203,7 +214,7 @@ impl Executor {
                 }
             }
             if let Some(imp) = self.library.implementation(&node.class_type) {
-                let ctx = self.context(graph, i, opts);
+                let ctx = self.context(graph, i, opts, shared);
                 imp.fingerprint(&ctx, &Inputs::new(consts)).hash(&mut h);
             }
             // Output nodes write files named after the run; they are keyed
@@ -223,7 +234,14 @@ impl Executor {
             timestamp: now_ms(),
         });
         let needed = graph.needed();
-        let keys = self.keys(graph, &needed, &opts);
+        let mut extra = opts.extra_pnginfo.clone();
+        if let (false, Some(w)) = (extra.contains_key("workflow"), &graph.ui_workflow) {
+            extra.insert("workflow".into(), w.clone());
+        }
+        let shared = RunShared {
+            extra_pnginfo: Arc::new(extra),
+        };
+        let keys = self.keys(graph, &needed, &opts, &shared);
 
         let mut results: HashMap<usize, CacheEntry> = HashMap::new();
         {
@@ -382,7 +400,7 @@ impl Executor {
                 if failure.is_some() {
                     break;
                 }
-                let ctx = self.context(graph, i, &opts);
+                let ctx = self.context(graph, i, &opts, &shared);
                 let imp = self.library.implementation(&node.class_type);
                 let inputs = Inputs::new(values);
                 running.spawn_blocking(move || {
@@ -485,7 +503,9 @@ impl Executor {
 
         if let Some((i, e)) = failure {
             let node = &graph.nodes[i];
-            let message = e.to_string();
+            // A node's error may quote an input (a path, a prefix) that is
+            // megabytes long; the report keeps its start.
+            let message = sdkit_schema::diagnostic::shorten(&e.to_string(), MAX_MESSAGE).into_owned();
             emit(Event::ExecutionError {
                 prompt_id: pid.clone(),
                 node_id: node.id.clone(),

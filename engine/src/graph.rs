@@ -8,7 +8,7 @@ use sdkit_schema::spec::{InputKind, NodeSpec};
 use sdkit_schema::workflow::{InputValue, OutputRef};
 use sdkit_schema::{DiagKind, Diagnostic, Format, Registry, Severity, SocketType, Workflow};
 use serde_json::Value as Json;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 /// A validated input.
 #[derive(Clone, Debug)]
@@ -35,12 +35,30 @@ pub struct Graph {
     /// Node indices in an order that respects every link.
     pub order: Vec<usize>,
     pub dag: DiGraph<usize, ()>,
-    /// The workflow in ComfyUI API form, with links by index.
-    pub api_json: Json,
+    /// The workflow in ComfyUI API form, with links by index; shared with
+    /// every node of a run.
+    pub api_json: std::sync::Arc<Json>,
     /// The UI workflow, when the file was one (PNG `workflow` chunk).
     pub ui_workflow: Option<Json>,
     /// Non-fatal diagnostics.
     pub warnings: Vec<Diagnostic>,
+    /// Under [`Outputs::Valid`], the errors of the output nodes that were
+    /// dropped (their `output_node` is false): ComfyUI runs the valid
+    /// outputs of a prompt and reports these as its `node_errors`.
+    pub dropped: Vec<Diagnostic>,
+}
+
+/// Which outputs a workflow with errors may still run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outputs {
+    /// Any error refuses the whole workflow (`sdkit validate`, `--strict`).
+    All,
+    /// ComfyUI's `/prompt` rule: an output whose branch has an error is
+    /// dropped and reported, the others run; only a workflow with no valid
+    /// output, or a prompt-wide problem (an unknown node type anywhere, a
+    /// syntax error), is refused. Errors and cycles among nodes no output
+    /// uses are warnings.
+    Valid,
 }
 
 impl Graph {
@@ -201,6 +219,35 @@ pub fn validate(
     wf: &Workflow,
     registry: &Registry,
     combos: &dyn ComboSource,
+) -> Result<Graph, Vec<Diagnostic>> {
+    check(wf, registry, None, combos, Outputs::All)
+}
+
+/// [`validate`] for running with `library`: also reports node types that
+/// are registered but not implemented, where an output needs them, so a
+/// front end shows them before anything runs; `outputs` says what errors
+/// refuse.
+pub fn validate_for(
+    wf: &Workflow,
+    library: &crate::node::NodeLibrary,
+    combos: &dyn ComboSource,
+    outputs: Outputs,
+) -> Result<Graph, Vec<Diagnostic>> {
+    check(
+        wf,
+        &library.registry,
+        Some(&|t: &str| library.is_implemented(t)),
+        combos,
+        outputs,
+    )
+}
+
+fn check(
+    wf: &Workflow,
+    registry: &Registry,
+    implemented: Option<&dyn Fn(&str) -> bool>,
+    combos: &dyn ComboSource,
+    mode: Outputs,
 ) -> Result<Graph, Vec<Diagnostic>> {
     let mut diags: Vec<Diagnostic> = wf.warnings.clone();
     // For ComfyUI files an input we do not know is likely from a newer
@@ -391,34 +438,57 @@ pub fn validate(
     for &(a, b) in &edges {
         dag.add_edge(idx[a], idx[b], ());
     }
+    let mut preds: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+    for &(a, b) in &edges {
+        preds[b].push(a);
+    }
+    let outputs: Vec<usize> = (0..nodes.len()).filter(|&i| nodes[i].output_node).collect();
+    let reach = ancestors(&outputs, &preds);
+
+    // Components in topological order (kosaraju gives them sinks first;
+    // it is iterative, where tarjan recurses per node of a long chain);
+    // one of more than one node, or with a self-link, is a cycle.
+    let mut sccs = petgraph::algo::kosaraju_scc(&dag);
+    sccs.reverse();
+    let mut cyclic = vec![false; nodes.len()];
+    for scc in &sccs {
+        if scc.len() > 1 || dag.contains_edge(scc[0], scc[0]) {
+            for &n in scc {
+                cyclic[dag[n]] = true;
+            }
+            let mut ids: Vec<&str> = scc.iter().map(|&n| wf.nodes[dag[n]].id.as_str()).collect();
+            ids.sort();
+            // The first id in sorted order, so the report is stable.
+            let first = scc
+                .iter()
+                .map(|&n| dag[n])
+                .min_by_key(|&i| wf.nodes[i].id.as_str())
+                .unwrap_or(dag[scc[0]]);
+            let shown = if ids.len() > 20 {
+                format!("{:?} and {} more", &ids[..20], ids.len() - 20)
+            } else {
+                format!("{ids:?}")
+            };
+            diags.push(
+                Diagnostic::error(
+                    DiagKind::DependencyCycle,
+                    format!("nodes {shown} depend on each other in a cycle"),
+                )
+                .node(&wf.nodes[first].id, &wf.nodes[first].class_type)
+                .at(wf.nodes[first].pos),
+            );
+            diag_nodes.push(Some(first));
+        }
+    }
+    // petgraph's toposort when there is no cycle (the order runs have
+    // always used); else the components' order, whose cyclic members never
+    // run (they are errors, or unused).
     let order: Vec<usize> = match petgraph::algo::toposort(&dag, None) {
         Ok(o) => o.into_iter().map(|n| dag[n]).collect(),
-        Err(_) => {
-            // Name every node on a cycle, not just the first one found.
-            for scc in petgraph::algo::tarjan_scc(&dag) {
-                let cyclic = scc.len() > 1 || dag.contains_edge(scc[0], scc[0]);
-                if !cyclic {
-                    continue;
-                }
-                let mut ids: Vec<&str> =
-                    scc.iter().map(|&n| wf.nodes[dag[n]].id.as_str()).collect();
-                ids.sort();
-                let first = dag[scc[0]];
-                diags.push(
-                    Diagnostic::error(
-                        DiagKind::DependencyCycle,
-                        format!("nodes {ids:?} depend on each other in a cycle"),
-                    )
-                    .node(&wf.nodes[first].id, &wf.nodes[first].class_type)
-                    .at(wf.nodes[first].pos),
-                );
-                diag_nodes.push(Some(first));
-            }
-            Vec::new()
-        }
+        Err(_) => sccs.iter().flatten().map(|&n| dag[n]).collect(),
     };
 
-    if !nodes.iter().any(|n| n.output_node) {
+    if outputs.is_empty() {
         diags.push(Diagnostic::error(
             DiagKind::PromptNoOutputs,
             "Prompt has no outputs: add an output node such as SaveImage or PreviewImage",
@@ -426,54 +496,119 @@ pub fn validate(
         diag_nodes.push(None);
     }
 
-    if wf.format != Format::Native {
-        soften_unreachable(wf, &nodes, &edges, &mut diags, &diag_nodes);
+    // Registered types without an implementation, where an output needs
+    // them: reported now rather than when the run reaches them.
+    if let Some(implemented) = implemented {
+        for (i, node) in nodes.iter().enumerate() {
+            if reach[i] && specs[i].is_some() && !implemented(&node.class_type) {
+                diags.push(
+                    Diagnostic::error(
+                        DiagKind::NotImplemented,
+                        format!(
+                            "node type {} is not implemented yet in sdkit",
+                            node.class_type
+                        ),
+                    )
+                    .node(&node.id, &node.class_type)
+                    .at(wf.nodes[i].pos),
+                );
+                diag_nodes.push(Some(i));
+            }
+        }
     }
 
-    if diags.iter().any(Diagnostic::is_error) {
+    // ComfyUI validates only what its output nodes need: errors on other
+    // nodes are warnings for ComfyUI files (they run there) and under
+    // `Outputs::Valid`. An unknown node type refuses the prompt wherever
+    // it is, as ComfyUI refuses it.
+    if wf.format != Format::Native || mode == Outputs::Valid {
+        for (d, n) in diags.iter_mut().zip(&diag_nodes) {
+            if let Some(n) = *n {
+                if !reach[n] && d.is_error() && d.kind != DiagKind::MissingNodeType {
+                    let strict_cycle = d.kind == DiagKind::DependencyCycle && mode == Outputs::All;
+                    if !strict_cycle {
+                        d.severity = Severity::Warning;
+                        d.message = format!(
+                            "{} (ignored: no output node uses node \"{}\")",
+                            d.message, wf.nodes[n].id
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    if !diags.iter().any(Diagnostic::is_error) {
+        return Ok(finish(wf, registry, nodes, order, dag, diags, Vec::new()));
+    }
+    let prompt_wide = diags.iter().zip(&diag_nodes).any(|(d, n)| {
+        d.is_error() && (n.is_none() || d.kind == DiagKind::MissingNodeType)
+    });
+    if mode == Outputs::All || prompt_wide {
         return Err(diags);
     }
-    Ok(Graph {
-        api_json: wf.to_api_json(registry),
+
+    // A node is bad when it, or anything it depends on, has an error or
+    // sits on a cycle; an output that is bad is dropped.
+    let mut failed = vec![false; nodes.len()];
+    for (d, n) in diags.iter().zip(&diag_nodes) {
+        if let (true, Some(n)) = (d.is_error(), *n) {
+            failed[n] = true;
+        }
+    }
+    let mut bad = vec![false; nodes.len()];
+    for scc in &sccs {
+        let members: Vec<usize> = scc.iter().map(|&n| dag[n]).collect();
+        let b = members
+            .iter()
+            .any(|&i| failed[i] || cyclic[i] || preds[i].iter().any(|&p| bad[p]));
+        for i in members {
+            bad[i] = b;
+        }
+    }
+    if outputs.iter().all(|&o| bad[o]) {
+        return Err(diags);
+    }
+    for &o in &outputs {
+        if bad[o] {
+            nodes[o].output_node = false;
+        }
+    }
+    let (dropped, warnings): (Vec<Diagnostic>, Vec<Diagnostic>) =
+        diags.into_iter().partition(Diagnostic::is_error);
+    Ok(finish(wf, registry, nodes, order, dag, warnings, dropped))
+}
+
+fn finish(
+    wf: &Workflow,
+    registry: &Registry,
+    nodes: Vec<GraphNode>,
+    order: Vec<usize>,
+    dag: DiGraph<usize, ()>,
+    warnings: Vec<Diagnostic>,
+    dropped: Vec<Diagnostic>,
+) -> Graph {
+    Graph {
+        api_json: std::sync::Arc::new(wf.to_api_json(registry)),
         ui_workflow: wf.ui_workflow.clone(),
         nodes,
         order,
         dag,
-        warnings: diags,
-    })
+        warnings,
+        dropped,
+    }
 }
 
-/// ComfyUI validates only what its output nodes need; for ComfyUI files,
-/// errors on other nodes are reported as warnings so such files run there
-/// and here alike.
-fn soften_unreachable(
-    wf: &Workflow,
-    nodes: &[GraphNode],
-    edges: &[(usize, usize)],
-    diags: &mut [Diagnostic],
-    diag_nodes: &[Option<usize>],
-) {
-    let mut reach = HashSet::new();
-    let mut stack: Vec<usize> = (0..nodes.len()).filter(|&i| nodes[i].output_node).collect();
-    if stack.is_empty() {
-        return;
-    }
+/// Which nodes the `roots` depend on (themselves included), by `preds`.
+fn ancestors(roots: &[usize], preds: &[Vec<usize>]) -> Vec<bool> {
+    let mut reach = vec![false; preds.len()];
+    let mut stack = roots.to_vec();
     while let Some(i) = stack.pop() {
-        if reach.insert(i) {
-            stack.extend(edges.iter().filter(|e| e.1 == i).map(|e| e.0));
+        if !std::mem::replace(&mut reach[i], true) {
+            stack.extend(&preds[i]);
         }
     }
-    for (d, n) in diags.iter_mut().zip(diag_nodes) {
-        if let Some(n) = n {
-            if !reach.contains(n) && d.kind != DiagKind::DependencyCycle {
-                d.severity = Severity::Warning;
-                d.message = format!(
-                    "{} (ignored: no output node uses node \"{}\")",
-                    d.message, wf.nodes[*n].id
-                );
-            }
-        }
-    }
+    reach
 }
 
 /// "; did you mean `x`?" for a close name, else "".

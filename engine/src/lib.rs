@@ -26,7 +26,7 @@ pub mod weights;
 
 pub use event::{Event, EventSink};
 pub use exec::{Executor, RunError, RunOptions, RunReport};
-pub use graph::{validate, Graph, GraphInput, GraphNode};
+pub use graph::{validate, validate_for, Graph, GraphInput, GraphNode, Outputs};
 pub use node::{CancelToken, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary, NodeOutput};
 pub use paths::Paths;
 pub use runtime::{Runtime, RuntimeError};

@@ -5,8 +5,8 @@
 use proptest::prelude::*;
 use sdkit_engine::event::discard;
 use sdkit_engine::{
-    validate, CancelToken, Event, Executor, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary,
-    NodeOutput, Paths, RunError, RunOptions, Value,
+    validate, validate_for, CancelToken, Event, Executor, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary,
+    NodeOutput, Outputs, Paths, RunError, RunOptions, Value,
 };
 use sdkit_schema::export::StaticOnly;
 use sdkit_schema::spec::node;
@@ -309,6 +309,136 @@ fn unimplemented_node_fails_clearly() {
         .block_on(exec.run(&graph, RunOptions::new(discard(), CancelToken::new())))
         .expect_err("fails");
     assert!(err.to_string().contains("not implemented yet"), "{err}");
+
+    // Validation for running reports it before anything runs, on the node.
+    // (Neither type has an implementation in this library.)
+    let d = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect_err("refused");
+    let ids: Vec<(&str, Option<&str>)> = d
+        .iter()
+        .map(|d| (d.kind.as_str(), d.node_id.as_deref()))
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            ("node_not_implemented", Some("a")),
+            ("node_not_implemented", Some("b"))
+        ]
+    );
+    // Not where no output needs it.
+    let log: Log = Arc::default();
+    let mut lib = library(&log);
+    lib.registry
+        .insert(node("Later", "test").returns(SocketType::Int).build());
+    let text = r#"{"nodes": {"a": {"type": "Later"}, "n": {"type": "Sum", "inputs": {"value": 1}},
+        "s": {"type": "Sink", "inputs": {"x": ["n", 0]}}}}"#;
+    let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
+    validate_for(&wf, &lib, &StaticOnly, Outputs::All).expect("valid");
+}
+
+/// A chain of Sum nodes `n0 → n1 → … → n{len-1}` with a Sink at its end.
+fn chain(len: usize) -> Workflow {
+    let parents: Vec<Vec<usize>> = (0..len)
+        .map(|j| if j == 0 { vec![] } else { vec![j - 1] })
+        .collect();
+    build(len, &parents, &vec![0; len])
+}
+
+#[test]
+fn long_chains_run_in_linear_time() {
+    // Each node once copied the whole prompt: 2000 nodes took 19 s and
+    // 10k never ended. Linear, 20k nodes take well under a second of
+    // executor work; the bound only catches the quadratic form.
+    let rt = runtime();
+    let log: Log = Arc::default();
+    let lib = Arc::new(library(&log));
+    let exec = Executor::new(lib.clone(), Arc::new(Paths::under(std::path::Path::new("/x"))));
+    let wf = chain(20_000);
+    let start = std::time::Instant::now();
+    let graph = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect("valid");
+    let report = rt
+        .block_on(exec.run(&graph, RunOptions::new(discard(), CancelToken::new())))
+        .expect("runs");
+    assert_eq!(report.executed.len(), 20_001);
+    let took = start.elapsed();
+    assert!(took < std::time::Duration::from_secs(60), "{took:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// ComfyUI's rule: an output runs exactly when nothing it depends on
+    /// has an error; the errors of the others are reported, not fatal.
+    #[test]
+    fn only_outputs_whose_branch_is_valid_run(
+        (n, parents, values, _k, _v) in dag_strategy(),
+        broken in proptest::collection::btree_set(0usize..14, 0..3),
+    ) {
+        let broken: BTreeSet<usize> = broken.into_iter().filter(|&b| b < n).collect();
+        let mut values = values;
+        for &b in &broken {
+            values[b] = 5000; // over the input's max of 1000
+        }
+        let log: Log = Arc::default();
+        let lib = library(&log);
+        let wf = build(n, &parents, &values);
+        let sinks: Vec<usize> = (0..wf.nodes.len()).filter(|&i| wf.nodes[i].class_type == "Sink").collect();
+        // Sink `s` reads the node its link names.
+        let source = |s: usize| -> usize {
+            match &wf.nodes[s].inputs[0].value {
+                InputValue::Link(l) => l.node[1..].parse().expect("id"),
+                InputValue::Const(_) => unreachable!(),
+            }
+        };
+        let tainted: BTreeSet<usize> = broken.iter().flat_map(|&b| descendants(n, &parents, b)).collect();
+        let good: BTreeSet<String> = sinks
+            .iter()
+            .filter(|&&s| !tainted.contains(&source(s)))
+            .map(|&s| wf.nodes[s].id.clone())
+            .collect();
+        match validate_for(&wf, &lib, &StaticOnly, Outputs::Valid) {
+            Ok(g) => {
+                let kept: BTreeSet<String> = g.outputs().into_iter().map(|i| g.nodes[i].id.clone()).collect();
+                prop_assert_eq!(&kept, &good);
+                prop_assert_eq!(g.dropped.len(), broken.len());
+            }
+            Err(d) => {
+                prop_assert!(good.is_empty(), "refused with valid outputs: {:?}", d);
+                prop_assert_eq!(d.iter().filter(|d| d.is_error()).count(), broken.len());
+            }
+        }
+        // Strict validation refuses whenever anything is broken.
+        prop_assert_eq!(
+            validate_for(&wf, &lib, &StaticOnly, Outputs::All).is_err(),
+            !broken.is_empty()
+        );
+    }
+}
+
+#[test]
+fn cycles_and_unknown_types_follow_comfyui() {
+    let log: Log = Arc::default();
+    let lib = library(&log);
+    // A cycle among nodes no output uses: ignored under Outputs::Valid (a
+    // warning), refused strictly; one an output uses is refused always.
+    let unused = r#"{"1": {"class_type": "Sum", "inputs": {"value": 1}},
+        "2": {"class_type": "Sink", "inputs": {"x": ["1", 0]}},
+        "7": {"class_type": "Sum", "inputs": {"value": 1, "a": ["8", 0]}},
+        "8": {"class_type": "Sum", "inputs": {"value": 1, "a": ["7", 0]}}}"#;
+    let wf = sdkit_schema::workflow::load(unused, &lib.registry).expect("loads");
+    let g = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect("runs");
+    assert!(g.warnings.iter().any(|d| d.kind.as_str() == "dependency_cycle"));
+    assert!(validate_for(&wf, &lib, &StaticOnly, Outputs::All).is_err());
+    let used = unused.replace(r#""x": ["1", 0]"#, r#""x": ["8", 0]"#);
+    let wf = sdkit_schema::workflow::load(&used, &lib.registry).expect("loads");
+    let d = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect_err("refused");
+    assert!(d.iter().any(|d| d.kind.as_str() == "dependency_cycle"), "{d:?}");
+    // An unknown type refuses the prompt even where no output uses it.
+    let unknown = r#"{"1": {"class_type": "Sum", "inputs": {"value": 1}},
+        "2": {"class_type": "Sink", "inputs": {"x": ["1", 0]}},
+        "3": {"class_type": "NoSuchType", "inputs": {}}}"#;
+    let wf = sdkit_schema::workflow::load(unknown, &lib.registry).expect("loads");
+    let d = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect_err("refused");
+    assert!(d.iter().any(|d| d.kind.as_str() == "missing_node_type" && d.is_error()));
 }
 
 /// Sleeps, recording when it ran.

@@ -28,6 +28,8 @@ pub enum DiagKind {
     CustomValidationFailed,
     PromptNoOutputs,
     DependencyCycle,
+    /// A registered node type sdkit cannot run yet.
+    NotImplemented,
 }
 
 impl DiagKind {
@@ -47,6 +49,7 @@ impl DiagKind {
             DiagKind::CustomValidationFailed => "custom_validation_failed",
             DiagKind::PromptNoOutputs => "prompt_no_outputs",
             DiagKind::DependencyCycle => "dependency_cycle",
+            DiagKind::NotImplemented => "node_not_implemented",
         }
     }
 }
@@ -78,12 +81,29 @@ pub struct Diagnostic {
     pub column: Option<u32>,
 }
 
+/// The most characters of a message that are kept (see [`shorten`]).
+pub const MAX_MESSAGE: usize = 2000;
+
+/// `s`, or its first `max` characters followed by "… (N bytes in all)":
+/// a message that echoes a user's value must not echo megabytes of it.
+pub fn shorten(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    match s.char_indices().nth(max) {
+        None => std::borrow::Cow::Borrowed(s),
+        Some((cut, _)) => format!("{}… ({} bytes in all)", &s[..cut], s.len()).into(),
+    }
+}
+
 impl Diagnostic {
     pub fn error(kind: DiagKind, message: impl Into<String>) -> Self {
+        let message = message.into();
+        let message = match shorten(&message, MAX_MESSAGE) {
+            std::borrow::Cow::Borrowed(_) => message,
+            std::borrow::Cow::Owned(s) => s,
+        };
         Diagnostic {
             kind,
             severity: Severity::Error,
-            message: message.into(),
+            message,
             node_id: None,
             node_type: None,
             input: None,

@@ -35,17 +35,108 @@ fn confined(base: &Path, rel: &str) -> Result<PathBuf, StatusCode> {
     Ok(base.join(p))
 }
 
-/// Refuses `path` when it exists and resolves (through symlinks) outside
-/// `base`.
-fn inside(base: &Path, path: &Path) -> Result<(), StatusCode> {
-    let Ok(real) = path.canonicalize() else {
-        return Ok(());
-    };
+/// Refuses `path` when it, or the deepest part of it that exists, resolves
+/// (through symlinks) outside `base`. A path that does not exist yet is
+/// judged by its deepest existing ancestor, since that folder is where a
+/// write would land; a dangling symlink on the way is refused, as creating
+/// through it would follow it somewhere unchecked.
+fn inside(base: &Path, path: &Path) -> Result<(), Refusal> {
     let real_base = base.canonicalize().unwrap_or_else(|_| base.to_path_buf());
-    if real.starts_with(&real_base) {
-        Ok(())
-    } else {
-        Err(StatusCode::FORBIDDEN)
+    for ancestor in path.ancestors() {
+        if ancestor.as_os_str().is_empty() {
+            break;
+        }
+        match ancestor.canonicalize() {
+            Ok(real) if real.starts_with(&real_base) => return Ok(()),
+            Ok(_) => return Err(Refusal::outside()),
+            // Something is there (a dangling link, an unreadable folder)
+            // that cannot be resolved: do not write through it.
+            Err(_) if ancestor.symlink_metadata().is_ok() => return Err(Refusal::outside()),
+            Err(_) => {}
+        }
+    }
+    Err(Refusal::outside())
+}
+
+/// Creates `folder` (and its missing parents) below `base`, one level at a
+/// time, checking each existing level before going on, so nothing is ever
+/// created outside `base` through a symlinked folder.
+fn create_inside(base: &Path, folder: &Path) -> Result<(), Refusal> {
+    let rel = folder.strip_prefix(base).map_err(|_| Refusal::outside())?;
+    std::fs::create_dir_all(base).map_err(Refusal::io)?;
+    let mut at = base.to_path_buf();
+    inside(base, &at)?;
+    for c in rel.components() {
+        at.push(c);
+        match at.symlink_metadata() {
+            Ok(_) => {
+                inside(base, &at)?;
+                if !at.is_dir() {
+                    return Err(Refusal::new(
+                        StatusCode::BAD_REQUEST,
+                        format!("{} is a file, not a folder", c.as_os_str().to_string_lossy()),
+                    ));
+                }
+            }
+            Err(_) => match std::fs::create_dir(&at) {
+                Ok(()) => {}
+                // Another request created it meanwhile: check what it is.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => inside(base, &at)?,
+                Err(e) => return Err(Refusal::io(e)),
+            },
+        }
+    }
+    Ok(())
+}
+
+/// A refused file request: a status and the reason, sent as the body so a
+/// client sees why.
+#[derive(Debug)]
+pub struct Refusal {
+    status: StatusCode,
+    message: String,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Refusal {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn outside() -> Self {
+        Refusal::new(
+            StatusCode::FORBIDDEN,
+            "that path leads outside its folder (through \"..\" or a symlink)",
+        )
+    }
+
+    fn io(e: std::io::Error) -> Self {
+        // Name-too-long and similar are the client's doing; other I/O
+        // errors are the server's.
+        match e.raw_os_error() {
+            Some(36) | Some(63) => Refusal::new(StatusCode::BAD_REQUEST, "file name too long"),
+            _ => Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write: {e}")),
+        }
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        (self.status, self.message).into_response()
+    }
+}
+
+impl From<StatusCode> for Refusal {
+    fn from(s: StatusCode) -> Self {
+        let message = match s {
+            StatusCode::BAD_REQUEST => "invalid path: absolute, \"..\" or a NUL byte",
+            StatusCode::FORBIDDEN => "that path leads outside its folder",
+            StatusCode::NOT_FOUND => "not found",
+            _ => "",
+        };
+        Refusal::new(s, message)
     }
 }
 
@@ -129,26 +220,28 @@ pub async fn view(
         return status(StatusCode::NOT_FOUND);
     };
     let (name, ty) = annotated(name);
-    if name.is_empty() || name.starts_with('/') || name.contains("..") {
-        return status(StatusCode::BAD_REQUEST);
-    }
-    if name.contains('/') || name.contains('\\') {
-        return status(StatusCode::BAD_REQUEST);
+    if name.is_empty()
+        || name.contains("..")
+        || name.contains('/')
+        || name.contains('\\')
+        || name.contains('\0')
+    {
+        return bad_request("invalid file name: it must be a plain name, without folders or \"..\"");
     }
     let Some((mut dir, _)) = dir_of_type(&server, ty.or(q.get("type").map(String::as_str))) else {
-        return status(StatusCode::BAD_REQUEST);
+        return bad_request("type must be output, input or temp");
     };
     let base = dir.clone();
     if let Some(sub) = q.get("subfolder").filter(|s| !s.is_empty()) {
         match confined(&dir, sub) {
             Ok(d) => dir = d,
             // ComfyUI answers a subfolder outside the folder with 403.
-            Err(_) => return status(StatusCode::FORBIDDEN),
+            Err(_) => return Refusal::outside().into_response(),
         }
     }
     let file = dir.join(name);
-    if let Err(s) = inside(&base, &file) {
-        return status(s);
+    if let Err(r) = inside(&base, &file) {
+        return r.into_response();
     }
     if !file.is_file() {
         return status(StatusCode::NOT_FOUND);
@@ -229,7 +322,7 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
                 let file_name = field.file_name().map(str::to_string);
                 let data = match field.bytes().await {
                     Ok(d) => d,
-                    Err(e) => return bad_request(&format!("malformed multipart body: {e}")),
+                    Err(e) => return multipart_error(e, server.max_body),
                 };
                 if name == "image" {
                     image = Some((file_name.unwrap_or_default(), data));
@@ -238,7 +331,7 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
                 }
             }
             Ok(None) => break,
-            Err(e) => return bad_request(&format!("malformed multipart body: {e}")),
+            Err(e) => return multipart_error(e, server.max_body),
         }
     }
     let Some((filename, data)) = image else {
@@ -254,7 +347,7 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
     } else {
         match confined(&base, &subfolder) {
             Ok(p) => p,
-            Err(s) => return status(s),
+            Err(s) => return Refusal::from(s).into_response(),
         }
     };
     if filename.is_empty()
@@ -265,13 +358,21 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
     {
         return bad_request("invalid file name");
     }
+    if filename.len() > MAX_NAME {
+        return bad_request(&format!(
+            "file name too long: {} bytes, at most {MAX_NAME}",
+            filename.len()
+        ));
+    }
     let overwrite = matches!(
         fields.get("overwrite").map(String::as_str),
         Some("true") | Some("1")
     );
-    let result = tokio::task::spawn_blocking(move || -> Result<String, StatusCode> {
-        std::fs::create_dir_all(&folder).map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    let result = tokio::task::spawn_blocking(move || -> Result<String, Refusal> {
+        // Checked before anything is created: a refused subfolder leaves
+        // no trace, inside or outside.
         inside(&base, &folder)?;
+        create_inside(&base, &folder)?;
         let mut name = filename.clone();
         let mut path = folder.join(&name);
         if !overwrite {
@@ -292,7 +393,7 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
             }
         }
         inside(&base, &path)?;
-        write_atomic(&path, &data).map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        write_atomic(&path, &data).map_err(Refusal::io)?;
         Ok(name)
     })
     .await;
@@ -300,9 +401,29 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
         Ok(Ok(name)) => {
             JsonBody(json!({"name": name, "subfolder": subfolder, "type": ty})).into_response()
         }
-        Ok(Err(s)) => status(s),
+        Ok(Err(r)) => r.into_response(),
         Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
     }
+}
+
+/// The longest file name most file systems take (NAME_MAX).
+const MAX_NAME: usize = 255;
+
+/// A multipart body that could not be read: over the size cap is 413
+/// (with the cap named), anything else 400.
+fn multipart_error(e: axum::extract::multipart::MultipartError, max_body: usize) -> Response {
+    let status = e.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        return (
+            status,
+            format!(
+                "upload too large: the limit is {:.1} MB (--max-upload-size)",
+                max_body as f64 / (1024.0 * 1024.0)
+            ),
+        )
+            .into_response();
+    }
+    (status, format!("malformed multipart body: {}", e.body_text())).into_response()
 }
 
 /// Writes `data` to a temporary file beside `path`, then renames it into
@@ -312,11 +433,9 @@ fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    // The temporary name does not contain the target's: a name near
+    // NAME_MAX would make it too long.
+    let tmp = path.with_file_name(format!(".sdkit-{}-{n}.tmp", std::process::id()));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(data)?;
@@ -364,8 +483,8 @@ pub async fn list_userdata(
         Ok(p) => p,
         Err(_) => return (StatusCode::FORBIDDEN, "Invalid directory").into_response(),
     };
-    if let Err(s) = inside(&server.user_dir, &path) {
-        return status(s);
+    if let Err(r) = inside(&server.user_dir, &path) {
+        return r.into_response();
     }
     if !path.is_dir() {
         return (StatusCode::NOT_FOUND, "Directory not found").into_response();
@@ -412,8 +531,8 @@ pub async fn list_userdata(
     JsonBody(Json::Array(out)).into_response()
 }
 
-fn userdata_path(server: &Server, file: &str) -> Result<PathBuf, StatusCode> {
-    let p = confined(&server.user_dir, file).map_err(|_| StatusCode::FORBIDDEN)?;
+fn userdata_path(server: &Server, file: &str) -> Result<PathBuf, Refusal> {
+    let p = confined(&server.user_dir, file).map_err(|_| Refusal::outside())?;
     inside(&server.user_dir, &p)?;
     Ok(p)
 }
@@ -425,7 +544,7 @@ pub async fn get_userdata(
 ) -> Response {
     let path = match userdata_path(&server, &file) {
         Ok(p) => p,
-        Err(s) => return status(s),
+        Err(r) => return r.into_response(),
     };
     match std::fs::read(&path) {
         Ok(b) if path.is_file() => {
@@ -444,7 +563,7 @@ pub async fn post_userdata(
 ) -> Response {
     let path = match userdata_path(&server, &file) {
         Ok(p) => p,
-        Err(s) => return status(s),
+        Err(r) => return r.into_response(),
     };
     let overwrite = q.get("overwrite").map(String::as_str) != Some("false");
     let full = q
@@ -454,12 +573,12 @@ pub async fn post_userdata(
         return (StatusCode::CONFLICT, "File already exists").into_response();
     }
     if let Some(parent) = path.parent() {
-        if std::fs::create_dir_all(parent).is_err() {
-            return status(StatusCode::INTERNAL_SERVER_ERROR);
+        if let Err(r) = create_inside(&server.user_dir, parent) {
+            return r.into_response();
         }
     }
-    if write_atomic(&path, &body).is_err() {
-        return bad_request("cannot write that file name");
+    if let Err(e) = write_atomic(&path, &body) {
+        return Refusal::io(e).into_response();
     }
     if full {
         JsonBody(file_info(&path, &server.user_dir)).into_response()
@@ -475,7 +594,7 @@ pub async fn delete_userdata(
 ) -> Response {
     let path = match userdata_path(&server, &file) {
         Ok(p) => p,
-        Err(s) => return status(s),
+        Err(r) => return r.into_response(),
     };
     if !path.is_file() {
         return status(StatusCode::NOT_FOUND);
@@ -494,7 +613,7 @@ pub async fn move_userdata(
 ) -> Response {
     let (src, dst) = match (userdata_path(&server, &file), userdata_path(&server, &dest)) {
         (Ok(a), Ok(b)) => (a, b),
-        (Err(s), _) | (_, Err(s)) => return status(s),
+        (Err(r), _) | (_, Err(r)) => return r.into_response(),
     };
     if !src.is_file() {
         return status(StatusCode::NOT_FOUND);
@@ -503,7 +622,9 @@ pub async fn move_userdata(
         return (StatusCode::CONFLICT, "File already exists").into_response();
     }
     if let Some(parent) = dst.parent() {
-        let _ = std::fs::create_dir_all(parent);
+        if let Err(r) = create_inside(&server.user_dir, parent) {
+            return r.into_response();
+        }
     }
     if std::fs::rename(&src, &dst).is_err() {
         return status(StatusCode::INTERNAL_SERVER_ERROR);
@@ -531,10 +652,10 @@ pub async fn front_end(State(server): State<Arc<Server>>, uri: axum::http::Uri) 
     };
     let path = match confined(&root, &rel) {
         Ok(p) => p,
-        Err(s) => return status(s),
+        Err(s) => return Refusal::from(s).into_response(),
     };
-    if let Err(s) = inside(&root, &path) {
-        return status(s);
+    if let Err(r) = inside(&root, &path) {
+        return r.into_response();
     }
     let path = if path.is_dir() {
         path.join("index.html")

@@ -56,6 +56,42 @@ pub struct ServeArgs {
     /// Tune tensor-core kernels on first use (see `sdkit run --tune`).
     #[arg(long)]
     pub tune: bool,
+    /// A Host name to accept besides loopback ones while listening on
+    /// loopback (a reverse proxy's public name; `*` accepts any). Other
+    /// Hosts are refused, which stops DNS-rebinding pages.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    pub allow_hosts: Vec<String>,
+}
+
+/// Which `Host` headers the server answers. Bound to loopback, only
+/// loopback names and addresses (and `--allow-host` names): a DNS-rebinding
+/// page reaches a loopback server under its own host name, with a
+/// matching Origin, so the Origin check alone cannot stop it (Jupyter's
+/// rule). Bound to another address the operator chose exposure, and any
+/// Host is answered.
+#[derive(Clone, Debug, Default)]
+pub struct HostPolicy {
+    pub loopback_only: bool,
+    pub allowed: Vec<String>,
+}
+
+impl HostPolicy {
+    pub fn for_listen(listen: &str, allowed: &[String]) -> Self {
+        let l = listen.trim_matches(|c| c == '[' || c == ']');
+        HostPolicy {
+            loopback_only: l.eq_ignore_ascii_case("localhost")
+                || l.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()),
+            allowed: allowed.iter().map(|h| h.to_ascii_lowercase()).collect(),
+        }
+    }
+
+    /// Whether a request for host name `name` (port stripped, lower case)
+    /// is answered.
+    pub fn accepts(&self, name: &str) -> bool {
+        !self.loopback_only
+            || routes::is_loopback(name)
+            || self.allowed.iter().any(|a| a == "*" || a == name)
+    }
 }
 
 /// What every handler shares.
@@ -67,6 +103,7 @@ pub struct Server {
     pub user_dir: PathBuf,
     pub front_end: Option<PathBuf>,
     pub max_body: usize,
+    pub hosts: HostPolicy,
     pub queue: queue::Queue,
     pub clients: ws::Clients,
 }
@@ -78,6 +115,7 @@ impl Server {
         user_dir: PathBuf,
         front_end: Option<PathBuf>,
         max_body: usize,
+        hosts: HostPolicy,
     ) -> Arc<Server> {
         let paths = Arc::clone(exec.paths());
         Arc::new(Server {
@@ -87,6 +125,7 @@ impl Server {
             user_dir,
             front_end,
             max_body,
+            hosts,
             queue: queue::Queue::default(),
             clients: ws::Clients::default(),
         })
@@ -128,7 +167,8 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         paths,
     )?;
     let max_body = (args.max_upload_size * 1024.0 * 1024.0).max(0.0) as usize;
-    let server = Server::new(exec, lib, user_dir, args.front_end.clone(), max_body);
+    let hosts = HostPolicy::for_listen(&args.listen, &args.allow_hosts);
+    let server = Server::new(exec, lib, user_dir, args.front_end.clone(), max_body, hosts);
     let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((args.listen.as_str(), args.port))

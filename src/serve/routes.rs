@@ -10,7 +10,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json as JsonBody, Router};
-use sdkit_engine::validate;
+use sdkit_engine::{validate_for, Outputs};
 use sdkit_schema::export::{object_info, ComboSource};
 use sdkit_schema::spec::ComboOptions;
 use sdkit_schema::{workflow, Diagnostic};
@@ -18,6 +18,15 @@ use serde_json::{json, Map, Value as Json};
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
+
+/// The largest `/prompt` body: a workflow of thousands of nodes with its
+/// UI form in `extra_data` is a few MB. Parsing JSON takes about ten
+/// times its size in memory, so this bounds what one request can take.
+const PROMPT_BODY_LIMIT: usize = 32 << 20;
+
+/// The most nodes a prompt may have (large real workflows have a few
+/// thousand); validation and execution are linear in it.
+pub const MAX_PROMPT_NODES: usize = 20_000;
 
 pub fn status(s: StatusCode) -> Response {
     s.into_response()
@@ -38,7 +47,13 @@ fn json_body(body: &Bytes) -> Result<Json, String> {
 pub fn router(server: Arc<Server>) -> Router {
     let api: Router<Arc<Server>> = Router::new()
         .route("/ws", get(ws::handler))
-        .route("/prompt", get(get_prompt).post(post_prompt))
+        .route(
+            "/prompt",
+            get(get_prompt)
+                .post(post_prompt)
+                .route_layer(middleware::from_fn(prompt_length_check))
+                .layer(DefaultBodyLimit::max(server.max_body.min(PROMPT_BODY_LIMIT))),
+        )
         .route("/queue", get(get_queue).post(post_queue))
         .route("/history", get(get_history).post(post_history))
         .route("/history/{prompt_id}", get(get_history_one))
@@ -83,9 +98,30 @@ pub fn router(server: Arc<Server>) -> Router {
         // ships none.
         .route("/templates/index.json", get(empty_list))
         .fallback(files::front_end)
-        .layer(middleware::from_fn(origin_check))
+        .layer(middleware::from_fn_with_state(server.clone(), origin_check))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(server)
+}
+
+/// 413 for a prompt whose declared length is past the cap, before its body
+/// is read (the body limit alone reads up to the cap first).
+async fn prompt_length_check(req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > PROMPT_BODY_LIMIT as u64) {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "prompt too large: {} bytes, at most {PROMPT_BODY_LIMIT}",
+                declared.unwrap_or(0)
+            ),
+        )
+            .into_response();
+    }
+    next.run(req).await
 }
 
 async fn not_found() -> Response {
@@ -120,11 +156,28 @@ async fn folder_paths(State(server): State<Arc<Server>>) -> JsonBody<Json> {
     JsonBody(Json::Object(m))
 }
 
-/// The Host/Origin check ComfyUI makes (a web page elsewhere cannot drive
-/// a loopback server: its Origin differs from the Host it talks to), and
-/// OPTIONS answered empty.
-async fn origin_check(req: Request, next: Next) -> Response {
+/// The Host check of [`super::HostPolicy`], the Host/Origin check ComfyUI
+/// makes (a web page elsewhere cannot drive a loopback server: its Origin
+/// differs from the Host it talks to), and OPTIONS answered empty.
+async fn origin_check(State(server): State<Arc<Server>>, req: Request, next: Next) -> Response {
     let h = req.headers();
+    if let Some(host) = h.get(header::HOST) {
+        let name = host.to_str().map(|s| split_host(s).0).unwrap_or_default();
+        if !server.hosts.accepts(&name) {
+            let raw = String::from_utf8_lossy(host.as_bytes());
+            let shown = sdkit_schema::diagnostic::shorten(&raw, 100);
+            tracing::warn!("refused a request for Host {shown}");
+            return (
+                StatusCode::FORBIDDEN,
+                format!(
+                    "Host {shown} is not served: this server listens on loopback and answers \
+                     only loopback names; start it with --allow-host NAME to serve it under \
+                     another name (e.g. behind a reverse proxy)"
+                ),
+            )
+                .into_response();
+        }
+    }
     if let (Some(host), Some(origin)) = (
         h.get(header::HOST).and_then(|v| v.to_str().ok()),
         h.get(header::ORIGIN).and_then(|v| v.to_str().ok()),
@@ -155,7 +208,7 @@ fn split_host(s: &str) -> (String, Option<&str>) {
     }
 }
 
-fn is_loopback(host: &str) -> bool {
+pub fn is_loopback(host: &str) -> bool {
     host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
@@ -331,43 +384,50 @@ fn prompt_error(ty: &str, message: &str, details: &str, node_errors: Json) -> Re
         .into_response()
 }
 
-/// Output nodes of the API prompt that depend (through links) on `node`.
-fn dependent_outputs(prompt: &Map<String, Json>, outputs: &[String], node: &str) -> Vec<String> {
-    let mut result = Vec::new();
-    for o in outputs {
-        let mut seen = HashSet::new();
-        let mut stack = vec![o.clone()];
-        while let Some(id) = stack.pop() {
-            if id == node {
-                result.push(o.clone());
-                break;
-            }
-            if !seen.insert(id.clone()) {
-                continue;
-            }
-            let inputs = prompt
-                .get(&id)
-                .and_then(|n| n.get("inputs"))
-                .and_then(Json::as_object);
-            for v in inputs.into_iter().flat_map(|m| m.values()) {
-                if let Some(src) = v.as_array().and_then(|a| a.first()) {
-                    if let Some(s) = src.as_str() {
-                        stack.push(s.to_string());
-                    } else if let Some(n) = src.as_i64() {
-                        stack.push(n.to_string());
-                    }
-                }
+/// The nodes of the API prompt that link to each node (its dependents).
+fn dependents(prompt: &Map<String, Json>) -> HashMap<String, Vec<&str>> {
+    let mut out: HashMap<String, Vec<&str>> = HashMap::new();
+    for (id, node) in prompt {
+        let inputs = node.get("inputs").and_then(Json::as_object);
+        for v in inputs.into_iter().flat_map(|m| m.values()) {
+            if let Some(src) = v.as_array().and_then(|a| a.first()) {
+                let src = match src {
+                    Json::String(s) => s.clone(),
+                    Json::Number(n) => n.to_string(),
+                    _ => continue,
+                };
+                out.entry(src).or_default().push(id.as_str());
             }
         }
     }
+    out
+}
+
+/// Output nodes (`outputs`) that depend, through links, on `node`.
+fn dependent_outputs(
+    dependents: &HashMap<String, Vec<&str>>,
+    outputs: &HashSet<&str>,
+    node: &str,
+) -> Vec<String> {
+    let mut result = Vec::new();
+    let mut seen = HashSet::new();
+    let mut stack = vec![node];
+    while let Some(id) = stack.pop() {
+        if !seen.insert(id) {
+            continue;
+        }
+        if outputs.contains(id) {
+            result.push(id.to_string());
+        }
+        stack.extend(dependents.get(id).into_iter().flatten());
+    }
+    result.sort();
     result
 }
 
 /// Maps sdkit's diagnostics to ComfyUI's `{error, node_errors}`.
 fn validation_error(server: &Server, prompt: &Json, diags: &[Diagnostic]) -> Response {
     let errors: Vec<&Diagnostic> = diags.iter().filter(|d| d.is_error()).collect();
-    let empty = Map::new();
-    let pmap = prompt.as_object().unwrap_or(&empty);
     // Whole-prompt problems come first, as ComfyUI reports them alone.
     if let Some(d) = errors.iter().find(|d| {
         d.node_id.is_none() || matches!(d.kind.as_str(), "missing_node_type" | "invalid_prompt")
@@ -383,7 +443,20 @@ fn validation_error(server: &Server, prompt: &Json, diags: &[Diagnostic]) -> Res
             .unwrap_or_default();
         return prompt_error(ty, &d.message, &details, json!({}));
     }
-    let outputs: Vec<String> = pmap
+    let (node_errors, lines) = node_errors(server, prompt, &errors);
+    prompt_error(
+        "prompt_outputs_failed_validation",
+        "Prompt outputs failed validation",
+        &lines.join("\n"),
+        node_errors,
+    )
+}
+
+/// ComfyUI's `node_errors` for node-level errors, and one line per error.
+fn node_errors(server: &Server, prompt: &Json, errors: &[&Diagnostic]) -> (Json, Vec<String>) {
+    let empty = Map::new();
+    let pmap = prompt.as_object().unwrap_or(&empty);
+    let outputs: HashSet<&str> = pmap
         .iter()
         .filter(|(_, n)| {
             n.get("class_type")
@@ -391,18 +464,19 @@ fn validation_error(server: &Server, prompt: &Json, diags: &[Diagnostic]) -> Res
                 .and_then(|c| server.lib.registry.get(c))
                 .is_some_and(|s| s.output_node)
         })
-        .map(|(k, _)| k.clone())
+        .map(|(k, _)| k.as_str())
         .collect();
+    let dependents = dependents(pmap);
     let mut node_errors = Map::new();
     let mut lines = Vec::new();
-    for d in &errors {
+    for d in errors {
         let Some(id) = &d.node_id else { continue };
         let input = d.input.clone().unwrap_or_default();
         lines.push(format!("{}: {input}", d.message));
         let entry = node_errors.entry(id.clone()).or_insert_with(|| {
             json!({
                 "errors": [],
-                "dependent_outputs": dependent_outputs(pmap, &outputs, id),
+                "dependent_outputs": dependent_outputs(&dependents, &outputs, id),
                 "class_type": pmap
                     .get(id)
                     .and_then(|n| n.get("class_type"))
@@ -419,12 +493,7 @@ fn validation_error(server: &Server, prompt: &Json, diags: &[Diagnostic]) -> Res
             }));
         }
     }
-    prompt_error(
-        "prompt_outputs_failed_validation",
-        "Prompt outputs failed validation",
-        &lines.join("\n"),
-        Json::Object(node_errors),
-    )
+    (Json::Object(node_errors), lines)
 }
 
 async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response {
@@ -440,13 +509,20 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
             json!({}),
         );
     };
-    if !prompt.is_object() {
+    let Some(nodes) = prompt.as_object() else {
         return prompt_error(
             "invalid_prompt",
             "The prompt must be an object of nodes by id",
             "",
             json!({}),
         );
+    };
+    if nodes.len() > MAX_PROMPT_NODES {
+        let msg = format!(
+            "The prompt has {} nodes; at most {MAX_PROMPT_NODES} are accepted",
+            nodes.len()
+        );
+        return prompt_error("invalid_prompt", &msg, &msg, json!({}));
     }
     let number = server.queue.number(
         v.get("number").and_then(Json::as_f64),
@@ -472,7 +548,7 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
         Ok(wf) => wf,
         Err(d) => return validation_error(&server, &prompt, &d),
     };
-    let mut graph = match validate(&wf, reg, &*server.paths) {
+    let mut graph = match validate_for(&wf, &server.lib, &*server.paths, Outputs::Valid) {
         Ok(g) => g,
         Err(d) => return validation_error(&server, &prompt, &d),
     };
@@ -486,6 +562,10 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
             return prompt_error("prompt_no_outputs", "Prompt has no outputs", "", json!({}));
         }
     }
+    // Outputs whose branch failed validation are dropped and reported, as
+    // ComfyUI answers: 200 with their `node_errors`, the rest queued.
+    let dropped: Vec<&Diagnostic> = graph.dropped.iter().collect();
+    let (node_errors, _) = node_errors(&server, &prompt, &dropped);
     server.queue.push(Item::new(
         number,
         prompt_id.clone(),
@@ -494,7 +574,7 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
         graph,
     ));
     server.clients.broadcast_status(&server.queue);
-    JsonBody(json!({"prompt_id": prompt_id, "number": number_json(number), "node_errors": {}}))
+    JsonBody(json!({"prompt_id": prompt_id, "number": number_json(number), "node_errors": node_errors}))
         .into_response()
 }
 
