@@ -349,3 +349,37 @@ fn devices_probe_measures_the_adapter_or_names_what_is_missing() {
         text(&o)
     );
 }
+
+/// As ComfyUI: an output whose branch has an error is reported and
+/// skipped, the others run (exit 2: the run is incomplete); `--strict`
+/// runs nothing.
+#[test]
+fn outputs_with_errors_are_skipped_unless_strict() {
+    let base = base_dir();
+    let wf = base.path().join("two.ron");
+    std::fs::write(
+        &wf,
+        r#"(nodes: {
+            "good": EmptyImage(width: 16, height: 16, batch_size: 1, color: 0),
+            "save": SaveImage(images: ("good", 0), filename_prefix: "good"),
+            "bad": EmptyImage(width: 0, height: 16, batch_size: 1, color: 0),
+            "save_bad": SaveImage(images: ("bad", 0), filename_prefix: "bad"),
+        })"#,
+    )
+    .expect("write");
+    let wf = wf.to_string_lossy().into_owned();
+    let o = run_in(base.path(), &["run", "-q", "--strict", &wf]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(files_under(&base.path().join("output")).is_empty());
+    let o = run_in(base.path(), &["run", "-q", &wf]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("value_smaller_than_min") && err.contains("\"bad\""),
+        "{err}"
+    );
+    assert_eq!(
+        files_under(&base.path().join("output")),
+        ["good_00001_.png"]
+    );
+}

@@ -855,7 +855,12 @@ fn symlinked_folders_never_take_writes_outside() {
     std::os::unix::fs::symlink(out, input.join("linkdir")).expect("symlink");
 
     let refused = |r: Reply, what: &str| {
-        assert_eq!(r.status, 403, "{what}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(
+            r.status,
+            403,
+            "{what}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
         assert!(!r.body.is_empty(), "{what}: a refusal says why");
     };
     refused(
@@ -906,10 +911,7 @@ fn symlinked_folders_never_take_writes_outside() {
     assert!(user.join("workflows/a/b/c.json").is_file());
     let r = upload(
         a,
-        &[
-            ("image", Some("p.png"), &red),
-            ("subfolder", None, b"x/y"),
-        ],
+        &[("image", Some("p.png"), &red), ("subfolder", None, b"x/y")],
     );
     assert_eq!(r.status, 200);
     assert!(input.join("x/y/p.png").is_file());
@@ -958,7 +960,11 @@ fn loopback_server_answers_only_loopback_hosts() {
         http(a, "GET", "/queue", &[("Host", host.as_str())], b"").status,
         403
     );
-    for ok in [format!("localhost:{port}"), format!("[::1]:{port}"), "127.0.0.2".into()] {
+    for ok in [
+        format!("localhost:{port}"),
+        format!("[::1]:{port}"),
+        "127.0.0.2".into(),
+    ] {
         assert_eq!(
             http(a, "GET", "/queue", &[("Host", ok.as_str())], b"").status,
             200,
@@ -999,10 +1005,16 @@ fn prompts_run_their_valid_outputs_and_report_the_rest() {
     assert_eq!(errs["11"]["dependent_outputs"], json!(["13"]));
     assert_eq!(errs["21"]["errors"][0]["type"], "node_not_implemented");
     assert_eq!(errs["21"]["dependent_outputs"], json!(["23"]));
-    assert!(errs.get("31").is_none() && errs.get("3").is_none(), "{errs}");
+    assert!(
+        errs.get("31").is_none() && errs.get("3").is_none(),
+        "{errs}"
+    );
     let id = v["prompt_id"].as_str().expect("id").to_string();
     let msgs = ws_until_done(&mut ws, &id);
-    assert!(msgs.iter().any(|m| m["type"] == "execution_success"), "{msgs:?}");
+    assert!(
+        msgs.iter().any(|m| m["type"] == "execution_success"),
+        "{msgs:?}"
+    );
     let outputs = get(a, &format!("/history/{id}")).json()[&id]["outputs"].clone();
     let ran: Vec<&String> = outputs.as_object().expect("outputs").keys().collect();
     assert_eq!(ran, vec!["3"]);
@@ -1022,7 +1034,10 @@ fn prompts_run_their_valid_outputs_and_report_the_rest() {
     // past the prompt cap is 413 before it is parsed.
     let mut p = serde_json::Map::new();
     for i in 0..20_001 {
-        p.insert(i.to_string(), json!({"class_type": "ImageInvert", "inputs": {}}));
+        p.insert(
+            i.to_string(),
+            json!({"class_type": "ImageInvert", "inputs": {}}),
+        );
     }
     let start = Instant::now();
     let r = post_json(a, "/prompt", &json!({"prompt": p}));
@@ -1040,7 +1055,9 @@ fn prompts_run_their_valid_outputs_and_report_the_rest() {
     );
     c.write_all(head.as_bytes()).expect("write");
     let mut line = String::new();
-    BufReader::new(&mut c).read_line(&mut line).expect("status line");
+    BufReader::new(&mut c)
+        .read_line(&mut line)
+        .expect("status line");
     assert!(line.contains(" 413 "), "{line}");
     assert_eq!(get(a, "/queue").json()["queue_pending"], json!([]));
 }

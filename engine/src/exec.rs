@@ -172,7 +172,13 @@ impl Executor {
     /// A node's context. The prompt and PNG chunks are shared by every
     /// node of a run (one copy per run, not per node: a copy per node made
     /// a run's time grow with the square of its node count).
-    fn context(&self, graph: &Graph, i: usize, opts: &RunOptions, shared: &RunShared) -> NodeContext {
+    fn context(
+        &self,
+        graph: &Graph,
+        i: usize,
+        opts: &RunOptions,
+        shared: &RunShared,
+    ) -> NodeContext {
         NodeContext {
             node_id: graph.nodes[i].id.clone(),
             class_type: graph.nodes[i].class_type.clone(),
@@ -505,7 +511,8 @@ impl Executor {
             let node = &graph.nodes[i];
             // A node's error may quote an input (a path, a prefix) that is
             // megabytes long; the report keeps its start.
-            let message = sdkit_schema::diagnostic::shorten(&e.to_string(), MAX_MESSAGE).into_owned();
+            let message =
+                sdkit_schema::diagnostic::shorten(&e.to_string(), MAX_MESSAGE).into_owned();
             emit(Event::ExecutionError {
                 prompt_id: pid.clone(),
                 node_id: node.id.clone(),

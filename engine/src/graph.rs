@@ -541,9 +541,10 @@ fn check(
     if !diags.iter().any(Diagnostic::is_error) {
         return Ok(finish(wf, registry, nodes, order, dag, diags, Vec::new()));
     }
-    let prompt_wide = diags.iter().zip(&diag_nodes).any(|(d, n)| {
-        d.is_error() && (n.is_none() || d.kind == DiagKind::MissingNodeType)
-    });
+    let prompt_wide = diags
+        .iter()
+        .zip(&diag_nodes)
+        .any(|(d, n)| d.is_error() && (n.is_none() || d.kind == DiagKind::MissingNodeType));
     if mode == Outputs::All || prompt_wide {
         return Err(diags);
     }

@@ -5,8 +5,8 @@
 use proptest::prelude::*;
 use sdkit_engine::event::discard;
 use sdkit_engine::{
-    validate, validate_for, CancelToken, Event, Executor, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary,
-    NodeOutput, Outputs, Paths, RunError, RunOptions, Value,
+    validate, validate_for, CancelToken, Event, Executor, Inputs, NodeContext, NodeError, NodeImpl,
+    NodeLibrary, NodeOutput, Outputs, Paths, RunError, RunOptions, Value,
 };
 use sdkit_schema::export::StaticOnly;
 use sdkit_schema::spec::node;
@@ -351,7 +351,10 @@ fn long_chains_run_in_linear_time() {
     let rt = runtime();
     let log: Log = Arc::default();
     let lib = Arc::new(library(&log));
-    let exec = Executor::new(lib.clone(), Arc::new(Paths::under(std::path::Path::new("/x"))));
+    let exec = Executor::new(
+        lib.clone(),
+        Arc::new(Paths::under(std::path::Path::new("/x"))),
+    );
     let wf = chain(20_000);
     let start = std::time::Instant::now();
     let graph = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect("valid");
@@ -426,19 +429,27 @@ fn cycles_and_unknown_types_follow_comfyui() {
         "8": {"class_type": "Sum", "inputs": {"value": 1, "a": ["7", 0]}}}"#;
     let wf = sdkit_schema::workflow::load(unused, &lib.registry).expect("loads");
     let g = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect("runs");
-    assert!(g.warnings.iter().any(|d| d.kind.as_str() == "dependency_cycle"));
+    assert!(g
+        .warnings
+        .iter()
+        .any(|d| d.kind.as_str() == "dependency_cycle"));
     assert!(validate_for(&wf, &lib, &StaticOnly, Outputs::All).is_err());
     let used = unused.replace(r#""x": ["1", 0]"#, r#""x": ["8", 0]"#);
     let wf = sdkit_schema::workflow::load(&used, &lib.registry).expect("loads");
     let d = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect_err("refused");
-    assert!(d.iter().any(|d| d.kind.as_str() == "dependency_cycle"), "{d:?}");
+    assert!(
+        d.iter().any(|d| d.kind.as_str() == "dependency_cycle"),
+        "{d:?}"
+    );
     // An unknown type refuses the prompt even where no output uses it.
     let unknown = r#"{"1": {"class_type": "Sum", "inputs": {"value": 1}},
         "2": {"class_type": "Sink", "inputs": {"x": ["1", 0]}},
         "3": {"class_type": "NoSuchType", "inputs": {}}}"#;
     let wf = sdkit_schema::workflow::load(unknown, &lib.registry).expect("loads");
     let d = validate_for(&wf, &lib, &StaticOnly, Outputs::Valid).expect_err("refused");
-    assert!(d.iter().any(|d| d.kind.as_str() == "missing_node_type" && d.is_error()));
+    assert!(d
+        .iter()
+        .any(|d| d.kind.as_str() == "missing_node_type" && d.is_error()));
 }
 
 /// Sleeps, recording when it ran.

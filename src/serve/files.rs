@@ -74,7 +74,10 @@ fn create_inside(base: &Path, folder: &Path) -> Result<(), Refusal> {
                 if !at.is_dir() {
                     return Err(Refusal::new(
                         StatusCode::BAD_REQUEST,
-                        format!("{} is a file, not a folder", c.as_os_str().to_string_lossy()),
+                        format!(
+                            "{} is a file, not a folder",
+                            c.as_os_str().to_string_lossy()
+                        ),
                     ));
                 }
             }
@@ -117,7 +120,10 @@ impl Refusal {
         // errors are the server's.
         match e.raw_os_error() {
             Some(36) | Some(63) => Refusal::new(StatusCode::BAD_REQUEST, "file name too long"),
-            _ => Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write: {e}")),
+            _ => Refusal::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("cannot write: {e}"),
+            ),
         }
     }
 }
@@ -226,7 +232,9 @@ pub async fn view(
         || name.contains('\\')
         || name.contains('\0')
     {
-        return bad_request("invalid file name: it must be a plain name, without folders or \"..\"");
+        return bad_request(
+            "invalid file name: it must be a plain name, without folders or \"..\"",
+        );
     }
     let Some((mut dir, _)) = dir_of_type(&server, ty.or(q.get("type").map(String::as_str))) else {
         return bad_request("type must be output, input or temp");
@@ -423,7 +431,11 @@ fn multipart_error(e: axum::extract::multipart::MultipartError, max_body: usize)
         )
             .into_response();
     }
-    (status, format!("malformed multipart body: {}", e.body_text())).into_response()
+    (
+        status,
+        format!("malformed multipart body: {}", e.body_text()),
+    )
+        .into_response()
 }
 
 /// Writes `data` to a temporary file beside `path`, then renames it into

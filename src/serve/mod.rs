@@ -80,7 +80,8 @@ impl HostPolicy {
         let l = listen.trim_matches(|c| c == '[' || c == ']');
         HostPolicy {
             loopback_only: l.eq_ignore_ascii_case("localhost")
-                || l.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()),
+                || l.parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback()),
             allowed: allowed.iter().map(|h| h.to_ascii_lowercase()).collect(),
         }
     }

@@ -52,7 +52,9 @@ pub fn router(server: Arc<Server>) -> Router {
             get(get_prompt)
                 .post(post_prompt)
                 .route_layer(middleware::from_fn(prompt_length_check))
-                .layer(DefaultBodyLimit::max(server.max_body.min(PROMPT_BODY_LIMIT))),
+                .layer(DefaultBodyLimit::max(
+                    server.max_body.min(PROMPT_BODY_LIMIT),
+                )),
         )
         .route("/queue", get(get_queue).post(post_queue))
         .route("/history", get(get_history).post(post_history))
@@ -574,8 +576,10 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
         graph,
     ));
     server.clients.broadcast_status(&server.queue);
-    JsonBody(json!({"prompt_id": prompt_id, "number": number_json(number), "node_errors": node_errors}))
-        .into_response()
+    JsonBody(
+        json!({"prompt_id": prompt_id, "number": number_json(number), "node_errors": node_errors}),
+    )
+    .into_response()
 }
 
 /// Total and available memory from /proc/meminfo (0 where unknown).
