@@ -169,3 +169,18 @@ impl fmt::Display for Diagnostic {
         write!(f, ": {}", self.message)
     }
 }
+
+#[cfg(test)]
+mod shorten_tests {
+    use super::*;
+
+    #[test]
+    fn long_values_are_cut_on_a_char_boundary_and_say_their_size() {
+        assert_eq!(shorten("short", 10), "short");
+        let long = "é".repeat(5000);
+        let s = shorten(&long, 3);
+        assert_eq!(s, "ééé… (10000 bytes in all)");
+        let d = Diagnostic::error(DiagKind::InvalidPrompt, "x".repeat(20 << 20));
+        assert!(d.message.len() < MAX_MESSAGE + 64, "{}", d.message.len());
+    }
+}
