@@ -29,6 +29,15 @@ pub enum NodeError {
     NotImplemented(String),
     #[error("interrupted")]
     Interrupted,
+    /// A host allocation failed, or would not fit what the process can
+    /// still get (`available`, when known).
+    #[error("not enough memory for {what} ({}{})", crate::memory::human(*bytes),
+        available.map(|a| format!(", {} available", crate::memory::human(a))).unwrap_or_default())]
+    OutOfMemory {
+        what: String,
+        bytes: u64,
+        available: Option<u64>,
+    },
 }
 
 impl NodeError {
@@ -92,6 +101,24 @@ impl NodeContext {
         } else {
             Ok(())
         }
+    }
+
+    /// Warns, and goes on as ComfyUI does, when a model's output holds NaN
+    /// or infinite values: a broken checkpoint otherwise yields a black
+    /// image and a successful run with no hint why. Returns how many there
+    /// were.
+    pub fn warn_non_finite(&self, what: &str, data: &[f32]) -> usize {
+        let bad = data.iter().filter(|v| !v.is_finite()).count();
+        if bad > 0 {
+            tracing::warn!(
+                "node {} ({}): {bad} of the {} values of {what} are NaN or infinite; \
+                 the model's weights or settings may be broken",
+                self.node_id,
+                self.class_type,
+                data.len()
+            );
+        }
+        bad
     }
 
     /// Reports a preview of the node's current result (a sampler's latent
@@ -253,6 +280,15 @@ pub trait NodeImpl: Send + Sync {
     /// residency over that schedule ([`crate::plan::schedule`]).
     fn device_inputs(&self) -> &'static [&'static str] {
         &[]
+    }
+
+    /// About how many bytes of host memory the node will allocate, from its
+    /// inputs (output tensors, decoded files, working copies). The executor
+    /// refuses the node before it starts when this exceeds the memory the
+    /// process can still get ([`crate::memory::admit`]). `None`: unknown or
+    /// small, never refused.
+    fn estimate_bytes(&self, _ctx: &NodeContext, _inputs: &Inputs) -> Option<u64> {
+        None
     }
 }
 
