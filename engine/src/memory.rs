@@ -157,8 +157,19 @@ mod tests {
 
     #[test]
     fn huge_allocations_fail_into_errors() {
+        // Over isize::MAX bytes: refused before asking the allocator.
         let e = try_filled(usize::MAX / 8, 0f32).expect_err("cannot fit");
         assert_eq!(e.bytes, (usize::MAX / 8) as u64 * 4);
+        // 64 TiB: the allocator says no (Linux's default overcommit
+        // heuristic refuses a mapping larger than RAM and swap), and that
+        // must be an error, not an abort. Nothing is touched, so where
+        // overcommit is unlimited and the mapping succeeds it costs nothing.
+        let unlimited = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+            .is_ok_and(|s| s.trim() == "1");
+        let r = try_with_capacity::<f32>(1 << 44);
+        if !unlimited && cfg!(target_os = "linux") {
+            assert_eq!(r.map(|v| v.capacity()), Err(AllocError { bytes: 1 << 46 }));
+        }
         let msg = AllocError { bytes: 1 << 32 }
             .for_tensor("latent", &[64, 4, 2048, 2048])
             .to_string();
