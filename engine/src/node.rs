@@ -320,3 +320,28 @@ impl NodeLibrary {
         self.impls.contains_key(name)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A broken checkpoint's NaN output is counted (and warned about), and
+    /// the node goes on, as ComfyUI does.
+    #[test]
+    fn non_finite_outputs_are_counted() {
+        let ctx = NodeContext {
+            node_id: "3".into(),
+            class_type: "KSampler".into(),
+            prompt_id: "p".into(),
+            paths: Arc::new(Paths::under(std::path::Path::new("."))),
+            prompt: Arc::new(Json::Null),
+            extra_pnginfo: Arc::new(serde_json::Map::new()),
+            cancel: CancelToken::new(),
+            events: crate::event::discard(),
+            runtime: crate::runtime::Runtime::cpu(),
+        };
+        let data = [0.5, f32::NAN, f32::INFINITY, -1.0, f32::NEG_INFINITY];
+        assert_eq!(ctx.warn_non_finite("the sampled latent", &data), 3);
+        assert_eq!(ctx.warn_non_finite("the sampled latent", &[0.0, 1.0]), 0);
+    }
+}
