@@ -412,6 +412,10 @@ impl Executor {
                 running.spawn_blocking(move || {
                     let r = match imp {
                         Some(imp) => {
+                            // Refuse what cannot fit before it allocates.
+                            if let Err(e) = crate::memory::admit(imp.as_ref(), &ctx, &inputs) {
+                                return (i, Err(e));
+                            }
                             // A panicking node is a bug, but it must not take
                             // the server down with it.
                             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -627,5 +631,6 @@ fn error_type(e: &NodeError) -> &'static str {
         NodeError::File { .. } => "FileNotFoundError",
         NodeError::NotImplemented(_) => "NotImplementedError",
         NodeError::Interrupted => "InterruptProcessingException",
+        NodeError::OutOfMemory { .. } => "torch.OutOfMemoryError",
     }
 }

@@ -5,6 +5,7 @@
 //! * [`event`]: ComfyUI-shaped execution events.
 //! * [`node`]: the interface node implementations provide.
 //! * [`value`]: values on links (images, masks, latents, ...).
+//! * [`memory`]: fallible host allocation and the memory check before a node.
 //! * [`paths`]: ComfyUI's folder layout.
 //! * [`tensor`]: the tensor graph models are built as (op IR + builder).
 //! * [`plan`]: the planner: fusion, views, activation memory → `Program`.
@@ -16,6 +17,7 @@ pub mod backend;
 pub mod event;
 pub mod exec;
 pub mod graph;
+pub mod memory;
 pub mod node;
 pub mod paths;
 pub mod plan;

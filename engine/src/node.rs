@@ -29,6 +29,15 @@ pub enum NodeError {
     NotImplemented(String),
     #[error("interrupted")]
     Interrupted,
+    /// A host allocation failed, or would not fit what the process can
+    /// still get (`available`, when known).
+    #[error("not enough memory for {what} ({}{})", crate::memory::human(*bytes),
+        available.map(|a| format!(", {} available", crate::memory::human(a))).unwrap_or_default())]
+    OutOfMemory {
+        what: String,
+        bytes: u64,
+        available: Option<u64>,
+    },
 }
 
 impl NodeError {
@@ -92,6 +101,24 @@ impl NodeContext {
         } else {
             Ok(())
         }
+    }
+
+    /// Warns, and goes on as ComfyUI does, when a model's output holds NaN
+    /// or infinite values: a broken checkpoint otherwise yields a black
+    /// image and a successful run with no hint why. Returns how many there
+    /// were.
+    pub fn warn_non_finite(&self, what: &str, data: &[f32]) -> usize {
+        let bad = data.iter().filter(|v| !v.is_finite()).count();
+        if bad > 0 {
+            tracing::warn!(
+                "node {} ({}): {bad} of the {} values of {what} are NaN or infinite; \
+                 the model's weights or settings may be broken",
+                self.node_id,
+                self.class_type,
+                data.len()
+            );
+        }
+        bad
     }
 
     /// Reports a preview of the node's current result (a sampler's latent
@@ -254,6 +281,15 @@ pub trait NodeImpl: Send + Sync {
     fn device_inputs(&self) -> &'static [&'static str] {
         &[]
     }
+
+    /// About how many bytes of host memory the node will allocate, from its
+    /// inputs (output tensors, decoded files, working copies). The executor
+    /// refuses the node before it starts when this exceeds the memory the
+    /// process can still get ([`crate::memory::admit`]). `None`: unknown or
+    /// small, never refused.
+    fn estimate_bytes(&self, _ctx: &NodeContext, _inputs: &Inputs) -> Option<u64> {
+        None
+    }
 }
 
 /// Node specs plus the implementations that exist so far. A spec without an
@@ -282,5 +318,30 @@ impl NodeLibrary {
 
     pub fn is_implemented(&self, name: &str) -> bool {
         self.impls.contains_key(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A broken checkpoint's NaN output is counted (and warned about), and
+    /// the node goes on, as ComfyUI does.
+    #[test]
+    fn non_finite_outputs_are_counted() {
+        let ctx = NodeContext {
+            node_id: "3".into(),
+            class_type: "KSampler".into(),
+            prompt_id: "p".into(),
+            paths: Arc::new(Paths::under(std::path::Path::new("."))),
+            prompt: Arc::new(Json::Null),
+            extra_pnginfo: Arc::new(serde_json::Map::new()),
+            cancel: CancelToken::new(),
+            events: crate::event::discard(),
+            runtime: crate::runtime::Runtime::cpu(),
+        };
+        let data = [0.5, f32::NAN, f32::INFINITY, -1.0, f32::NEG_INFINITY];
+        assert_eq!(ctx.warn_non_finite("the sampled latent", &data), 3);
+        assert_eq!(ctx.warn_non_finite("the sampled latent", &[0.0, 1.0]), 0);
     }
 }

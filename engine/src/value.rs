@@ -45,6 +45,24 @@ impl Tensor {
         }
     }
 
+    /// Zeros of `shape`, or a node error naming the tensor as `kind`
+    /// ("latent", "image") when the memory is not there.
+    pub fn try_zeros(shape: Vec<usize>, kind: &str) -> Result<Self, crate::NodeError> {
+        Self::try_full(shape, 0.0, kind)
+    }
+
+    /// `shape` filled with `v`, or a node error naming the tensor as `kind`
+    /// when the memory is not there (see [`crate::memory`]).
+    pub fn try_full(shape: Vec<usize>, v: f32, kind: &str) -> Result<Self, crate::NodeError> {
+        let oom = |bytes| crate::memory::AllocError { bytes }.for_tensor(kind, &shape);
+        let n = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| oom(crate::memory::f32_bytes(&shape)))?;
+        let data = crate::memory::try_filled(n, v).map_err(|e| oom(e.bytes))?;
+        Ok(Tensor { shape, data })
+    }
+
     pub fn numel(&self) -> usize {
         self.data.len()
     }

@@ -882,6 +882,19 @@ fn build_header(
     tensors: &[TensorData<'_>],
     metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>, WeightError> {
+    let layout: Vec<_> = tensors
+        .iter()
+        .map(|&(name, dtype, shape, data)| (name, dtype, shape, data.len()))
+        .collect();
+    build_header_for(path, &layout, metadata)
+}
+
+/// [`build_header`] from each tensor's name, dtype, shape and byte length.
+fn build_header_for(
+    path: &Path,
+    tensors: &[(&str, DType, &[usize], usize)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, WeightError> {
     let invalid = |tensor: &str, reason: String| WeightError::InvalidInput {
         path: path.to_path_buf(),
         tensor: tensor.to_string(),
@@ -898,7 +911,7 @@ fn build_header(
         header.insert("__metadata__".to_string(), Value::Object(meta));
     }
     let mut offset = 0usize;
-    for &(name, dtype, shape, data) in tensors {
+    for &(name, dtype, shape, len) in tensors {
         if name == "__metadata__" {
             return Err(invalid(name, "the name is reserved for metadata".into()));
         }
@@ -910,16 +923,13 @@ fn build_header(
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .and_then(|n| n.checked_mul(dtype.size_bytes()))
             .ok_or_else(|| invalid(name, format!("shape {shape:?} overflows")))?;
-        if data.len() != expected {
+        if len != expected {
             return Err(invalid(
                 name,
-                format!(
-                    "{dtype} {shape:?} needs {expected} bytes, got {}",
-                    data.len()
-                ),
+                format!("{dtype} {shape:?} needs {expected} bytes, got {len}"),
             ));
         }
-        let end = offset + data.len();
+        let end = offset + len;
         let entry = serde_json::json!({
             "dtype": dtype.name(),
             "shape": shape,
@@ -962,6 +972,65 @@ pub fn write_safetensors(
     metadata: &BTreeMap<String, String>,
 ) -> Result<(), WeightError> {
     let header = build_header(path, tensors, metadata)?;
+    write_atomic(path, &header, |w| {
+        for (_, _, _, data) in tensors {
+            w.write_all(data)?;
+        }
+        Ok(())
+    })
+}
+
+/// One f32 tensor to write from its values: name, shape and data.
+pub type F32TensorData<'a> = (&'a str, &'a [usize], &'a [f32]);
+
+/// [`write_safetensors`] for f32 tensors given as values: they are turned
+/// into bytes a block at a time while writing, so saving a large tensor
+/// needs no second copy of it. `keep_going` is asked between blocks; when
+/// it says no, the write stops with an `Interrupted` I/O error and leaves
+/// no file.
+pub fn write_safetensors_f32(
+    path: &Path,
+    tensors: &[F32TensorData<'_>],
+    metadata: &BTreeMap<String, String>,
+    keep_going: &dyn Fn() -> bool,
+) -> Result<(), WeightError> {
+    let layout: Vec<_> = tensors
+        .iter()
+        .map(|&(name, shape, data)| (name, DType::F32, shape, data.len().saturating_mul(4)))
+        .collect();
+    let header = build_header_for(path, &layout, metadata)?;
+    write_atomic(path, &header, |w| {
+        // 1 Mi values (4 MiB) a block: cancellation is seen within
+        // milliseconds, and the conversion buffer stays small.
+        let mut buf = Vec::with_capacity(4 << 20);
+        for (_, _, data) in tensors {
+            for block in data.chunks(1 << 20) {
+                if !keep_going() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::Interrupted,
+                        "cancelled",
+                    ));
+                }
+                buf.clear();
+                buf.extend(block.iter().flat_map(|v| v.to_le_bytes()));
+                w.write_all(&buf)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Writes `header` and then what `body` writes to a temporary file in
+/// `path`'s folder, syncs it and renames it over `path`.
+///
+/// The temporary file is created with mode 0666 less the umask, as
+/// `File::create` does, so outputs get the same permissions as every other
+/// file the user writes (tempfile's default is 0600).
+fn write_atomic(
+    path: &Path,
+    header: &[u8],
+    body: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<(), WeightError> {
     let io = |source| WeightError::Io {
         path: path.to_path_buf(),
         source,
@@ -970,17 +1039,18 @@ pub fn write_safetensors(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".sdkit-weights-")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(io)?;
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".sdkit-weights-").suffix(".tmp");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    let mut tmp = builder.tempfile_in(dir).map_err(io)?;
     {
         let mut w = BufWriter::new(tmp.as_file_mut());
-        w.write_all(&header).map_err(io)?;
-        for (_, _, _, data) in tensors {
-            w.write_all(data).map_err(io)?;
-        }
+        w.write_all(header).map_err(io)?;
+        body(&mut w).map_err(io)?;
         w.flush().map_err(io)?;
     }
     tmp.as_file().sync_all().map_err(io)?;

@@ -967,3 +967,33 @@ fn valid_fuzz_seed_parses() {
         vec![1.0, -2.5, f32::INFINITY, 2f32.powi(-24)]
     );
 }
+
+/// The streaming f32 writer (SaveLatent's) writes what the byte writer
+/// writes, and a cancelled write leaves no file behind.
+#[test]
+fn f32_writer_matches_and_stops_when_cancelled() {
+    use sdkit_engine::weights::write_safetensors_f32;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let values: Vec<f32> = (0..(3 << 20)).map(|i| i as f32 * 0.5).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let shape = [3usize, 1 << 20];
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    write_safetensors(&a, &[("t", DType::F32, &shape, &bytes)], &no_meta()).expect("bytes");
+    write_safetensors_f32(&b, &[("t", &shape, &values)], &no_meta(), &|| true).expect("f32");
+    assert_eq!(std::fs::read(&a).expect("a"), std::fs::read(&b).expect("b"));
+
+    let c = dir.path().join("c");
+    let calls = std::cell::Cell::new(0);
+    let err = write_safetensors_f32(&c, &[("t", &shape, &values)], &no_meta(), &|| {
+        calls.set(calls.get() + 1);
+        calls.get() < 2
+    })
+    .expect_err("cancelled");
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("dir")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+}

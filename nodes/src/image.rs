@@ -2,13 +2,34 @@
 //! [`crate::imageops`]; these types only move values in and out.
 
 use crate::imageops::{self, Crop, ImageOpError, Mask3, MaskChannel, Tensor4, UpscaleMethod};
-use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
+use sdkit_engine::{memory, Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use std::str::FromStr;
 
 impl From<ImageOpError> for NodeError {
     fn from(e: ImageOpError) -> Self {
-        NodeError::Invalid(e.to_string())
+        match e {
+            ImageOpError::OutOfMemory { shape } => NodeError::OutOfMemory {
+                what: memory::describe("image", &shape),
+                bytes: memory::f32_bytes(&shape),
+                available: None,
+            },
+            e => NodeError::Invalid(e.to_string()),
+        }
     }
+}
+
+/// An input image's shape, for estimates (`None` when it is not an image).
+fn shape_of(inputs: &Inputs, name: &str) -> Option<[usize; 4]> {
+    match inputs.image(name).ok()?.shape.as_slice() {
+        &[b, h, w, c] => Some([b, h, w, c]),
+        _ => None,
+    }
+}
+
+/// An image input's working copy plus an output of `out` (`[b, h, w, c]`).
+fn copy_and_output(inputs: &Inputs, name: &str, out: [usize; 4]) -> Option<u64> {
+    let input = shape_of(inputs, name)?;
+    Some(memory::f32_bytes(&input).saturating_add(memory::f32_bytes(&out)))
 }
 
 fn image_in(inputs: &Inputs, name: &str) -> Result<Tensor4, NodeError> {
@@ -19,12 +40,13 @@ fn image_in(inputs: &Inputs, name: &str) -> Result<Tensor4, NodeError> {
             t.shape
         )));
     }
+    // The ops take ownership of their input; copy it fallibly, as large
+    // images are what runs out of memory.
+    let mut data =
+        memory::try_with_capacity(t.data.len()).map_err(|e| e.for_tensor("image", &t.shape))?;
+    data.extend_from_slice(&t.data);
     Ok(Tensor4::new(
-        t.shape[0],
-        t.shape[1],
-        t.shape[2],
-        t.shape[3],
-        t.data.clone(),
+        t.shape[0], t.shape[1], t.shape[2], t.shape[3], data,
     )?)
 }
 
@@ -66,6 +88,25 @@ fn method(inputs: &Inputs) -> Result<UpscaleMethod, NodeError> {
 }
 
 macro_rules! image_node {
+    // With an estimate of the host memory the node allocates.
+    ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr, estimate |$ein:ident| $est:expr) => {
+        $(#[$doc])*
+        pub struct $name;
+
+        impl NodeImpl for $name {
+            fn execute(
+                &self,
+                _ctx: &NodeContext,
+                $inputs: &Inputs,
+            ) -> Result<NodeOutput, NodeError> {
+                $body
+            }
+
+            fn estimate_bytes(&self, _ctx: &NodeContext, $ein: &Inputs) -> Option<u64> {
+                $est
+            }
+        }
+    };
     ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr) => {
         $(#[$doc])*
         pub struct $name;
@@ -95,6 +136,19 @@ image_node!(
             inputs.usize("height")?,
             crop,
         )?))
+    },
+    estimate |inputs| {
+        let [b, h, w, c] = shape_of(inputs, "image")?;
+        let (mut width, mut height) = (inputs.usize("width").ok()?, inputs.usize("height").ok()?);
+        // A zero side keeps the aspect ratio.
+        if width == 0 && height == 0 {
+            (width, height) = (w, h);
+        } else if width == 0 {
+            width = (w as f64 * height as f64 / h.max(1) as f64).round() as usize;
+        } else if height == 0 {
+            height = (h as f64 * width as f64 / w.max(1) as f64).round() as usize;
+        }
+        copy_and_output(inputs, "image", [b, height, width, c])
     }
 );
 
@@ -108,6 +162,12 @@ image_node!(
             method(inputs)?,
             inputs.float("scale_by")?,
         )?))
+    },
+    estimate |inputs| {
+        let [b, h, w, c] = shape_of(inputs, "image")?;
+        let s = inputs.float("scale_by").ok()?;
+        let side = |n: usize| (n as f64 * s).round().max(0.0) as usize;
+        copy_and_output(inputs, "image", [b, side(h), side(w), c])
     }
 );
 
@@ -129,6 +189,11 @@ image_node!(
             inputs.usize("x")?,
             inputs.usize("y")?,
         )?))
+    },
+    estimate |inputs| {
+        let [b, h, w, c] = shape_of(inputs, "image")?;
+        let (width, height) = (inputs.usize("width").ok()?, inputs.usize("height").ok()?);
+        copy_and_output(inputs, "image", [b, height.min(h), width.min(w), c])
     }
 );
 
@@ -166,6 +231,13 @@ image_node!(
         let a = image_in(inputs, "image1")?;
         let b = image_in(inputs, "image2")?;
         one(image_out(imageops::batch(&a, &b)?))
+    },
+    estimate |inputs| {
+        // Both copies, image2 resized to image1's size, and the batch.
+        let [b1, h, w, c] = shape_of(inputs, "image1")?;
+        let [b2, ..] = shape_of(inputs, "image2")?;
+        let second = copy_and_output(inputs, "image2", [b2, h, w, c])?;
+        Some(second.saturating_add(2 * memory::f32_bytes(&[b1 + b2, h, w, c])))
     }
 );
 
@@ -182,6 +254,13 @@ image_node!(
             inputs.usize("batch_size")?,
             color,
         )?))
+    },
+    estimate |inputs| {
+        let dims = ["batch_size", "height", "width"].map(|n| inputs.usize(n).ok());
+        let [Some(b), Some(h), Some(w)] = dims else {
+            return None;
+        };
+        Some(memory::f32_bytes(&[b, h, w, 3]))
     }
 );
 

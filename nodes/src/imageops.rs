@@ -17,6 +17,7 @@
 //! `tools/reference/image_ops.py` regenerates the fixtures that
 //! `nodes/tests/imageops.rs` compares these functions against.
 
+use sdkit_engine::memory::{try_filled, try_with_capacity};
 use std::fmt;
 use std::str::FromStr;
 
@@ -46,9 +47,32 @@ pub enum ImageOpError {
     /// Any other argument ComfyUI/PyTorch would reject.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The output (of `shape`, f32) could not be allocated.
+    #[error("not enough memory for a {} image", shape.iter().map(usize::to_string).collect::<Vec<_>>().join("×"))]
+    OutOfMemory { shape: Vec<usize> },
 }
 
 type Result<T> = std::result::Result<T, ImageOpError>;
+
+/// `dims` elements set to `value`, or `OutOfMemory` when they cannot be
+/// allocated: sizes come from workflows, and an abort would take a server
+/// down.
+fn alloc_filled(dims: &[usize], value: f32) -> Result<Vec<f32>> {
+    let oom = || ImageOpError::OutOfMemory {
+        shape: dims.to_vec(),
+    };
+    let n = checked_numel(dims).ok_or_else(oom)?;
+    try_filled(n, value).map_err(|_| oom())
+}
+
+/// Room for `dims` elements, or `OutOfMemory`.
+fn alloc_empty(dims: &[usize]) -> Result<Vec<f32>> {
+    let oom = || ImageOpError::OutOfMemory {
+        shape: dims.to_vec(),
+    };
+    let n = checked_numel(dims).ok_or_else(oom)?;
+    try_with_capacity(n).map_err(|_| oom())
+}
 
 /// Element count of a shape, `None` if it could not be allocated as `f32`s
 /// (so oversized requests become errors instead of capacity panics).
@@ -95,16 +119,12 @@ impl Tensor4 {
 
     /// A tensor with every element set to `value` (`torch.full`).
     pub fn filled(b: usize, h: usize, w: usize, c: usize, value: f32) -> Result<Self> {
-        let n = checked_numel(&[b, h, w, c]).ok_or_else(|| ImageOpError::ShapeMismatch {
-            shape: vec![b, h, w, c],
-            len: 0,
-        })?;
         Ok(Self {
             b,
             h,
             w,
             c,
-            data: vec![value; n],
+            data: alloc_filled(&[b, h, w, c], value)?,
         })
     }
 
@@ -479,12 +499,12 @@ pub fn common_upscale(
     }
     let win = center_crop_window(img, width, height, crop)?;
     match method {
-        UpscaleMethod::NearestExact => Ok(nearest_exact(&win, width, height, layout)),
-        UpscaleMethod::Bilinear => Ok(bilinear(&win, width, height, layout)),
-        UpscaleMethod::Bicubic => Ok(bicubic(&win, width, height)),
-        UpscaleMethod::Area => Ok(area(&win, width, height, layout)),
+        UpscaleMethod::NearestExact => nearest_exact(&win, width, height, layout),
+        UpscaleMethod::Bilinear => bilinear(&win, width, height, layout),
+        UpscaleMethod::Bicubic => bicubic(&win, width, height),
+        UpscaleMethod::Area => area(&win, width, height, layout),
         UpscaleMethod::Lanczos => lanczos(&win, width, height),
-        UpscaleMethod::Bislerp => Ok(bislerp(&win, width, height)),
+        UpscaleMethod::Bislerp => bislerp(&win, width, height),
     }
 }
 
@@ -538,18 +558,23 @@ fn use_channels_last_kernel(
     (win.channels_last(layout) && win.src.c > 3) || (out_h + out_w <= 128)
 }
 
-fn new_output(b: usize, h: usize, w: usize, c: usize) -> Tensor4 {
-    Tensor4 {
+fn new_output(b: usize, h: usize, w: usize, c: usize) -> Result<Tensor4> {
+    Ok(Tensor4 {
         b,
         h,
         w,
         c,
-        data: vec![0.0; b * h * w * c],
-    }
+        data: alloc_filled(&[b, h, w, c], 0.0)?,
+    })
 }
 
 /// `F.interpolate(mode="nearest-exact")`.
-fn nearest_exact(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> Tensor4 {
+fn nearest_exact(
+    win: &Window<'_>,
+    out_w: usize,
+    out_h: usize,
+    layout: SourceLayout,
+) -> Result<Tensor4> {
     let cl = use_channels_last_kernel(win, out_w, out_h, layout);
     let xs: Vec<usize> = (0..out_w)
         .map(|o| nearest_exact_index(win.w, out_w, o, cl))
@@ -558,7 +583,7 @@ fn nearest_exact(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLay
         .map(|o| nearest_exact_index(win.h, out_h, o, cl))
         .collect();
     let c = win.src.c;
-    let mut out = new_output(win.src.b, out_h, out_w, c);
+    let mut out = new_output(win.src.b, out_h, out_w, c)?;
     let mut i = 0;
     for b in 0..win.src.b {
         for &sy in &ys {
@@ -570,7 +595,7 @@ fn nearest_exact(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLay
             }
         }
     }
-    out
+    Ok(out)
 }
 
 /// Source index of nearest-exact. The channels-last kernel uses
@@ -635,12 +660,12 @@ fn linear_taps(in_size: usize, out_size: usize, fused: bool) -> Vec<LinearTap> {
 }
 
 /// `F.interpolate(mode="bilinear", align_corners=False)`, no antialias.
-fn bilinear(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> Tensor4 {
+fn bilinear(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> Result<Tensor4> {
     let cl = use_channels_last_kernel(win, out_w, out_h, layout);
     let xs = linear_taps(win.w, out_w, cl);
     let ys = linear_taps(win.h, out_h, cl);
     let c = win.src.c;
-    let mut out = new_output(win.src.b, out_h, out_w, c);
+    let mut out = new_output(win.src.b, out_h, out_w, c)?;
     let mut i = 0;
     for b in 0..win.src.b {
         for ty in &ys {
@@ -673,7 +698,7 @@ fn bilinear(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) 
             }
         }
     }
-    out
+    Ok(out)
 }
 
 #[derive(Clone, Copy)]
@@ -735,11 +760,11 @@ fn cubic_combine(t: [f32; 4], w: [f32; 4]) -> f32 {
 
 /// `F.interpolate(mode="bicubic", align_corners=False)`: A = -0.75, border
 /// indices clamped, output not clamped.
-fn bicubic(win: &Window<'_>, out_w: usize, out_h: usize) -> Tensor4 {
+fn bicubic(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
     let xs = cubic_taps(win.w, out_w);
     let ys = cubic_taps(win.h, out_h);
     let c = win.src.c;
-    let mut out = new_output(win.src.b, out_h, out_w, c);
+    let mut out = new_output(win.src.b, out_h, out_w, c)?;
     let mut i = 0;
     for b in 0..win.src.b {
         for ty in &ys {
@@ -756,13 +781,13 @@ fn bicubic(win: &Window<'_>, out_w: usize, out_h: usize) -> Tensor4 {
             }
         }
     }
-    out
+    Ok(out)
 }
 
 /// `F.interpolate(mode="area")` = `adaptive_avg_pool2d`.
-fn area(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> Tensor4 {
+fn area(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> Result<Tensor4> {
     let c = win.src.c;
-    let mut out = new_output(win.src.b, out_h, out_w, c);
+    let mut out = new_output(win.src.b, out_h, out_w, c)?;
     if out_w == 1 && out_h == 1 {
         // adaptive_avg_pool2d short-cuts a 1x1 output to `mean((-1, -2))`,
         // i.e. PyTorch's cascade `sum` divided by h*w.
@@ -772,7 +797,7 @@ fn area(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> T
                 out.data[b * c + ch] = mean_hw(win, layout, b, ch) / n as f32;
             }
         }
-        return out;
+        return Ok(out);
     }
     // start_index = floor(o * in / out), end_index = ceil((o + 1) * in / out)
     let bounds = |o: usize, out_size: usize, in_size: usize| {
@@ -799,7 +824,7 @@ fn area(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> T
             }
         }
     }
-    out
+    Ok(out)
 }
 
 /// `sum` over height and width of one (batch, channel) of the window, in
@@ -1065,7 +1090,7 @@ fn lanczos(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
         });
     }
     let has_alpha = c != 3;
-    let mut out = new_output(win.src.b, out_h, out_w, c);
+    let mut out = new_output(win.src.b, out_h, out_w, c)?;
     let per_item = out_h * out_w * c;
     for b in 0..win.src.b {
         let mut px = Vec::with_capacity(win.h * win.w * c);
@@ -1189,13 +1214,13 @@ fn slerp_pixel(b1: &[f32], b2: &[f32], r: f32, out: &mut [f32]) {
 /// treating each pixel's channel vector as a direction plus a norm.
 /// Not bit-exact (PyTorch's `acos`/`sin`/`norm` differ from libm by an ULP
 /// or so); agrees to about 1e-6.
-fn bislerp(win: &Window<'_>, out_w: usize, out_h: usize) -> Tensor4 {
+fn bislerp(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
     let c = win.src.c;
     let n = win.src.b;
     let xs = bislerp_coords(win.w, out_w);
     let ys = bislerp_coords(win.h, out_h);
     // Width pass: (n, h, out_w, c).
-    let mut mid = vec![0f32; n * win.h * out_w * c];
+    let mut mid = alloc_filled(&[n, win.h, out_w, c], 0.0)?;
     let mut p1 = vec![0f32; c];
     let mut p2 = vec![0f32; c];
     for b in 0..n {
@@ -1211,7 +1236,7 @@ fn bislerp(win: &Window<'_>, out_w: usize, out_h: usize) -> Tensor4 {
         }
     }
     // Height pass.
-    let mut out = new_output(n, out_h, out_w, c);
+    let mut out = new_output(n, out_h, out_w, c)?;
     for b in 0..n {
         for (y, &(r, i1, i2)) in ys.iter().enumerate() {
             for x in 0..out_w {
@@ -1222,7 +1247,7 @@ fn bislerp(win: &Window<'_>, out_w: usize, out_h: usize) -> Tensor4 {
             }
         }
     }
-    out
+    Ok(out)
 }
 
 // ---------------------------------------------------------------------------
@@ -1333,7 +1358,7 @@ fn reflect_conv(img: &Tensor4, radius: usize, kernel: &[f32]) -> Result<Tensor4>
         q as usize
     };
     let (h, w, c) = (img.h, img.w, img.c);
-    let mut out = new_output(img.b, h, w, c);
+    let mut out = new_output(img.b, h, w, c)?;
     let rows: Vec<Vec<usize>> = (0..h)
         .map(|y| {
             (0..k)
@@ -1433,7 +1458,7 @@ pub fn crop(img: &Tensor4, width: usize, height: usize, x: usize, y: usize) -> R
     let x1 = x.saturating_add(width).min(img.w);
     let y1 = y.saturating_add(height).min(img.h);
     let (ow, oh, c) = (x1 - x, y1 - y, img.c);
-    let mut data = Vec::with_capacity(img.b * oh * ow * c);
+    let mut data = alloc_empty(&[img.b, oh, ow, c])?;
     for b in 0..img.b {
         for yy in y..y1 {
             let start = ((b * img.h + yy) * img.w + x) * c;
@@ -1475,7 +1500,7 @@ pub fn batch(image1: &Tensor4, image2: &Tensor4) -> Result<Tensor4> {
             image1.c, second.c
         )));
     }
-    let mut data = Vec::with_capacity(image1.data.len() + second.data.len());
+    let mut data = alloc_empty(&[image1.b + second.b, image1.h, image1.w, image1.c])?;
     data.extend_from_slice(&image1.data);
     data.extend_from_slice(&second.data);
     Ok(Tensor4 {
@@ -1555,15 +1580,11 @@ pub fn mask_to_image(mask: &Mask3) -> Tensor4 {
 pub fn solid_mask(value: f64, width: usize, height: usize) -> Result<Mask3> {
     nonzero(width, "width")?;
     nonzero(height, "height")?;
-    let n = checked_numel(&[height, width]).ok_or_else(|| ImageOpError::ShapeMismatch {
-        shape: vec![1, height, width],
-        len: 0,
-    })?;
     Ok(Mask3 {
         b: 1,
         h: height,
         w: width,
-        data: vec![value as f32; n],
+        data: alloc_filled(&[1, height, width], value as f32)?,
     })
 }
 
@@ -1586,12 +1607,8 @@ pub fn empty_image(width: usize, height: usize, batch_size: usize, color: u32) -
     let channel = |shift: u32| (((color >> shift) & 0xFF) as f64 / 255.0) as f32;
     let rgb = [channel(16), channel(8), channel(0)];
     let shape = [batch_size, height, width, 3];
-    let numel = checked_numel(&shape).ok_or_else(|| ImageOpError::ShapeMismatch {
-        shape: shape.to_vec(),
-        len: 0,
-    })?;
-    let mut data = Vec::with_capacity(numel);
-    for _ in 0..numel / 3 {
+    let mut data = alloc_empty(&shape)?;
+    for _ in 0..batch_size * height * width {
         data.extend_from_slice(&rgb);
     }
     Ok(Tensor4 {

@@ -1,10 +1,10 @@
-//! Image file nodes: LoadImage, SaveImage, PreviewImage.
+//! Image file nodes: LoadImage, SaveImage, PreviewImage. Decoding with
+//! size limits lives in [`crate::imagefile`].
 //!
 //! Pixel conversions follow ComfyUI exactly: loading divides 8-bit values by
 //! 255 in f32; saving computes `clip(255 * x, 0, 255)` and truncates to u8,
 //! as numpy's `astype(np.uint8)` does.
 
-use image::{DynamicImage, ImageDecoder, ImageReader};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use serde_json::{json, Value as Json};
 use std::collections::hash_map::DefaultHasher;
@@ -17,61 +17,7 @@ use std::sync::Mutex;
 /// mask when the file has no alpha).
 pub struct LoadImage;
 
-/// Decodes an image file, applying its EXIF orientation as ComfyUI's
-/// `ImageOps.exif_transpose` does.
-pub fn decode(path: &Path) -> Result<DynamicImage, NodeError> {
-    let reader = ImageReader::open(path)
-        .map_err(|e| NodeError::file(path, e))?
-        .with_guessed_format()
-        .map_err(|e| NodeError::file(path, e))?;
-    let mut decoder = reader
-        .into_decoder()
-        .map_err(|e| NodeError::file(path, format!("cannot decode image: {e}")))?;
-    let orientation = decoder.orientation().ok();
-    let mut img = DynamicImage::from_decoder(decoder)
-        .map_err(|e| NodeError::file(path, format!("cannot decode image: {e}")))?;
-    if let Some(o) = orientation {
-        img.apply_orientation(o);
-    }
-    Ok(img)
-}
-
-/// IMAGE and MASK tensors from a decoded image, as ComfyUI builds them.
-pub fn image_to_tensors(img: &DynamicImage) -> (Tensor, Tensor) {
-    let (w, h) = (img.width() as usize, img.height() as usize);
-    // 16-bit grayscale is PIL mode "I": ComfyUI scales it by 1/255 and
-    // clips to 8 bits, which saturates most values. Keep its behaviour.
-    let rgb = match img {
-        DynamicImage::ImageLuma16(g) => {
-            let mut out = image::RgbImage::new(w as u32, h as u32);
-            for (o, p) in out.pixels_mut().zip(g.pixels()) {
-                let v = (f64::from(p.0[0]) / 255.0).clamp(0.0, 255.0) as u8;
-                *o = image::Rgb([v, v, v]);
-            }
-            out
-        }
-        _ => img.to_rgb8(),
-    };
-    let data: Vec<f32> = rgb.as_raw().iter().map(|&v| f32::from(v) / 255.0).collect();
-    let image = Tensor {
-        shape: vec![1, h, w, 3],
-        data,
-    };
-    let mask = if img.color().has_alpha() {
-        let rgba = img.to_rgba8();
-        let data = rgba
-            .pixels()
-            .map(|p| 1.0 - f32::from(p.0[3]) / 255.0)
-            .collect();
-        Tensor {
-            shape: vec![1, h, w],
-            data,
-        }
-    } else {
-        Tensor::zeros(vec![1, 64, 64])
-    };
-    (image, mask)
-}
+pub use crate::imagefile::{decode, image_to_tensors};
 
 pub(crate) fn input_path(ctx: &NodeContext, name: &str) -> Result<PathBuf, NodeError> {
     ctx.paths
@@ -82,12 +28,18 @@ pub(crate) fn input_path(ctx: &NodeContext, name: &str) -> Result<PathBuf, NodeE
 impl NodeImpl for LoadImage {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let path = input_path(ctx, inputs.string("image")?)?;
-        let img = decode(&path)?;
-        let (image, mask) = image_to_tensors(&img);
+        let (image, mask) = crate::imagefile::load_tensors(&path, &ctx.cancel)?;
         Ok(NodeOutput::values(vec![
             Value::image(image),
             Value::mask(mask),
         ]))
+    }
+
+    /// From the file's header: refuses a decompression bomb before it is
+    /// decoded even when the process could hold it.
+    fn estimate_bytes(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<u64> {
+        let path = input_path(ctx, inputs.string("image").ok()?).ok()?;
+        crate::imagefile::estimate_load_bytes(&path)
     }
 
     /// The file's contents, so replacing the file re-runs the node.

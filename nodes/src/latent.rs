@@ -1,7 +1,8 @@
 //! Latent nodes that need no model.
 
 use crate::io::{input_path, python_json, save_target, SAVE_LOCK};
-use sdkit_engine::weights::{write_safetensors, DType, SafeTensors, TensorData};
+use sdkit_engine::memory;
+use sdkit_engine::weights::{write_safetensors_f32, F32TensorData, SafeTensors};
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -12,16 +13,24 @@ pub struct EmptyLatentImage;
 
 impl NodeImpl for EmptyLatentImage {
     fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        let w = inputs.usize("width")?;
-        let h = inputs.usize("height")?;
-        let b = inputs.usize("batch_size")?;
-        let samples = Tensor::zeros(vec![b, 4, h / 8, w / 8]);
+        let samples = Tensor::try_zeros(empty_latent_shape(inputs)?, "latent")?;
         Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
             samples,
             batch_index: None,
             noise_mask: None,
         }))]))
     }
+
+    fn estimate_bytes(&self, _ctx: &NodeContext, inputs: &Inputs) -> Option<u64> {
+        Some(memory::f32_bytes(&empty_latent_shape(inputs).ok()?))
+    }
+}
+
+fn empty_latent_shape(inputs: &Inputs) -> Result<Vec<usize>, NodeError> {
+    let w = inputs.usize("width")?;
+    let h = inputs.usize("height")?;
+    let b = inputs.usize("batch_size")?;
+    Ok(vec![b, 4, h / 8, w / 8])
 }
 
 /// ComfyUI's SaveLatent: `{prefix}_{counter:05}_.latent` in the output
@@ -39,12 +48,6 @@ impl NodeImpl for SaveLatent {
         for (k, v) in ctx.extra_pnginfo.iter() {
             meta.insert(k.clone(), python_json(v));
         }
-        let bytes: Vec<u8> = latent
-            .samples
-            .data
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
         let root = &ctx.paths.output;
         let _guard = SAVE_LOCK
             .lock()
@@ -52,11 +55,13 @@ impl NodeImpl for SaveLatent {
         let (folder, name, subfolder, counter) = save_target(root, prefix, 0, 0)?;
         let file = format!("{name}_{counter:05}_.latent");
         let path = folder.join(&file);
-        let tensors: [TensorData<'_>; 2] = [
-            ("latent_tensor", DType::F32, &latent.samples.shape, &bytes),
-            ("latent_format_version_0", DType::F32, &[0], &[]),
+        let tensors: [F32TensorData<'_>; 2] = [
+            ("latent_tensor", &latent.samples.shape, &latent.samples.data),
+            ("latent_format_version_0", &[0], &[]),
         ];
-        write_safetensors(&path, &tensors, &meta).map_err(|e| NodeError::file(&path, e))?;
+        let written = write_safetensors_f32(&path, &tensors, &meta, &|| !ctx.cancel.is_cancelled());
+        ctx.check_cancel()?;
+        written.map_err(|e| NodeError::file(&path, e))?;
         Ok(NodeOutput {
             values: Vec::new(),
             ui: Some(

@@ -8,6 +8,7 @@
 pub mod clip_tokenizer;
 pub mod diffusion;
 pub mod image;
+pub mod imagefile;
 pub mod imageops;
 pub mod io;
 pub mod latent;

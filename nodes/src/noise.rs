@@ -10,6 +10,9 @@
 //! can differ from it by an ulp or two (about 1e-7); the sequence and
 //! layout are the same.
 
+use sdkit_engine::memory::try_with_capacity;
+use sdkit_engine::{CancelToken, NodeError};
+
 /// MT19937, as PyTorch's `at::mt19937`.
 pub struct Mt19937 {
     state: [u32; 624],
@@ -92,12 +95,53 @@ impl Mt19937 {
 
     /// `torch.randn(n)` (float32) from this generator.
     pub fn randn(&mut self, n: usize) -> Vec<f32> {
-        if n < 16 {
-            return (0..n).map(|_| self.normal_f64() as f32).collect();
+        let mut data = Vec::with_capacity(n);
+        self.fill_normal(&mut data, n, &|| false);
+        data
+    }
+
+    /// [`Self::randn`] for sizes that come from a workflow: allocation
+    /// failure and cancellation (checked every million values, so an
+    /// interrupt is seen within milliseconds) become node errors.
+    pub fn try_randn(&mut self, n: usize, cancel: &CancelToken) -> Result<Vec<f32>, NodeError> {
+        let mut data = try_with_capacity(n).map_err(|e| NodeError::OutOfMemory {
+            what: format!("noise of {n} values"),
+            bytes: e.bytes,
+            available: None,
+        })?;
+        if self.fill_normal(&mut data, n, &|| cancel.is_cancelled()) {
+            Ok(data)
+        } else {
+            Err(NodeError::Interrupted)
         }
-        let mut data: Vec<f32> = (0..n).map(|_| self.uniform_f32()).collect();
-        for start in (0..=n - 16).step_by(16) {
-            box_muller_16(&mut data[start..start + 16]);
+    }
+
+    /// Appends `torch.randn(n)` to the empty `data`, which has room for
+    /// it; false when `stop` said so before the end (the generator is then
+    /// left mid-sequence).
+    fn fill_normal(&mut self, data: &mut Vec<f32>, n: usize, stop: &dyn Fn() -> bool) -> bool {
+        const CHUNK: usize = 1 << 20;
+        if n < 16 {
+            data.extend((0..n).map(|_| self.normal_f64() as f32));
+            return true;
+        }
+        // Uniforms first, a chunk at a time (pages are touched only as
+        // they are filled), then Box-Muller over whole blocks of 16.
+        while data.len() < n {
+            if stop() {
+                return false;
+            }
+            let len = CHUNK.min(n - data.len());
+            data.extend((0..len).map(|_| self.uniform_f32()));
+        }
+        // CHUNK is a multiple of 16, so blocks never straddle chunks.
+        for (c, chunk) in data[..n - n % 16].chunks_mut(CHUNK).enumerate() {
+            if c > 0 && stop() {
+                return false;
+            }
+            for block in chunk.chunks_exact_mut(16) {
+                box_muller_16(block);
+            }
         }
         if !n.is_multiple_of(16) {
             // The tail is redrawn as a whole block of the last 16.
@@ -107,7 +151,7 @@ impl Mt19937 {
             }
             box_muller_16(&mut data[start..]);
         }
-        data
+        true
     }
 }
 
@@ -125,27 +169,42 @@ fn box_muller_16(d: &mut [f32]) {
 
 /// ComfyUI's `prepare_noise` for a latent of `shape` without batch
 /// indices: one `torch.randn(shape)` after seeding.
-pub fn prepare_noise(seed: u64, shape: &[usize]) -> Vec<f32> {
-    Mt19937::new(seed).randn(shape.iter().product())
+pub fn prepare_noise(
+    seed: u64,
+    shape: &[usize],
+    cancel: &CancelToken,
+) -> Result<Vec<f32>, NodeError> {
+    Mt19937::new(seed).try_randn(shape.iter().product(), cancel)
 }
 
 /// ComfyUI's `prepare_noise` with batch indices (a latent from
 /// LatentFromBatch/RepeatLatentBatch): one `torch.randn([1, ...])` per index
 /// from 0 to the largest, in order from one generator, each sample taking
 /// the noise of its index.
-pub fn prepare_noise_indexed(seed: u64, shape: &[usize], indices: &[i64]) -> Vec<f32> {
+pub fn prepare_noise_indexed(
+    seed: u64,
+    shape: &[usize],
+    indices: &[i64],
+    cancel: &CancelToken,
+) -> Result<Vec<f32>, NodeError> {
     let per: usize = shape.iter().skip(1).product();
     let max = indices.iter().copied().max().unwrap_or(-1);
     let mut gen = Mt19937::new(seed);
-    let draws: Vec<Vec<f32>> = (0..=max).map(|_| gen.randn(per)).collect();
-    indices
-        .iter()
-        .flat_map(|&i| {
-            usize::try_from(i)
-                .ok()
-                .and_then(|i| draws.get(i))
-                .cloned()
-                .unwrap_or_else(|| vec![0.0; per])
-        })
-        .collect()
+    let draws = (0..=max)
+        .map(|_| gen.try_randn(per, cancel))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut out = try_with_capacity(per.saturating_mul(indices.len())).map_err(|e| {
+        NodeError::OutOfMemory {
+            what: format!("noise for {} latents", indices.len()),
+            bytes: e.bytes,
+            available: None,
+        }
+    })?;
+    for &i in indices {
+        match usize::try_from(i).ok().and_then(|i| draws.get(i)) {
+            Some(d) => out.extend_from_slice(d),
+            None => out.resize(out.len() + per, 0.0),
+        }
+    }
+    Ok(out)
 }

@@ -259,7 +259,9 @@ pub async fn view(
     let channel = q.get("channel").cloned().unwrap_or_else(|| "rgba".into());
     let result = tokio::task::spawn_blocking(move || -> Result<Response, StatusCode> {
         if preview.is_some() || channel == "rgb" || channel == "a" {
-            let img = image::open(&file).map_err(|_| StatusCode::UNSUPPORTED_MEDIA_TYPE)?;
+            // Size-limited: a decompression bomb must not take the server down.
+            let img = sdkit_nodes::imagefile::decode(&file)
+                .map_err(|_| StatusCode::UNSUPPORTED_MEDIA_TYPE)?;
             if let Some(p) = preview {
                 // Previews as JPEG (quality from "jpeg;NN"); sdkit has no
                 // lossy WebP encoder, and alpha previews go out as PNG.

@@ -241,6 +241,19 @@ impl NodeImpl for KSampler {
         s.denoise = inputs.float("denoise")?;
         common_ksampler(ctx, inputs, &s)
     }
+
+    fn estimate_bytes(&self, _ctx: &NodeContext, inputs: &Inputs) -> Option<u64> {
+        sampler_host_bytes(inputs, "latent_image")
+    }
+}
+
+/// The host memory a sampler holds besides the model: about ten copies of
+/// the latent (noise, the scaled input, the state, the sampler's history,
+/// predictions, the result). Only a guard against sizes that cannot work;
+/// the device's own memory is planned elsewhere.
+pub(crate) fn sampler_host_bytes(inputs: &Inputs, latent: &str) -> Option<u64> {
+    let l = inputs.latent(latent).ok()?;
+    Some(sdkit_engine::memory::f32_bytes(&l.samples.shape).saturating_mul(10))
 }
 
 /// ComfyUI's KSamplerAdvanced: noise on or off, a step range of the full
@@ -259,6 +272,10 @@ impl NodeImpl for KSamplerAdvanced {
         s.last_step = Some(inputs.usize("end_at_step")?);
         s.force_full_denoise = inputs.string("return_with_leftover_noise")? != "enable";
         common_ksampler(ctx, inputs, &s)
+    }
+
+    fn estimate_bytes(&self, _ctx: &NodeContext, inputs: &Inputs) -> Option<u64> {
+        sampler_host_bytes(inputs, "latent_image")
     }
 }
 
@@ -298,8 +315,8 @@ pub fn sample(
     // Initial noise (zeros when disabled, as common_ksampler does).
     let noise = match (noise_seed, &latent.batch_index) {
         (None, _) => vec![0.0; latent.samples.numel()],
-        (Some(seed), Some(inds)) => prepare_noise_indexed(seed, &shape, inds),
-        (Some(seed), None) => prepare_noise(seed, &shape),
+        (Some(seed), Some(inds)) => prepare_noise_indexed(seed, &shape, inds, &ctx.cancel)?,
+        (Some(seed), None) => prepare_noise(seed, &shape, &ctx.cancel)?,
     };
     let scale = model.latent_scale;
     let zero = latent.samples.data.iter().all(|&v| v == 0.0);
@@ -503,6 +520,7 @@ pub fn sample(
         .map(|d| Tensor::new(shape.clone(), d.iter().map(|v| v / scale).collect()))
         .transpose()
         .map_err(NodeError::invalid)?;
+    ctx.warn_non_finite("the sampled latent", &out);
     Ok((Tensor::new(shape, out).map_err(NodeError::invalid)?, x0))
 }
 

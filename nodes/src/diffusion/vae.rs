@@ -302,7 +302,20 @@ impl NodeImpl for VaeDecode {
         let vae: Arc<Vae> = input(inputs, "vae", "VAE")?;
         let latent = inputs.latent("samples")?;
         let image = vae.decode(ctx, &latent.samples)?;
+        ctx.warn_non_finite("the decoded image", &image.data);
         Ok(NodeOutput::values(vec![Value::image(image)]))
+    }
+
+    /// The image on the host, twice (read back, then laid out as IMAGE).
+    fn estimate_bytes(&self, _ctx: &NodeContext, inputs: &Inputs) -> Option<u64> {
+        let vae: Arc<Vae> = input(inputs, "vae", "VAE").ok()?;
+        let shape = &inputs.latent("samples").ok()?.samples.shape;
+        let f = vae.downscale();
+        let &[b, _, h, w] = shape.as_slice() else {
+            return None;
+        };
+        let image = sdkit_engine::memory::f32_bytes(&[b, h * f, w * f, 3]);
+        Some(image.saturating_mul(2))
     }
 }
 
@@ -346,6 +359,7 @@ impl NodeImpl for VaeDecodeTiled {
         }
         let f = vae.downscale();
         let image = vae.decode_tiled(ctx, &latent.samples, tile / f, tile / f, overlap / f)?;
+        ctx.warn_non_finite("the decoded image", &image.data);
         Ok(NodeOutput::values(vec![Value::image(image)]))
     }
 }
