@@ -671,6 +671,7 @@ pub async fn run_graph(
 fn run_command(args: RunArgs) -> Result<i32> {
     let lib = Arc::new(sdkit_nodes::library());
     let paths = args.dirs.paths()?;
+    crate::sweep::stale_temp_files(&paths, None);
     let graph = match load_and_validate(&args.file, &args.set, &lib, &paths)? {
         Loaded::Ok(g) => g,
         Loaded::Invalid(d) => {

@@ -25,6 +25,7 @@ pub fn watch(args: RunArgs) -> Result<i32> {
 async fn watch_async(args: RunArgs) -> Result<i32> {
     let lib = Arc::new(sdkit_nodes::library());
     let paths = args.dirs.paths()?;
+    crate::sweep::stale_temp_files(&paths, None);
     let exec = args.executor(lib.clone(), paths.clone())?;
     let (sink, progress) = event_sink(&args)?;
 

@@ -966,26 +966,18 @@ pub fn write_safetensors(
         path: path.to_path_buf(),
         source,
     };
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".sdkit-weights-")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(io)?;
+    // A pid-named temporary (see `atomic`), so that one a killed process
+    // leaves is removed at the next start; on error it is removed on drop.
+    let mut tmp = crate::atomic::TempFile::beside(path).map_err(io)?;
     {
-        let mut w = BufWriter::new(tmp.as_file_mut());
+        let mut w = BufWriter::new(tmp.file().map_err(io)?);
         w.write_all(&header).map_err(io)?;
         for (_, _, _, data) in tensors {
             w.write_all(data).map_err(io)?;
         }
         w.flush().map_err(io)?;
     }
-    tmp.as_file().sync_all().map_err(io)?;
-    // On error the temporary file is deleted when `PersistError` drops.
-    tmp.persist(path).map_err(|e| io(e.error))?;
+    tmp.persist(path).map_err(io)?;
     Ok(())
 }
 

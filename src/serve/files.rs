@@ -310,13 +310,13 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
 /// old one.
 fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    // Pid-named (and short whatever the name), so a killed server's are swept.
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = sdkit_engine::atomic::temp_path(dir, &name);
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(data)?;

@@ -113,6 +113,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         std::fs::create_dir_all(user_dir.join(sub))
             .with_context(|| format!("cannot create {}", user_dir.join(sub).display()))?;
     }
+    crate::sweep::stale_temp_files(&paths, Some(&user_dir));
     if let Some(fe) = &args.front_end {
         if !fe.join("index.html").is_file() {
             anyhow::bail!("--front-end {}: no index.html there", fe.display());
