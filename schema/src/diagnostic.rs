@@ -2,7 +2,47 @@
 
 use crate::syntax::Pos;
 use serde::Serialize;
+use std::borrow::Cow;
 use std::fmt;
+
+/// The most of a user's value (in characters) a message echoes.
+pub const ECHO_CHARS: usize = 200;
+
+/// A message longer than this (in bytes) is cut in the middle: it echoes
+/// a value too long to read (a 120 KB `--set` value, a 20 MB string in a
+/// workflow), and the reader needs its start and the message's end.
+const MESSAGE_MAX: usize = 1000;
+
+/// `value` as a message echoes it: whole when short, else its first 200
+/// characters and its size.
+pub fn echo(value: &str) -> Cow<'_, str> {
+    match value.char_indices().nth(ECHO_CHARS) {
+        None => Cow::Borrowed(value),
+        Some((cut, _)) => Cow::Owned(format!("{}… ({} bytes)", &value[..cut], value.len())),
+    }
+}
+
+/// `message`, cut in the middle when longer than [`MESSAGE_MAX`] bytes.
+fn cap_message(message: String) -> String {
+    if message.len() <= MESSAGE_MAX {
+        return message;
+    }
+    let head = message
+        .char_indices()
+        .nth(ECHO_CHARS)
+        .map_or(message.len(), |(i, _)| i);
+    let tail = message
+        .char_indices()
+        .rev()
+        .nth(ECHO_CHARS / 2 - 1)
+        .map_or(head, |(i, _)| i.max(head));
+    format!(
+        "{}… ({} bytes) …{}",
+        &message[..head],
+        message.len(),
+        &message[tail..]
+    )
+}
 
 /// The kind of a problem, spelled as ComfyUI spells its validation error
 /// types where ComfyUI has one, so API clients can match on them.
@@ -83,7 +123,7 @@ impl Diagnostic {
         Diagnostic {
             kind,
             severity: Severity::Error,
-            message: message.into(),
+            message: cap_message(message.into()),
             node_id: None,
             node_type: None,
             input: None,
@@ -147,5 +187,21 @@ impl fmt::Display for Diagnostic {
             write!(f, " input \"{i}\"")?;
         }
         write!(f, ": {}", self.message)
+    }
+}
+
+#[cfg(test)]
+mod echo_tests {
+    use super::*;
+
+    #[test]
+    fn long_values_and_messages_are_cut_on_character_boundaries() {
+        assert_eq!(echo("short"), "short");
+        let long = "é".repeat(5000);
+        let e = echo(&long);
+        assert!(e.starts_with(&"é".repeat(ECHO_CHARS)) && e.ends_with("… (10000 bytes)"));
+        let d = Diagnostic::error(DiagKind::InvalidInputType, format!("\"{long}\" is no int"));
+        assert!(d.message.len() < 1000, "{}", d.message);
+        assert!(d.message.ends_with("é\" is no int") && d.message.contains("(10012 bytes)"));
     }
 }
