@@ -9,12 +9,14 @@
 //! Layout: [`queue`] (pending/running/history and the worker), [`ws`]
 //! (clients and message fan-out), [`files`] (`/view`, `/upload/image`,
 //! `/userdata`, the front-end folder; every path confined to its base),
-//! [`routes`] (the router, the Host/Origin check and the JSON routes).
+//! [`routes`] (the router, the Host/Origin check and the JSON routes),
+//! [`templates`] (sdkit's example workflows as the front end's templates).
 
 mod files;
 mod jobs;
 mod queue;
 mod routes;
+mod templates;
 mod ws;
 
 use crate::cli::DirArgs;

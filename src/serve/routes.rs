@@ -79,9 +79,7 @@ pub fn router(server: Arc<Server>) -> Router {
     Router::new()
         .merge(api.clone())
         .nest("/api", api)
-        // Workflow templates come with ComfyUI's template package; sdkit
-        // ships none.
-        .route("/templates/index.json", get(empty_list))
+        .merge(super::templates::router())
         .fallback(files::front_end)
         .layer(middleware::from_fn(origin_check))
         .layer(DefaultBodyLimit::max(limit))
