@@ -511,7 +511,7 @@ pub fn load_and_validate(
         Ok(wf) => wf,
         Err(d) => return Ok(Loaded::Invalid(d)),
     };
-    if let Err(d) = apply_sets(&mut wf, sets) {
+    if let Err(d) = apply_sets(&mut wf, sets, &lib.registry) {
         return Ok(Loaded::Invalid(d));
     }
     Ok(match validate_for(&wf, lib, paths, outputs) {
@@ -520,28 +520,61 @@ pub fn load_and_validate(
     })
 }
 
-/// Applies `NODE.INPUT=VALUE` overrides.
-fn apply_sets(wf: &mut Workflow, sets: &[String]) -> Result<(), Vec<Diagnostic>> {
+/// Applies `NODE.INPUT=VALUE` overrides. An input the node's type does
+/// not have is an error here, though a file's unknown input is a warning:
+/// a file may come from a newer ComfyUI, a `--set` is a typo.
+fn apply_sets(
+    wf: &mut Workflow,
+    sets: &[String],
+    registry: &sdkit_schema::Registry,
+) -> Result<(), Vec<Diagnostic>> {
+    use sdkit_schema::diagnostic::echo;
     let mut errors = Vec::new();
+    let mut error = |msg: String| {
+        errors.push(Diagnostic::error(
+            sdkit_schema::DiagKind::InvalidPrompt,
+            msg,
+        ))
+    };
     for s in sets {
         let parsed = s.split_once('=').and_then(|(lhs, v)| {
             let (node, input) = lhs.rsplit_once('.')?;
             Some((node.trim(), input.trim(), v))
         });
         let Some((node, input, value)) = parsed else {
-            errors.push(Diagnostic::error(
-                sdkit_schema::DiagKind::InvalidPrompt,
-                format!("--set {s}: expected NODE.INPUT=VALUE"),
-            ));
+            error(format!("--set {}: expected NODE.INPUT=VALUE", echo(s)));
             continue;
         };
         let Some(doc) = wf.node_mut(node) else {
-            errors.push(Diagnostic::error(
-                sdkit_schema::DiagKind::InvalidPrompt,
-                format!("--set {s}: no node \"{node}\" in the workflow"),
+            error(format!(
+                "--set {}: no node \"{}\" in the workflow",
+                echo(s),
+                echo(node)
             ));
             continue;
         };
+        if input.is_empty() {
+            error(format!(
+                "--set {}: no input name after \"{}.\"",
+                echo(s),
+                echo(node)
+            ));
+            continue;
+        }
+        // A node of an unknown type is reported by validation.
+        if let Some(spec) = registry.get(&doc.class_type) {
+            if spec.input(input).is_none() {
+                let names: Vec<&str> = spec.inputs.iter().map(|i| i.name.as_str()).collect();
+                error(format!(
+                    "--set {}: {} has no input \"{}\" (its inputs: {})",
+                    echo(s),
+                    spec.name,
+                    echo(input),
+                    names.join(", ")
+                ));
+                continue;
+            }
+        }
         let value = workflow::parse_input_value(value);
         match doc.input_mut(input) {
             Some(i) => i.value = value,
@@ -689,6 +722,7 @@ pub async fn run_graph(
 fn run_command(args: RunArgs) -> Result<i32> {
     let lib = Arc::new(sdkit_nodes::library());
     let paths = args.dirs.paths()?;
+    crate::sweep::stale_temp_files(&paths, None);
     let graph = match load_and_validate(&args.file, &args.set, &lib, &paths, args.outputs())? {
         Loaded::Ok(g) => g,
         Loaded::Invalid(d) => {

@@ -3,6 +3,7 @@
 mod cli;
 mod progress;
 mod serve;
+mod sweep;
 mod watch;
 
 use clap::Parser;

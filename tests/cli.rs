@@ -139,7 +139,10 @@ fn broken_variants_report_golden_diagnostics() {
             .output()
             .expect("runs");
         assert_eq!(o.status.code(), Some(2), "{rel}: {}", text(&o));
-        let got: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON diagnostics");
+        // Messages name folders under the (temporary) base folder.
+        let stdout =
+            String::from_utf8_lossy(&o.stdout).replace(&base.path().display().to_string(), "$BASE");
+        let got: serde_json::Value = serde_json::from_str(&stdout).expect("JSON diagnostics");
         let diags = got["diagnostics"].as_array().expect("diagnostics");
         assert!(
             diags.iter().any(|d| d["severity"] == "error"),
@@ -215,6 +218,56 @@ fn set_overrides_inputs() {
         &["run", "-q", &p.to_string_lossy(), "--set", "scale.width=-3"],
     );
     assert_eq!(bad.status.code(), Some(2), "{}", text(&bad));
+}
+
+/// `--set` naming an input the node's type lacks, or no input, is an
+/// error (exit 2, nothing run), not a warning.
+#[test]
+fn set_refuses_unknown_and_empty_input_names() {
+    let base = base_dir();
+    let p = root().join("graphs/image_pipeline.ron");
+    for (set, says) in [
+        ("scale.nope=64", "ImageScale has no input \"nope\""),
+        ("scale.=64", "no input name after \"scale.\""),
+    ] {
+        let o = run_in(
+            base.path(),
+            &["run", "-q", &p.to_string_lossy(), "--set", set],
+        );
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(&format!("--set {set}: ")) && err.contains(says),
+            "{err}"
+        );
+    }
+    assert!(files_under(&base.path().join("output")).is_empty());
+}
+
+/// A 120 KB value is echoed as its first 200 characters and its size,
+/// wherever the error about it is made.
+#[test]
+fn errors_echo_long_values_capped() {
+    let base = base_dir();
+    let p = root().join("graphs/image_pipeline.ron");
+    let long = "y".repeat(120_000);
+    for set in [
+        format!("scale.width={long}"),
+        format!("load.image={long}"),
+        format!("scale.{long}=1"),
+        format!("{long}.width=1"),
+        format!("scale.width{long}"),
+    ] {
+        let o = run_in(
+            base.path(),
+            &["run", "-q", &p.to_string_lossy(), "--set", &set],
+        );
+        assert_eq!(o.status.code(), Some(2), "{}", &text(&o)[..2000]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.len() < 2000, "{} bytes of errors", err.len());
+        assert!(err.contains(&"y".repeat(150)), "{err}");
+        assert!(err.contains("bytes)"), "{err}");
+    }
 }
 
 #[test]

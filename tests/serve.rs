@@ -1061,3 +1061,73 @@ fn prompts_run_their_valid_outputs_and_report_the_rest() {
     assert!(line.contains(" 413 "), "{line}");
     assert_eq!(get(a, "/queue").json()["queue_pending"], json!([]));
 }
+
+/// The front end's template browser (`/templates/index.json`) lists
+/// sdkit's example workflows that this server can run: the image-only ones
+/// on a fresh base folder, a model workflow once its checkpoint is there.
+/// Each listed one loads as a UI workflow and, queued as the front end
+/// queues it (converted to the API form), runs.
+#[test]
+fn templates_list_the_examples_this_server_can_run() {
+    let s = start(&[]);
+    let a = &s.addr;
+    let listed = || -> Vec<String> {
+        let index = get(a, "/templates/index.json").json();
+        assert_eq!(index[0]["moduleName"], "default");
+        index[0]["templates"]
+            .as_array()
+            .expect("templates")
+            .iter()
+            .map(|t| {
+                assert_eq!(t["mediaSubtype"], "png");
+                t["name"].as_str().expect("name").to_string()
+            })
+            .collect()
+    };
+    let names = listed();
+    assert!(
+        names.contains(&"sdkit_image_pipeline".to_string()),
+        "{names:?}"
+    );
+    assert!(names.contains(&"sdkit_mask_ops".to_string()), "{names:?}");
+    assert!(
+        !names.contains(&"sdkit_sd15_txt2img".to_string()),
+        "{names:?}"
+    );
+    let ckpts = s.base.path().join("models/checkpoints");
+    std::fs::create_dir_all(&ckpts).expect("mkdir");
+    std::fs::write(ckpts.join("v1-5-pruned-emaonly.safetensors"), b"").expect("write");
+    assert!(listed().contains(&"sdkit_sd15_txt2img".to_string()));
+
+    let thumb = get(a, "/templates/sdkit_mask_ops-1.png");
+    assert_eq!(thumb.status, 200);
+    assert!(thumb.body.starts_with(b"\x89PNG"));
+    assert_eq!(get(a, "/templates/nothing.json").status, 404);
+
+    let lib = sdkit_nodes::library();
+    let mut ws = ws_connect(a, "templates");
+    for name in names {
+        let ui = get(a, &format!("/templates/{name}.json")).json();
+        let wf = sdkit_schema::workflow::load_json(&ui, &lib.registry)
+            .unwrap_or_else(|d| panic!("{name}: {d:?}"));
+        assert_eq!(wf.format, sdkit_schema::Format::ComfyUi, "{name}");
+        let body = json!({
+            "prompt": wf.to_api_json(&lib.registry),
+            "client_id": "templates",
+            "extra_data": {"extra_pnginfo": {"workflow": ui}},
+        });
+        let r = post_json(a, "/prompt", &body);
+        assert_eq!(
+            r.status,
+            200,
+            "{name}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let id = r.json()["prompt_id"].as_str().expect("id").to_string();
+        let msgs = ws_until_done(&mut ws, &id);
+        assert!(
+            msgs.iter().any(|m| m["type"] == "execution_success"),
+            "{name}: {msgs:?}"
+        );
+    }
+}

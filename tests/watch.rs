@@ -170,3 +170,43 @@ fn free_after_run_drops_the_cache_between_runs() {
         .filter(|e| e["type"] == "execution_cached")
         .all(|e| e["data"]["nodes"].as_array().is_some_and(Vec::is_empty)));
 }
+
+/// `watch links/a.ron` where `a.ron → b.ron → ../real/wf.ron`: edits of
+/// the real file (written in place or saved by rename) re-run, and so does
+/// pointing a link elsewhere, after which the new target is watched.
+#[cfg(unix)]
+#[test]
+fn watch_follows_a_chain_of_links_to_the_real_file() {
+    use std::os::unix::fs::symlink;
+    let base = base_with_example();
+    let mkdir = |d: &str| {
+        let p = base.path().join(d);
+        std::fs::create_dir_all(&p).expect("mkdir");
+        p
+    };
+    let (real, other, links) = (mkdir("real"), mkdir("other"), mkdir("links"));
+    std::fs::write(real.join("wf.ron"), WORKFLOW.replace("WIDTH", "32")).expect("write");
+    symlink("../real/wf.ron", links.join("b.ron")).expect("link");
+    symlink("b.ron", links.join("a.ron")).expect("link");
+    let w = start(base.path(), &links.join("a.ron"));
+    assert_eq!(
+        executed(&w.next_run()),
+        ["inv", "load", "mask", "save", "save_mask", "scale"]
+    );
+    std::thread::sleep(Duration::from_millis(300));
+
+    std::fs::write(real.join("wf.ron"), WORKFLOW.replace("WIDTH", "16")).expect("write");
+    assert_eq!(executed(&w.next_run()), ["inv", "save", "scale"]);
+
+    save_via_rename(&real.join("wf.ron"), &WORKFLOW.replace("WIDTH", "8"));
+    assert_eq!(executed(&w.next_run()), ["inv", "save", "scale"]);
+
+    // Point the middle link at a file in a folder not watched so far.
+    std::fs::write(other.join("wf.ron"), WORKFLOW.replace("WIDTH", "4")).expect("write");
+    std::fs::remove_file(links.join("b.ron")).expect("unlink");
+    symlink("../other/wf.ron", links.join("b.ron")).expect("link");
+    assert_eq!(executed(&w.next_run()), ["inv", "save", "scale"]);
+    std::thread::sleep(Duration::from_millis(300));
+    save_via_rename(&other.join("wf.ron"), &WORKFLOW.replace("WIDTH", "2"));
+    assert_eq!(executed(&w.next_run()), ["inv", "save", "scale"]);
+}

@@ -15,7 +15,6 @@ use crate::paths::Paths;
 use crate::plan::schedule::{ScheduledUse, UseSchedule};
 use crate::runtime::Runtime;
 use crate::value::Value;
-use sdkit_schema::diagnostic::MAX_MESSAGE;
 use serde_json::{Map, Value as Json};
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -515,8 +514,7 @@ impl Executor {
             let node = &graph.nodes[i];
             // A node's error may quote an input (a path, a prefix) that is
             // megabytes long; the report keeps its start.
-            let message =
-                sdkit_schema::diagnostic::shorten(&e.to_string(), MAX_MESSAGE).into_owned();
+            let message = sdkit_schema::diagnostic::cap_message(e.to_string());
             emit(Event::ExecutionError {
                 prompt_id: pid.clone(),
                 node_id: node.id.clone(),

@@ -201,9 +201,13 @@ fn check_range(
                 } else {
                     format!("{opts:?}")
                 };
+                let hint = combos.missing_hint(options).map(|h| format!(" — {h}"));
                 Some((
                     DiagKind::ValueNotInList,
-                    format!("Value not in list: '{s}' not in {list}"),
+                    format!(
+                        "Value not in list: '{s}' not in {list}{}",
+                        hint.unwrap_or_default()
+                    ),
                 ))
             }
         }

@@ -12,7 +12,10 @@
 //! * [`backend`]: backends that replay Programs (`cpu`, `wgpu`).
 //! * [`runtime`]: the device a run's nodes use, over the backends.
 //! * [`weights`]: safetensors files, memory-mapped and lazy.
+//! * [`atomic`]: atomic writes through pid-named temporary files, and the
+//!   sweep that removes those of writers that died.
 
+pub mod atomic;
 pub mod backend;
 pub mod event;
 pub mod exec;

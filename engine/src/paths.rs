@@ -150,4 +150,25 @@ impl ComboSource for Paths {
             ComboOptions::Models(folder) => self.model(folder, value).is_some_and(|p| p.is_file()),
         }
     }
+
+    /// For model files: the folder searched, as an absolute path, and that
+    /// the file goes there; a first run's `not in []` says nothing else.
+    fn missing_hint(&self, options: &ComboOptions) -> Option<String> {
+        let ComboOptions::Models(folder) = options else {
+            return None;
+        };
+        let dir = self.models.join(folder);
+        let dir = std::path::absolute(&dir).unwrap_or(dir);
+        // "checkpoints" → "checkpoint", "text_encoders" → "text encoder".
+        let kind = folder.strip_suffix('s').unwrap_or(folder).replace('_', " ");
+        let found = if list_files(&dir, MODEL_EXTENSIONS, true).is_empty() {
+            "no files in"
+        } else {
+            "looked in"
+        };
+        Some(format!(
+            "{found} {}; put the {kind} file there or pass --models-dir",
+            dir.display()
+        ))
+    }
 }

@@ -1035,27 +1035,16 @@ fn write_atomic(
         path: path.to_path_buf(),
         source,
     };
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(".sdkit-weights-").suffix(".tmp");
-    #[cfg(unix)]
+    // A pid-named temporary (see `atomic`), so that one a killed process
+    // leaves is removed at the next start; on error it is removed on drop.
+    let mut tmp = crate::atomic::TempFile::beside(path).map_err(io)?;
     {
-        use std::os::unix::fs::PermissionsExt;
-        builder.permissions(std::fs::Permissions::from_mode(0o666));
-    }
-    let mut tmp = builder.tempfile_in(dir).map_err(io)?;
-    {
-        let mut w = BufWriter::new(tmp.as_file_mut());
+        let mut w = BufWriter::new(tmp.file().map_err(io)?);
         w.write_all(header).map_err(io)?;
         body(&mut w).map_err(io)?;
         w.flush().map_err(io)?;
     }
-    tmp.as_file().sync_all().map_err(io)?;
-    // On error the temporary file is deleted when `PersistError` drops.
-    tmp.persist(path).map_err(|e| io(e.error))?;
+    tmp.persist(path).map_err(io)?;
     Ok(())
 }
 

@@ -320,14 +320,9 @@ fn save_batch(
                 return Err(NodeError::invalid(e));
             }
         };
-        // Unique per process, run, node and image, so concurrent runs in
-        // one server never share a temporary file.
-        let tmp = root.join(format!(
-            ".sdkit-{}-{}-{}-{i}.png.tmp",
-            std::process::id(),
-            ctx.prompt_id,
-            ctx.node_id.replace(['/', '\\'], "_")
-        ));
+        // Unique per call, so concurrent runs in one server never share a
+        // temporary file; pid-named, so a killed process's are swept.
+        let tmp = sdkit_engine::atomic::temp_path(root, &format!("{}-{i}.png", ctx.node_id));
         let written = std::fs::File::create(&tmp).and_then(|mut f| {
             f.write_all(&png)?;
             f.sync_all()

@@ -2,7 +2,47 @@
 
 use crate::syntax::Pos;
 use serde::Serialize;
+use std::borrow::Cow;
 use std::fmt;
+
+/// The most of a user's value (in characters) a message echoes.
+pub const ECHO_CHARS: usize = 200;
+
+/// A message longer than this (in bytes) is cut in the middle: it echoes
+/// a value too long to read (a 120 KB `--set` value, a 20 MB string in a
+/// workflow), and the reader needs its start and the message's end.
+const MESSAGE_MAX: usize = 2000;
+
+/// `value` as a message echoes it: whole when short, else its first 200
+/// characters and its size.
+pub fn echo(value: &str) -> Cow<'_, str> {
+    match value.char_indices().nth(ECHO_CHARS) {
+        None => Cow::Borrowed(value),
+        Some((cut, _)) => Cow::Owned(format!("{}… ({} bytes)", &value[..cut], value.len())),
+    }
+}
+
+/// `message`, cut in the middle when longer than [`MESSAGE_MAX`] bytes.
+pub fn cap_message(message: String) -> String {
+    if message.len() <= MESSAGE_MAX {
+        return message;
+    }
+    let head = message
+        .char_indices()
+        .nth(ECHO_CHARS)
+        .map_or(message.len(), |(i, _)| i);
+    let tail = message
+        .char_indices()
+        .rev()
+        .nth(ECHO_CHARS / 2 - 1)
+        .map_or(head, |(i, _)| i.max(head));
+    format!(
+        "{}… ({} bytes) …{}",
+        &message[..head],
+        message.len(),
+        &message[tail..]
+    )
+}
 
 /// The kind of a problem, spelled as ComfyUI spells its validation error
 /// types where ComfyUI has one, so API clients can match on them.
@@ -81,29 +121,12 @@ pub struct Diagnostic {
     pub column: Option<u32>,
 }
 
-/// The most characters of a message that are kept (see [`shorten`]).
-pub const MAX_MESSAGE: usize = 2000;
-
-/// `s`, or its first `max` characters followed by "… (N bytes in all)":
-/// a message that echoes a user's value must not echo megabytes of it.
-pub fn shorten(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
-    match s.char_indices().nth(max) {
-        None => std::borrow::Cow::Borrowed(s),
-        Some((cut, _)) => format!("{}… ({} bytes in all)", &s[..cut], s.len()).into(),
-    }
-}
-
 impl Diagnostic {
     pub fn error(kind: DiagKind, message: impl Into<String>) -> Self {
-        let message = message.into();
-        let message = match shorten(&message, MAX_MESSAGE) {
-            std::borrow::Cow::Borrowed(_) => message,
-            std::borrow::Cow::Owned(s) => s,
-        };
         Diagnostic {
             kind,
             severity: Severity::Error,
-            message,
+            message: cap_message(message.into()),
             node_id: None,
             node_type: None,
             input: None,
@@ -171,16 +194,17 @@ impl fmt::Display for Diagnostic {
 }
 
 #[cfg(test)]
-mod shorten_tests {
+mod echo_tests {
     use super::*;
 
     #[test]
-    fn long_values_are_cut_on_a_char_boundary_and_say_their_size() {
-        assert_eq!(shorten("short", 10), "short");
+    fn long_values_and_messages_are_cut_on_character_boundaries() {
+        assert_eq!(echo("short"), "short");
         let long = "é".repeat(5000);
-        let s = shorten(&long, 3);
-        assert_eq!(s, "ééé… (10000 bytes in all)");
-        let d = Diagnostic::error(DiagKind::InvalidPrompt, "x".repeat(20 << 20));
-        assert!(d.message.len() < MAX_MESSAGE + 64, "{}", d.message.len());
+        let e = echo(&long);
+        assert!(e.starts_with(&"é".repeat(ECHO_CHARS)) && e.ends_with("… (10000 bytes)"));
+        let d = Diagnostic::error(DiagKind::InvalidInputType, format!("\"{long}\" is no int"));
+        assert!(d.message.len() < 1000, "{}", d.message);
+        assert!(d.message.ends_with("é\" is no int") && d.message.contains("(10012 bytes)"));
     }
 }

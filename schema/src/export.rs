@@ -14,6 +14,13 @@ pub trait ComboSource {
     fn contains(&self, options: &ComboOptions, value: &str) -> bool {
         self.options(options).iter().any(|o| o == value)
     }
+
+    /// What to add when a value is not among `options`, for options read
+    /// from a folder: where the files were looked for and where to put
+    /// one. None by default.
+    fn missing_hint(&self, _options: &ComboOptions) -> Option<String> {
+        None
+    }
 }
 
 /// Knows only static options; folder-backed combos list nothing.

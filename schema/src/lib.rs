@@ -14,6 +14,7 @@ pub mod diagnostic;
 pub mod export;
 pub mod spec;
 pub mod syntax;
+pub mod ui;
 pub mod workflow;
 
 pub use diagnostic::{DiagKind, Diagnostic, Severity};

@@ -403,7 +403,7 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
             }
         }
         inside(&base, &path)?;
-        write_atomic(&path, &data).map_err(Refusal::io)?;
+        sdkit_engine::atomic::write_atomic(&path, &data).map_err(Refusal::io)?;
         Ok(name)
     })
     .await;
@@ -438,28 +438,6 @@ fn multipart_error(e: axum::extract::multipart::MultipartError, max_body: usize)
         format!("malformed multipart body: {}", e.body_text()),
     )
         .into_response()
-}
-
-/// Writes `data` to a temporary file beside `path`, then renames it into
-/// place: a reader never sees half a file, and a failed write leaves the
-/// old one.
-fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    // The temporary name does not contain the target's: a name near
-    // NAME_MAX would make it too long.
-    let tmp = path.with_file_name(format!(".sdkit-{}-{n}.tmp", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(data)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
 
 fn file_info(path: &Path, base: &Path) -> Json {
@@ -591,7 +569,7 @@ pub async fn post_userdata(
             return r.into_response();
         }
     }
-    if let Err(e) = write_atomic(&path, &body) {
+    if let Err(e) = sdkit_engine::atomic::write_atomic(&path, &body) {
         return Refusal::io(e).into_response();
     }
     if full {

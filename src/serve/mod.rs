@@ -9,12 +9,14 @@
 //! Layout: [`queue`] (pending/running/history and the worker), [`ws`]
 //! (clients and message fan-out), [`files`] (`/view`, `/upload/image`,
 //! `/userdata`, the front-end folder; every path confined to its base),
-//! [`routes`] (the router, the Host/Origin check and the JSON routes).
+//! [`routes`] (the router, the Host/Origin check and the JSON routes),
+//! [`templates`] (sdkit's example workflows as the front end's templates).
 
 mod files;
 mod jobs;
 mod queue;
 mod routes;
+mod templates;
 mod ws;
 
 use crate::cli::DirArgs;
@@ -153,6 +155,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         std::fs::create_dir_all(user_dir.join(sub))
             .with_context(|| format!("cannot create {}", user_dir.join(sub).display()))?;
     }
+    crate::sweep::stale_temp_files(&paths, Some(&user_dir));
     if let Some(fe) = &args.front_end {
         if !fe.join("index.html").is_file() {
             anyhow::bail!("--front-end {}: no index.html there", fe.display());

@@ -96,9 +96,7 @@ pub fn router(server: Arc<Server>) -> Router {
     Router::new()
         .merge(api.clone())
         .nest("/api", api)
-        // Workflow templates come with ComfyUI's template package; sdkit
-        // ships none.
-        .route("/templates/index.json", get(empty_list))
+        .merge(super::templates::router())
         .fallback(files::front_end)
         .layer(middleware::from_fn_with_state(server.clone(), origin_check))
         .layer(DefaultBodyLimit::max(limit))
@@ -167,7 +165,7 @@ async fn origin_check(State(server): State<Arc<Server>>, req: Request, next: Nex
         let name = host.to_str().map(|s| split_host(s).0).unwrap_or_default();
         if !server.hosts.accepts(&name) {
             let raw = String::from_utf8_lossy(host.as_bytes());
-            let shown = sdkit_schema::diagnostic::shorten(&raw, 100);
+            let shown = sdkit_schema::diagnostic::echo(&raw);
             tracing::warn!("refused a request for Host {shown}");
             return (
                 StatusCode::FORBIDDEN,
@@ -717,8 +715,7 @@ fn read_settings(server: &Server) -> Map<String, Json> {
 fn write_settings(server: &Server, s: &Map<String, Json>) -> Response {
     let text = serde_json::to_string_pretty(&Json::Object(s.clone())).unwrap_or_default();
     let path = settings_path(server);
-    let tmp = path.with_extension("json.tmp");
-    match std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &path)) {
+    match sdkit_engine::atomic::write_atomic(&path, text.as_bytes()) {
         Ok(()) => status(StatusCode::OK),
         Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
     }

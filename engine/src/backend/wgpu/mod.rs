@@ -1853,9 +1853,7 @@ fn write_atomically(file: &std::path::Path, data: &[u8]) -> std::io::Result<()> 
     if let Some(dir) = file.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, data)?;
-    std::fs::rename(&tmp, file)
+    crate::atomic::write_atomic(file, data)
 }
 
 /// Maps `slice` of a MAP_READ buffer and waits until it is readable.
