@@ -54,12 +54,41 @@ impl Tensor {
     /// `shape` filled with `v`, or a node error naming the tensor as `kind`
     /// when the memory is not there (see [`crate::memory`]).
     pub fn try_full(shape: Vec<usize>, v: f32, kind: &str) -> Result<Self, crate::NodeError> {
+        Self::filled(shape, v, kind, None)
+    }
+
+    /// [`Tensor::try_zeros`] that stops with `Interrupted` when `cancel` is
+    /// set: filling gigabytes takes seconds, and an interrupt should not
+    /// wait for it.
+    pub fn try_zeros_until(
+        shape: Vec<usize>,
+        kind: &str,
+        cancel: &crate::CancelToken,
+    ) -> Result<Self, crate::NodeError> {
+        Self::filled(shape, 0.0, kind, Some(cancel))
+    }
+
+    fn filled(
+        shape: Vec<usize>,
+        v: f32,
+        kind: &str,
+        cancel: Option<&crate::CancelToken>,
+    ) -> Result<Self, crate::NodeError> {
+        /// Elements filled between two looks at the cancel flag (16 MB).
+        const CHUNK: usize = 1 << 22;
         let oom = |bytes| crate::memory::AllocError { bytes }.for_tensor(kind, &shape);
         let n = shape
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .ok_or_else(|| oom(crate::memory::f32_bytes(&shape)))?;
-        let data = crate::memory::try_filled(n, v).map_err(|e| oom(e.bytes))?;
+        let mut data = crate::memory::try_with_capacity(n).map_err(|e| oom(e.bytes))?;
+        while data.len() < n {
+            if cancel.is_some_and(crate::CancelToken::is_cancelled) {
+                return Err(crate::NodeError::Interrupted);
+            }
+            let end = (data.len() + CHUNK).min(n);
+            data.resize(end, v);
+        }
         Ok(Tensor { shape, data })
     }
 

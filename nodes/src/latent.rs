@@ -12,8 +12,8 @@ use std::sync::Arc;
 pub struct EmptyLatentImage;
 
 impl NodeImpl for EmptyLatentImage {
-    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        let samples = Tensor::try_zeros(empty_latent_shape(inputs)?, "latent")?;
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let samples = Tensor::try_zeros_until(empty_latent_shape(inputs)?, "latent", &ctx.cancel)?;
         Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
             samples,
             batch_index: None,
