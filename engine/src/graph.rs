@@ -4,11 +4,10 @@
 use crate::value::Value;
 use petgraph::graph::{DiGraph, NodeIndex};
 use sdkit_schema::export::ComboSource;
-use sdkit_schema::spec::{InputKind, NodeSpec};
+use sdkit_schema::spec::InputKind;
 use sdkit_schema::workflow::{InputValue, OutputRef};
 use sdkit_schema::{DiagKind, Diagnostic, Format, Registry, Severity, SocketType, Workflow};
 use serde_json::Value as Json;
-use std::collections::HashMap;
 
 /// A validated input.
 #[derive(Clone, Debug)]
@@ -261,17 +260,8 @@ fn check(
         Format::Native => Severity::Error,
         _ => Severity::Warning,
     };
-    let index: HashMap<&str, usize> = wf
-        .nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (n.id.as_str(), i))
-        .collect();
-    let specs: Vec<Option<&NodeSpec>> = wf
-        .nodes
-        .iter()
-        .map(|n| registry.get(&n.class_type))
-        .collect();
+    let index = wf.index_by_id();
+    let specs = wf.specs(registry);
     let mut nodes = Vec::with_capacity(wf.nodes.len());
     // Which nodes each diagnostic belongs to, to soften those on nodes no
     // output needs (ComfyUI skips them).

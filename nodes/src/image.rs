@@ -108,18 +108,7 @@ macro_rules! image_node {
         }
     };
     ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr) => {
-        $(#[$doc])*
-        pub struct $name;
-
-        impl NodeImpl for $name {
-            fn execute(
-                &self,
-                _ctx: &NodeContext,
-                $inputs: &Inputs,
-            ) -> Result<NodeOutput, NodeError> {
-                $body
-            }
-        }
+        image_node!($(#[$doc])* $name, |$inputs| $body, estimate |_inputs| None);
     };
 }
 

@@ -7,7 +7,7 @@
 //! as `fixed`, so a template reproduces its image). Nodes are laid out in
 //! columns by their distance from the workflow's sources.
 
-use crate::spec::{InputKind, NodeSpec, Registry, WidgetSlot};
+use crate::spec::{InputKind, Registry, WidgetSlot};
 use crate::workflow::{InputValue, OutputRef, Workflow};
 use serde_json::{json, Map, Value as Json};
 use std::collections::HashMap;
@@ -24,17 +24,8 @@ pub fn to_ui_json(wf: &Workflow, registry: &Registry) -> Json {
         return ui.clone();
     }
     let ids = numeric_ids(wf);
-    let index: HashMap<&str, usize> = wf
-        .nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (n.id.as_str(), i))
-        .collect();
-    let specs: Vec<Option<&NodeSpec>> = wf
-        .nodes
-        .iter()
-        .map(|n| registry.get(&n.class_type))
-        .collect();
+    let index = wf.index_by_id();
+    let specs = wf.specs(registry);
 
     // Links first: each node's `inputs` and `outputs` list theirs.
     let mut links = Vec::new();

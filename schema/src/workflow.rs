@@ -21,7 +21,7 @@
 //! checks (types, ranges, links) are the engine's validation.
 
 use crate::diagnostic::{DiagKind, Diagnostic};
-use crate::spec::{Registry, WidgetSlot};
+use crate::spec::{NodeSpec, Registry, WidgetSlot};
 use crate::syntax::{self, Node, Pos, Value};
 use serde_json::{Map, Value as Json};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -94,6 +94,23 @@ pub struct Workflow {
 }
 
 impl Workflow {
+    /// Each node's position in [`Workflow::nodes`], by id.
+    pub fn index_by_id(&self) -> HashMap<&str, usize> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.id.as_str(), i))
+            .collect()
+    }
+
+    /// Each node's spec, in node order (`None` for an unknown type).
+    pub fn specs<'r>(&self, registry: &'r Registry) -> Vec<Option<&'r NodeSpec>> {
+        self.nodes
+            .iter()
+            .map(|n| registry.get(&n.class_type))
+            .collect()
+    }
+
     pub fn node(&self, id: &str) -> Option<&NodeDoc> {
         self.nodes.iter().find(|n| n.id == id)
     }
