@@ -2,7 +2,8 @@
 // `sdkit serve --front-end` in headless Chromium: the app loads its node
 // list from /object_info with no page errors, a workflow is loaded and
 // queued through the UI
-// with the Run button, and the SaveImage preview is fetched from /view.
+// with the Run button, and the SaveImage preview is fetched from /view;
+// the template browser lists sdkit's examples and opens one.
 //
 //   node tests/frontend/frontend.mjs URL WORKFLOW.json
 // Exits non-zero with a message on any failure.
@@ -47,6 +48,19 @@ try {
   ).catch(() => fail('the app did not register the node list from /object_info'));
   const count = await page.evaluate(() => Object.keys(window.LiteGraph.registered_node_types).length);
   console.log(`front end loaded ${count} node types`);
+
+  // The first screen's template browser lists sdkit's examples, and one
+  // opens as a workflow (a fresh profile opens the browser by itself).
+  await page.evaluate(() => window.app.extensionManager.command.execute('Comfy.BrowseTemplates'));
+  const cards = page.locator('[data-testid^="template-workflow-"]');
+  await cards.first().waitFor({ timeout: 30000 })
+    .catch(() => fail('the template browser lists no templates'));
+  console.log('templates listed:', await cards.count());
+  await cards.first().click();
+  await page.waitForFunction(
+    () => window.app.graph.nodes.some((n) => n.type === 'SaveImage'),
+    null, { timeout: 30000 },
+  ).catch(() => fail('the first template did not open as a workflow'));
 
   await page.evaluate(async (wf) => { await window.app.loadGraphData(wf); }, workflow);
   const loaded = await page.evaluate(() => window.app.graph.nodes.map((n) => n.type).sort());
