@@ -67,6 +67,12 @@ fn checksum(bits: &[u16], index: usize) -> u64 {
 /// Writes the tiny checkpoint under `models/checkpoints`; checks the
 /// weights are the reference's.
 fn write_checkpoint(base: &Path, fx: &serde_json::Value) {
+    write_checkpoint_with_nan(base, fx, None);
+}
+
+/// [`write_checkpoint`], with the tensor named `nan` (if any) all NaN: a
+/// broken download.
+fn write_checkpoint_with_nan(base: &Path, fx: &serde_json::Value, nan: Option<&str>) {
     let keys = fx["keys"].as_array().expect("keys");
     let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut total = 0u64;
@@ -83,6 +89,11 @@ fn write_checkpoint(base: &Path, fx: &serde_json::Value) {
             .map(f32_to_f16_bits)
             .collect();
         total = total.wrapping_add(checksum(&bits, i));
+        let bits = if nan == Some(name.as_str()) {
+            vec![0x7e00u16; bits.len()]
+        } else {
+            bits
+        };
         let bytes = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
         blobs.push((name, shape, bytes));
     }
@@ -1098,4 +1109,23 @@ fn server_sends_sampler_previews() {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// A checkpoint whose UNet output weights are NaN still runs to an image
+/// (as in ComfyUI), but the run says the sampler's output is not finite.
+#[test]
+fn non_finite_model_output_is_reported() {
+    let fx = fixture();
+    let base = tempfile::tempdir().expect("tempdir");
+    write_checkpoint_with_nan(base.path(), &fx, Some("model.diffusion_model.out.2.weight"));
+    let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+        .args(["run", "-q", "--device", "cpu"])
+        .arg(root().join("graphs/tiny_sd1_txt2img.json"))
+        .arg("--base-dir")
+        .arg(base.path())
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("NaN or infinite"), "{err}");
 }
