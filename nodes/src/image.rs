@@ -13,6 +13,7 @@ impl From<ImageOpError> for NodeError {
                 bytes: memory::f32_bytes(&shape),
                 available: None,
             },
+            ImageOpError::Interrupted => NodeError::Interrupted,
             e => NodeError::Invalid(e.to_string()),
         }
     }
@@ -96,10 +97,10 @@ macro_rules! image_node {
         impl NodeImpl for $name {
             fn execute(
                 &self,
-                _ctx: &NodeContext,
+                ctx: &NodeContext,
                 $inputs: &Inputs,
             ) -> Result<NodeOutput, NodeError> {
-                $body
+                imageops::cancellable(&ctx.cancel, || $body)
             }
 
             fn estimate_bytes(&self, _ctx: &NodeContext, $ein: &Inputs) -> Option<u64> {

@@ -50,9 +50,48 @@ pub enum ImageOpError {
     /// The output (of `shape`, f32) could not be allocated.
     #[error("not enough memory for a {} image", shape.iter().map(usize::to_string).collect::<Vec<_>>().join("×"))]
     OutOfMemory { shape: Vec<usize> },
+    /// The run was interrupted (see [`cancellable`]).
+    #[error("interrupted")]
+    Interrupted,
 }
 
 type Result<T> = std::result::Result<T, ImageOpError>;
+
+thread_local! {
+    /// The cancel flag of the node running on this thread, if it runs
+    /// through [`cancellable`].
+    static CANCEL: std::cell::RefCell<Option<sdkit_engine::CancelToken>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` (image ops on this thread) so that their long loops stop with
+/// [`ImageOpError::Interrupted`] once `cancel` is set. The flag is ambient
+/// rather than an argument because the ops keep the signatures of the
+/// PyTorch/Pillow functions they reproduce; they look at it once per
+/// output row, so an interrupt lands within milliseconds even on the
+/// largest image LoadImage accepts.
+pub fn cancellable<R>(cancel: &sdkit_engine::CancelToken, f: impl FnOnce() -> R) -> R {
+    /// Puts back the previous flag, even if `f` panics.
+    struct Restore(Option<sdkit_engine::CancelToken>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let prev = self.0.take();
+            CANCEL.with(|c| *c.borrow_mut() = prev);
+        }
+    }
+    let _restore = Restore(CANCEL.with(|c| c.replace(Some(cancel.clone()))));
+    f()
+}
+
+/// `Interrupted` when the flag of [`cancellable`] is set.
+fn check_cancel() -> Result<()> {
+    let cancelled = CANCEL.with(|c| c.borrow().as_ref().is_some_and(|t| t.is_cancelled()));
+    if cancelled {
+        Err(ImageOpError::Interrupted)
+    } else {
+        Ok(())
+    }
+}
 
 /// `dims` elements set to `value`, or `OutOfMemory` when they cannot be
 /// allocated: sizes come from workflows, and an abort would take a server
@@ -587,6 +626,7 @@ fn nearest_exact(
     let mut i = 0;
     for b in 0..win.src.b {
         for &sy in &ys {
+            check_cancel()?;
             for &sx in &xs {
                 for ch in 0..c {
                     out.data[i] = win.at(b, sy, sx, ch);
@@ -669,6 +709,7 @@ fn bilinear(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) 
     let mut i = 0;
     for b in 0..win.src.b {
         for ty in &ys {
+            check_cancel()?;
             for tx in &xs {
                 for ch in 0..c {
                     let p00 = win.at(b, ty.i0, tx.i0, ch);
@@ -768,6 +809,7 @@ fn bicubic(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
     let mut i = 0;
     for b in 0..win.src.b {
         for ty in &ys {
+            check_cancel()?;
             for tx in &xs {
                 for ch in 0..c {
                     let mut rows = [0f32; 4];
@@ -808,6 +850,7 @@ fn area(win: &Window<'_>, out_w: usize, out_h: usize, layout: SourceLayout) -> R
     let mut i = 0;
     for b in 0..win.src.b {
         for oy in 0..out_h {
+            check_cancel()?;
             let (y0, y1) = bounds(oy, out_h, win.h);
             for ox in 0..out_w {
                 let (x0, x1) = bounds(ox, out_w, win.w);
@@ -1093,6 +1136,7 @@ fn lanczos(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
     let mut out = new_output(win.src.b, out_h, out_w, c)?;
     let per_item = out_h * out_w * c;
     for b in 0..win.src.b {
+        check_cancel()?;
         let mut px = Vec::with_capacity(win.h * win.w * c);
         for y in 0..win.h {
             for x in 0..win.w {
@@ -1225,6 +1269,7 @@ fn bislerp(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
     let mut p2 = vec![0f32; c];
     for b in 0..n {
         for y in 0..win.h {
+            check_cancel()?;
             for (x, &(r, i1, i2)) in xs.iter().enumerate() {
                 for ch in 0..c {
                     p1[ch] = win.at(b, y, i1.min(win.w - 1), ch);
@@ -1239,6 +1284,7 @@ fn bislerp(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
     let mut out = new_output(n, out_h, out_w, c)?;
     for b in 0..n {
         for (y, &(r, i1, i2)) in ys.iter().enumerate() {
+            check_cancel()?;
             for x in 0..out_w {
                 let a = ((b * win.h + i1.min(win.h - 1)) * out_w + x) * c;
                 let bb = ((b * win.h + i2.min(win.h - 1)) * out_w + x) * c;
@@ -1377,6 +1423,7 @@ fn reflect_conv(img: &Tensor4, radius: usize, kernel: &[f32]) -> Result<Tensor4>
     for b in 0..img.b {
         let base = b * h * w * c;
         for ry in &rows {
+            check_cancel()?;
             for cx in &cols {
                 for ch in 0..c {
                     let mut acc = 0f32;

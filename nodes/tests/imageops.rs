@@ -393,3 +393,32 @@ fn rejects_bad_arguments() {
         img
     );
 }
+
+/// Image ops stop at the next output row once their node is interrupted,
+/// and run as before when it is not.
+#[test]
+fn image_ops_stop_when_interrupted() {
+    let img = Tensor4::new(1, 256, 256, 3, vec![0.5; 256 * 256 * 3]).expect("tensor");
+    let token = sdkit_engine::CancelToken::new();
+    let blurred = cancellable(&token, || blur(&img, 4, 1.0)).expect("runs");
+    assert_eq!(blurred.data.len(), img.data.len());
+    token.cancel();
+    assert_eq!(
+        cancellable(&token, || blur(&img, 4, 1.0)).map(|_| ()),
+        Err(ImageOpError::Interrupted)
+    );
+    for method in [
+        "nearest-exact",
+        "bilinear",
+        "area",
+        "bicubic",
+        "lanczos",
+        "bislerp",
+    ] {
+        let m = method.parse::<UpscaleMethod>().expect("method");
+        let r = cancellable(&token, || scale_by(&img, m, 1.5));
+        assert_eq!(r.map(|_| ()), Err(ImageOpError::Interrupted), "{method}");
+        // Outside a cancellable node nothing stops them.
+        assert!(scale_by(&img, m, 0.5).is_ok(), "{method}");
+    }
+}
