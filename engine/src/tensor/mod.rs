@@ -11,8 +11,10 @@
 
 mod builder;
 pub mod reference;
+mod weights;
 
 pub use builder::{GraphBuilder, T};
+pub use weights::Scope;
 
 use std::fmt;
 

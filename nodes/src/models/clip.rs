@@ -7,7 +7,7 @@
 //! layer and, for SD1, still applies the final LayerNorm to it.
 
 use super::detect::ClipConfig;
-use sdkit_engine::tensor::{GraphBuilder, ShapeError, T};
+use sdkit_engine::tensor::{GraphBuilder, Scope, ShapeError, T};
 
 /// Which hidden state the encoder returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,11 +51,8 @@ pub fn text_encoder<'a>(
     mask: T<'a>,
     layer: ClipLayer,
 ) -> Result<T<'a>, ShapeError> {
-    let tok = g
-        .weight(
-            &format!("{prefix}embeddings.token_embedding.weight"),
-            &[cfg.vocab, cfg.width],
-        )?
+    let tok = Scope::new(g, prefix)
+        .get("embeddings.token_embedding.weight", &[cfg.vocab, cfg.width])?
         .gather(tokens)?;
     text_encoder_embedded(g, cfg, prefix, tok, mask, layer)
 }
@@ -77,41 +74,30 @@ pub fn text_encoder_embedded<'a>(
     let w = cfg.width;
     let heads = cfg.heads.max(1);
     let d = w / heads;
-    let wt = |name: &str, shape: &[usize]| g.weight(&format!("{prefix}{name}"), shape);
-    let pos = wt(
-        "embeddings.position_embedding.weight",
-        &[cfg.max_positions, w],
-    )?
-    .slice(0, 0, len)?;
+    let vb = Scope::new(g, prefix);
+    let pos = vb
+        .get(
+            "embeddings.position_embedding.weight",
+            &[cfg.max_positions, w],
+        )?
+        .slice(0, 0, len)?;
     let mut x = tok.add(pos)?;
-    let ln = |x: T<'a>, name: &str| -> Result<T<'a>, ShapeError> {
-        x.layer_norm(
-            Some(wt(&format!("{name}.weight"), &[w])?),
-            Some(wt(&format!("{name}.bias"), &[w])?),
-            1e-5,
-        )
-    };
-    let linear = |x: T<'a>, name: &str, out: usize, inp: usize| -> Result<T<'a>, ShapeError> {
-        x.linear(
-            wt(&format!("{name}.weight"), &[out, inp])?,
-            Some(wt(&format!("{name}.bias"), &[out])?),
-        )
-    };
     for l in 0..layer.layers_run(cfg.layers) {
-        let p = format!("encoder.layers.{l}.");
-        let h = ln(x, &format!("{p}layer_norm1"))?;
+        let p = vb.pp("encoder.layers").pp(l);
+        let h = p.pp("layer_norm1").layer_norm(x, w, 1e-5)?;
         let split = |t: T<'a>| -> Result<T<'a>, ShapeError> {
             t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
         };
-        let q = split(linear(h, &format!("{p}self_attn.q_proj"), w, w)?)?;
-        let k = split(linear(h, &format!("{p}self_attn.k_proj"), w, w)?)?;
-        let v = split(linear(h, &format!("{p}self_attn.v_proj"), w, w)?)?;
+        let attn = p.pp("self_attn");
+        let q = split(attn.pp("q_proj").linear(h, w, w)?)?;
+        let k = split(attn.pp("k_proj").linear(h, w, w)?)?;
+        let v = split(attn.pp("v_proj").linear(h, w, w)?)?;
         let a = q.attention(k, v, Some(mask), 1.0 / (d as f32).sqrt())?;
         let a = a.permute(&[0, 2, 1, 3])?.reshape(&[b, len, w])?;
-        x = linear(a, &format!("{p}self_attn.out_proj"), w, w)?.add(x)?;
-        let h = ln(x, &format!("{p}layer_norm2"))?;
-        let h = linear(h, &format!("{p}mlp.fc1"), cfg.intermediate, w)?.quick_gelu();
-        x = linear(h, &format!("{p}mlp.fc2"), w, cfg.intermediate)?.add(x)?;
+        x = attn.pp("out_proj").linear(a, w, w)?.add(x)?;
+        let h = p.pp("layer_norm2").layer_norm(x, w, 1e-5)?;
+        let h = p.pp("mlp.fc1").linear(h, w, cfg.intermediate)?.quick_gelu();
+        x = p.pp("mlp.fc2").linear(h, cfg.intermediate, w)?.add(x)?;
     }
-    ln(x, "final_layer_norm")
+    vb.pp("final_layer_norm").layer_norm(x, w, 1e-5)
 }

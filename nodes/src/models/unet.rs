@@ -12,7 +12,7 @@
 //!   `f_i = exp(-ln(10000)·i / half)`.
 
 use super::detect::UnetConfig;
-use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, ShapeError, UpsampleMode, T};
+use sdkit_engine::tensor::{GraphBuilder, Scope, ShapeError, UpsampleMode, T};
 
 type R<'a> = Result<T<'a>, ShapeError>;
 
@@ -24,99 +24,43 @@ fn bad(op: &'static str, message: String, shapes: &[&[usize]]) -> ShapeError {
     }
 }
 
-struct Ctx<'a, 'p> {
-    g: &'a GraphBuilder,
-    prefix: &'p str,
+/// What every block of one UNet shares.
+struct Ctx {
     heads: usize,
     use_linear: bool,
     emb_dim: usize,
 }
 
-impl<'a> Ctx<'a, '_> {
-    fn w(&self, name: &str, shape: &[usize]) -> R<'a> {
-        self.g.weight(&format!("{}{name}", self.prefix), shape)
-    }
-
-    fn conv(
-        &self,
-        x: T<'a>,
-        name: &str,
-        cin: usize,
-        cout: usize,
-        k: usize,
-        stride: usize,
-    ) -> R<'a> {
-        let p = Conv2dParams {
-            stride: [stride; 2],
-            padding: [k / 2; 2],
-            dilation: [1; 2],
-            groups: 1,
-        };
-        x.conv2d(
-            self.w(&format!("{name}.weight"), &[cout, cin, k, k])?,
-            Some(self.w(&format!("{name}.bias"), &[cout])?),
-            p,
-        )
-    }
-
-    fn linear(&self, x: T<'a>, name: &str, cin: usize, cout: usize, bias: bool) -> R<'a> {
-        let b = if bias {
-            Some(self.w(&format!("{name}.bias"), &[cout])?)
-        } else {
-            None
-        };
-        x.linear(self.w(&format!("{name}.weight"), &[cout, cin])?, b)
-    }
-
-    fn group_norm(&self, x: T<'a>, name: &str, c: usize, eps: f32) -> R<'a> {
-        x.group_norm(
-            32,
-            Some(self.w(&format!("{name}.weight"), &[c])?),
-            Some(self.w(&format!("{name}.bias"), &[c])?),
-            eps,
-        )
-    }
-
-    fn layer_norm(&self, x: T<'a>, name: &str, c: usize) -> R<'a> {
-        x.layer_norm(
-            Some(self.w(&format!("{name}.weight"), &[c])?),
-            Some(self.w(&format!("{name}.bias"), &[c])?),
-            1e-5,
-        )
-    }
-
+impl Ctx {
     /// ResBlock without scale-shift norm or up/down: `emb_act` is the
     /// already SiLU-activated embedding (shared by every block, since
     /// `emb_layers` starts with the SiLU).
-    fn resblock(&self, x: T<'a>, emb_act: T<'a>, name: &str, cin: usize, cout: usize) -> R<'a> {
-        let h = self
-            .group_norm(x, &format!("{name}.in_layers.0"), cin, 1e-5)?
-            .silu();
-        let h = self.conv(h, &format!("{name}.in_layers.2"), cin, cout, 3, 1)?;
-        let e = self.linear(
-            emb_act,
-            &format!("{name}.emb_layers.1"),
-            self.emb_dim,
-            cout,
-            true,
-        )?;
+    fn resblock<'a>(
+        &self,
+        vb: &Scope<'a>,
+        x: T<'a>,
+        emb_act: T<'a>,
+        cin: usize,
+        cout: usize,
+    ) -> R<'a> {
+        let h = vb.pp("in_layers.0").group_norm(x, 32, cin, 1e-5)?.silu();
+        let h = vb.pp("in_layers.2").conv2d(h, cin, cout, 3, 1)?;
+        let e = vb.pp("emb_layers.1").linear(emb_act, self.emb_dim, cout)?;
         let b = e.shape()[0];
         let h = h.add(e.reshape(&[b, cout, 1, 1])?)?;
-        let h = self
-            .group_norm(h, &format!("{name}.out_layers.0"), cout, 1e-5)?
-            .silu();
-        let h = self.conv(h, &format!("{name}.out_layers.3"), cout, cout, 3, 1)?;
+        let h = vb.pp("out_layers.0").group_norm(h, 32, cout, 1e-5)?.silu();
+        let h = vb.pp("out_layers.3").conv2d(h, cout, cout, 3, 1)?;
         let skip = if cin == cout {
             x
         } else {
-            self.conv(x, &format!("{name}.skip_connection"), cin, cout, 1, 1)?
+            vb.pp("skip_connection").conv2d(x, cin, cout, 1, 1)?
         };
         skip.add(h)
     }
 
     /// CrossAttention: `x` `[b, s, c]` attends to `kv` `[b, skv, c_kv]`
     /// (itself for self-attention); q/k/v have no bias, `to_out.0` has.
-    fn attention(&self, x: T<'a>, kv: T<'a>, name: &str, c: usize) -> R<'a> {
+    fn attention<'a>(&self, vb: &Scope<'a>, x: T<'a>, kv: T<'a>, c: usize) -> R<'a> {
         let (xs, ks) = (x.shape(), kv.shape());
         let (b, s, skv, c_kv) = (xs[0], xs[1], ks[1], ks[2]);
         let heads = self.heads;
@@ -124,70 +68,61 @@ impl<'a> Ctx<'a, '_> {
         let split = |t: T<'a>, len: usize| -> R<'a> {
             t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
         };
-        let q = split(self.linear(x, &format!("{name}.to_q"), c, c, false)?, s)?;
-        let k = split(
-            self.linear(kv, &format!("{name}.to_k"), c_kv, c, false)?,
-            skv,
-        )?;
-        let v = split(
-            self.linear(kv, &format!("{name}.to_v"), c_kv, c, false)?,
-            skv,
-        )?;
+        let q = split(vb.pp("to_q").linear_no_bias(x, c, c)?, s)?;
+        let k = split(vb.pp("to_k").linear_no_bias(kv, c_kv, c)?, skv)?;
+        let v = split(vb.pp("to_v").linear_no_bias(kv, c_kv, c)?, skv)?;
         let o = q.attention(k, v, None, 1.0 / (d as f32).sqrt())?;
         let o = o.permute(&[0, 2, 1, 3])?.reshape(&[b, s, c])?;
-        self.linear(o, &format!("{name}.to_out.0"), c, c, true)
+        vb.pp("to_out.0").linear(o, c, c)
     }
 
     /// BasicTransformerBlock: self-attention, cross-attention on the
     /// context, GEGLU feed-forward, each pre-normed and residual.
-    fn transformer_block(&self, x: T<'a>, context: T<'a>, name: &str, c: usize) -> R<'a> {
-        let n = self.layer_norm(x, &format!("{name}.norm1"), c)?;
-        let x = self.attention(n, n, &format!("{name}.attn1"), c)?.add(x)?;
-        let n = self.layer_norm(x, &format!("{name}.norm2"), c)?;
-        let x = self
-            .attention(n, context, &format!("{name}.attn2"), c)?
-            .add(x)?;
-        let n = self.layer_norm(x, &format!("{name}.norm3"), c)?;
+    fn transformer_block<'a>(&self, vb: &Scope<'a>, x: T<'a>, context: T<'a>, c: usize) -> R<'a> {
+        let n = vb.pp("norm1").layer_norm(x, c, 1e-5)?;
+        let x = self.attention(&vb.pp("attn1"), n, n, c)?.add(x)?;
+        let n = vb.pp("norm2").layer_norm(x, c, 1e-5)?;
+        let x = self.attention(&vb.pp("attn2"), n, context, c)?.add(x)?;
+        let n = vb.pp("norm3").layer_norm(x, c, 1e-5)?;
         let inner = 4 * c;
-        let p = self.linear(n, &format!("{name}.ff.net.0.proj"), c, 2 * inner, true)?;
+        let p = vb.pp("ff.net.0.proj").linear(n, c, 2 * inner)?;
         // GEGLU: the first half is the value, the second the gate.
         let ff = p
             .slice(2, 0, inner)?
             .mul(p.slice(2, inner, 2 * inner)?.gelu_erf())?;
-        self.linear(ff, &format!("{name}.ff.net.2"), inner, c, true)?
-            .add(x)
+        vb.pp("ff.net.2").linear(ff, inner, c)?.add(x)
     }
 
     /// SpatialTransformer with `depth` blocks; projections are 1×1 convs
     /// (SD1) or linears (SD2/SDXL), applied before/after the token reshape
     /// respectively, as ComfyUI does.
-    fn spatial_transformer(
+    fn spatial_transformer<'a>(
         &self,
+        vb: &Scope<'a>,
         x: T<'a>,
         context: T<'a>,
-        name: &str,
         c: usize,
         depth: usize,
     ) -> R<'a> {
         let s = x.shape();
         let (b, hh, ww) = (s[0], s[2], s[3]);
-        let mut h = self.group_norm(x, &format!("{name}.norm"), c, 1e-6)?;
+        let mut h = vb.pp("norm").group_norm(x, 32, c, 1e-6)?;
         if !self.use_linear {
-            h = self.conv(h, &format!("{name}.proj_in"), c, c, 1, 1)?;
+            h = vb.pp("proj_in").conv2d(h, c, c, 1, 1)?;
         }
         h = h.reshape(&[b, c, hh * ww])?.permute(&[0, 2, 1])?;
         if self.use_linear {
-            h = self.linear(h, &format!("{name}.proj_in"), c, c, true)?;
+            h = vb.pp("proj_in").linear(h, c, c)?;
         }
         for i in 0..depth {
-            h = self.transformer_block(h, context, &format!("{name}.transformer_blocks.{i}"), c)?;
+            h = self.transformer_block(&vb.pp("transformer_blocks").pp(i), h, context, c)?;
         }
         if self.use_linear {
-            h = self.linear(h, &format!("{name}.proj_out"), c, c, true)?;
+            h = vb.pp("proj_out").linear(h, c, c)?;
         }
         h = h.permute(&[0, 2, 1])?.reshape(&[b, c, hh, ww])?;
         if !self.use_linear {
-            h = self.conv(h, &format!("{name}.proj_out"), c, c, 1, 1)?;
+            h = vb.pp("proj_out").conv2d(h, c, c, 1, 1)?;
         }
         h.add(x)
     }
@@ -278,9 +213,8 @@ pub fn unet<'a>(
         ));
     }
     let mc = cfg.model_channels;
+    let vb = Scope::new(g, prefix);
     let cx = Ctx {
-        g,
-        prefix,
         heads: num_heads,
         use_linear: cfg.use_linear_in_transformer,
         emb_dim: 4 * mc,
@@ -298,11 +232,12 @@ pub fn unet<'a>(
     };
 
     let t_emb = timestep_embedding(g, timesteps, mc)?;
-    let emb = cx.linear(t_emb, "time_embed.0", mc, 4 * mc, true)?.silu();
-    let emb = cx.linear(emb, "time_embed.2", 4 * mc, 4 * mc, true)?;
+    let emb = vb.pp("time_embed.0").linear(t_emb, mc, 4 * mc)?.silu();
+    let emb = vb.pp("time_embed.2").linear(emb, 4 * mc, 4 * mc)?;
     let emb_act = emb.silu();
 
-    let mut h = cx.conv(x, "input_blocks.0.0", cfg.in_channels, mc, 3, 1)?;
+    let inputs = vb.pp("input_blocks");
+    let mut h = inputs.pp("0.0").conv2d(x, cfg.in_channels, mc, 3, 1)?;
     let mut skips = vec![h];
     let mut ch = mc;
     let mut id = 1;
@@ -310,29 +245,30 @@ pub fn unet<'a>(
     for (level, &mult) in cfg.channel_mult.iter().enumerate() {
         for _ in 0..cfg.num_res_blocks[level] {
             let cout = mult * mc;
-            h = cx.resblock(h, emb_act, &format!("input_blocks.{id}.0"), ch, cout)?;
+            let block = inputs.pp(id);
+            h = cx.resblock(&block.pp(0), h, emb_act, ch, cout)?;
             ch = cout;
             let depth = depths.next().copied().unwrap_or(0);
             if depth > 0 {
                 check_heads(ch)?;
-                h =
-                    cx.spatial_transformer(h, context, &format!("input_blocks.{id}.1"), ch, depth)?;
+                h = cx.spatial_transformer(&block.pp(1), h, context, ch, depth)?;
             }
             skips.push(h);
             id += 1;
         }
         if level + 1 != levels {
-            h = cx.conv(h, &format!("input_blocks.{id}.0.op"), ch, ch, 3, 2)?;
+            h = inputs.pp(id).pp("0.op").conv2d(h, ch, ch, 3, 2)?;
             skips.push(h);
             id += 1;
         }
     }
 
-    h = cx.resblock(h, emb_act, "middle_block.0", ch, ch)?;
+    let middle = vb.pp("middle_block");
+    h = cx.resblock(&middle.pp(0), h, emb_act, ch, ch)?;
     if let Some(depth) = cfg.transformer_depth_middle {
         check_heads(ch)?;
-        h = cx.spatial_transformer(h, context, "middle_block.1", ch, depth)?;
-        h = cx.resblock(h, emb_act, "middle_block.2", ch, ch)?;
+        h = cx.spatial_transformer(&middle.pp(1), h, context, ch, depth)?;
+        h = cx.resblock(&middle.pp(2), h, emb_act, ch, ch)?;
     }
 
     // ComfyUI pops the output depths from the end: output block k uses
@@ -347,14 +283,14 @@ pub fn unet<'a>(
             let ich = skip.shape()[1];
             h = g.concat(&[h, skip], 1)?;
             let cout = mc * cfg.channel_mult[level];
-            let name = format!("output_blocks.{id}");
-            h = cx.resblock(h, emb_act, &format!("{name}.0"), ch + ich, cout)?;
+            let block = vb.pp("output_blocks").pp(id);
+            h = cx.resblock(&block.pp(0), h, emb_act, ch + ich, cout)?;
             ch = cout;
             let mut layer = 1;
             let depth = out_depths.next().copied().unwrap_or(0);
             if depth > 0 {
                 check_heads(ch)?;
-                h = cx.spatial_transformer(h, context, &format!("{name}.1"), ch, depth)?;
+                h = cx.spatial_transformer(&block.pp(1), h, context, ch, depth)?;
                 layer += 1;
             }
             if level > 0 && i == cfg.num_res_blocks[level] {
@@ -371,12 +307,12 @@ pub fn unet<'a>(
                     }
                 };
                 h = h.upsample(UpsampleMode::Nearest, oh, ow)?;
-                h = cx.conv(h, &format!("{name}.{layer}.conv"), ch, ch, 3, 1)?;
+                h = block.pp(layer).pp("conv").conv2d(h, ch, ch, 3, 1)?;
             }
             id += 1;
         }
     }
 
-    let h = cx.group_norm(h, "out.0", ch, 1e-5)?.silu();
-    cx.conv(h, "out.2", ch, cfg.out_channels, 3, 1)
+    let h = vb.pp("out.0").group_norm(h, 32, ch, 1e-5)?.silu();
+    vb.pp("out.2").conv2d(h, ch, cfg.out_channels, 3, 1)
 }
