@@ -318,12 +318,17 @@ pub fn sample(
         (Some(seed), Some(inds)) => prepare_noise_indexed(seed, &shape, inds, &ctx.cancel)?,
         (Some(seed), None) => prepare_noise(seed, &shape, &ctx.cancel)?,
     };
-    let scale = model.latent_scale;
+    let format = model.latent;
     let zero = latent.samples.data.iter().all(|&v| v == 0.0);
     let latent_in: Vec<f32> = if zero {
         latent.samples.data.clone()
     } else {
-        latent.samples.data.iter().map(|v| v * scale).collect()
+        latent
+            .samples
+            .data
+            .iter()
+            .map(|&v| format.process_in(v))
+            .collect()
     };
     // noise_scaling: max denoise when σ₀ is (within 1e-5) the largest sigma.
     let s0 = sigmas[0];
@@ -478,26 +483,27 @@ pub fn sample(
         }
         Ok(out)
     };
-    let x =
-        sampler.run_with_uncond(
-            Space::of(&model.schedule),
-            x0,
-            sigmas,
-            denoise,
-            || last_uncond.borrow().clone(),
-            noise,
-            |i, n| {
-                new_step.set(true);
-                ctx.progress(i as u64, n as u64)?;
-                // The step's prediction, as ComfyUI's sampler callback previews.
-                if let Some(p) = step_x0.borrow().as_deref().and_then(|x| {
-                    super::preview::latent_preview(x, shape[1], h, w, model.latent_scale)
-                }) {
-                    ctx.preview(p);
-                }
-                Ok(())
-            },
-        )?;
+    let x = sampler.run_with_uncond(
+        Space::of(&model.schedule),
+        x0,
+        sigmas,
+        denoise,
+        || last_uncond.borrow().clone(),
+        noise,
+        |i, n| {
+            new_step.set(true);
+            ctx.progress(i as u64, n as u64)?;
+            // The step's prediction, as ComfyUI's sampler callback previews.
+            if let Some(p) = step_x0
+                .borrow()
+                .as_deref()
+                .and_then(|x| super::preview::latent_preview(x, shape[1], h, w, model.latent))
+            {
+                ctx.preview(p);
+            }
+            Ok(())
+        },
+    )?;
     if let Some(first) = sessions.first() {
         super::report_residency(
             ctx,
@@ -511,13 +517,20 @@ pub fn sample(
     // divided by (1 − σ_last).
     let last = sigmas[sigmas.len() - 1];
     let out: Vec<f32> = if flow {
-        x.iter().map(|v| v / (1.0 - last) / scale).collect()
+        x.iter()
+            .map(|v| format.process_out(v / (1.0 - last)))
+            .collect()
     } else {
-        x.iter().map(|v| v / scale).collect()
+        x.iter().map(|&v| format.process_out(v)).collect()
     };
     let x0 = step_x0
         .into_inner()
-        .map(|d| Tensor::new(shape.clone(), d.iter().map(|v| v / scale).collect()))
+        .map(|d| {
+            Tensor::new(
+                shape.clone(),
+                d.iter().map(|&v| format.process_out(v)).collect(),
+            )
+        })
         .transpose()
         .map_err(NodeError::invalid)?;
     ctx.warn_non_finite("the sampled latent", &out);

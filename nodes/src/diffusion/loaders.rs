@@ -2,7 +2,6 @@
 
 use super::{opaque, Clip, Model, ModelFile, Vae};
 use crate::models::detect::{detect_checkpoint, vae_config, Shapes};
-use crate::models::vae::SD1_SCALE;
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_engine::weights::{SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput};
@@ -100,7 +99,7 @@ impl NodeImpl for CheckpointLoaderSimple {
             unet: d.unet,
             num_heads: d.num_heads,
             schedule: DiscreteSchedule::sd1(),
-            latent_scale: SD1_SCALE,
+            latent: d.family.spec().latent,
             prediction: super::Prediction::Eps,
         };
         let clip = match d.clip {

@@ -17,6 +17,7 @@ pub mod vae;
 
 use crate::clip_tokenizer::ClipTokenizer;
 use crate::models::detect::{ClipConfig, UnetConfig, VaeConfig};
+use crate::models::family::LatentFormat;
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_engine::backend::cpu::Bindings;
 use sdkit_engine::plan::{Command, Program};
@@ -177,8 +178,8 @@ pub struct Model {
     pub unet: UnetConfig,
     pub num_heads: usize,
     pub schedule: DiscreteSchedule,
-    /// The latent format's scale factor (SD1: 0.18215).
-    pub latent_scale: f32,
+    /// The family's latent format (SD1: scale 0.18215, no shift).
+    pub latent: &'static LatentFormat,
     pub prediction: Prediction,
 }
 

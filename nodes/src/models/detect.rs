@@ -25,20 +25,12 @@ pub enum Family {
 
 impl Family {
     pub fn name(self) -> &'static str {
-        match self {
-            Family::Sd1 => "Stable Diffusion 1.x",
-            Family::Sd2 => "Stable Diffusion 2.x",
-            Family::Sdxl => "Stable Diffusion XL",
-            Family::SdxlRefiner => "Stable Diffusion XL refiner",
-            Family::Sd3 => "Stable Diffusion 3",
-            Family::Flux => "Flux",
-            Family::Chroma => "Chroma",
-        }
+        self.spec().name
     }
 
     /// Families whose models sdkit can build today.
     pub fn supported(self) -> bool {
-        matches!(self, Family::Sd1)
+        self.spec().supported
     }
 }
 

@@ -3,5 +3,6 @@
 
 pub mod clip;
 pub mod detect;
+pub mod family;
 pub mod unet;
 pub mod vae;

@@ -7,9 +7,6 @@
 use super::detect::VaeConfig;
 use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, Scope, ShapeError, UpsampleMode, T};
 
-/// SD1's latent scale factor (ComfyUI's `SD15` latent format).
-pub const SD1_SCALE: f32 = 0.18215;
-
 type R<'a> = Result<T<'a>, ShapeError>;
 
 /// GroupNorm(32, eps 1e-6), as ldm's `Normalize`.
