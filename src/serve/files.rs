@@ -116,10 +116,13 @@ impl Refusal {
     }
 
     fn io(e: std::io::Error) -> Self {
-        // Name-too-long and similar are the client's doing; other I/O
-        // errors are the server's.
+        // A name too long for the file system is the client's doing
+        // (ENAMETOOLONG on Linux 36, macOS 63; Windows error 206); other
+        // I/O errors are the server's.
         match e.raw_os_error() {
-            Some(36) | Some(63) => Refusal::new(StatusCode::BAD_REQUEST, "file name too long"),
+            Some(36) | Some(63) | Some(206) => {
+                Refusal::new(StatusCode::BAD_REQUEST, "file name too long")
+            }
             _ => Refusal::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!("cannot write: {e}"),
