@@ -23,7 +23,7 @@ use sdkit_engine::backend::cpu::Bindings;
 use sdkit_engine::backend::wgpu::{Options, Tuning, WgpuBackend};
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::{GraphBuilder, InputKind, TensorGraph};
-use sdkit_nodes::models::detect::UnetConfig;
+use sdkit_nodes::models::detect::{Heads, UnetConfig};
 use sdkit_nodes::models::unet::unet;
 use std::process::Command;
 use std::sync::Arc;
@@ -89,7 +89,16 @@ fn graph(small: bool) -> (TensorGraph, String) {
         let x = g.input("x", &[2, 4, hw, hw])?;
         let t = g.input("t", &[2])?;
         let c = g.input("context", &[2, 77, 768])?;
-        unet(&g, &cfg, 8, "model.diffusion_model.", x, t, c)
+        unet(
+            &g,
+            &cfg,
+            Heads::Count(8),
+            "model.diffusion_model.",
+            x,
+            t,
+            c,
+            None,
+        )
     })();
     let y = out.expect("SD1.5 UNet graph");
     (

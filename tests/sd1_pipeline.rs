@@ -579,7 +579,16 @@ fn tiny_unet_program(
         let x = g.input("x", &[batch, 4, 8, 8])?;
         let t = g.input("t", &[batch])?;
         let c = g.input("context", &[batch, 77, 64])?;
-        sdkit_nodes::models::unet::unet(&g, &d.unet, d.num_heads, "model.diffusion_model.", x, t, c)
+        sdkit_nodes::models::unet::unet(
+            &g,
+            &d.unet,
+            d.heads,
+            "model.diffusion_model.",
+            x,
+            t,
+            c,
+            None,
+        )
     })()
     .expect("unet graph");
     let prog = plan(&g.finish(&[y])).expect("plans");

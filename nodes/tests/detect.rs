@@ -285,3 +285,15 @@ fn truncated_checkpoint_names_the_missing_tensor() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn heads_by_count_or_by_width() {
+    use sdkit_nodes::models::detect::Heads;
+    assert_eq!(Heads::Count(8).at(320), 8);
+    assert_eq!(Heads::Count(8).at(1280), 8);
+    // SDXL: 64-channel heads, 5 at 320 channels and 20 at 1280.
+    assert_eq!(Heads::Width(64).at(320), 5);
+    assert_eq!(Heads::Width(64).at(1280), 20);
+    // A tiny model narrower than one head still has one.
+    assert_eq!(Heads::Width(64).at(32), 1);
+}

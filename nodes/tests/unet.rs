@@ -1,10 +1,12 @@
 //! The UNet graph equals ComfyUI's ldm `UNetModel` (tools/reference/unet.py)
-//! at a tiny SD1-like size, with conv and linear transformer projections.
+//! at a tiny SD1-like size, with conv and linear transformer projections,
+//! and in SDXL's layout (64-channel heads, no top-level attention, the ADM
+//! vector through `label_emb`).
 
 use sdkit_engine::backend::cpu;
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::{GraphBuilder, InputKind};
-use sdkit_nodes::models::detect::UnetConfig;
+use sdkit_nodes::models::detect::{Heads, UnetConfig};
 use sdkit_nodes::models::unet::unet;
 use std::sync::Arc;
 
@@ -56,7 +58,17 @@ fn config(c: &serde_json::Value) -> UnetConfig {
             .and_then(|d| usize::try_from(d).ok()),
         use_linear_in_transformer: c["use_linear_in_transformer"].as_bool().expect("bool"),
         context_dim: Some(n("context_dim")),
-        adm_in_channels: None,
+        adm_in_channels: c["adm_in_channels"]
+            .as_u64()
+            .and_then(|d| usize::try_from(d).ok()),
+    }
+}
+
+/// ComfyUI's `num_heads` / `num_head_channels` pair (−1 = unset).
+fn heads(c: &serde_json::Value) -> Heads {
+    match c["num_head_channels"].as_i64() {
+        Some(w) if w > 0 => Heads::Width(w as usize),
+        _ => Heads::Count(c["num_heads"].as_u64().expect("heads") as usize),
     }
 }
 
@@ -75,12 +87,16 @@ fn matches_comfyui_unet() {
     let context: Vec<f32> = (0..5 * 64)
         .map(|i| (i as f64 * 0.113).cos() as f32)
         .collect();
+    // The SDXL-layout case's ADM vector.
+    let adm: Vec<f32> = (0..48)
+        .map(|i| ((i as f64 * 0.29).sin() * 0.5) as f32)
+        .collect();
     let cases = fx["cases"].as_array().expect("cases");
-    assert_eq!(cases.len(), 3);
+    assert_eq!(cases.len(), 4);
     let mut worst = 0f32;
     for case in cases {
         let cfg = config(&case["config"]);
-        let heads = case["config"]["num_heads"].as_u64().expect("heads") as usize;
+        let heads = heads(&case["config"]);
         let t = case["timestep"].as_f64().expect("timestep") as f32;
         let want: Vec<f32> = case["output"]
             .as_array()
@@ -93,7 +109,10 @@ fn matches_comfyui_unet() {
         let xi = g.input("x", &[1, 4, 8, 8]).expect("input");
         let ti = g.input("timesteps", &[1]).expect("input");
         let ci = g.input("context", &[1, 5, 64]).expect("input");
-        let y = unet(&g, &cfg, heads, PREFIX, xi, ti, ci).expect("builds");
+        let yi = cfg
+            .adm_in_channels
+            .map(|a| g.input("y", &[1, a]).expect("input"));
+        let y = unet(&g, &cfg, heads, PREFIX, xi, ti, ci, yi).expect("builds");
         assert_eq!(y.shape(), [1, 4, 8, 8]);
         let graph = g.finish(&[y]);
         let prog = plan(&graph).expect("plans");
@@ -107,6 +126,7 @@ fn matches_comfyui_unet() {
         bind.inputs.insert("timesteps".into(), Arc::new(vec![t]));
         bind.inputs
             .insert("context".into(), Arc::new(context.clone()));
+        bind.inputs.insert("y".into(), Arc::new(adm.clone()));
         let got = cpu::run(&prog, &bind).expect("runs");
         let out = &got[0].data;
         assert_eq!(out.len(), want.len());
@@ -123,8 +143,9 @@ fn matches_comfyui_unet() {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         eprintln!(
-            "unet (linear proj {}, t {t}): max abs diff {max:e} over {} values; {} dispatches",
+            "unet (linear proj {}, heads {heads:?}, adm {:?}, t {t}): max abs diff {max:e} over {} values; {} dispatches",
             cfg.use_linear_in_transformer,
+            cfg.adm_in_channels,
             want.len(),
             prog.stats.dispatches
         );

@@ -35,6 +35,14 @@ CFG = dict(in_channels=4, out_channels=4, model_channels=96, channel_mult=[1, 2]
            transformer_depth_output=[1, 1, 1, 1], transformer_depth_middle=1,
            use_linear_in_transformer=False, context_dim=64, num_heads=2)
 TIMESTEPS = [999.0, 1.0]
+# SDXL's layout: no attention at the top level, two blocks deeper down,
+# linear projections, 64-channel heads (one at 64 channels, two at 128) and
+# the ADM vector through `label_emb`.
+XL = dict(in_channels=4, out_channels=4, model_channels=64, channel_mult=[1, 2],
+          num_res_blocks=[1, 1], transformer_depth=[0, 2],
+          transformer_depth_output=[0, 0, 2, 2], transformer_depth_middle=1,
+          use_linear_in_transformer=True, context_dim=64, num_heads=-1,
+          num_head_channels=64, adm_in_channels=48)
 
 
 def read_source(rel):
@@ -132,11 +140,20 @@ def inputs():
     return x, ctx
 
 
+def adm():
+    """The ADM vector of the SDXL-layout case; nodes/tests/unet.rs repeats it."""
+    return torch.tensor([math.sin(i * 0.29) * 0.5 for i in range(48)],
+                        dtype=torch.float32).reshape(1, 48)
+
+
 def build(m, c):
     net = m.UNetModel(
         image_size=None, in_channels=c["in_channels"], model_channels=c["model_channels"],
         out_channels=c["out_channels"], num_res_blocks=c["num_res_blocks"],
         channel_mult=c["channel_mult"], num_heads=c["num_heads"],
+        num_head_channels=c.get("num_head_channels", -1),
+        adm_in_channels=c.get("adm_in_channels"),
+        num_classes="sequential" if c.get("adm_in_channels") else None,
         use_spatial_transformer=True, transformer_depth=c["transformer_depth"],
         transformer_depth_output=c["transformer_depth_output"],
         transformer_depth_middle=c["transformer_depth_middle"],
@@ -156,12 +173,13 @@ def main():
     # SD1 layout (1x1 conv projections) at two timesteps, and the SD2/SDXL
     # linear projections once.
     linear = dict(CFG, use_linear_in_transformer=True)
-    for cfg, timesteps in [(CFG, TIMESTEPS), (linear, [500.0])]:
+    for cfg, timesteps in [(CFG, TIMESTEPS), (linear, [500.0]), (XL, [700.0])]:
         net = build(m, cfg)
         for t in timesteps:
+            extra = {"y": adm()} if cfg.get("adm_in_channels") else {}
             with torch.no_grad():
                 y = net._forward(x, torch.tensor([t], dtype=torch.float32), ctx,
-                                 transformer_options={})
+                                 transformer_options={}, **extra)
             cases.append({"config": cfg, "timestep": t, "shape": list(y.shape),
                           "output": y.flatten().tolist()})
             print(cfg["use_linear_in_transformer"], t, y.min().item(), y.max().item())

@@ -126,7 +126,7 @@ fn unet_program(
         let x = g.input("x", &[batch, model.unet.in_channels, h, w])?;
         let t = g.input("t", &[batch])?;
         let c = g.input("context", &[batch, tokens, dim])?;
-        unet(&g, &model.unet, model.num_heads, &model.prefix, x, t, c)
+        unet(&g, &model.unet, model.heads, &model.prefix, x, t, c, None)
     })()
     .map_err(|e| graph_error("UNet", e))?;
     plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))

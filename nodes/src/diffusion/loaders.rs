@@ -97,7 +97,7 @@ impl NodeImpl for CheckpointLoaderSimple {
             file: Arc::clone(&shared),
             prefix: UNET_PREFIX.to_string(),
             unet: d.unet,
-            num_heads: d.num_heads,
+            heads: d.heads,
             schedule: DiscreteSchedule::sd1(),
             latent: d.family.spec().latent,
             prediction: super::Prediction::Eps,

@@ -16,7 +16,7 @@ pub mod tiling;
 pub mod vae;
 
 use crate::clip_tokenizer::ClipTokenizer;
-use crate::models::detect::{ClipConfig, UnetConfig, VaeConfig};
+use crate::models::detect::{ClipConfig, Heads, UnetConfig, VaeConfig};
 use crate::models::family::LatentFormat;
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_engine::backend::cpu::Bindings;
@@ -176,7 +176,7 @@ pub struct Model {
     pub file: Arc<ModelFile>,
     pub prefix: String,
     pub unet: UnetConfig,
-    pub num_heads: usize,
+    pub heads: Heads,
     pub schedule: DiscreteSchedule,
     /// The family's latent format (SD1: scale 0.18215, no shift).
     pub latent: &'static LatentFormat,

@@ -79,6 +79,27 @@ pub struct UnetConfig {
     pub adm_in_channels: Option<usize>,
 }
 
+/// How a UNet splits a transformer's channels into attention heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heads {
+    /// The same number of heads everywhere (SD1: `num_heads: 8`).
+    Count(usize),
+    /// Heads of this width (SD2/SDXL: `num_head_channels: 64`), so deeper
+    /// levels have more; at least one head where a level is narrower (tiny
+    /// models), as the rule that scales.
+    Width(usize),
+}
+
+impl Heads {
+    /// The head count at `channels`.
+    pub fn at(self, channels: usize) -> usize {
+        match self {
+            Heads::Count(n) => n,
+            Heads::Width(d) => (channels / d.max(1)).max(1),
+        }
+    }
+}
+
 /// The CLIP text encoder of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClipConfig {
@@ -106,8 +127,9 @@ pub struct VaeConfig {
 pub struct Detected {
     pub family: Family,
     pub unet: UnetConfig,
-    /// SD1 UNet attention heads (a convention: 8 heads for SD1).
-    pub num_heads: usize,
+    /// UNet attention heads (not visible in shapes: SD1's convention is
+    /// 8 heads).
+    pub heads: Heads,
     pub clip: Option<ClipConfig>,
     pub vae: Option<VaeConfig>,
 }
@@ -373,7 +395,7 @@ pub fn detect_checkpoint(s: &Shapes) -> Result<Detected, DetectError> {
     }
     Ok(Detected {
         family,
-        num_heads: 8,
+        heads: Heads::Count(8),
         clip: clip_config(s, "cond_stage_model.transformer.text_model.")?,
         vae: vae_config(s, "first_stage_model.")?,
         unet,

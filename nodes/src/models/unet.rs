@@ -1,6 +1,7 @@
 //! The diffusion UNet (ldm `UNetModel.forward`, as ComfyUI runs it for
-//! SD1/SD2-style checkpoints) as a tensor graph with the checkpoint's key
-//! names. No class/ADM conditioning, no ControlNet or patches.
+//! SD1/SD2/SDXL-style checkpoints) as a tensor graph with the checkpoint's
+//! key names: heads by count or by width, the ADM (`label_emb`) vector of
+//! SDXL. No ControlNet or patches.
 //!
 //! Numerical details follow comfy/ldm/modules/diffusionmodules/openaimodel.py
 //! and comfy/ldm/modules/attention.py:
@@ -11,7 +12,7 @@
 //! - The timestep embedding is `[cos(t·f), sin(t·f)]` (cos first) with
 //!   `f_i = exp(-ln(10000)·i / half)`.
 
-use super::detect::UnetConfig;
+use super::detect::{Heads, UnetConfig};
 use sdkit_engine::tensor::{GraphBuilder, Scope, ShapeError, UpsampleMode, T};
 
 type R<'a> = Result<T<'a>, ShapeError>;
@@ -26,7 +27,7 @@ fn bad(op: &'static str, message: String, shapes: &[&[usize]]) -> ShapeError {
 
 /// What every block of one UNet shares.
 struct Ctx {
-    heads: usize,
+    heads: Heads,
     use_linear: bool,
     emb_dim: usize,
 }
@@ -63,7 +64,7 @@ impl Ctx {
     fn attention<'a>(&self, vb: &Scope<'a>, x: T<'a>, kv: T<'a>, c: usize) -> R<'a> {
         let (xs, ks) = (x.shape(), kv.shape());
         let (b, s, skv, c_kv) = (xs[0], xs[1], ks[1], ks[2]);
-        let heads = self.heads;
+        let heads = self.heads.at(c);
         let d = c / heads;
         let split = |t: T<'a>, len: usize| -> R<'a> {
             t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
@@ -174,18 +175,21 @@ pub fn timestep_embedding<'a>(g: &'a GraphBuilder, timesteps: T<'a>, dim: usize)
 
 /// The UNet: `x` `[b, in_channels, h, w]`, `timesteps` `[b]`, `context`
 /// `[b, tokens, context_dim]` → `[b, out_channels, h, w]`, weights under
-/// `prefix` (e.g. `model.diffusion_model.`). `num_heads` is the head count
-/// of every attention layer (head width = channels / num_heads, as SD1's
-/// `num_heads: 8`; models configured by head width need the count per
-/// level, which this builder does not take).
+/// `prefix` (e.g. `model.diffusion_model.`). `heads` splits each
+/// transformer's channels into attention heads. `y` `[b, adm_in_channels]`
+/// is the ADM vector a model with `label_emb` takes (SDXL: pooled text
+/// and size embeddings), added to the timestep embedding as ComfyUI's
+/// `num_classes == "sequential"` does.
+#[allow(clippy::too_many_arguments)]
 pub fn unet<'a>(
     g: &'a GraphBuilder,
     cfg: &UnetConfig,
-    num_heads: usize,
+    heads: Heads,
     prefix: &str,
     x: T<'a>,
     timesteps: T<'a>,
     context: T<'a>,
+    y: Option<T<'a>>,
 ) -> R<'a> {
     let (xs, cs) = (x.shape(), context.shape());
     let levels = cfg.channel_mult.len();
@@ -195,7 +199,7 @@ pub fn unet<'a>(
         && cs.len() == 3
         && cs[0] == xs[0]
         && cfg.context_dim.is_none_or(|d| d == cs[2])
-        && num_heads > 0
+        && heads.at(cfg.model_channels) > 0
         && levels > 0
         && cfg.num_res_blocks.len() == levels
         && cfg.transformer_depth.len() == n_res
@@ -215,17 +219,18 @@ pub fn unet<'a>(
     let mc = cfg.model_channels;
     let vb = Scope::new(g, prefix);
     let cx = Ctx {
-        heads: num_heads,
+        heads,
         use_linear: cfg.use_linear_in_transformer,
         emb_dim: 4 * mc,
     };
     let check_heads = |c: usize| -> Result<(), ShapeError> {
-        if c.is_multiple_of(num_heads) {
+        let n = heads.at(c);
+        if c.is_multiple_of(n) {
             Ok(())
         } else {
             Err(bad(
                 "unet",
-                format!("{c} channels do not split into {num_heads} heads"),
+                format!("{c} channels do not split into {n} heads"),
                 &[&xs],
             ))
         }
@@ -233,7 +238,36 @@ pub fn unet<'a>(
 
     let t_emb = timestep_embedding(g, timesteps, mc)?;
     let emb = vb.pp("time_embed.0").linear(t_emb, mc, 4 * mc)?.silu();
-    let emb = vb.pp("time_embed.2").linear(emb, 4 * mc, 4 * mc)?;
+    let mut emb = vb.pp("time_embed.2").linear(emb, 4 * mc, 4 * mc)?;
+    match (cfg.adm_in_channels, y) {
+        (None, None) => {}
+        (Some(adm), Some(y)) => {
+            if y.shape() != [xs[0], adm] {
+                return Err(bad(
+                    "unet",
+                    format!("the ADM vector y must be [{}, {adm}]", xs[0]),
+                    &[&y.shape()],
+                ));
+            }
+            let label = vb.pp("label_emb.0");
+            let l = label.pp(0).linear(y, adm, 4 * mc)?.silu();
+            emb = emb.add(label.pp(2).linear(l, 4 * mc, 4 * mc)?)?;
+        }
+        (Some(adm), None) => {
+            return Err(bad(
+                "unet",
+                format!("this UNet takes an ADM vector y of {adm} values (label_emb)"),
+                &[&xs],
+            ))
+        }
+        (None, Some(y)) => {
+            return Err(bad(
+                "unet",
+                "an ADM vector y was given to a UNet without label_emb".into(),
+                &[&y.shape()],
+            ))
+        }
+    }
     let emb_act = emb.silu();
 
     let inputs = vb.pp("input_blocks");
