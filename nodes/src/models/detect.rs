@@ -112,6 +112,21 @@ pub struct ClipConfig {
     pub intermediate: usize,
 }
 
+/// An OpenCLIP text encoder (ViT-H/14, ViT-bigG/14) in its own key layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenClipConfig {
+    pub vocab: usize,
+    pub width: usize,
+    /// 24 for ViT-H, 32 for ViT-bigG (how ComfyUI tells them apart).
+    pub layers: usize,
+    pub max_positions: usize,
+    /// 64-dimensional heads, as CLIP (not visible in shapes).
+    pub heads: usize,
+    pub intermediate: usize,
+    /// The pooled output's width (`text_projection` `[width, projection]`).
+    pub projection: usize,
+}
+
 /// The KL autoencoder (VAE) of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VaeConfig {
@@ -347,6 +362,53 @@ pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, Detec
         max_positions,
         heads: (width / 64).max(1),
         intermediate,
+    }))
+}
+
+/// OpenCLIP text encoder config under `prefix` (SD 2.x:
+/// `cond_stage_model.model.`; SDXL: `conditioner.embedders.1.model.`).
+pub fn open_clip_config(s: &Shapes, prefix: &str) -> Result<Option<OpenClipConfig>, DetectError> {
+    let emb = format!("{prefix}token_embedding.weight");
+    let Some(sh) = s.get(&emb) else {
+        return Ok(None);
+    };
+    let (vocab, width) = match sh.as_slice() {
+        [v, w] => (*v, *w),
+        other => {
+            return Err(DetectError::BadShape {
+                name: emb,
+                shape: other.to_vec(),
+                expected: "[vocab, width]",
+            })
+        }
+    };
+    let layers = count_blocks(s, &format!("{prefix}transformer.resblocks."));
+    let max_positions = dim(
+        s,
+        &format!("{prefix}positional_embedding"),
+        0,
+        "[positions, width]",
+    )?;
+    let intermediate = dim(
+        s,
+        &format!("{prefix}transformer.resblocks.0.mlp.c_fc.weight"),
+        0,
+        "[intermediate, width]",
+    )?;
+    let projection = dim(
+        s,
+        &format!("{prefix}text_projection"),
+        1,
+        "[width, projection]",
+    )?;
+    Ok(Some(OpenClipConfig {
+        vocab,
+        width,
+        layers,
+        max_positions,
+        heads: (width / 64).max(1),
+        intermediate,
+        projection,
     }))
 }
 

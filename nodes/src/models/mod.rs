@@ -4,5 +4,6 @@
 pub mod clip;
 pub mod detect;
 pub mod family;
+pub mod open_clip;
 pub mod unet;
 pub mod vae;
