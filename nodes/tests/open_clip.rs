@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 const PREFIX: &str = "conditioner.embedders.1.model.";
 
-/// The reference script's weight formula.
+/// The reference script's weight formula (its constants are arbitrary and
+/// shared with it).
+#[allow(clippy::approx_constant)]
 fn value(name: &str, shape: &[usize]) -> Vec<f32> {
     let n: usize = shape.iter().product();
     let seed: f64 = name.bytes().map(f64::from).sum::<f64>() * 0.01;
