@@ -392,13 +392,16 @@ fn vae_decode_falls_back_to_tiles_when_memory_runs_out() {
     use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
     use std::sync::{Arc, Mutex};
 
-    let Ok(small) = WgpuBackend::with_options(&Options {
+    let small = match WgpuBackend::with_options(&Options {
         allow_coopmat: false,
         device_memory: Some(2_400_000),
         ..Options::default()
-    }) else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
+    }) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_engine::backend::wgpu::no_adapter("VAE tile fallback", e);
+            return;
+        }
     };
     let (base, fx) = setup();
     let lib = Arc::new(sdkit_nodes::library());
@@ -430,7 +433,7 @@ fn vae_decode_falls_back_to_tiles_when_memory_runs_out() {
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {
     if let Err(e) = sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
-        eprintln!("skipped: no wgpu adapter ({e})");
+        sdkit_engine::backend::wgpu::no_adapter("txt2img on wgpu", e);
         return;
     }
     let (base, fx) = setup();
@@ -616,9 +619,12 @@ fn tiny_unet_program(
 fn unet_streams_under_a_budget() {
     use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
 
-    let Ok(open) = WgpuBackend::new(None) else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
+    let open = match WgpuBackend::new(None) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_engine::backend::wgpu::no_adapter("unet under a budget", e);
+            return;
+        }
     };
     drop(open);
     let (base, _fx) = setup();
@@ -682,9 +688,12 @@ fn out_of_memory_replans_and_streams() {
     use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
     use sdkit_engine::Runtime;
 
-    let Ok(full) = WgpuBackend::new(None) else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
+    let full = match WgpuBackend::new(None) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_engine::backend::wgpu::no_adapter("out-of-memory replanning", e);
+            return;
+        }
     };
     let (base, _fx) = setup();
     let (prog, bind) = tiny_unet_program(base.path(), 2);
@@ -720,9 +729,12 @@ fn programs_prepared_side_by_side_share_the_budget() {
     use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
     use sdkit_engine::Runtime;
 
-    let Ok(full) = WgpuBackend::new(None) else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
+    let full = match WgpuBackend::new(None) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_engine::backend::wgpu::no_adapter("shared budget", e);
+            return;
+        }
     };
     let (base, _fx) = setup();
     let (p2, bind2) = tiny_unet_program(base.path(), 2);
@@ -771,9 +783,12 @@ fn prompt_edit_uploads_no_unet_weights() {
     use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
     use std::sync::{Arc, Mutex};
 
-    let Ok(runtime) = Runtime::select_with("wgpu", Some(1 << 30)) else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
+    let runtime = match Runtime::select_with("wgpu", Some(1 << 30)) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_engine::backend::wgpu::no_adapter("prompt edit residency", e);
+            return;
+        }
     };
     let (base, _fx) = setup();
     let lib = Arc::new(sdkit_nodes::library());
@@ -820,8 +835,8 @@ fn hires_workflow_plans_residency_across_models() {
     use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
     use std::sync::{Arc, Mutex};
 
-    if sdkit_engine::backend::wgpu::WgpuBackend::new(None).is_err() {
-        eprintln!("skipped: no wgpu adapter");
+    if let Err(e) = sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_engine::backend::wgpu::no_adapter("hires workflow residency", e);
         return;
     }
     let (base, _fx) = setup();

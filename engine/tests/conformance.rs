@@ -147,7 +147,7 @@ fn gpu_with(allow_f16: bool, f16_activations: bool) -> Option<&'static WgpuBacke
                 Some(b)
             }
             Err(e) => {
-                eprintln!("conformance: skipped backend wgpu: {e}");
+                sdkit_engine::backend::wgpu::no_adapter("conformance on wgpu", e);
                 None
             }
         }

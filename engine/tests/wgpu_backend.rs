@@ -3,7 +3,7 @@
 //! backend's result. Skips, saying so, where no adapter exists.
 
 use sdkit_engine::backend::cpu;
-use sdkit_engine::backend::wgpu::WgpuBackend;
+use sdkit_engine::backend::wgpu::{no_adapter, WgpuBackend};
 use sdkit_engine::plan::{plan, samples};
 use sdkit_engine::tensor::InputKind;
 use std::sync::Arc;
@@ -12,7 +12,7 @@ fn backend() -> Option<WgpuBackend> {
     match WgpuBackend::new(None) {
         Ok(b) => Some(b),
         Err(e) => {
-            eprintln!("skipped: wgpu backend tests: {e}");
+            no_adapter("wgpu backend tests", e);
             None
         }
     }
@@ -152,7 +152,7 @@ fn tensors_past_the_binding_limit_are_split() {
     }) {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("skipped: wgpu binding split test: {e}");
+            no_adapter("wgpu binding split test", e);
             return;
         }
     };
@@ -176,9 +176,12 @@ fn compiled_pipelines_persist_to_the_cache_file() {
             ..Options::default()
         })
     };
-    let Ok(gpu) = open() else {
-        eprintln!("skipped: pipeline cache test: no adapter");
-        return;
+    let gpu = match open() {
+        Ok(g) => g,
+        Err(e) => {
+            no_adapter("pipeline cache test", e);
+            return;
+        }
     };
     let Some(file) = gpu.pipeline_cache_file().map(std::path::Path::to_path_buf) else {
         eprintln!("skipped: pipeline cache test: the adapter has no PIPELINE_CACHE");
@@ -255,13 +258,16 @@ fn probes_measure_the_adapter_and_check_their_results() {
     // fragment probes' shaders and expected values are checked here too;
     // poisoned workgroup memory, so a probe that reads a tile it never
     // filled fails its check.
-    let Ok(gpu) = WgpuBackend::with_options(&Options {
+    let gpu = match WgpuBackend::with_options(&Options {
         emulate_coopmat: true,
         poison_workgroup_memory: true,
         ..Options::default()
-    }) else {
-        eprintln!("skipped: probes: no wgpu adapter");
-        return;
+    }) {
+        Ok(g) => g,
+        Err(e) => {
+            no_adapter("probes", e);
+            return;
+        }
     };
     let results = gpu
         .probe(&ProbeSize::quick())
@@ -296,13 +302,16 @@ fn probes_measure_the_adapter_and_check_their_results() {
 #[test]
 fn tap_major_conv_weights_match_whether_resident_or_streamed() {
     use sdkit_engine::backend::wgpu::Options;
-    let Ok(gpu) = WgpuBackend::with_options(&Options {
+    let gpu = match WgpuBackend::with_options(&Options {
         emulate_coopmat: true,
         poison_workgroup_memory: true,
         ..Options::default()
-    }) else {
-        eprintln!("skipped: tap-major weights: no wgpu adapter");
-        return;
+    }) {
+        Ok(g) => g,
+        Err(e) => {
+            no_adapter("tap-major weights", e);
+            return;
+        }
     };
     if gpu.coop.is_none() {
         eprintln!("skipped: tap-major weights: no (emulated) cooperative path on this adapter");
@@ -344,9 +353,12 @@ fn tuned_kernels_persist_and_match_cpu() {
             ..Options::default()
         })
     };
-    let Ok(gpu) = open(Tuning::Measure) else {
-        eprintln!("skipped: tuning: no wgpu adapter");
-        return;
+    let gpu = match open(Tuning::Measure) {
+        Ok(g) => g,
+        Err(e) => {
+            no_adapter("tuning", e);
+            return;
+        }
     };
     // A second process, open from the start: it reads no file now and
     // tunes another program after the first has saved.

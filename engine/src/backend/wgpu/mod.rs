@@ -22,6 +22,7 @@ pub mod codegen;
 mod emulate;
 mod poison;
 pub mod probe;
+mod required;
 mod tune;
 
 use crate::backend::cpu::Bindings;
@@ -30,6 +31,7 @@ use crate::plan::residency::{self, ResidencyPlan};
 use crate::plan::schedule;
 use crate::plan::{BufferKind, Command, KernelId, Program};
 use crate::tensor::reference::Array;
+pub use required::{no_adapter, REQUIRE_VAR};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 pub use tune::{Tuned, TunedKernel, Tuning, TuningObserver, Variant};
