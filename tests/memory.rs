@@ -5,6 +5,8 @@
 
 #![cfg(target_os = "linux")]
 
+#[path = "../nodes/tests/support/png_bomb.rs"]
+mod png_bomb;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -64,24 +66,7 @@ fn huge_latent_is_a_node_error_under_a_memory_cap() {
 fn decompression_bomb_is_a_node_error_under_a_memory_cap() {
     let base = tempfile::tempdir().expect("tempdir");
     std::fs::create_dir_all(base.path().join("input")).expect("mkdir");
-    let side = 20000u32;
-    {
-        let file = std::fs::File::create(base.path().join("input/bomb.png")).expect("create");
-        let mut enc = png::Encoder::new(std::io::BufWriter::new(file), side, side);
-        enc.set_color(png::ColorType::Grayscale);
-        enc.set_depth(png::BitDepth::One);
-        enc.set_compression(png::Compression::Fast);
-        let mut w = enc
-            .write_header()
-            .expect("header")
-            .into_stream_writer()
-            .expect("stream");
-        let row = vec![0u8; side.div_ceil(8) as usize];
-        for _ in 0..side {
-            std::io::Write::write_all(&mut w, &row).expect("row");
-        }
-        w.finish().expect("finish");
-    }
+    png_bomb::write_bomb(&base.path().join("input/bomb.png"), 20000);
     let wf = base.path().join("load.json");
     std::fs::write(
         &wf,

@@ -513,7 +513,7 @@ impl Executor {
         if let Some((i, e)) = failure {
             let node = &graph.nodes[i];
             // A node's error may quote an input (a path, a prefix) that is
-            // megabytes long; the report keeps its start.
+            // megabytes long; the report keeps its start and its end.
             let message = sdkit_schema::diagnostic::cap_message(e.to_string());
             emit(Event::ExecutionError {
                 prompt_id: pid.clone(),

@@ -7,26 +7,9 @@ use sdkit_nodes::imagefile::{self, MAX_IMAGE_PIXELS};
 use std::path::Path;
 use std::sync::Arc;
 
-/// A valid 1-bit grayscale PNG of `side`×`side` black pixels, written row
-/// by row: 20000² is about 50 KB on disk and would be 1.2 GB as RGB8 and
-/// 6.4 GB as IMAGE and MASK tensors.
-fn write_bomb(path: &Path, side: u32) {
-    let file = std::fs::File::create(path).expect("create");
-    let mut enc = png::Encoder::new(std::io::BufWriter::new(file), side, side);
-    enc.set_color(png::ColorType::Grayscale);
-    enc.set_depth(png::BitDepth::One);
-    enc.set_compression(png::Compression::Fast);
-    let mut w = enc
-        .write_header()
-        .expect("header")
-        .into_stream_writer()
-        .expect("stream");
-    let row = vec![0u8; side.div_ceil(8) as usize];
-    for _ in 0..side {
-        std::io::Write::write_all(&mut w, &row).expect("row");
-    }
-    w.finish().expect("finish");
-}
+#[path = "support/png_bomb.rs"]
+mod png_bomb;
+use png_bomb::write_bomb;
 
 #[test]
 fn decompression_bomb_is_refused_from_its_header() {

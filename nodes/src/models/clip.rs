@@ -69,11 +69,9 @@ pub fn text_encoder_embedded<'a>(
     mask: T<'a>,
     layer: ClipLayer,
 ) -> Result<T<'a>, ShapeError> {
-    let s = tok.shape();
-    let (b, len) = (s[0], s[1]);
+    let len = tok.shape()[1];
     let w = cfg.width;
     let heads = cfg.heads.max(1);
-    let d = w / heads;
     let vb = Scope::new(g, prefix);
     let pos = vb
         .get(
@@ -85,15 +83,11 @@ pub fn text_encoder_embedded<'a>(
     for l in 0..layer.layers_run(cfg.layers) {
         let p = vb.pp("encoder.layers").pp(l);
         let h = p.pp("layer_norm1").layer_norm(x, w, 1e-5)?;
-        let split = |t: T<'a>| -> Result<T<'a>, ShapeError> {
-            t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
-        };
         let attn = p.pp("self_attn");
-        let q = split(attn.pp("q_proj").linear(h, w, w)?)?;
-        let k = split(attn.pp("k_proj").linear(h, w, w)?)?;
-        let v = split(attn.pp("v_proj").linear(h, w, w)?)?;
-        let a = q.attention(k, v, Some(mask), 1.0 / (d as f32).sqrt())?;
-        let a = a.permute(&[0, 2, 1, 3])?.reshape(&[b, len, w])?;
+        let q = attn.pp("q_proj").linear(h, w, w)?;
+        let k = attn.pp("k_proj").linear(h, w, w)?;
+        let v = attn.pp("v_proj").linear(h, w, w)?;
+        let a = super::multi_head_attention(q, k, v, heads, Some(mask))?;
         x = attn.pp("out_proj").linear(a, w, w)?.add(x)?;
         let h = p.pp("layer_norm2").layer_norm(x, w, 1e-5)?;
         let h = p.pp("mlp.fc1").linear(h, w, cfg.intermediate)?.quick_gelu();

@@ -325,22 +325,25 @@ fn dit_family(s: &Shapes, prefix: &str) -> Option<Family> {
     None
 }
 
+/// `(vocab, width)` of a text encoder's token table `name`, if present.
+fn embedding_table(s: &Shapes, name: &str) -> Result<Option<(usize, usize)>, DetectError> {
+    match s.get(name).map(Vec::as_slice) {
+        None => Ok(None),
+        Some([v, w]) => Ok(Some((*v, *w))),
+        Some(other) => Err(DetectError::BadShape {
+            name: name.to_string(),
+            shape: other.to_vec(),
+            expected: "[vocab, width]",
+        }),
+    }
+}
+
 /// CLIP text encoder config under `prefix` (e.g.
 /// `cond_stage_model.transformer.text_model.`).
 pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, DetectError> {
     let emb = format!("{prefix}embeddings.token_embedding.weight");
-    let Some(sh) = s.get(&emb) else {
+    let Some((vocab, width)) = embedding_table(s, &emb)? else {
         return Ok(None);
-    };
-    let (vocab, width) = match sh.as_slice() {
-        [v, w] => (*v, *w),
-        other => {
-            return Err(DetectError::BadShape {
-                name: emb,
-                shape: other.to_vec(),
-                expected: "[vocab, width]",
-            })
-        }
     };
     let layers = count_blocks(s, &format!("{prefix}encoder.layers."));
     let max_positions = dim(
@@ -369,18 +372,8 @@ pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, Detec
 /// `cond_stage_model.model.`; SDXL: `conditioner.embedders.1.model.`).
 pub fn open_clip_config(s: &Shapes, prefix: &str) -> Result<Option<OpenClipConfig>, DetectError> {
     let emb = format!("{prefix}token_embedding.weight");
-    let Some(sh) = s.get(&emb) else {
+    let Some((vocab, width)) = embedding_table(s, &emb)? else {
         return Ok(None);
-    };
-    let (vocab, width) = match sh.as_slice() {
-        [v, w] => (*v, *w),
-        other => {
-            return Err(DetectError::BadShape {
-                name: emb,
-                shape: other.to_vec(),
-                expected: "[vocab, width]",
-            })
-        }
     };
     let layers = count_blocks(s, &format!("{prefix}transformer.resblocks."));
     let max_positions = dim(

@@ -7,3 +7,31 @@ pub mod family;
 pub mod open_clip;
 pub mod unet;
 pub mod vae;
+
+use sdkit_engine::tensor::{ShapeError, T};
+
+/// Multi-head scaled dot-product attention of `q` `[b, s, c]` over `k`, `v`
+/// `[b, s_kv, c]`, with `heads` heads of `c / heads` channels and an
+/// optional additive mask, back as `[b, s, c]`: the split and merge every
+/// transformer here does around the attention op.
+pub(crate) fn multi_head_attention<'a>(
+    q: T<'a>,
+    k: T<'a>,
+    v: T<'a>,
+    heads: usize,
+    mask: Option<T<'a>>,
+) -> Result<T<'a>, ShapeError> {
+    let (qs, ks) = (q.shape(), k.shape());
+    let (b, s, c, skv) = (qs[0], qs[1], qs[2], ks[1]);
+    let d = c / heads;
+    let split = |t: T<'a>, len: usize| -> Result<T<'a>, ShapeError> {
+        t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
+    };
+    let o = split(q, s)?.attention(
+        split(k, skv)?,
+        split(v, skv)?,
+        mask,
+        1.0 / (d as f32).sqrt(),
+    )?;
+    o.permute(&[0, 2, 1, 3])?.reshape(&[b, s, c])
+}

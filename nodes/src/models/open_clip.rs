@@ -15,8 +15,6 @@ use super::clip::ClipLayer;
 use super::detect::OpenClipConfig;
 use sdkit_engine::tensor::{GraphBuilder, Scope, ShapeError, T};
 
-type R<'a> = Result<T<'a>, ShapeError>;
-
 /// The encoder's outputs.
 pub struct OpenClipOut<'a> {
     /// `[batch, len, width]` after the requested layer.
@@ -47,7 +45,6 @@ pub fn text_encoder<'a>(
     let (b, len) = (s[0], s[1]);
     let w = cfg.width;
     let heads = cfg.heads.max(1);
-    let d = w / heads;
     let vb = Scope::new(g, prefix);
     let pos = vb
         .get("positional_embedding", &[cfg.max_positions, w])?
@@ -63,13 +60,8 @@ pub fn text_encoder<'a>(
             attn.get("in_proj_weight", &[3 * w, w])?,
             Some(attn.get("in_proj_bias", &[3 * w])?),
         )?;
-        let split = |i: usize| -> R<'a> {
-            qkv.slice(2, i * w, (i + 1) * w)?
-                .reshape(&[b, len, heads, d])?
-                .permute(&[0, 2, 1, 3])
-        };
-        let a = split(0)?.attention(split(1)?, split(2)?, Some(mask), 1.0 / (d as f32).sqrt())?;
-        let a = a.permute(&[0, 2, 1, 3])?.reshape(&[b, len, w])?;
+        let third = |i: usize| qkv.slice(2, i * w, (i + 1) * w);
+        let a = super::multi_head_attention(third(0)?, third(1)?, third(2)?, heads, Some(mask))?;
         x = attn.pp("out_proj").linear(a, w, w)?.add(x)?;
         let h = p.pp("ln_2").layer_norm(x, w, 1e-5)?;
         let h = p.pp("mlp.c_fc").linear(h, w, cfg.intermediate)?.gelu_erf();

@@ -62,18 +62,11 @@ impl Ctx {
     /// CrossAttention: `x` `[b, s, c]` attends to `kv` `[b, skv, c_kv]`
     /// (itself for self-attention); q/k/v have no bias, `to_out.0` has.
     fn attention<'a>(&self, vb: &Scope<'a>, x: T<'a>, kv: T<'a>, c: usize) -> R<'a> {
-        let (xs, ks) = (x.shape(), kv.shape());
-        let (b, s, skv, c_kv) = (xs[0], xs[1], ks[1], ks[2]);
-        let heads = self.heads.at(c);
-        let d = c / heads;
-        let split = |t: T<'a>, len: usize| -> R<'a> {
-            t.reshape(&[b, len, heads, d])?.permute(&[0, 2, 1, 3])
-        };
-        let q = split(vb.pp("to_q").linear_no_bias(x, c, c)?, s)?;
-        let k = split(vb.pp("to_k").linear_no_bias(kv, c_kv, c)?, skv)?;
-        let v = split(vb.pp("to_v").linear_no_bias(kv, c_kv, c)?, skv)?;
-        let o = q.attention(k, v, None, 1.0 / (d as f32).sqrt())?;
-        let o = o.permute(&[0, 2, 1, 3])?.reshape(&[b, s, c])?;
+        let c_kv = kv.shape()[2];
+        let q = vb.pp("to_q").linear_no_bias(x, c, c)?;
+        let k = vb.pp("to_k").linear_no_bias(kv, c_kv, c)?;
+        let v = vb.pp("to_v").linear_no_bias(kv, c_kv, c)?;
+        let o = super::multi_head_attention(q, k, v, self.heads.at(c), None)?;
         vb.pp("to_out.0").linear(o, c, c)
     }
 
