@@ -7,61 +7,16 @@
 //! and SaveLatent, compared with ComfyUI's nodes running the same graphs
 //! (tools/reference/sd1_pipeline.py → tests/reference/sd1/expected.json).
 
-use sdkit_engine::backend::wgpu::f32_to_f16_bits;
+mod support;
+
 use sdkit_engine::weights::{write_safetensors, DType, SafeTensors, TensorData};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use support::{copy_input, root, run, write_tensors};
 
 fn fixture() -> serde_json::Value {
-    let text =
-        std::fs::read_to_string(root().join("tests/reference/sd1/expected.json")).expect("fixture");
-    serde_json::from_str(&text).expect("fixture json")
-}
-
-fn fnv1a(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-/// The reference script's weight formula, bit for bit.
-fn values(name: &str, shape: &[usize]) -> Vec<f32> {
-    let n: usize = shape.iter().product();
-    let seed = fnv1a(name);
-    let scale = if name.ends_with("bias") || shape.len() == 1 {
-        0.0
-    } else {
-        (1.0 / ((n / shape[0]) as f64).sqrt()) as f32
-    };
-    (0..n as u64)
-        .map(|i| {
-            let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            let u = (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
-            if name.ends_with("bias") {
-                0.05 * u
-            } else if shape.len() == 1 {
-                1.0 + 0.1 * u
-            } else {
-                u * scale
-            }
-        })
-        .collect()
-}
-
-fn checksum(bits: &[u16], index: usize) -> u64 {
-    let s = bits.iter().enumerate().fold(0u64, |acc, (i, &b)| {
-        acc.wrapping_add(u64::from(b).wrapping_mul((i as u64 % 65521) + 1))
-    });
-    s.wrapping_mul(index as u64 + 1)
+    support::fixture("sd1/expected.json")
 }
 
 /// Writes the tiny checkpoint under `models/checkpoints`; checks the
@@ -73,188 +28,34 @@ fn write_checkpoint(base: &Path, fx: &serde_json::Value) {
 /// [`write_checkpoint`], with the tensor named `nan` (if any) all NaN: a
 /// broken download.
 fn write_checkpoint_with_nan(base: &Path, fx: &serde_json::Value, nan: Option<&str>) {
-    let keys = fx["keys"].as_array().expect("keys");
-    let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut total = 0u64;
-    for (i, k) in keys.iter().enumerate() {
-        let name = k[0].as_str().expect("name").to_string();
-        let shape: Vec<usize> = k[1]
-            .as_array()
-            .expect("shape")
-            .iter()
-            .map(|d| d.as_u64().expect("dim") as usize)
-            .collect();
-        let bits: Vec<u16> = values(&name, &shape)
-            .into_iter()
-            .map(f32_to_f16_bits)
-            .collect();
-        total = total.wrapping_add(checksum(&bits, i));
-        let bits = if nan == Some(name.as_str()) {
-            vec![0x7e00u16; bits.len()]
-        } else {
-            bits
-        };
-        let bytes = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-        blobs.push((name, shape, bytes));
-    }
-    assert_eq!(
-        total.to_string(),
+    let path = base
+        .join("models/checkpoints")
+        .join(fx["checkpoint"].as_str().expect("name"));
+    write_tensors(
+        &path,
+        &fx["keys"],
+        None,
         fx["checksum_f16"].as_str().expect("checksum"),
-        "the weight formula differs from tools/reference/sd1_pipeline.py"
+        nan,
     );
-    let tensors: Vec<TensorData<'_>> = blobs
-        .iter()
-        .map(|(n, s, b)| (n.as_str(), DType::F16, s.as_slice(), b.as_slice()))
-        .collect();
-    let dir = base.join("models/checkpoints");
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    write_safetensors(
-        &dir.join(fx["checkpoint"].as_str().expect("name")),
-        &tensors,
-        &BTreeMap::new(),
-    )
-    .expect("writes checkpoint");
-}
-
-fn b64(s: &str) -> Vec<u8> {
-    let val = |c: u8| -> u32 {
-        match c {
-            b'A'..=b'Z' => u32::from(c - b'A'),
-            b'a'..=b'z' => u32::from(c - b'a') + 26,
-            b'0'..=b'9' => u32::from(c - b'0') + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => panic!("bad base64"),
-        }
-    };
-    let bytes: Vec<u8> = s.bytes().filter(|&c| c != b'=').collect();
-    let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
-    for chunk in bytes.chunks(4) {
-        let mut acc = 0u32;
-        for (i, &c) in chunk.iter().enumerate() {
-            acc |= val(c) << (18 - 6 * i);
-        }
-        let n = chunk.len() * 6 / 8;
-        for i in 0..n {
-            out.push((acc >> (16 - 8 * i)) as u8);
-        }
-    }
-    out
-}
-
-fn f32s(s: &str) -> Vec<f32> {
-    b64(s)
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 fn setup() -> (tempfile::TempDir, serde_json::Value) {
     let fx = fixture();
     let base = tempfile::tempdir().expect("tempdir");
     write_checkpoint(base.path(), &fx);
-    std::fs::create_dir_all(base.path().join("input")).expect("mkdir");
-    std::fs::copy(
-        root().join("graphs/input/example.png"),
-        base.path().join("input/example.png"),
-    )
-    .expect("copy");
+    copy_input(base.path());
     (base, fx)
 }
 
-fn run(base: &Path, graph: &str, device: &str) {
-    // The references are f32: no tensor-core products on GPUs that have
-    // them (lavapipe has none either way), so `--tune` has nothing to
-    // measure: it must change nothing.
-    let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args([
-            "run",
-            "-q",
-            "--tune",
-            "--precision",
-            "f32",
-            "--device",
-            device,
-        ])
-        .arg(root().join("graphs").join(format!("{graph}.json")))
-        .arg("--base-dir")
-        .arg(base)
-        .output()
-        .expect("runs");
-    assert!(
-        o.status.success(),
-        "{graph} on {device}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Max abs difference relative to the reference's largest magnitude.
-fn rel_diff(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    got.iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max)
-        / scale
-}
-
-/// Checks one workflow's SaveLatent and SaveImage outputs against the
-/// reference. The latent tolerance is 10× the reference's own float32
-/// spread, the larger of two the reference script records: how far
-/// ComfyUI's latent moves when its UNet runs in float64, and when the
-/// initial noise and every UNet output are perturbed by one float32
-/// rounding (which shows how ill-conditioned a workflow's sampling is:
-/// zsnr's first Euler step from σ ≈ 4519 cancels ~10 bits). Pixels may
-/// differ by one level where a value sits at a rounding boundary.
 fn check(base: &Path, fx: &serde_json::Value, graph: &str, image_prefix: &str) {
-    let w = &fx["workflows"][graph];
-    let spread = w["f32_vs_f64_unet_rel"].as_f64().expect("spread") as f32;
-    let rounding = w["unet_rounding_rel"].as_f64().expect("rounding spread") as f32;
-    let spread = spread.max(rounding);
-    let latent_tol = 10.0 * spread;
-    let want_latent = f32s(w["latent_f32"].as_str().expect("latent"));
-    let latent_shape: Vec<usize> =
-        serde_json::from_value(w["latent_shape"].clone()).expect("shape");
-    let file = SafeTensors::open(&base.join("output/latents/tiny_sd1_00001_.latent"))
-        .expect("SaveLatent wrote the latent");
-    assert_eq!(
-        file.get("latent_tensor").expect("latent_tensor").shape,
-        latent_shape
+    support::check_outputs(
+        base,
+        &fx["workflows"][graph],
+        graph,
+        "latents/tiny_sd1_00001_.latent",
+        image_prefix,
     );
-    assert!(file.get("latent_format_version_0").is_some());
-    let got_latent = file.to_f32("latent_tensor").expect("f32");
-    let dl = rel_diff(&got_latent, &want_latent);
-
-    let shape: Vec<usize> = serde_json::from_value(w["image_shape"].clone()).expect("shape");
-    let want = f32s(w["image_f32"].as_str().expect("image"));
-    let (b, h, wd) = (shape[0], shape[1], shape[2]);
-    let per = h * wd * 3;
-    let mut worst = 0u8;
-    let mut off = 0usize;
-    for i in 0..b {
-        let path = base.join(format!("output/{image_prefix}_{:05}_.png", i + 1));
-        let img = image::open(&path)
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-            .to_rgb8();
-        assert_eq!(img.dimensions(), (wd as u32, h as u32));
-        for (p, r) in img.as_raw().iter().zip(&want[i * per..(i + 1) * per]) {
-            let r = sdkit_nodes::io::to_u8(*r);
-            let d = p.abs_diff(r);
-            worst = worst.max(d);
-            off += usize::from(d > 0);
-        }
-    }
-    eprintln!(
-        "{graph}: latent max rel diff {dl:e} (reference float32 spread {spread:e}); \
-         image worst {worst}/255, {off} of {} values differ",
-        b * per
-    );
-    assert!(
-        dl < latent_tol,
-        "{graph}: latent differs by {dl} (relative)"
-    );
-    assert!(worst <= 1, "{graph}: pixels differ by up to {worst}");
 }
 
 /// Runs `graph` with `sdkit run --device cpu` and checks its outputs.

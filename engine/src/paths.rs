@@ -24,6 +24,24 @@ pub const MODEL_FOLDERS: &[&str] = &[
     "configs",
 ];
 
+/// Folders that are one kind in ComfyUI: `text_encoders` also lists
+/// `models/clip`, `diffusion_models` also `models/unet` (and the legacy
+/// names mean the same pair), in ComfyUI's search order.
+const FOLDER_ALIASES: &[(&str, &[&str])] = &[
+    ("text_encoders", &["text_encoders", "clip"]),
+    ("clip", &["text_encoders", "clip"]),
+    ("diffusion_models", &["unet", "diffusion_models"]),
+    ("unet", &["unet", "diffusion_models"]),
+];
+
+/// The folders under `models/` that `folder` searches.
+fn folder_dirs(folder: &str) -> Vec<&str> {
+    FOLDER_ALIASES
+        .iter()
+        .find(|(k, _)| *k == folder)
+        .map_or_else(|| vec![folder], |(_, v)| v.to_vec())
+}
+
 const MODEL_EXTENSIONS: &[&str] = &[
     "safetensors",
     "sft",
@@ -71,9 +89,28 @@ impl Paths {
         safe_join(base, name)
     }
 
-    /// Path of a model file in a model folder, e.g. (`checkpoints`, `sd15.safetensors`).
+    /// Path of a model file in a model folder, e.g. (`checkpoints`,
+    /// `sd15.safetensors`): the first folder of the kind that has it (the
+    /// first folder's path when none has).
     pub fn model(&self, folder: &str, name: &str) -> Option<PathBuf> {
-        safe_join(&self.models.join(folder), name)
+        let dirs = folder_dirs(folder);
+        let paths: Vec<PathBuf> = dirs
+            .iter()
+            .map(|d| safe_join(&self.models.join(d), name))
+            .collect::<Option<_>>()?;
+        let first = paths.first().cloned();
+        paths.into_iter().find(|p| p.is_file()).or(first)
+    }
+
+    /// Every model file of a folder kind, relative, sorted, deduplicated.
+    fn model_files(&self, folder: &str) -> Vec<String> {
+        let mut out: Vec<String> = folder_dirs(folder)
+            .iter()
+            .flat_map(|d| list_files(&self.models.join(d), MODEL_EXTENSIONS, true))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 }
 
@@ -135,9 +172,7 @@ impl ComboSource for Paths {
             ComboOptions::Static(v) => v.clone(),
             // ComfyUI lists the top level of the input folder only.
             ComboOptions::InputImages => list_files(&self.input, IMAGE_EXTENSIONS, false),
-            ComboOptions::Models(folder) => {
-                list_files(&self.models.join(folder), MODEL_EXTENSIONS, true)
-            }
+            ComboOptions::Models(folder) => self.model_files(folder),
         }
     }
 
@@ -157,11 +192,11 @@ impl ComboSource for Paths {
         let ComboOptions::Models(folder) = options else {
             return None;
         };
-        let dir = self.models.join(folder);
+        let dir = self.models.join(folder_dirs(folder)[0]);
         let dir = std::path::absolute(&dir).unwrap_or(dir);
         // "checkpoints" → "checkpoint", "text_encoders" → "text encoder".
         let kind = folder.strip_suffix('s').unwrap_or(folder).replace('_', " ");
-        let found = if list_files(&dir, MODEL_EXTENSIONS, true).is_empty() {
+        let found = if self.model_files(folder).is_empty() {
             "no files in"
         } else {
             "looked in"

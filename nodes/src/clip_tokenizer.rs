@@ -319,6 +319,13 @@ impl ClipTokenizer {
     /// `(token id, weight)` pairs, each `[bos, ≤75 tokens, eos, eos…]`.
     /// There is always at least one chunk.
     pub fn tokenize_with_weights(&self, text: &str) -> Vec<Vec<(u32, f32)>> {
+        self.tokenize_with_weights_padded(text, EOS)
+    }
+
+    /// [`Self::tokenize_with_weights`] padding with `pad` after each
+    /// chunk's end token (OpenCLIP's tokenizers in SD 2.x and SDXL pad with
+    /// 0: `pad_with_end=False`).
+    pub fn tokenize_with_weights_padded(&self, text: &str, pad: u32) -> Vec<Vec<(u32, f32)>> {
         let escaped = escape_important(text);
         let mut groups: Vec<(Vec<u32>, f64)> = Vec::new();
         for (segment, weight) in token_weights(&escaped) {
@@ -347,7 +354,7 @@ impl ClipTokenizer {
                         group = &group[take..];
                     } else {
                         batch.push((EOS, 1.0));
-                        batch.extend(std::iter::repeat_n((EOS, 1.0), remaining));
+                        batch.extend(std::iter::repeat_n((pad, 1.0), remaining));
                     }
                     chunks.push(std::mem::replace(&mut batch, vec![(BOS, 1.0)]));
                 } else {
@@ -358,7 +365,7 @@ impl ClipTokenizer {
         }
         batch.push((EOS, 1.0));
         if batch.len() < MAX_LENGTH {
-            batch.resize(MAX_LENGTH, (EOS, 1.0));
+            batch.resize(MAX_LENGTH, (pad, 1.0));
         }
         chunks.push(batch);
         chunks

@@ -38,11 +38,22 @@ pub fn library() -> NodeLibrary {
         diffusion::loaders::CheckpointLoaderSimple,
     );
     lib.implement("VAELoader", diffusion::loaders::VaeLoader);
+    lib.implement("UNETLoader", diffusion::loaders::UnetLoader);
+    lib.implement("CLIPLoader", diffusion::loaders::ClipLoader);
+    lib.implement("DualCLIPLoader", diffusion::loaders::DualClipLoader);
     lib.implement(
         "CLIPSetLastLayer",
         diffusion::conditioning::ClipSetLastLayer,
     );
     lib.implement("CLIPTextEncode", diffusion::conditioning::ClipTextEncode);
+    lib.implement(
+        "CLIPTextEncodeSDXL",
+        diffusion::conditioning::ClipTextEncodeSdxl,
+    );
+    lib.implement(
+        "CLIPTextEncodeSDXLRefiner",
+        diffusion::conditioning::ClipTextEncodeSdxlRefiner,
+    );
     lib.implement("KSampler", diffusion::ksampler::KSampler);
     lib.implement("KSamplerAdvanced", diffusion::ksampler::KSamplerAdvanced);
     lib.implement(

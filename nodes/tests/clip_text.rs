@@ -50,6 +50,8 @@ fn matches_transformers_clip_text_model() {
         max_positions: get("positions"),
         heads: get("heads"),
         intermediate: get("intermediate"),
+        gelu: false,
+        projection: None,
     };
     let tokens: Vec<f32> = fx["tokens"]
         .as_array()

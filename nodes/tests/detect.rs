@@ -1,7 +1,9 @@
 //! Detection on key/shape maps laid out exactly as the original
 //! checkpoints are (ldm names), at real and at tiny sizes.
 
-use sdkit_nodes::models::detect::{detect_checkpoint, DetectError, Family, Shapes};
+use sdkit_nodes::models::detect::{
+    detect_checkpoint, DetectError, EncoderArch, Family, Heads, Shapes,
+};
 
 struct Gen {
     s: Shapes,
@@ -184,7 +186,10 @@ fn sd15_full_size() {
     assert_eq!(u.context_dim, Some(768));
     assert!(!u.use_linear_in_transformer);
     assert_eq!((u.in_channels, u.out_channels), (4, 4));
-    let c = d.clip.expect("clip");
+    assert_eq!(d.text.len(), 1);
+    let EncoderArch::Clip(c) = &d.text[0].arch else {
+        panic!("SD1's CLIP is in the HF layout")
+    };
     assert_eq!(
         (c.width, c.layers, c.heads, c.intermediate, c.vocab),
         (768, 12, 12, 3072, 49408)
@@ -208,12 +213,36 @@ fn tiny_sd1_infers_every_size_from_shapes() {
     assert_eq!(u.num_res_blocks, [2, 2]);
     assert_eq!(u.transformer_depth, [2, 2, 0, 0]);
     assert_eq!(u.transformer_depth_output, [2, 2, 2, 0, 0, 0]);
-    assert_eq!(d.clip.map(|c| c.layers), Some(2));
+    assert_eq!(d.text.first().map(|p| p.arch.layers()), Some(2));
 }
 
 #[test]
-fn other_families_are_named_and_refused() {
-    let sd2 = sd_unet(
+fn unet_families_by_structure_at_any_width() {
+    // SD 2.x: linear projections, no ADM; 64-channel heads.
+    for (mc, ctx) in [(320, 1024), (64, 128)] {
+        let sd2 = sd_unet(mc, &[1, 2, 4, 4], &[true, true, true, false], ctx, true, 1);
+        let d = detect_checkpoint(&sd2).expect("SD2 detects");
+        assert_eq!(d.family, Family::Sd2);
+        assert_eq!(d.heads, Heads::Width(64));
+        assert!(d.text.is_empty());
+    }
+    // SDXL base: ADM = pooled + 6×256; the refiner's = context + 5×256.
+    for (mc, ctx, adm, family) in [
+        (320, 2048, 2816, Family::Sdxl),
+        (64, 192, 128 + 1536, Family::Sdxl),
+        (384, 1280, 2560, Family::SdxlRefiner),
+        (64, 128, 128 + 1280, Family::SdxlRefiner),
+    ] {
+        let mut xl = sd_unet(mc, &[1, 2, 4], &[false, true, true], ctx, true, 2);
+        xl.insert(
+            "model.diffusion_model.label_emb.0.0.weight".into(),
+            vec![4 * mc, adm],
+        );
+        let d = detect_checkpoint(&xl).expect("SDXL detects");
+        assert_eq!((d.family, d.unet.adm_in_channels), (family, Some(adm)));
+    }
+    // An ADM input of neither form (SD 2.x unCLIP) is not guessed.
+    let mut unclip = sd_unet(
         320,
         &[1, 2, 4, 4],
         &[true, true, true, false],
@@ -221,21 +250,18 @@ fn other_families_are_named_and_refused() {
         true,
         1,
     );
-    assert_eq!(
-        detect_checkpoint(&sd2),
-        Err(DetectError::Unsupported(Family::Sd2))
-    );
-
-    let mut xl = sd_unet(320, &[1, 2, 4], &[false, true, true], 2048, true, 2);
-    xl.insert(
+    unclip.insert(
         "model.diffusion_model.label_emb.0.0.weight".into(),
-        vec![1280, 2816],
+        vec![1280, 1536],
     );
-    assert_eq!(
-        detect_checkpoint(&xl),
-        Err(DetectError::Unsupported(Family::Sdxl))
-    );
+    assert!(matches!(
+        detect_checkpoint(&unclip),
+        Err(DetectError::UnknownUnet { .. })
+    ));
+}
 
+#[test]
+fn other_families_are_named_and_refused() {
     let mut flux = Shapes::new();
     flux.insert(
         "model.diffusion_model.double_blocks.0.img_attn.norm.key_norm.scale".into(),
@@ -288,7 +314,6 @@ fn truncated_checkpoint_names_the_missing_tensor() {
 
 #[test]
 fn heads_by_count_or_by_width() {
-    use sdkit_nodes::models::detect::Heads;
     assert_eq!(Heads::Count(8).at(320), 8);
     assert_eq!(Heads::Count(8).at(1280), 8);
     // SDXL: 64-channel heads, 5 at 320 channels and 20 at 1280.

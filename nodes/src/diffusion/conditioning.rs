@@ -1,7 +1,13 @@
 //! CLIPTextEncode and CLIPSetLastLayer, with ComfyUI's semantics.
 
-use super::{graph_error, input, opaque, sd1_tokenizer, Clip, CondEntry, Conditioning};
+use super::{
+    graph_error, input, opaque, sd1_tokenizer, Clip, CondEntry, Conditioning, SizeCond,
+    TextEncoderModel,
+};
 use crate::models::clip::{causal_mask, text_encoder_embedded, ClipLayer};
+use crate::models::detect::EncoderArch;
+use crate::models::family::TextEncoder;
+use crate::models::open_clip::{self, end_token_one_hot};
 use sdkit_engine::plan::plan;
 use sdkit_engine::tensor::GraphBuilder;
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
@@ -24,54 +30,108 @@ impl NodeImpl for ClipSetLastLayer {
     }
 }
 
-impl Clip {
-    /// The layer to read, by ComfyUI's rule (`SDClipModel.set_clip_options`):
-    /// an index beyond the layer count means the last layer.
-    pub fn layer(&self) -> ClipLayer {
-        match self.layer_idx {
-            Some(k) if k < 0 && k.unsigned_abs() <= self.cfg.layers as u64 => {
-                ClipLayer::FromEnd(k.unsigned_abs() as usize)
-            }
-            Some(k) if k > 0 && (k as u64) < self.cfg.layers as u64 => {
-                // A positive index counts from the first layer.
-                ClipLayer::FromEnd(self.cfg.layers - k as usize)
-            }
-            _ => ClipLayer::Last,
+/// ComfyUI's `set_clip_options` rule: an index beyond the layer count
+/// (or none) means the last layer.
+fn clip_layer(layer_idx: Option<i64>, layers: usize) -> ClipLayer {
+    match layer_idx {
+        Some(k) if k < 0 && k.unsigned_abs() <= layers as u64 => {
+            ClipLayer::FromEnd(k.unsigned_abs() as usize)
+        }
+        Some(k) if k > 0 && (k as u64) < layers as u64 => {
+            // A positive index counts from the first layer.
+            ClipLayer::FromEnd(layers - k as usize)
+        }
+        _ => ClipLayer::Last,
+    }
+}
+
+/// One encoder's output for a prompt: `[1, tokens, width]` and the
+/// pooled vector `[1, projection]` where the encoder gives one.
+pub(crate) struct Encoded {
+    pub hidden: Tensor,
+    pub pooled: Option<Tensor>,
+}
+
+impl TextEncoderModel {
+    fn layers(&self) -> usize {
+        self.arch.layers()
+    }
+
+    /// Whether the family reads this encoder's pooled output (SD 2.x's H,
+    /// SDXL's G; CLIP-L's is unused by every UNet family).
+    fn pools(&self) -> bool {
+        matches!(
+            self.rule.encoder,
+            TextEncoder::OpenClipG | TextEncoder::OpenClipH
+        ) || matches!(self.arch, EncoderArch::OpenClip(_))
+    }
+
+    fn table_name(&self) -> String {
+        match self.arch {
+            EncoderArch::Clip(_) => format!("{}embeddings.token_embedding.weight", self.prefix),
+            EncoderArch::OpenClip(_) => format!("{}token_embedding.weight", self.prefix),
         }
     }
 
-    /// Runs the text encoder on token rows of equal length; returns
-    /// `[rows, len, width]` (row-major).
-    pub fn encode_rows(&self, ctx: &NodeContext, rows: &[Vec<u32>]) -> Result<Vec<f32>, NodeError> {
+    /// Runs the encoder on token rows of equal length; returns the hidden
+    /// states `[rows, len, width]` and, where it pools, `[rows, proj]`.
+    fn encode_rows(
+        &self,
+        ctx: &NodeContext,
+        rows: &[Vec<u32>],
+        layer: ClipLayer,
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>), NodeError> {
         let len = rows.first().map_or(0, Vec::len);
-        if len > self.cfg.max_positions {
+        let (vocab, width, positions) = match &self.arch {
+            EncoderArch::Clip(c) => (c.vocab, c.width, c.max_positions),
+            EncoderArch::OpenClip(c) => (c.vocab, c.width, c.max_positions),
+        };
+        if len > positions {
             return Err(NodeError::invalid(format!(
-                "{} tokens do not fit the text encoder's {} positions",
-                len, self.cfg.max_positions
+                "{len} tokens do not fit the text encoder's {positions} positions"
             )));
         }
-        let width = self.cfg.width;
+        let pools = self.pools();
+        let norm = self.rule.norm_hidden;
         let g = GraphBuilder::new();
-        let out = (|| {
+        let outs = (|| {
             let e = g.input("embeddings", &[rows.len(), len, width])?;
             let m = g.input("mask", &[len, len])?;
-            text_encoder_embedded(&g, &self.cfg, &self.prefix, e, m, self.layer())
+            let eot = if pools {
+                Some(g.input("eot", &[rows.len(), 1, len])?)
+            } else {
+                None
+            };
+            match &self.arch {
+                EncoderArch::Clip(c) => {
+                    let o = text_encoder_embedded(&g, c, &self.prefix, e, m, eot, layer, norm)?;
+                    Ok::<_, sdkit_engine::tensor::ShapeError>((o.hidden, o.pooled))
+                }
+                EncoderArch::OpenClip(c) => {
+                    let eot = match eot {
+                        Some(eot) => eot,
+                        None => g.input("eot", &[rows.len(), 1, len])?,
+                    };
+                    let o = open_clip::text_encoder(&g, c, &self.prefix, e, m, eot, layer, norm)?;
+                    Ok((o.hidden, Some(o.pooled)))
+                }
+            }
         })()
-        .map_err(|e| graph_error("CLIP text encoder", e))?;
-        let graph = g.finish(&[out]);
-        let prog = plan(&graph).map_err(|e| graph_error("CLIP text encoder", e))?;
+        .map_err(|e| graph_error("text encoder", e))?;
+        let graph = match outs.1 {
+            Some(p) => g.finish(&[outs.0, p]),
+            None => g.finish(&[outs.0]),
+        };
+        let prog = plan(&graph).map_err(|e| graph_error("text encoder", e))?;
         let mut bind = self.file.bindings(&prog)?;
         // The token embedding lookup happens here, on the host.
-        let table = self
-            .file
-            .tensor_f32(&format!("{}embeddings.token_embedding.weight", self.prefix))?;
+        let table = self.file.tensor_f32(&self.table_name())?;
         let mut embeds = Vec::with_capacity(rows.len() * len * width);
         for &id in rows.iter().flatten() {
             let at = id as usize * width;
             let row = table.get(at..at + width).ok_or_else(|| {
                 NodeError::invalid(format!(
-                    "token id {id} is outside the text encoder's {}-token vocabulary",
-                    self.cfg.vocab
+                    "token id {id} is outside the text encoder's {vocab}-token vocabulary"
                 ))
             })?;
             embeds.extend_from_slice(row);
@@ -79,21 +139,35 @@ impl Clip {
         bind.inputs.insert("embeddings".into(), Arc::new(embeds));
         bind.inputs
             .insert("mask".into(), Arc::new(causal_mask(len)));
+        if pools {
+            bind.inputs.insert(
+                "eot".into(),
+                Arc::new(end_token_one_hot(rows, crate::clip_tokenizer::EOS)),
+            );
+        }
         ctx.check_cancel()?;
-        let mut out = super::run_model(ctx, "CLIP text encoder", &self.file.name, &prog, bind)?;
-        Ok(out.swap_remove(0).data)
+        let mut out = super::run_model(ctx, "text encoder", &self.file.name, &prog, bind)?;
+        let pooled = if out.len() > 1 {
+            Some(out.swap_remove(1).data)
+        } else {
+            None
+        };
+        Ok((out.swap_remove(0).data, pooled))
     }
 
     /// ComfyUI's `encode_token_weights`: encodes each 77-token chunk (plus
     /// an empty prompt when any weight is not 1), moves weighted tokens
     /// away from the empty prompt's encoding by their weight, and joins the
-    /// chunks along the token axis: `[1, 77 × chunks, width]`.
-    pub fn encode_weighted(
+    /// chunks along the token axis: `[1, 77 × chunks, width]`; the pooled
+    /// vector is the first chunk's.
+    pub(crate) fn encode_weighted(
         &self,
         ctx: &NodeContext,
         chunks: &[Vec<(u32, f32)>],
-    ) -> Result<Tensor, NodeError> {
-        let width = self.cfg.width;
+        layer_idx: Option<i64>,
+    ) -> Result<Encoded, NodeError> {
+        let layer = clip_layer(layer_idx.or(self.rule.default_layer), self.layers());
+        let width = self.arch.width();
         let len = chunks.iter().map(Vec::len).max().unwrap_or(0);
         let has_weights = chunks.iter().flatten().any(|&(_, w)| w != 1.0);
         let mut rows: Vec<Vec<u32>> = chunks
@@ -104,16 +178,25 @@ impl Clip {
             return Err(NodeError::invalid("token chunks differ in length"));
         }
         if has_weights || rows.is_empty() {
+            // gen_empty_tokens: start, end, then the encoder's padding.
             let (start, end) = (crate::clip_tokenizer::BOS, crate::clip_tokenizer::EOS);
             let mut empty = vec![start, end];
-            empty.resize(len.max(2), end);
+            empty.resize(len.max(2), self.rule.pad);
             rows.push(empty);
         }
-        let out = self.encode_rows(ctx, &rows)?;
+        let (out, pooled) = self.encode_rows(ctx, &rows, layer)?;
+        let pooled = match pooled {
+            Some(p) => {
+                let w = p.len() / rows.len();
+                Some(Tensor::new(vec![1, w], p[..w].to_vec()).map_err(NodeError::invalid)?)
+            }
+            None => None,
+        };
         let row = len * width;
         if chunks.is_empty() {
-            return Tensor::new(vec![1, len, width], out[..row].to_vec())
-                .map_err(NodeError::invalid);
+            let hidden = Tensor::new(vec![1, len, width], out[..row].to_vec())
+                .map_err(NodeError::invalid)?;
+            return Ok(Encoded { hidden, pooled });
         }
         let mut z = out[..chunks.len() * row].to_vec();
         if has_weights {
@@ -130,8 +213,67 @@ impl Clip {
                 }
             }
         }
-        Tensor::new(vec![1, chunks.len() * len, width], z).map_err(NodeError::invalid)
+        let hidden =
+            Tensor::new(vec![1, chunks.len() * len, width], z).map_err(NodeError::invalid)?;
+        Ok(Encoded { hidden, pooled })
     }
+}
+
+impl Clip {
+    /// Each encoder's token chunks for `text` (the same text, each padded
+    /// its own way).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<Vec<Vec<(u32, f32)>>>, NodeError> {
+        let tok = sd1_tokenizer()?;
+        Ok(self
+            .encoders
+            .iter()
+            .map(|e| tok.tokenize_with_weights_padded(text, e.rule.pad))
+            .collect())
+    }
+
+    /// Encodes per-encoder token chunks and joins the encoders as the
+    /// family does: one encoder as it is; SDXL's L and G cut to the
+    /// shorter and concatenated along the width, pooled from G.
+    pub fn encode_tokens(
+        &self,
+        ctx: &NodeContext,
+        tokens: &[Vec<Vec<(u32, f32)>>],
+    ) -> Result<CondEntry, NodeError> {
+        let mut outs = Vec::with_capacity(self.encoders.len());
+        for (e, chunks) in self.encoders.iter().zip(tokens) {
+            outs.push(e.encode_weighted(ctx, chunks, self.layer_idx)?);
+        }
+        let pooled = outs.iter().rev().find_map(|o| o.pooled.clone());
+        let cross_attn = match outs.len() {
+            0 => return Err(NodeError::invalid("this CLIP has no text encoder")),
+            1 => outs.swap_remove(0).hidden,
+            _ => {
+                let len = outs.iter().map(|o| o.hidden.dim(1)).min().unwrap_or(0);
+                let width: usize = outs.iter().map(|o| o.hidden.dim(2)).sum();
+                let mut data = Vec::with_capacity(len * width);
+                for t in 0..len {
+                    for o in &outs {
+                        let w = o.hidden.dim(2);
+                        data.extend_from_slice(&o.hidden.data[t * w..(t + 1) * w]);
+                    }
+                }
+                Tensor::new(vec![1, len, width], data).map_err(NodeError::invalid)?
+            }
+        };
+        Ok(CondEntry::text(cross_attn, pooled))
+    }
+
+    /// The position of the encoder with `role`, if this CLIP has it.
+    pub fn position(&self, role: TextEncoder) -> Option<usize> {
+        self.encoders.iter().position(|e| e.rule.encoder == role)
+    }
+}
+
+fn conditioning(entry: CondEntry) -> NodeOutput {
+    NodeOutput::values(vec![opaque(
+        SocketType::Conditioning,
+        Conditioning(vec![entry]),
+    )])
 }
 
 /// ComfyUI's CLIPTextEncode.
@@ -145,14 +287,77 @@ impl NodeImpl for ClipTextEncode {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
         let text = inputs.string("text")?;
-        let chunks = sd1_tokenizer()?.tokenize_with_weights(text);
-        let cross_attn = clip.encode_weighted(ctx, &chunks)?;
-        Ok(NodeOutput::values(vec![opaque(
-            SocketType::Conditioning,
-            Conditioning(vec![CondEntry {
-                cross_attn,
-                strength: 1.0,
-            }]),
-        )]))
+        let tokens = clip.tokenize(text)?;
+        Ok(conditioning(clip.encode_tokens(ctx, &tokens)?))
+    }
+}
+
+/// A size widget as ComfyUI's conditioning stores it.
+fn size(inputs: &Inputs, name: &str) -> Result<Option<f64>, NodeError> {
+    Ok(Some(inputs.int(name)? as f64))
+}
+
+/// ComfyUI's CLIPTextEncodeSDXL: `text_g` for OpenCLIP-G, `text_l` for
+/// CLIP-L (the shorter padded with empty-prompt chunks to the same count),
+/// and the size conditioning of SDXL's ADM input.
+pub struct ClipTextEncodeSdxl;
+
+impl NodeImpl for ClipTextEncodeSdxl {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["clip"]
+    }
+
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
+        let (Some(l), Some(gi)) = (
+            clip.position(TextEncoder::ClipL),
+            clip.position(TextEncoder::OpenClipG),
+        ) else {
+            return Err(NodeError::invalid(format!(
+                "CLIPTextEncodeSDXL needs SDXL's two text encoders (CLIP-L and OpenCLIP-G); this CLIP is {}'s",
+                clip.family.name()
+            )));
+        };
+        let mut tokens = clip.tokenize(inputs.string("text_g")?)?;
+        tokens[l] = clip.tokenize(inputs.string("text_l")?)?.swap_remove(l);
+        if tokens[l].len() != tokens[gi].len() {
+            let empty = clip.tokenize("")?;
+            while tokens[l].len() < tokens[gi].len() {
+                tokens[l].extend(empty[l].iter().cloned());
+            }
+            while tokens[gi].len() < tokens[l].len() {
+                tokens[gi].extend(empty[gi].iter().cloned());
+            }
+        }
+        let mut entry = clip.encode_tokens(ctx, &tokens)?;
+        entry.size = SizeCond {
+            width: size(inputs, "width")?,
+            height: size(inputs, "height")?,
+            crop_w: size(inputs, "crop_w")?,
+            crop_h: size(inputs, "crop_h")?,
+            target_width: size(inputs, "target_width")?,
+            target_height: size(inputs, "target_height")?,
+        };
+        Ok(conditioning(entry))
+    }
+}
+
+/// ComfyUI's CLIPTextEncodeSDXLRefiner: the prompt with the refiner's
+/// aesthetic score and size.
+pub struct ClipTextEncodeSdxlRefiner;
+
+impl NodeImpl for ClipTextEncodeSdxlRefiner {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["clip"]
+    }
+
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
+        let tokens = clip.tokenize(inputs.string("text")?)?;
+        let mut entry = clip.encode_tokens(ctx, &tokens)?;
+        entry.aesthetic_score = Some(inputs.float("ascore")?);
+        entry.size.width = size(inputs, "width")?;
+        entry.size.height = size(inputs, "height")?;
+        Ok(conditioning(entry))
     }
 }

@@ -20,14 +20,12 @@
 //!    from a fresh generator seeded with the seed, as k-diffusion's default
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
-use super::{graph_error, input, opaque, run_error, Conditioning, Model, Prediction};
-use crate::models::unet::unet;
+use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
 use crate::sampling::samplers::{Sampler, Space};
-use sdkit_engine::plan::{plan, Program};
+use sdkit_engine::plan::Program;
 use sdkit_engine::runtime::Session;
-use sdkit_engine::tensor::GraphBuilder;
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -111,25 +109,6 @@ fn group(conds: &[&Conditioning]) -> Vec<Group> {
         }
     }
     groups
-}
-
-fn unet_program(
-    model: &Model,
-    batch: usize,
-    h: usize,
-    w: usize,
-    tokens: usize,
-    dim: usize,
-) -> Result<Program, NodeError> {
-    let g = GraphBuilder::new();
-    let out = (|| {
-        let x = g.input("x", &[batch, model.unet.in_channels, h, w])?;
-        let t = g.input("t", &[batch])?;
-        let c = g.input("context", &[batch, tokens, dim])?;
-        unet(&g, &model.unet, model.heads, &model.prefix, x, t, c, None)
-    })()
-    .map_err(|e| graph_error("UNet", e))?;
-    plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))
 }
 
 /// What `common_ksampler` takes besides the model and conditioning.
@@ -387,14 +366,17 @@ pub fn sample(
     let groups = group(&conds);
     let progs: Vec<Program> = groups
         .iter()
-        .map(|g| unet_program(model, g.items.len() * b, h, w, g.tokens, dim))
+        .map(|g| model.program(g.items.len() * b, h, w, g.tokens, dim))
         .collect::<Result<_, _>>()?;
     let bind = match progs.first() {
         Some(p) => model.file.bindings(p)?,
         None => return Err(NodeError::invalid("nothing to sample")),
     };
     // Contexts per group, repeated to the group's length and the batch.
-    let contexts: Vec<Arc<Vec<f32>>> = groups
+    // The model inputs of each group besides x and t (the context and,
+    // for SDXL, the ADM vector's parts), fixed for the whole sampling.
+    let pixels = ((h * 8) as f64, (w * 8) as f64);
+    let feeds: Vec<HashMap<String, Arc<Vec<f32>>>> = groups
         .iter()
         .map(|g| {
             let mut v = Vec::with_capacity(g.items.len() * b * g.tokens * dim);
@@ -407,9 +389,16 @@ pub fn sample(
                     }
                 }
             }
-            Arc::new(v)
+            let entries: Vec<(&CondEntry, bool)> = g
+                .items
+                .iter()
+                .map(|&(ci, ei)| (&conds[ci].0[ei], ci == 1))
+                .collect();
+            let mut feed = model.cond_inputs(&entries, b, pixels)?;
+            feed.insert("context".to_string(), Arc::new(v));
+            Ok(feed)
         })
-        .collect();
+        .collect::<Result<_, NodeError>>()?;
     let before_prepare = ctx.runtime.bytes_uploaded();
     let mut sessions: Vec<Session<'_>> = ctx
         .runtime
@@ -431,16 +420,15 @@ pub fn sample(
         // Per conditioning: Σ pred·strength and 1e-37 + Σ strength.
         let mut sums = vec![vec![0f32; per_item]; slots];
         let mut counts = vec![1e-37f32; slots];
-        for ((g, session), context) in groups.iter().zip(sessions.iter_mut()).zip(&contexts) {
+        for ((g, session), fixed) in groups.iter().zip(sessions.iter_mut()).zip(&feeds) {
             let n = g.items.len();
             let mut xs = Vec::with_capacity(n * per_item);
             for _ in 0..n {
                 xs.extend_from_slice(&xin);
             }
-            let mut feed = HashMap::new();
+            let mut feed = fixed.clone();
             feed.insert("x".to_string(), Arc::new(xs));
             feed.insert("t".to_string(), Arc::new(vec![t; n * b]));
-            feed.insert("context".to_string(), Arc::clone(context));
             let out = session.run(feed).map_err(|e| run_error("UNet", e))?;
             let eps = &out[0].data;
             for (i, &(ci, ei)) in g.items.iter().enumerate() {

@@ -1,7 +1,11 @@
 //! CheckpointLoaderSimple and VAELoader.
 
-use super::{opaque, Clip, Model, ModelFile, Vae};
-use crate::models::detect::{detect_checkpoint, vae_config, Shapes};
+use super::{opaque, Clip, Model, ModelFile, Prediction, TextEncoderModel, Vae};
+use crate::models::detect::{
+    detect_checkpoint, detect_text_encoder, detect_unet, vae_config, EncoderArch, Family, Heads,
+    Shapes, TextPart, UnetConfig,
+};
+use crate::models::family::{DefaultSampling, TextEncoder};
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_engine::weights::{SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput};
@@ -10,6 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub const UNET_PREFIX: &str = "model.diffusion_model.";
+/// SD1's CLIP (the other families' encoders are found by detection).
 pub const CLIP_PREFIX: &str = "cond_stage_model.transformer.text_model.";
 pub const VAE_PREFIX: &str = "first_stage_model.";
 
@@ -63,6 +68,108 @@ fn shapes(file: &SafeTensors) -> Shapes {
         .collect()
 }
 
+/// A text encoder of `family` found in `file`, with its family's rule.
+fn text_encoder(
+    file: &Arc<ModelFile>,
+    family: Family,
+    part: TextPart,
+) -> Result<TextEncoderModel, String> {
+    let rule = family
+        .spec()
+        .text_rule(part.role)
+        .ok_or_else(|| format!("{} has no {:?} text encoder", family.name(), part.role))?;
+    let mut arch = part.arch;
+    // OpenCLIP's towers in the HF layout keep their exact GELU.
+    if let EncoderArch::Clip(c) = &mut arch {
+        c.gelu = part.role != TextEncoder::ClipL;
+    }
+    Ok(TextEncoderModel {
+        file: Arc::clone(file),
+        prefix: part.prefix,
+        arch,
+        rule,
+    })
+}
+
+/// The MODEL of a UNet under `prefix` of `file`, with its family's
+/// sampling: SD 2.x files are v-prediction by ComfyUI's weight-statistics
+/// rule, SDXL files that say so by a `v_pred` key (with `ztsnr`: zero
+/// terminal SNR).
+fn build_model(
+    file: &Arc<ModelFile>,
+    shapes: &Shapes,
+    family: Family,
+    unet: UnetConfig,
+    heads: Heads,
+    prefix: &str,
+) -> Result<Model, String> {
+    let spec = family.spec();
+    if shapes.contains_key("edm_mean") || shapes.contains_key("edm_vpred.sigma_max") {
+        return Err(format!(
+            "this {} checkpoint uses EDM sampling (Playground 2.5 or an EDM v-prediction model), which sdkit does not support yet",
+            family.name()
+        ));
+    }
+    let mut schedule = DiscreteSchedule::sd1();
+    let prediction = match spec.sampling {
+        DefaultSampling::EpsOrV if sd2_is_v(file, shapes, &unet, prefix)? => Prediction::V,
+        _ if shapes.contains_key("v_pred") => {
+            if shapes.contains_key("ztsnr") {
+                schedule = DiscreteSchedule::sd1_zsnr();
+            }
+            Prediction::V
+        }
+        DefaultSampling::Eps | DefaultSampling::EpsOrV => Prediction::Eps,
+        _ => return Err(format!("{} sampling is not supported yet", family.name())),
+    };
+    Ok(Model {
+        family,
+        file: Arc::clone(file),
+        prefix: prefix.to_string(),
+        unet,
+        heads,
+        schedule,
+        latent: spec.latent,
+        prediction,
+    })
+}
+
+/// ComfyUI's SD 2.x rule: a 4-channel model is v-prediction when the
+/// first transformer's `norm1.bias` in the last output block has a
+/// standard deviation above 0.09 (ComfyUI names `output_blocks.11`, the
+/// last block of the real layout; the last one is the rule at any depth).
+fn sd2_is_v(
+    file: &ModelFile,
+    shapes: &Shapes,
+    unet: &UnetConfig,
+    prefix: &str,
+) -> Result<bool, String> {
+    if unet.in_channels != 4 {
+        return Ok(false);
+    }
+    let blocks = (0..)
+        .take_while(|n| {
+            shapes.contains_key(&format!("{prefix}output_blocks.{n}.0.in_layers.0.weight"))
+        })
+        .count();
+    let Some(last) = blocks.checked_sub(1) else {
+        return Ok(false);
+    };
+    let key = format!("{prefix}output_blocks.{last}.1.transformer_blocks.0.norm1.bias");
+    if !shapes.contains_key(&key) {
+        return Ok(false);
+    }
+    let v = file.tensor_f32(&key).map_err(|e| e.to_string())?;
+    let n = v.len().max(1) as f64;
+    let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+    let var = v
+        .iter()
+        .map(|&x| (f64::from(x) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    Ok(var.sqrt() > 0.09)
+}
+
 /// ComfyUI's CheckpointLoaderSimple for single-file checkpoints in the
 /// original layout.
 pub struct CheckpointLoaderSimple;
@@ -93,32 +200,31 @@ impl NodeImpl for CheckpointLoaderSimple {
         }
         let d = detect_checkpoint(&s).map_err(|e| NodeError::file(&path, e))?;
         let shared = Arc::new(ModelFile::new(name, store));
-        let model = Model {
-            file: Arc::clone(&shared),
-            prefix: UNET_PREFIX.to_string(),
-            unet: d.unet,
-            heads: d.heads,
-            schedule: DiscreteSchedule::sd1(),
-            latent: d.family.spec().latent,
-            prediction: super::Prediction::Eps,
-        };
-        let clip = match d.clip {
-            Some(cfg) => opaque(
-                SocketType::Clip,
-                Clip {
-                    file: Arc::clone(&shared),
-                    prefix: CLIP_PREFIX.to_string(),
-                    cfg,
-                    layer_idx: None,
-                },
-            ),
-            None => opaque(
+        let model = build_model(&shared, &s, d.family, d.unet, d.heads, UNET_PREFIX)
+            .map_err(|e| NodeError::file(&path, e))?;
+        let clip = if d.text.is_empty() {
+            opaque(
                 SocketType::Clip,
                 MissingPart {
                     what: "CLIP text encoder",
                     file: name.to_string(),
                 },
-            ),
+            )
+        } else {
+            let encoders = d
+                .text
+                .into_iter()
+                .map(|p| text_encoder(&shared, d.family, p))
+                .collect::<Result<_, _>>()
+                .map_err(|e| NodeError::file(&path, e))?;
+            opaque(
+                SocketType::Clip,
+                Clip {
+                    family: d.family,
+                    encoders,
+                    layer_idx: None,
+                },
+            )
         };
         let vae = match d.vae {
             Some(cfg) => opaque(
@@ -194,5 +300,159 @@ impl NodeImpl for VaeLoader {
 
     fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
         file_fingerprint(ctx, "vae", inputs.string("vae_name").ok()?)
+    }
+}
+
+/// ComfyUI's UNETLoader: a diffusion model alone (`models/diffusion_models`
+/// or `models/unet`), keys without a prefix.
+pub struct UnetLoader;
+
+impl NodeImpl for UnetLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let name = inputs.string("unet_name")?;
+        let dtype = inputs.string("weight_dtype")?;
+        if dtype != "default" {
+            return Err(NodeError::invalid(format!(
+                "weight_dtype {dtype:?} is not supported yet: sdkit loads diffusion models in their stored precision (use \"default\")"
+            )));
+        }
+        let path = model_path(ctx, "diffusion_models", name)?;
+        let file = open(&path)?;
+        let s = shapes(&file);
+        let (family, unet, heads, prefix) =
+            detect_unet(&s).map_err(|e| NodeError::file(&path, e))?;
+        let mut store = WeightStore::new();
+        store.mount(file, "", "");
+        let shared = Arc::new(ModelFile::new(name, store));
+        let model = build_model(&shared, &s, family, unet, heads, prefix)
+            .map_err(|e| NodeError::file(&path, e))?;
+        Ok(NodeOutput::values(vec![opaque(SocketType::Model, model)]))
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        file_fingerprint(ctx, "diffusion_models", inputs.string("unet_name").ok()?)
+    }
+}
+
+/// A standalone text-encoder file: its tensors and the one encoder in it.
+struct EncoderFile {
+    file: Arc<ModelFile>,
+    part: TextPart,
+    path: PathBuf,
+}
+
+/// Opens a text encoder from `models/text_encoders` (or `models/clip`):
+/// the HF layout (`text_model.*`, `text_projection.weight`) that ComfyUI
+/// saves and people download, or OpenCLIP's. Which encoder it is comes from
+/// ComfyUI's rule, the layer count: 31 or more is OpenCLIP-G, 23 or more
+/// OpenCLIP-H, fewer CLIP-L.
+fn open_encoder(ctx: &NodeContext, name: &str) -> Result<EncoderFile, NodeError> {
+    let path = model_path(ctx, "text_encoders", name)?;
+    let file = open(&path)?;
+    let s = shapes(&file);
+    let part = detect_text_encoder(&s)
+        .map_err(|e| NodeError::file(&path, e))?
+        .ok_or_else(|| {
+            NodeError::file(
+                &path,
+                "no CLIP text encoder found (text_model.embeddings.token_embedding.weight or token_embedding.weight)",
+            )
+        })?;
+    let mut store = WeightStore::new();
+    store.mount(file, "", "");
+    Ok(EncoderFile {
+        file: Arc::new(ModelFile::new(name, store)),
+        part,
+        path,
+    })
+}
+
+fn clip_output(family: Family, files: Vec<EncoderFile>) -> Result<NodeOutput, NodeError> {
+    let mut encoders = Vec::with_capacity(files.len());
+    for f in files {
+        let path = f.path.clone();
+        encoders
+            .push(text_encoder(&f.file, family, f.part).map_err(|e| NodeError::file(&path, e))?);
+    }
+    // The family's order (SDXL: L, then G).
+    let order = family.spec().text_encoders;
+    encoders.sort_by_key(|e| order.iter().position(|r| r.encoder == e.rule.encoder));
+    Ok(NodeOutput::values(vec![opaque(
+        SocketType::Clip,
+        Clip {
+            family,
+            encoders,
+            layer_idx: None,
+        },
+    )]))
+}
+
+/// ComfyUI's CLIPLoader for the UNet families: type `stable_diffusion`
+/// takes CLIP-L (SD 1.x), OpenCLIP-H (SD 2.x) or OpenCLIP-G alone (the
+/// SDXL refiner's encoder), as ComfyUI picks the family from the file.
+pub struct ClipLoader;
+
+impl NodeImpl for ClipLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let name = inputs.string("clip_name")?;
+        let ty = inputs.string("type")?;
+        if ty != "stable_diffusion" {
+            return Err(NodeError::invalid(format!(
+                "CLIPLoader type {ty:?} is not supported yet: sdkit loads type \"stable_diffusion\" (CLIP-L, OpenCLIP-H, OpenCLIP-G)"
+            )));
+        }
+        let f = open_encoder(ctx, name)?;
+        let family = match f.part.role {
+            TextEncoder::ClipL => Family::Sd1,
+            TextEncoder::OpenClipH => Family::Sd2,
+            _ => Family::SdxlRefiner,
+        };
+        clip_output(family, vec![f])
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        file_fingerprint(ctx, "text_encoders", inputs.string("clip_name").ok()?)
+    }
+}
+
+/// ComfyUI's DualCLIPLoader, type `sdxl`: CLIP-L and OpenCLIP-G in either
+/// order. Where the layer counts do not tell them apart (models with fewer
+/// layers than the real ones), the wider encoder is G, as it is in SDXL.
+pub struct DualClipLoader;
+
+impl NodeImpl for DualClipLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let ty = inputs.string("type")?;
+        if ty != "sdxl" {
+            return Err(NodeError::invalid(format!(
+                "DualCLIPLoader type {ty:?} is not supported yet: sdkit loads type \"sdxl\" (CLIP-L + OpenCLIP-G)"
+            )));
+        }
+        let mut a = open_encoder(ctx, inputs.string("clip_name1")?)?;
+        let mut b = open_encoder(ctx, inputs.string("clip_name2")?)?;
+        if a.part.role == b.part.role {
+            let wider_a = a.part.arch.width() > b.part.arch.width();
+            let (l, g) = if wider_a {
+                (&mut b, &mut a)
+            } else {
+                (&mut a, &mut b)
+            };
+            l.part.role = TextEncoder::ClipL;
+            g.part.role = TextEncoder::OpenClipG;
+        }
+        let roles = [a.part.role, b.part.role];
+        if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::OpenClipG) {
+            return Err(NodeError::invalid(format!(
+                "DualCLIPLoader sdxl needs CLIP-L and OpenCLIP-G; these files are {:?} and {:?}",
+                roles[0], roles[1]
+            )));
+        }
+        clip_output(Family::Sdxl, vec![a, b])
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        let a = file_fingerprint(ctx, "text_encoders", inputs.string("clip_name1").ok()?)?;
+        let b = file_fingerprint(ctx, "text_encoders", inputs.string("clip_name2").ok()?)?;
+        Some(format!("{a}|{b}"))
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod conditioning;
 pub mod custom;
+pub mod denoiser;
 pub mod ksampler;
 pub mod loaders;
 pub mod preview;
@@ -16,8 +17,8 @@ pub mod tiling;
 pub mod vae;
 
 use crate::clip_tokenizer::ClipTokenizer;
-use crate::models::detect::{ClipConfig, Heads, UnetConfig, VaeConfig};
-use crate::models::family::LatentFormat;
+use crate::models::detect::{EncoderArch, Family, Heads, UnetConfig, VaeConfig};
+use crate::models::family::{LatentFormat, TextRule};
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_engine::backend::cpu::Bindings;
 use sdkit_engine::plan::{Command, Program};
@@ -170,9 +171,10 @@ impl Prediction {
     }
 }
 
-/// MODEL: a denoiser (SD1 UNet) and its noise schedule.
+/// MODEL: a denoiser (a UNet of SD 1.x, 2.x or XL) and its noise schedule.
 #[derive(Debug, Clone)]
 pub struct Model {
+    pub family: Family,
     pub file: Arc<ModelFile>,
     pub prefix: String,
     pub unet: UnetConfig,
@@ -183,14 +185,24 @@ pub struct Model {
     pub prediction: Prediction,
 }
 
-/// CLIP: a text encoder with its tokenizer and the clip-skip setting.
+/// One text encoder of a CLIP: where its tensors are, their layout, and
+/// how its family runs it.
 #[derive(Debug, Clone)]
-pub struct Clip {
+pub struct TextEncoderModel {
     pub file: Arc<ModelFile>,
     pub prefix: String,
-    pub cfg: ClipConfig,
-    /// ComfyUI's `layer_idx`: None for the last layer, or a negative index
-    /// from CLIPSetLastLayer.
+    pub arch: EncoderArch,
+    pub rule: TextRule,
+}
+
+/// CLIP: a family's text encoders (SD1: CLIP-L; SD 2.x: OpenCLIP-H;
+/// SDXL: CLIP-L and OpenCLIP-G; the refiner: G) and the clip-skip setting.
+#[derive(Debug, Clone)]
+pub struct Clip {
+    pub family: Family,
+    pub encoders: Vec<TextEncoderModel>,
+    /// ComfyUI's `layer_idx` from CLIPSetLastLayer; None keeps each
+    /// encoder's family default.
     pub layer_idx: Option<i64>,
 }
 
@@ -203,12 +215,46 @@ pub struct Vae {
 }
 
 /// One CONDITIONING entry: the cross-attention context `[1, tokens, dim]`
-/// and its options.
+/// and its options (ComfyUI's `[cond, {options}]` pair).
 #[derive(Debug, Clone)]
 pub struct CondEntry {
     pub cross_attn: Tensor,
+    /// `pooled_output` `[1, width]`: the text encoder's pooled vector
+    /// (SD 2.x, SDXL's OpenCLIP-G); SDXL's ADM input starts with it.
+    pub pooled: Option<Tensor>,
     /// ComfyUI's `strength` (ConditioningSetAreaStrength); 1 by default.
     pub strength: f32,
+    /// SDXL's size conditioning (`width`, `height`, `crop_w`, `crop_h`,
+    /// `target_width`, `target_height`); unset ones take ComfyUI's
+    /// defaults when the ADM vector is built.
+    pub size: SizeCond,
+    /// The SDXL refiner's `aesthetic_score`.
+    pub aesthetic_score: Option<f64>,
+}
+
+impl CondEntry {
+    /// An entry with only a context and a pooled vector, as CLIPTextEncode
+    /// makes.
+    pub fn text(cross_attn: Tensor, pooled: Option<Tensor>) -> Self {
+        CondEntry {
+            cross_attn,
+            pooled,
+            strength: 1.0,
+            size: SizeCond::default(),
+            aesthetic_score: None,
+        }
+    }
+}
+
+/// The size keys of a conditioning entry (pixels).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SizeCond {
+    pub width: Option<f64>,
+    pub height: Option<f64>,
+    pub crop_w: Option<f64>,
+    pub crop_h: Option<f64>,
+    pub target_width: Option<f64>,
+    pub target_height: Option<f64>,
 }
 
 /// CONDITIONING: ComfyUI's list of `[cond, options]` pairs.

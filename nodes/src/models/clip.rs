@@ -39,10 +39,27 @@ pub fn causal_mask(len: usize) -> Vec<f32> {
     m
 }
 
+/// Where `text_projection.weight` lives for an encoder under `prefix`:
+/// beside the `text_model.` level.
+pub fn projection_prefix(prefix: &str) -> &str {
+    prefix.strip_suffix("text_model.").unwrap_or(prefix)
+}
+
+/// The encoder's outputs.
+pub struct ClipOut<'a> {
+    /// `[batch, len, width]` after the requested layer.
+    pub hidden: T<'a>,
+    /// `[batch, projection]`: the final-normed state at each sequence's
+    /// end token through `text_projection` (when asked for and the file
+    /// has one).
+    pub pooled: Option<T<'a>>,
+}
+
 /// Builds the encoder. Inputs: `tokens` `[batch, len]` (ids as f32) and
 /// `mask` `[len, len]` ([`causal_mask`]). Weights are named
 /// `{prefix}embeddings.token_embedding.weight`, ... as in the checkpoint.
-/// Returns `[batch, len, width]`.
+/// Returns `[batch, len, width]` (SD1's rule: an earlier layer is
+/// final-normed too).
 pub fn text_encoder<'a>(
     g: &'a GraphBuilder,
     cfg: &ClipConfig,
@@ -54,21 +71,27 @@ pub fn text_encoder<'a>(
     let tok = Scope::new(g, prefix)
         .get("embeddings.token_embedding.weight", &[cfg.vocab, cfg.width])?
         .gather(tokens)?;
-    text_encoder_embedded(g, cfg, prefix, tok, mask, layer)
+    Ok(text_encoder_embedded(g, cfg, prefix, tok, mask, None, layer, true)?.hidden)
 }
 
 /// The encoder from token embeddings `[batch, len, width]` (the rows of
 /// `embeddings.token_embedding.weight` for the ids, looked up by the
 /// caller: a 77-row lookup needs no device, and the table is the largest
-/// tensor of a text encoder).
+/// tensor of a text encoder). `eot` `[batch, 1, len]` (a one-hot at each
+/// sequence's first end token, [`super::open_clip::end_token_one_hot`])
+/// asks for the pooled output. `norm_hidden`: whether an earlier layer's
+/// state goes through the final LayerNorm (SD1 yes, SDXL no).
+#[allow(clippy::too_many_arguments)]
 pub fn text_encoder_embedded<'a>(
     g: &'a GraphBuilder,
     cfg: &ClipConfig,
     prefix: &str,
     tok: T<'a>,
     mask: T<'a>,
+    eot: Option<T<'a>>,
     layer: ClipLayer,
-) -> Result<T<'a>, ShapeError> {
+    norm_hidden: bool,
+) -> Result<ClipOut<'a>, ShapeError> {
     let len = tok.shape()[1];
     let w = cfg.width;
     let heads = cfg.heads.max(1);
@@ -80,7 +103,11 @@ pub fn text_encoder_embedded<'a>(
         )?
         .slice(0, 0, len)?;
     let mut x = tok.add(pos)?;
-    for l in 0..layer.layers_run(cfg.layers) {
+    let run = layer.layers_run(cfg.layers);
+    // The pooled output needs every layer; the hidden state only `run`.
+    let total = if eot.is_some() { cfg.layers } else { run };
+    let mut hidden = None;
+    for l in 0..total {
         let p = vb.pp("encoder.layers").pp(l);
         let h = p.pp("layer_norm1").layer_norm(x, w, 1e-5)?;
         let attn = p.pp("self_attn");
@@ -90,8 +117,37 @@ pub fn text_encoder_embedded<'a>(
         let a = super::multi_head_attention(q, k, v, heads, Some(mask))?;
         x = attn.pp("out_proj").linear(a, w, w)?.add(x)?;
         let h = p.pp("layer_norm2").layer_norm(x, w, 1e-5)?;
-        let h = p.pp("mlp.fc1").linear(h, w, cfg.intermediate)?.quick_gelu();
+        let h = p.pp("mlp.fc1").linear(h, w, cfg.intermediate)?;
+        let h = if cfg.gelu {
+            h.gelu_erf()
+        } else {
+            h.quick_gelu()
+        };
         x = p.pp("mlp.fc2").linear(h, cfg.intermediate, w)?.add(x)?;
+        if l + 1 == run {
+            hidden = Some(x);
+        }
     }
-    vb.pp("final_layer_norm").layer_norm(x, w, 1e-5)
+    let final_norm = vb.pp("final_layer_norm");
+    let last = final_norm.layer_norm(x, w, 1e-5)?;
+    // ComfyUI's "last" layer is the final-normed output; a layer picked
+    // by index (even the last one, -1) is normed only where the family
+    // says so.
+    let hidden = match (layer, hidden) {
+        (ClipLayer::FromEnd(_), Some(h)) if norm_hidden => final_norm.layer_norm(h, w, 1e-5)?,
+        (ClipLayer::FromEnd(_), Some(h)) => h,
+        _ => last,
+    };
+    let pooled = match (eot, cfg.projection) {
+        (Some(eot), Some(p)) => {
+            let b = tok.shape()[0];
+            let row = eot.matmul(last)?.reshape(&[b, w])?;
+            // A Linear without bias, `[projection, width]`, beside (not
+            // inside) the `text_model.` tensors.
+            let outer = Scope::new(g, projection_prefix(prefix));
+            Some(outer.pp("text_projection").linear_no_bias(row, w, p)?)
+        }
+        _ => None,
+    };
+    Ok(ClipOut { hidden, pooled })
 }

@@ -6,6 +6,7 @@
 //! Input is a map from tensor name to shape (e.g. from
 //! `SafeTensors::tensors()`), so detection never reads tensor data.
 
+use super::family::TextEncoder;
 use std::collections::BTreeMap;
 
 /// Tensor name → shape.
@@ -48,6 +49,8 @@ pub enum DetectError {
     },
     #[error("this is a {} checkpoint, which sdkit does not support yet", .0.name())]
     Unsupported(Family),
+    #[error("the checkpoint holds only some of the {} text encoders", .0.name())]
+    PartialText(Family),
     #[error("a UNet with context dim {context_dim:?}, model channels {model_channels}, ADM input {adm:?} matches no known family")]
     UnknownUnet {
         context_dim: Option<usize>,
@@ -110,6 +113,13 @@ pub struct ClipConfig {
     /// CLIP uses 64-dimensional heads (not visible in shapes).
     pub heads: usize,
     pub intermediate: usize,
+    /// Exact (erf) GELU in the MLP: OpenCLIP models converted to this
+    /// layout (G, H) use it, OpenAI's CLIP-L quick GELU. Not visible in
+    /// shapes: the loader sets it from the encoder's role.
+    pub gelu: bool,
+    /// The pooled projection's width (`text_projection.weight`
+    /// `[projection, width]` beside `text_model.`), when the file has one.
+    pub projection: Option<usize>,
 }
 
 /// An OpenCLIP text encoder (ViT-H/14, ViT-bigG/14) in its own key layout.
@@ -137,15 +147,52 @@ pub struct VaeConfig {
     pub in_channels: usize,
 }
 
+/// The key layout a text encoder's weights use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EncoderArch {
+    /// Hugging Face CLIPTextModel names (`embeddings.token_embedding`,
+    /// `encoder.layers.N.self_attn.q_proj`, ...).
+    Clip(ClipConfig),
+    /// OpenCLIP names (`token_embedding`, `transformer.resblocks.N.attn.in_proj_weight`, ...).
+    OpenClip(OpenClipConfig),
+}
+
+impl EncoderArch {
+    pub fn layers(&self) -> usize {
+        match self {
+            EncoderArch::Clip(c) => c.layers,
+            EncoderArch::OpenClip(c) => c.layers,
+        }
+    }
+
+    pub fn width(&self) -> usize {
+        match self {
+            EncoderArch::Clip(c) => c.width,
+            EncoderArch::OpenClip(c) => c.width,
+        }
+    }
+}
+
+/// One text encoder found in a file: its role in the family, where its
+/// tensors are, and their layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TextPart {
+    pub role: TextEncoder,
+    pub prefix: String,
+    pub arch: EncoderArch,
+}
+
 /// Everything detected in a single-file checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Detected {
     pub family: Family,
     pub unet: UnetConfig,
     /// UNet attention heads (not visible in shapes: SD1's convention is
-    /// 8 heads).
+    /// 8 heads, SD2's and SDXL's 64-channel heads).
     pub heads: Heads,
-    pub clip: Option<ClipConfig>,
+    /// The text encoders the file carries, in the family's order (empty
+    /// when it has none).
+    pub text: Vec<TextPart>,
     pub vae: Option<VaeConfig>,
 }
 
@@ -286,26 +333,35 @@ pub fn unet_config(s: &Shapes, prefix: &str) -> Result<UnetConfig, DetectError> 
     })
 }
 
-/// The UNet family by ComfyUI's supported-model rules.
+/// The width of each size embedding in SDXL's ADM vector (ComfyUI's
+/// `Timestep(256)`): the base model embeds six numbers (height, width,
+/// crop top, crop left, target height, target width), the refiner five
+/// (the last two replaced by the aesthetic score).
+pub const ADM_EMBED: usize = 256;
+
+/// The UNet family from its structure, the rules ComfyUI's
+/// supported-model table encodes, stated so they hold at any width:
+/// - no ADM input: SD1 projects in/out of its transformers with 1×1
+///   convolutions, SD 2.x with linear layers;
+/// - an ADM input is SDXL's pooled text vector plus size embeddings. The
+///   refiner conditions on OpenCLIP-G alone, so its context width equals
+///   the pooled width and its ADM is context + 5×256 (1280 + 1280); the
+///   base's context is CLIP-L + G (2048) and its ADM pooled + 6×256.
 fn unet_family(c: &UnetConfig) -> Result<Family, DetectError> {
-    match (
-        c.context_dim,
-        c.model_channels,
-        c.adm_in_channels,
-        c.use_linear_in_transformer,
-    ) {
-        // Full-size SD1 has context 768; any other width with SD1's
-        // structure (no ADM input, 1×1 conv projections) is a tiny or
-        // distilled SD1, built the same way.
-        (Some(_), _, None, false) => Ok(Family::Sd1),
-        (Some(1024), _, None, true) => Ok(Family::Sd2),
-        (Some(2048), 320, Some(2816), true) => Ok(Family::Sdxl),
-        (Some(1280), 384, Some(2560), true) => Ok(Family::SdxlRefiner),
-        _ => Err(DetectError::UnknownUnet {
-            context_dim: c.context_dim,
-            model_channels: c.model_channels,
-            adm: c.adm_in_channels,
-        }),
+    let unknown = || DetectError::UnknownUnet {
+        context_dim: c.context_dim,
+        model_channels: c.model_channels,
+        adm: c.adm_in_channels,
+    };
+    let Some(context) = c.context_dim else {
+        return Err(unknown());
+    };
+    match (c.adm_in_channels, c.use_linear_in_transformer) {
+        (None, false) => Ok(Family::Sd1),
+        (None, true) => Ok(Family::Sd2),
+        (Some(adm), true) if adm == context + 5 * ADM_EMBED => Ok(Family::SdxlRefiner),
+        (Some(adm), true) if adm > 6 * ADM_EMBED => Ok(Family::Sdxl),
+        _ => Err(unknown()),
     }
 }
 
@@ -358,6 +414,12 @@ pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, Detec
         0,
         "[intermediate, width]",
     )?;
+    let projection = s
+        .get(&format!(
+            "{}text_projection.weight",
+            super::clip::projection_prefix(prefix)
+        ))
+        .and_then(|sh| sh.first().copied());
     Ok(Some(ClipConfig {
         vocab,
         width,
@@ -365,6 +427,8 @@ pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, Detec
         max_positions,
         heads: (width / 64).max(1),
         intermediate,
+        gelu: false,
+        projection,
     }))
 }
 
@@ -435,6 +499,68 @@ pub fn vae_config(s: &Shapes, prefix: &str) -> Result<Option<VaeConfig>, DetectE
     }))
 }
 
+/// The HF-layout CLIP under `prefix` as a text part, if present.
+fn clip_part(s: &Shapes, role: TextEncoder, prefix: &str) -> Result<Option<TextPart>, DetectError> {
+    Ok(clip_config(s, prefix)?.map(|c| TextPart {
+        role,
+        prefix: prefix.to_string(),
+        arch: EncoderArch::Clip(c),
+    }))
+}
+
+/// The OpenCLIP-layout encoder under `prefix` as a text part, if present.
+fn open_clip_part(
+    s: &Shapes,
+    role: TextEncoder,
+    prefix: &str,
+) -> Result<Option<TextPart>, DetectError> {
+    Ok(open_clip_config(s, prefix)?.map(|c| TextPart {
+        role,
+        prefix: prefix.to_string(),
+        arch: EncoderArch::OpenClip(c),
+    }))
+}
+
+/// The text encoders of a single-file checkpoint of `family`, where each
+/// family's files keep them (ComfyUI's `process_clip_state_dict`).
+/// SDXL carries two; a file with only one of them is refused by name.
+fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> {
+    let parts = match family {
+        Family::Sd1 => vec![clip_part(
+            s,
+            TextEncoder::ClipL,
+            "cond_stage_model.transformer.text_model.",
+        )?],
+        Family::Sd2 => vec![open_clip_part(
+            s,
+            TextEncoder::OpenClipH,
+            "cond_stage_model.model.",
+        )?],
+        Family::Sdxl => vec![
+            clip_part(
+                s,
+                TextEncoder::ClipL,
+                "conditioner.embedders.0.transformer.text_model.",
+            )?,
+            open_clip_part(s, TextEncoder::OpenClipG, "conditioner.embedders.1.model.")?,
+        ],
+        Family::SdxlRefiner => vec![open_clip_part(
+            s,
+            TextEncoder::OpenClipG,
+            "conditioner.embedders.0.model.",
+        )?],
+        _ => vec![],
+    };
+    match (
+        parts.iter().all(Option::is_some),
+        parts.iter().any(Option::is_some),
+    ) {
+        (true, _) => Ok(parts.into_iter().flatten().collect()),
+        (false, false) => Ok(Vec::new()),
+        (false, true) => Err(DetectError::PartialText(family)),
+    }
+}
+
 /// Detects a single-file checkpoint in the original (ldm) layout.
 ///
 /// Unsupported families are recognised and refused by name.
@@ -450,9 +576,56 @@ pub fn detect_checkpoint(s: &Shapes) -> Result<Detected, DetectError> {
     }
     Ok(Detected {
         family,
-        heads: Heads::Count(8),
-        clip: clip_config(s, "cond_stage_model.transformer.text_model.")?,
+        heads: family.spec().heads,
+        text: text_parts(s, family)?,
         vae: vae_config(s, "first_stage_model.")?,
         unet,
     })
+}
+
+/// Detects a diffusion-model-only file (UNETLoader): the UNet's keys with
+/// no prefix, or under `model.diffusion_model.` as some tools save them.
+/// Returns the prefix found.
+pub fn detect_unet(s: &Shapes) -> Result<(Family, UnetConfig, Heads, &'static str), DetectError> {
+    let prefix = if s.contains_key("model.diffusion_model.input_blocks.0.0.weight") {
+        "model.diffusion_model."
+    } else {
+        ""
+    };
+    if let Some(f) = dit_family(s, prefix) {
+        return Err(DetectError::Unsupported(f));
+    }
+    let unet = unet_config(s, prefix)?;
+    let family = unet_family(&unet)?;
+    if !family.supported() {
+        return Err(DetectError::Unsupported(family));
+    }
+    Ok((family, unet, family.spec().heads, prefix))
+}
+
+/// The one text encoder of a standalone file: HF layout under
+/// `text_model.` (with `text_projection.weight` beside it) or OpenCLIP's
+/// at the top level. The role is ComfyUI's `detect_te_model` rule: 31 or
+/// more layers is OpenCLIP-G, 23 or more OpenCLIP-H, fewer CLIP-L.
+pub fn detect_text_encoder(s: &Shapes) -> Result<Option<TextPart>, DetectError> {
+    let role = |layers: usize| match layers {
+        31.. => TextEncoder::OpenClipG,
+        23.. => TextEncoder::OpenClipH,
+        _ => TextEncoder::ClipL,
+    };
+    if let Some(c) = clip_config(s, "text_model.")? {
+        return Ok(Some(TextPart {
+            role: role(c.layers),
+            prefix: "text_model.".to_string(),
+            arch: EncoderArch::Clip(c),
+        }));
+    }
+    if let Some(c) = open_clip_config(s, "")? {
+        return Ok(Some(TextPart {
+            role: role(c.layers),
+            prefix: String::new(),
+            arch: EncoderArch::OpenClip(c),
+        }));
+    }
+    Ok(None)
 }

@@ -5,7 +5,7 @@
 //! is recognised from keys and shapes is [`super::detect`]'s job; what it
 //! *is* lives here, so adding a family is a module plus a row.
 
-use super::detect::Family;
+use super::detect::{Family, Heads};
 
 /// A latent space: how a VAE's latent maps into the model's space, and
 /// the linear latent → RGB map of ComfyUI's default previewer.
@@ -156,6 +156,50 @@ pub enum TextEncoder {
     T5Xxl,
 }
 
+/// How a family runs one of its text encoders (ComfyUI's per-family
+/// `SDClipModel` arguments).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TextRule {
+    pub encoder: TextEncoder,
+    /// The layer read without CLIPSetLastLayer: None for the last layer
+    /// (final-normed), or ComfyUI's negative `layer_idx` (-2 is the
+    /// penultimate).
+    pub default_layer: Option<i64>,
+    /// Whether an earlier layer's state still goes through the final
+    /// LayerNorm (`layer_norm_hidden_state`).
+    pub norm_hidden: bool,
+    /// The padding token (`pad_with_end`: the end token 49407, else 0).
+    pub pad: u32,
+}
+
+const END: u32 = 49407;
+
+const fn rule(
+    encoder: TextEncoder,
+    default_layer: Option<i64>,
+    norm_hidden: bool,
+    pad: u32,
+) -> TextRule {
+    TextRule {
+        encoder,
+        default_layer,
+        norm_hidden,
+        pad,
+    }
+}
+
+/// SD1's CLIP-L: the last layer, final-normed; padded with the end token.
+const SD1_L: TextRule = rule(TextEncoder::ClipL, None, true, END);
+/// SD 2.x's OpenCLIP-H: the penultimate layer, final-normed; padded with 0.
+const SD2_H: TextRule = rule(TextEncoder::OpenClipH, Some(-2), true, 0);
+/// SDXL's CLIP-L and OpenCLIP-G (also SD3's): the penultimate layer as it
+/// is, no final norm; L pads with the end token, G with 0.
+const XL_L: TextRule = rule(TextEncoder::ClipL, Some(-2), false, END);
+const XL_G: TextRule = rule(TextEncoder::OpenClipG, Some(-2), false, 0);
+/// Flux's CLIP-L (pooled only) and T5 (last layer; its pad is T5's own).
+const FLUX_L: TextRule = rule(TextEncoder::ClipL, None, true, END);
+const T5: TextRule = rule(TextEncoder::T5Xxl, None, true, 0);
+
 /// One family's row.
 #[derive(Debug)]
 pub struct FamilySpec {
@@ -163,9 +207,12 @@ pub struct FamilySpec {
     pub name: &'static str,
     pub latent: &'static LatentFormat,
     pub sampling: DefaultSampling,
-    pub text_encoders: &'static [TextEncoder],
+    pub text_encoders: &'static [TextRule],
     /// The side of a square image at the family's native resolution.
     pub default_size: u32,
+    /// How its UNet splits attention heads (a constant shapes do not
+    /// show; unused by DiT families).
+    pub heads: Heads,
     /// Whether sdkit can build its models today.
     pub supported: bool,
 }
@@ -177,8 +224,9 @@ pub static FAMILIES: [FamilySpec; 7] = [
         name: "Stable Diffusion 1.x",
         latent: &SD15,
         sampling: DefaultSampling::Eps,
-        text_encoders: &[TextEncoder::ClipL],
+        text_encoders: &[SD1_L],
         default_size: 512,
+        heads: Heads::Count(8),
         supported: true,
     },
     FamilySpec {
@@ -186,27 +234,30 @@ pub static FAMILIES: [FamilySpec; 7] = [
         name: "Stable Diffusion 2.x",
         latent: &SD15,
         sampling: DefaultSampling::EpsOrV,
-        text_encoders: &[TextEncoder::OpenClipH],
+        text_encoders: &[SD2_H],
         default_size: 768,
-        supported: false,
+        heads: Heads::Width(64),
+        supported: true,
     },
     FamilySpec {
         family: Family::Sdxl,
         name: "Stable Diffusion XL",
         latent: &SDXL,
         sampling: DefaultSampling::Eps,
-        text_encoders: &[TextEncoder::ClipL, TextEncoder::OpenClipG],
+        text_encoders: &[XL_L, XL_G],
         default_size: 1024,
-        supported: false,
+        heads: Heads::Width(64),
+        supported: true,
     },
     FamilySpec {
         family: Family::SdxlRefiner,
         name: "Stable Diffusion XL refiner",
         latent: &SDXL,
         sampling: DefaultSampling::Eps,
-        text_encoders: &[TextEncoder::OpenClipG],
+        text_encoders: &[XL_G],
         default_size: 1024,
-        supported: false,
+        heads: Heads::Width(64),
+        supported: true,
     },
     FamilySpec {
         family: Family::Sd3,
@@ -216,12 +267,9 @@ pub static FAMILIES: [FamilySpec; 7] = [
             shift: 3.0,
             multiplier: 1000.0,
         },
-        text_encoders: &[
-            TextEncoder::ClipL,
-            TextEncoder::OpenClipG,
-            TextEncoder::T5Xxl,
-        ],
+        text_encoders: &[XL_L, XL_G, T5],
         default_size: 1024,
+        heads: Heads::Width(64),
         supported: false,
     },
     FamilySpec {
@@ -229,8 +277,9 @@ pub static FAMILIES: [FamilySpec; 7] = [
         name: "Flux",
         latent: &FLUX,
         sampling: DefaultSampling::FluxShift { shift: 1.15 },
-        text_encoders: &[TextEncoder::ClipL, TextEncoder::T5Xxl],
+        text_encoders: &[FLUX_L, T5],
         default_size: 1024,
+        heads: Heads::Width(64),
         supported: false,
     },
     FamilySpec {
@@ -241,11 +290,22 @@ pub static FAMILIES: [FamilySpec; 7] = [
             shift: 1.0,
             multiplier: 1.0,
         },
-        text_encoders: &[TextEncoder::T5Xxl],
+        text_encoders: &[T5],
         default_size: 1024,
+        heads: Heads::Width(64),
         supported: false,
     },
 ];
+
+impl FamilySpec {
+    /// The rule for one of this family's text encoders.
+    pub fn text_rule(&self, encoder: TextEncoder) -> Option<TextRule> {
+        self.text_encoders
+            .iter()
+            .copied()
+            .find(|r| r.encoder == encoder)
+    }
+}
 
 impl Family {
     /// This family's row of [`FAMILIES`].

@@ -72,9 +72,12 @@ pub fn text_encoder<'a>(
     }
     let ln_final = vb.pp("ln_final");
     let last = ln_final.layer_norm(x, w, 1e-5)?;
-    let hidden = match hidden {
-        Some(h) if run < cfg.layers && norm_hidden => ln_final.layer_norm(h, w, 1e-5)?,
-        Some(h) if run < cfg.layers => h,
+    // ComfyUI's "last" layer is the final-normed output; a layer picked
+    // by index (even the last one, -1) is normed only where the family
+    // says so.
+    let hidden = match (layer, hidden) {
+        (ClipLayer::FromEnd(_), Some(h)) if norm_hidden => ln_final.layer_norm(h, w, 1e-5)?,
+        (ClipLayer::FromEnd(_), Some(h)) => h,
         _ => last,
     };
     let pooled = eot

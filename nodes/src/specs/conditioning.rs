@@ -19,6 +19,30 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("CLIPTextEncodeSDXLRefiner", "advanced/conditioning")
+            .float("ascore", 6.0, 0.0, 1000.0, 0.01)
+            .int("width", 1024, 0, MAX_RES, 1)
+            .int("height", 1024, 0, MAX_RES, 1)
+            .text("text")
+            .socket("clip", T::Clip)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("CLIPTextEncodeSDXL", "advanced/conditioning")
+            .socket("clip", T::Clip)
+            .int("width", 1024, 0, MAX_RES, 1)
+            .int("height", 1024, 0, MAX_RES, 1)
+            .int("crop_w", 0, 0, MAX_RES, 1)
+            .int("crop_h", 0, 0, MAX_RES, 1)
+            .int("target_width", 1024, 0, MAX_RES, 1)
+            .int("target_height", 1024, 0, MAX_RES, 1)
+            .text("text_g")
+            .text("text_l")
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
         node("ConditioningCombine", "conditioning")
             .display("Conditioning (Combine)")
             .socket("conditioning_1", T::Conditioning)

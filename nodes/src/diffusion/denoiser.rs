@@ -1,0 +1,158 @@
+//! The denoiser: what every sampler calls. It turns a model and the
+//! conditioning entries of one batch into the model program's inputs, as
+//! ComfyUI's `BaseModel.extra_conds` / `apply_model` do: the latent, the
+//! timestep, the cross-attention context, and the ADM vector `y` of
+//! families that take one (SDXL: the pooled text vector and size
+//! embeddings; the refiner: the aesthetic score instead of the target
+//! size). Inpainting's `c_concat`, ControlNet residuals and Flux's
+//! guidance join here as further inputs of the same program.
+
+use super::{graph_error, CondEntry, Model};
+use crate::models::detect::{Family, ADM_EMBED};
+use crate::models::unet::{timestep_embedding, unet};
+use sdkit_engine::plan::{plan, Program};
+use sdkit_engine::tensor::GraphBuilder;
+use sdkit_engine::NodeError;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// How a model builds its ADM vector from a conditioning entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adm {
+    /// SDXL base: pooled ‖ emb(height, width, crop_h, crop_w,
+    /// target_height, target_width).
+    Sdxl,
+    /// SDXL refiner: pooled ‖ emb(height, width, crop_h, crop_w,
+    /// aesthetic_score).
+    SdxlRefiner,
+}
+
+impl Adm {
+    /// How many size values are embedded.
+    pub fn values(self) -> usize {
+        match self {
+            Adm::Sdxl => 6,
+            Adm::SdxlRefiner => 5,
+        }
+    }
+}
+
+impl Model {
+    /// The model's ADM rule, if its UNet takes one.
+    pub fn adm(&self) -> Option<Adm> {
+        self.unet.adm_in_channels?;
+        match self.family {
+            Family::SdxlRefiner => Some(Adm::SdxlRefiner),
+            _ => Some(Adm::Sdxl),
+        }
+    }
+
+    /// The pooled width the ADM input expects.
+    fn pooled_width(&self, adm: Adm) -> usize {
+        self.unet
+            .adm_in_channels
+            .unwrap_or(0)
+            .saturating_sub(adm.values() * ADM_EMBED)
+    }
+
+    /// The denoiser program for `batch` rows of `[in, h, w]` latents and
+    /// `tokens × dim` contexts. Inputs: `x`, `t` `[batch]`, `context`, and
+    /// with an ADM rule `pooled` `[batch, width]` and `adm_values`
+    /// `[batch × n]` (embedded in the graph as ComfyUI's `Timestep(256)`).
+    pub fn program(
+        &self,
+        batch: usize,
+        h: usize,
+        w: usize,
+        tokens: usize,
+        dim: usize,
+    ) -> Result<Program, NodeError> {
+        let g = GraphBuilder::new();
+        let out = (|| {
+            let x = g.input("x", &[batch, self.unet.in_channels, h, w])?;
+            let t = g.input("t", &[batch])?;
+            let c = g.input("context", &[batch, tokens, dim])?;
+            let y = match self.adm() {
+                Some(adm) => {
+                    let pooled = g.input("pooled", &[batch, self.pooled_width(adm)])?;
+                    let n = adm.values();
+                    let values = g.input("adm_values", &[batch * n])?;
+                    let emb = timestep_embedding(&g, values, ADM_EMBED)?
+                        .reshape(&[batch, n * ADM_EMBED])?;
+                    Some(g.concat(&[pooled, emb], 1)?)
+                }
+                None => None,
+            };
+            unet(&g, &self.unet, self.heads, &self.prefix, x, t, c, y)
+        })()
+        .map_err(|e| graph_error("UNet", e))?;
+        plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))
+    }
+
+    /// The per-row model inputs other than `x` and `t` for the entries of
+    /// one batch, each repeated `per_entry` times (the latent batch):
+    /// `pooled` and `adm_values` where the model takes an ADM vector.
+    /// `negative[i]` says whether entry `i` is negative conditioning (the
+    /// refiner's default aesthetic score is 2.5 there, 6 otherwise);
+    /// `(height, width)` is the latent's size in pixels (8 × latent), the
+    /// default for unset sizes as ComfyUI's `encode_model_conds` sets it.
+    pub fn cond_inputs(
+        &self,
+        entries: &[(&CondEntry, bool)],
+        per_entry: usize,
+        (height, width): (f64, f64),
+    ) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
+        let mut out = HashMap::new();
+        let Some(adm) = self.adm() else {
+            return Ok(out);
+        };
+        let want = self.pooled_width(adm);
+        let mut pooled = Vec::with_capacity(entries.len() * per_entry * want);
+        let mut values = Vec::with_capacity(entries.len() * per_entry * adm.values());
+        for &(e, negative) in entries {
+            let p = e.pooled.as_ref().ok_or_else(|| {
+                NodeError::invalid(format!(
+                    "this {} model needs the text encoder's pooled output in its conditioning (encode the prompt with the checkpoint's own CLIP)",
+                    self.family.name()
+                ))
+            })?;
+            if p.numel() != want {
+                return Err(NodeError::invalid(format!(
+                    "the conditioning's pooled output is {} wide; this model's ADM input takes {want} (text encoder and model do not belong together)",
+                    p.numel()
+                )));
+            }
+            // ComfyUI's encode_adm defaults: width/height of the latent,
+            // no crop, target = size; refiner aesthetic 6 (2.5 negative).
+            let s = &e.size;
+            let w = s.width.unwrap_or(width);
+            let h = s.height.unwrap_or(height);
+            let row: Vec<f64> = match adm {
+                Adm::Sdxl => vec![
+                    h,
+                    w,
+                    s.crop_h.unwrap_or(0.0),
+                    s.crop_w.unwrap_or(0.0),
+                    s.target_height.unwrap_or(h),
+                    s.target_width.unwrap_or(w),
+                ],
+                Adm::SdxlRefiner => vec![
+                    h,
+                    w,
+                    s.crop_h.unwrap_or(0.0),
+                    s.crop_w.unwrap_or(0.0),
+                    e.aesthetic_score
+                        .unwrap_or(if negative { 2.5 } else { 6.0 }),
+                ],
+            };
+            for _ in 0..per_entry {
+                pooled.extend_from_slice(&p.data);
+                // torch.Tensor([v]): float32.
+                values.extend(row.iter().map(|&v| v as f32));
+            }
+        }
+        out.insert("pooled".to_string(), Arc::new(pooled));
+        out.insert("adm_values".to_string(), Arc::new(values));
+        Ok(out)
+    }
+}
