@@ -45,6 +45,9 @@ fn clip_layer(layer_idx: Option<i64>, layers: usize) -> ClipLayer {
     }
 }
 
+/// A prompt's tokens for one encoder: 77-token chunks of (id, weight).
+pub type Chunks = Vec<Vec<(u32, f32)>>;
+
 /// One encoder's output for a prompt: `[1, tokens, width]` and the
 /// pooled vector `[1, projection]` where the encoder gives one.
 pub(crate) struct Encoded {
@@ -222,7 +225,7 @@ impl TextEncoderModel {
 impl Clip {
     /// Each encoder's token chunks for `text` (the same text, each padded
     /// its own way).
-    pub fn tokenize(&self, text: &str) -> Result<Vec<Vec<Vec<(u32, f32)>>>, NodeError> {
+    pub fn tokenize(&self, text: &str) -> Result<Vec<Chunks>, NodeError> {
         let tok = sd1_tokenizer()?;
         Ok(self
             .encoders
@@ -237,7 +240,7 @@ impl Clip {
     pub fn encode_tokens(
         &self,
         ctx: &NodeContext,
-        tokens: &[Vec<Vec<(u32, f32)>>],
+        tokens: &[Chunks],
     ) -> Result<CondEntry, NodeError> {
         let mut outs = Vec::with_capacity(self.encoders.len());
         for (e, chunks) in self.encoders.iter().zip(tokens) {
