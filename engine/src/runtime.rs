@@ -277,6 +277,7 @@ impl Runtime {
                 prog,
                 bind: Bindings {
                     weights: weights.weights.clone(),
+                    stored: weights.stored.clone(),
                     inputs: HashMap::new(),
                 },
             }),
@@ -361,6 +362,7 @@ impl Session<'_> {
             }
             Session::Wgpu { prepared: p, .. } => Ok(p.run(&Bindings {
                 weights: HashMap::new(),
+                stored: HashMap::new(),
                 inputs,
             })?),
         }

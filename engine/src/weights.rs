@@ -838,16 +838,27 @@ pub fn f8_e4m3_to_f32(b: u8) -> f32 {
 }
 
 /// Converts elements of `N` little-endian bytes; reads byte by byte, so the
-/// slice need not be aligned.
-fn decode_with<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f32) -> Vec<f32> {
-    bytes
-        .chunks_exact(N)
-        .map(|c| {
-            let mut a = [0u8; N];
-            a.copy_from_slice(c);
-            f(a)
-        })
-        .collect()
+/// slice need not be aligned. Large tensors convert on every core: the CPU
+/// backend reads each weight from the file at every use.
+fn decode_with<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> f32 + Sync) -> Vec<f32> {
+    use rayon::prelude::*;
+    let one = |c: &[u8]| {
+        let mut a = [0u8; N];
+        a.copy_from_slice(c);
+        f(a)
+    };
+    if bytes.len() < (1 << 20) {
+        bytes.chunks_exact(N).map(one).collect()
+    } else {
+        bytes.par_chunks_exact(N).map(one).collect()
+    }
+}
+
+/// f16 → f32 for every bit pattern (256 KiB), so a conversion is one
+/// load: weights are converted at every use on the CPU.
+fn f16_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| (0..=u16::MAX).map(f16_to_f32).collect())
 }
 
 /// Converts a tensor's bytes to f32 (see [`SafeTensors::to_f32`]).
@@ -860,7 +871,10 @@ fn decode_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
         DType::F8E5M2 => decode_with(bytes, |[b]: [u8; 1]| f8_e5m2_to_f32(b)),
         DType::I16 => decode_with(bytes, |b| f32::from(i16::from_le_bytes(b))),
         DType::U16 => decode_with(bytes, |b| f32::from(u16::from_le_bytes(b))),
-        DType::F16 => decode_with(bytes, |b| f16_to_f32(u16::from_le_bytes(b))),
+        DType::F16 => {
+            let table = f16_table();
+            decode_with(bytes, |b| table[usize::from(u16::from_le_bytes(b))])
+        }
         DType::BF16 => decode_with(bytes, |b| bf16_to_f32(u16::from_le_bytes(b))),
         // Wider integers round to nearest, which `as` does.
         DType::I32 => decode_with(bytes, |b| i32::from_le_bytes(b) as f32),
@@ -1069,6 +1083,57 @@ impl Resolved<'_> {
     }
 }
 
+/// A tensor left in its file, in its stored dtype, until a kernel needs
+/// it: the CPU backend converts it to f32 for the kernels that read it and
+/// drops the copy after the last one, so no f32 copy of a model lives
+/// beside the memory-mapped file.
+#[derive(Debug, Clone)]
+pub struct StoredWeight {
+    file: Arc<SafeTensors>,
+    key: String,
+    dtype: DType,
+    len: usize,
+}
+
+impl StoredWeight {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The tensor in f32 (see [`SafeTensors::to_f32`]).
+    pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
+        self.file.to_f32(&self.key)
+    }
+
+    /// Elements `[start, start + len)` in f32, the rest left unread.
+    pub fn range_f32(&self, start: usize, len: usize) -> Result<Vec<f32>, WeightError> {
+        let size = self.dtype.size_bytes();
+        let raw = self.file.raw(&self.key)?;
+        let bytes = start
+            .checked_add(len)
+            .filter(|&end| end <= self.len)
+            .and_then(|end| raw.get(start * size..end * size))
+            .ok_or_else(|| WeightError::NotInStore {
+                tensor: self.key.clone(),
+                detail: format!(
+                    "elements {start}..{} are outside its {} elements",
+                    start.saturating_add(len),
+                    self.len
+                ),
+            })?;
+        Ok(decode_f32(self.dtype, bytes))
+    }
+}
+
 #[derive(Debug)]
 struct Mount {
     file: Arc<SafeTensors>,
@@ -1187,6 +1252,21 @@ impl WeightStore {
         Ok(Resolved {
             file: &mount.file,
             info,
+        })
+    }
+
+    /// A handle on the tensor `name` that reads it when asked.
+    pub fn stored(&self, name: &str) -> Result<StoredWeight, WeightError> {
+        let r = self.resolve(name)?;
+        let (mount, key) = self.owner(name).ok_or_else(|| WeightError::NotInStore {
+            tensor: name.to_string(),
+            detail: "no mount covers it".to_string(),
+        })?;
+        Ok(StoredWeight {
+            file: Arc::clone(&mount.file),
+            key,
+            dtype: r.info.dtype,
+            len: r.info.numel(),
         })
     }
 

@@ -126,18 +126,19 @@ impl TextEncoderModel {
             None => g.finish(&[outs.0]),
         };
         let prog = plan(&graph).map_err(|e| graph_error("text encoder", e))?;
-        let mut bind = self.file.bindings(&prog)?;
-        // The token embedding lookup happens here, on the host.
-        let table = self.file.tensor_f32(&self.table_name())?;
+        let mut bind = self.file.bindings(&prog, &ctx.runtime)?;
+        // The token embedding lookup happens here, on the host, one row
+        // at a time from the file (the table is the encoder's largest
+        // tensor; 77 rows of it need no device and no f32 copy of it).
+        let table = self.table_name();
         let mut embeds = Vec::with_capacity(rows.len() * len * width);
         for &id in rows.iter().flatten() {
-            let at = id as usize * width;
-            let row = table.get(at..at + width).ok_or_else(|| {
-                NodeError::invalid(format!(
+            if id as usize >= vocab {
+                return Err(NodeError::invalid(format!(
                     "token id {id} is outside the text encoder's {vocab}-token vocabulary"
-                ))
-            })?;
-            embeds.extend_from_slice(row);
+                )));
+            }
+            embeds.extend(self.file.rows_f32(&table, width, id as usize, 1)?);
         }
         bind.inputs.insert("embeddings".into(), Arc::new(embeds));
         bind.inputs

@@ -369,7 +369,7 @@ pub fn sample(
         .map(|g| model.program(g.items.len() * b, h, w, g.tokens, dim))
         .collect::<Result<_, _>>()?;
     let bind = match progs.first() {
-        Some(p) => model.file.bindings(p)?,
+        Some(p) => model.file.bindings(p, &ctx.runtime)?,
         None => return Err(NodeError::invalid("nothing to sample")),
     };
     // Contexts per group, repeated to the group's length and the batch.

@@ -69,17 +69,34 @@ impl ModelFile {
         Ok(d)
     }
 
-    /// The f32 weights `prog` uploads, converted once per tensor.
-    pub fn bindings(&self, prog: &Program) -> Result<Bindings, NodeError> {
+    /// The weights `prog` uploads. On the CPU they stay in the file in
+    /// their stored dtype (the backend converts each for the kernels that
+    /// read it); a GPU's backend keeps host master copies in f32 for
+    /// uploads and streaming, converted once per tensor.
+    pub fn bindings(
+        &self,
+        prog: &Program,
+        runtime: &sdkit_engine::runtime::Runtime,
+    ) -> Result<Bindings, NodeError> {
+        let mut b = Bindings::default();
+        let names = prog.commands.iter().filter_map(|c| match c {
+            Command::Upload { name, .. } => Some(name),
+            _ => None,
+        });
+        if runtime.is_cpu() {
+            for name in names {
+                let w = self.store.stored(name).map_err(|e| {
+                    NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
+                })?;
+                b.stored.insert(name.clone(), w);
+            }
+            return Ok(b);
+        }
         let mut cache = self
             .f32_cache
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut b = Bindings::default();
-        for c in &prog.commands {
-            let Command::Upload { name, .. } = c else {
-                continue;
-            };
+        for name in names {
             let data = match cache.get(name) {
                 Some(d) => Arc::clone(d),
                 None => {
@@ -93,6 +110,22 @@ impl ModelFile {
             b.weights.insert(name.clone(), data);
         }
         Ok(b)
+    }
+
+    /// Rows `[start, start + count)` of a 2-D tensor `[rows, width]` in
+    /// f32, read from the file without converting the rest (token
+    /// embedding lookups).
+    pub fn rows_f32(
+        &self,
+        name: &str,
+        width: usize,
+        start: usize,
+        count: usize,
+    ) -> Result<Vec<f32>, NodeError> {
+        self.store
+            .stored(name)
+            .and_then(|w| w.range_f32(start * width, count * width))
+            .map_err(|e| NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name)))
     }
 }
 

@@ -30,10 +30,13 @@ pub enum CpuError {
     },
 }
 
-/// Values bound to a program's named inputs and weights (f32).
+/// Values bound to a program's named inputs and weights: f32 vectors, or
+/// (`stored`, CPU only) tensors left in their file, converted for the
+/// kernels that read them and dropped after the last one in each run.
 #[derive(Clone, Default)]
 pub struct Bindings {
     pub weights: HashMap<String, Arc<Vec<f32>>>,
+    pub stored: HashMap<String, crate::weights::StoredWeight>,
     pub inputs: HashMap<String, Arc<Vec<f32>>>,
 }
 
@@ -75,15 +78,30 @@ pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
     let mut times: Vec<(&'static str, f64, usize)> = Vec::new();
     let mut arena = vec![0f32; prog.stats.arena_bytes / 4];
     let mut external: HashMap<u32, Arc<Vec<f32>>> = HashMap::new();
+    // Stored weights by buffer, and the last dispatch that reads each.
+    let mut stored: HashMap<u32, (&str, &crate::weights::StoredWeight)> = HashMap::new();
+    let mut last_read: HashMap<u32, usize> = HashMap::new();
     for c in &prog.commands {
         match c {
             Command::Upload { buffer, name } => {
+                if let Some(w) = bind.weights.get(name) {
+                    BindError::check_len(name, w.len(), prog.buffer(*buffer).len)?;
+                    external.insert(buffer.0, w.clone());
+                    continue;
+                }
                 let w = bind
-                    .weights
+                    .stored
                     .get(name)
                     .ok_or_else(|| BindError::MissingWeight(name.clone()))?;
                 BindError::check_len(name, w.len(), prog.buffer(*buffer).len)?;
-                external.insert(buffer.0, w.clone());
+                stored.insert(buffer.0, (name.as_str(), w));
+                if last_read.is_empty() {
+                    for (i, k) in prog.kernels.iter().enumerate() {
+                        for v in &k.inputs {
+                            last_read.insert(v.buffer.0, i);
+                        }
+                    }
+                }
             }
             Command::Bind { buffer, name } => {
                 let v = bind
@@ -95,8 +113,32 @@ pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
             }
             Command::Dispatch { kernel } => {
                 let k = &prog.kernels[kernel.0 as usize];
+                let convert = profile.then(std::time::Instant::now);
+                for v in &k.inputs {
+                    let b = v.buffer.0;
+                    if let (Some((name, w)), false) = (stored.get(&b), external.contains_key(&b)) {
+                        let data = w.to_f32().map_err(|e| CpuError::Weight {
+                            name: name.to_string(),
+                            message: e.to_string(),
+                        })?;
+                        external.insert(b, Arc::new(data));
+                    }
+                }
+                if let Some(c) = convert {
+                    let secs = c.elapsed().as_secs_f64();
+                    match times.iter_mut().find(|e| e.0 == "weight read") {
+                        Some(e) => e.1 += secs,
+                        None => times.push(("weight read", secs, 0)),
+                    }
+                }
                 let t = profile.then(std::time::Instant::now);
                 dispatch(prog, k, kernel.0 as usize, &mut arena, &external)?;
+                for v in &k.inputs {
+                    let b = v.buffer.0;
+                    if stored.contains_key(&b) && last_read.get(&b) == Some(&(kernel.0 as usize)) {
+                        external.remove(&b);
+                    }
+                }
                 if let Some(t) = t {
                     let name = if k.epilogue.is_some() && matches!(k.kind, KernelKind::Elementwise)
                     {
