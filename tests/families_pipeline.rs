@@ -137,3 +137,12 @@ fn sd2_v_on_wgpu_matches_comfyui() {
     }
     matches_on("tiny_sd2_v_txt2img", "wgpu");
 }
+
+/// ConditioningSetArea (with its feathered edges), SetAreaPercentage,
+/// SetAreaStrength, SetMask with "mask bounds", SetTimestepRange,
+/// Combine, Average and Concat on SDXL, with the opposite-area entries
+/// ComfyUI adds to the negative.
+#[test]
+fn sdxl_conditioning_ops_match_comfyui() {
+    matches_on("tiny_sdxl_cond_ops", "cpu");
+}

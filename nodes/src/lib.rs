@@ -46,6 +46,21 @@ pub fn library() -> NodeLibrary {
         diffusion::conditioning::ClipSetLastLayer,
     );
     lib.implement("CLIPTextEncode", diffusion::conditioning::ClipTextEncode);
+    {
+        use diffusion::cond_ops::*;
+        lib.implement("ConditioningCombine", ConditioningCombine);
+        lib.implement("ConditioningAverage", ConditioningAverage);
+        lib.implement("ConditioningConcat", ConditioningConcat);
+        lib.implement("ConditioningSetArea", ConditioningSetArea);
+        lib.implement(
+            "ConditioningSetAreaPercentage",
+            ConditioningSetAreaPercentage,
+        );
+        lib.implement("ConditioningSetAreaStrength", ConditioningSetAreaStrength);
+        lib.implement("ConditioningSetMask", ConditioningSetMask);
+        lib.implement("ConditioningZeroOut", ConditioningZeroOut);
+        lib.implement("ConditioningSetTimestepRange", ConditioningSetTimestepRange);
+    }
     lib.implement(
         "CLIPTextEncodeSDXL",
         diffusion::conditioning::ClipTextEncodeSdxl,

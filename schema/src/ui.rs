@@ -7,7 +7,7 @@
 //! as `fixed`, so a template reproduces its image). Nodes are laid out in
 //! columns by their distance from the workflow's sources.
 
-use crate::spec::{InputKind, Registry, WidgetSlot};
+use crate::spec::{ComboOptions, InputKind, Registry, WidgetSlot};
 use crate::workflow::{InputValue, OutputRef, Workflow};
 use serde_json::{json, Map, Value as Json};
 use std::collections::HashMap;
@@ -232,7 +232,14 @@ fn default_value(kind: &InputKind) -> Json {
         InputKind::Float { default, .. } => json!(default),
         InputKind::String { default, .. } => json!(default),
         InputKind::Boolean { default } => json!(default),
-        InputKind::Combo { default, .. } => json!(default.clone().unwrap_or_default()),
+        // Without a declared default a combo starts at its first option,
+        // as ComfyUI's front end does.
+        InputKind::Combo {
+            default, options, ..
+        } => json!(default.clone().unwrap_or_else(|| match options {
+            ComboOptions::Static(v) => v.first().cloned().unwrap_or_default(),
+            _ => String::new(),
+        })),
         InputKind::Socket(_) => Json::Null,
     }
 }

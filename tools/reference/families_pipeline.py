@@ -86,7 +86,7 @@ ROOT = sd1.ROOT
 COMFY = sd1.COMFY
 WORKFLOWS = ["tiny_sdxl_txt2img", "tiny_sdxl_sizes", "tiny_sdxl_img2img",
              "tiny_sdxl_refiner", "tiny_sd2_txt2img", "tiny_sd2_v_txt2img",
-             "tiny_sd2_v_img2img", "tiny_sdxl_separate"]
+             "tiny_sd2_v_img2img", "tiny_sdxl_separate", "tiny_sdxl_cond_ops"]
 
 _XL_COMMON = dict(in_channels=4, out_channels=4, model_channels=64,
                   transformer_depth_middle=1, use_linear_in_transformer=True,
@@ -302,6 +302,9 @@ def v3_nodes():
                     return getattr(clone, clone.FUNCTION)(**kwargs).result
             return Node
         out[cls.__name__] = adapter(cls)
+    # ImageToMask (the cond_ops workflow's mask) is a V1 node.
+    import comfy_extras.nodes_mask as masks
+    out["ImageToMask"] = masks.ImageToMask
     return out
 
 

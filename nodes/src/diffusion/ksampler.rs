@@ -20,6 +20,7 @@
 //!    from a fresh generator seeded with the seed, as k-diffusion's default
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
+use super::cond_batch::{self, Item};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
@@ -67,48 +68,6 @@ pub fn ksampler_sigmas(
     let sigmas = schedule(total)?;
     let keep = (steps + 1).min(sigmas.len());
     Ok(sigmas[sigmas.len() - keep..].to_vec())
-}
-
-/// One denoiser input row group: conditioning entries run together.
-struct Group {
-    /// (conditioning index 0 = positive / 1 = negative, entry index)
-    items: Vec<(usize, usize)>,
-    tokens: usize,
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
-/// Groups entries the way ComfyUI's `CONDCrossAttn.can_concat` allows:
-/// contexts of different lengths are batched by repeating each to the
-/// least common multiple, unless that is more than 4× the shorter one.
-fn group(conds: &[&Conditioning]) -> Vec<Group> {
-    let mut groups: Vec<Group> = Vec::new();
-    for (ci, c) in conds.iter().enumerate() {
-        for (ei, e) in c.0.iter().enumerate() {
-            let t = e.cross_attn.dim(1);
-            let fits = |g: &Group| {
-                let l = g.tokens / gcd(g.tokens, t) * t;
-                l / g.tokens.min(t) <= 4
-            };
-            match groups.iter_mut().find(|g| fits(g)) {
-                Some(g) => {
-                    g.tokens = g.tokens / gcd(g.tokens, t) * t;
-                    g.items.push((ci, ei));
-                }
-                None => groups.push(Group {
-                    items: vec![(ci, ei)],
-                    tokens: t,
-                }),
-            }
-        }
-    }
-    groups
 }
 
 /// What `common_ksampler` takes besides the model and conditioning.
@@ -342,9 +301,11 @@ pub fn sample(
     // Without a negative (BasicGuider) the unconditional prediction is
     // ComfyUI's empty sum: zeros.
     let slots = if use_uncond { 2 } else { 1 };
+    // Both lists take part in resolving areas (each area gets an opposite
+    // entry in the other list) even where the negative does not run.
     let conds: Vec<&Conditioning> = match negative {
-        Some(n) if use_uncond => vec![positive, n],
-        _ => vec![positive],
+        Some(n) => vec![positive, n],
+        None => vec![positive],
     };
     let dim = positive.0[0].cross_attn.dim(2);
     for c in &conds {
@@ -363,16 +324,23 @@ pub fn sample(
             model.unet.context_dim
         )));
     }
-    let groups = group(&conds);
+    let dims = [b, shape[1], h, w];
+    let items: Vec<Item<'_>> = cond_batch::items(model, &conds, (b, shape[1], h, w))?
+        .into_iter()
+        .filter(|i| i.cond < slots)
+        .collect();
+    let groups = cond_batch::groups(&items);
     let progs: Vec<Program> = groups
         .iter()
-        .map(|g| model.program(g.items.len() * b, h, w, g.tokens, dim))
+        .map(|g| {
+            let [ah, aw, ..] = items[g.items[0]].area;
+            model.program(g.items.len() * b, ah, aw, g.tokens, dim)
+        })
         .collect::<Result<_, _>>()?;
     let bind = match progs.first() {
         Some(p) => model.file.bindings(p, &ctx.runtime)?,
         None => return Err(NodeError::invalid("nothing to sample")),
     };
-    // Contexts per group, repeated to the group's length and the batch.
     // The model inputs of each group besides x and t (the context and,
     // for SDXL, the ADM vector's parts), fixed for the whole sampling.
     let pixels = ((h * 8) as f64, (w * 8) as f64);
@@ -380,8 +348,8 @@ pub fn sample(
         .iter()
         .map(|g| {
             let mut v = Vec::with_capacity(g.items.len() * b * g.tokens * dim);
-            for &(ci, ei) in &g.items {
-                let c = &conds[ci].0[ei].cross_attn;
+            for &i in &g.items {
+                let c = &items[i].model.cross_attn;
                 let reps = g.tokens / c.dim(1);
                 for _ in 0..b {
                     for _ in 0..reps {
@@ -392,7 +360,7 @@ pub fn sample(
             let entries: Vec<(&CondEntry, bool)> = g
                 .items
                 .iter()
-                .map(|&(ci, ei)| (&conds[ci].0[ei], ci == 1))
+                .map(|&i| (items[i].model, items[i].model_negative))
                 .collect();
             let mut feed = model.cond_inputs(&entries, b, pixels)?;
             feed.insert("context".to_string(), Arc::new(v));
@@ -417,30 +385,50 @@ pub fn sample(
             x.iter().map(|v| v / c_in).collect()
         };
         let t = model.schedule.timestep(sigma);
-        // Per conditioning: Σ pred·strength and 1e-37 + Σ strength.
+        // Per conditioning: Σ denoised·mult and 1e-37 + Σ mult.
         let mut sums = vec![vec![0f32; per_item]; slots];
-        let mut counts = vec![1e-37f32; slots];
+        let mut counts = vec![vec![1e-37f32; per_item]; slots];
         for ((g, session), fixed) in groups.iter().zip(sessions.iter_mut()).zip(&feeds) {
+            let first = &items[g.items[0]];
+            if !first.active(sigma) {
+                continue;
+            }
+            let [ah, aw, ..] = first.area;
+            let crop = b * shape[1] * ah * aw;
             let n = g.items.len();
-            let mut xs = Vec::with_capacity(n * per_item);
-            for _ in 0..n {
-                xs.extend_from_slice(&xin);
+            let mut xs = Vec::with_capacity(n * crop);
+            let mut raw = Vec::with_capacity(n * crop);
+            for &i in &g.items {
+                cond_batch::crop_into(&mut xs, &xin, dims, items[i].area);
+                cond_batch::crop_into(&mut raw, x, dims, items[i].area);
             }
             let mut feed = fixed.clone();
             feed.insert("x".to_string(), Arc::new(xs));
             feed.insert("t".to_string(), Arc::new(vec![t; n * b]));
             let out = session.run(feed).map_err(|e| run_error("UNet", e))?;
             let eps = &out[0].data;
-            for (i, &(ci, ei)) in g.items.iter().enumerate() {
-                let strength = conds[ci].0[ei].strength;
-                let eps = &eps[i * per_item..(i + 1) * per_item];
-                model
+            for (k, &i) in g.items.iter().enumerate() {
+                let item = &items[i];
+                let part = k * crop..(k + 1) * crop;
+                let d = model
                     .prediction
-                    .accumulate(&mut sums[ci], eps, x, sigma, t, strength);
-                counts[ci] += strength;
+                    .denoised(&eps[part.clone()], &raw[part], sigma, t);
+                cond_batch::accumulate(
+                    &mut sums[item.cond],
+                    &mut counts[item.cond],
+                    &d,
+                    item,
+                    dims,
+                );
             }
         }
-        let pred = |ci: usize| -> Vec<f32> { sums[ci].iter().map(|s| s / counts[ci]).collect() };
+        let pred = |ci: usize| -> Vec<f32> {
+            sums[ci]
+                .iter()
+                .zip(&counts[ci])
+                .map(|(s, c)| s / c)
+                .collect()
+        };
         let cond = pred(0);
         if !use_uncond {
             return Ok(cond);

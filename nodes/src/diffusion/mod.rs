@@ -7,6 +7,8 @@
 //! until a program first needs them; their f32 copies are cached per file
 //! so a sampler's steps and later runs convert each tensor once.
 
+pub mod cond_batch;
+pub mod cond_ops;
 pub mod conditioning;
 pub mod custom;
 pub mod denoiser;
@@ -158,48 +160,27 @@ impl Prediction {
         }
     }
 
-    /// Adds `strength` × the denoised estimate of output `out` for input
-    /// `x` at `sigma` (timestep `t`) to `acc` (ComfyUI's
-    /// `calculate_denoised`, in its operation order).
-    pub fn accumulate(
-        self,
-        acc: &mut [f32],
-        out: &[f32],
-        x: &[f32],
-        sigma: f32,
-        t: f32,
-        strength: f32,
-    ) {
-        let it = acc.iter_mut().zip(out).zip(x);
+    /// The denoised estimate of output `out` for input `x` at `sigma`
+    /// (timestep `t`): ComfyUI's `calculate_denoised`, in its operation
+    /// order.
+    pub fn denoised(self, out: &[f32], x: &[f32], sigma: f32, t: f32) -> Vec<f32> {
+        let it = out.iter().zip(x);
         match self {
-            Prediction::Eps | Prediction::Flow => {
-                for ((a, o), xv) in it {
-                    *a += (xv - o * sigma) * strength;
-                }
-            }
+            Prediction::Eps | Prediction::Flow => it.map(|(o, xv)| xv - o * sigma).collect(),
             Prediction::V => {
-                // x·1/(σ²+1) − out·σ·1/sqrt(σ²+1) (sigma_data 1).
                 let d = sigma * sigma + 1.0;
                 let r = d.sqrt();
-                for ((a, o), xv) in it {
-                    *a += (xv * 1.0 / d - o * sigma * 1.0 / r) * strength;
-                }
+                it.map(|(o, xv)| xv * 1.0 / d - o * sigma * 1.0 / r)
+                    .collect()
             }
             Prediction::Lcm => {
-                // sigma_data 0.5, timestep scaling 10.
                 let ts = t * 10.0;
                 let c_skip = 0.25 / (ts * ts + 0.25);
                 let c_out = ts / (ts * ts + 0.25).sqrt();
-                for ((a, o), xv) in it {
-                    let x0 = xv - o * sigma;
-                    *a += (c_out * x0 + c_skip * xv) * strength;
-                }
+                it.map(|(o, xv)| c_out * (xv - o * sigma) + c_skip * xv)
+                    .collect()
             }
-            Prediction::X0 | Prediction::ImgToImg => {
-                for (a, o) in acc.iter_mut().zip(out) {
-                    *a += o * strength;
-                }
-            }
+            Prediction::X0 | Prediction::ImgToImg => out.to_vec(),
         }
     }
 }
@@ -263,6 +244,37 @@ pub struct CondEntry {
     pub size: SizeCond,
     /// The SDXL refiner's `aesthetic_score`.
     pub aesthetic_score: Option<f64>,
+    /// ConditioningSetArea(Percentage): the part of the latent the entry
+    /// applies to.
+    pub area: Option<CondArea>,
+    /// ConditioningSetMask: where (and how strongly) the entry applies.
+    pub mask: Option<CondMask>,
+    /// ConditioningSetTimestepRange: the fractions of sampling between
+    /// which the entry applies.
+    pub start_percent: Option<f64>,
+    pub end_percent: Option<f64>,
+}
+
+/// An entry's `area`, as ComfyUI stores it: `(height, width, y, x)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CondArea {
+    /// In latent cells (pixels / 8, floored: ConditioningSetArea).
+    Latent([usize; 4]),
+    /// As fractions of the latent (ConditioningSetAreaPercentage),
+    /// resolved when sampling starts.
+    Percentage([f64; 4]),
+}
+
+/// An entry's mask (ConditioningSetMask).
+#[derive(Debug, Clone)]
+pub struct CondMask {
+    /// `[batch, height, width]`, any size (resized to the latent's).
+    pub mask: Arc<Tensor>,
+    /// `mask_strength`.
+    pub strength: f32,
+    /// `set_cond_area` "mask bounds": the area becomes the mask's bounding
+    /// box.
+    pub set_area_to_bounds: bool,
 }
 
 impl CondEntry {
@@ -275,6 +287,10 @@ impl CondEntry {
             strength: 1.0,
             size: SizeCond::default(),
             aesthetic_score: None,
+            area: None,
+            mask: None,
+            start_percent: None,
+            end_percent: None,
         }
     }
 }
