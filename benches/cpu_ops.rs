@@ -18,7 +18,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
-use sdkit_engine::backend::cpu::kernels::{attention, conv2d, matmul, MatView};
+use sdkit_compute::backend::cpu::kernels::{attention, conv2d, matmul, MatView};
 
 /// Each side runs each case in this many blocks, the two sides' blocks
 /// alternating ...

@@ -19,10 +19,10 @@
 
 mod common;
 
-use sdkit_engine::backend::cpu::Bindings;
-use sdkit_engine::backend::wgpu::{Options, Tuning, WgpuBackend};
-use sdkit_engine::plan::plan;
-use sdkit_engine::tensor::{GraphBuilder, InputKind, TensorGraph};
+use sdkit_compute::backend::cpu::Bindings;
+use sdkit_compute::backend::wgpu::{Options, Tuning, WgpuBackend};
+use sdkit_compute::plan::plan;
+use sdkit_compute::tensor::{GraphBuilder, InputKind, TensorGraph};
 use sdkit_nodes::models::detect::{Heads, UnetConfig};
 use sdkit_nodes::models::unet::unet;
 use std::process::Command;
@@ -325,7 +325,7 @@ fn main() {
 
 /// What tuning chose: each kind's kernels timed alone by default and
 /// tuned, how often each variant won, and the largest gains.
-fn print_tuning(tuned: &[sdkit_engine::backend::wgpu::TunedKernel]) {
+fn print_tuning(tuned: &[sdkit_compute::backend::wgpu::TunedKernel]) {
     let mut kinds: Vec<(&str, f64, f64, usize)> = Vec::new();
     let mut wins: Vec<(String, usize)> = Vec::new();
     for t in tuned {
@@ -355,7 +355,7 @@ fn print_tuning(tuned: &[sdkit_engine::backend::wgpu::TunedKernel]) {
     for (won, n) in &wins {
         println!("    {n:3}x {won}");
     }
-    let mut gains: Vec<&sdkit_engine::backend::wgpu::TunedKernel> = tuned.iter().collect();
+    let mut gains: Vec<&sdkit_compute::backend::wgpu::TunedKernel> = tuned.iter().collect();
     gains.sort_by(|a, b| {
         (b.tuned.default_seconds - b.tuned.seconds)
             .total_cmp(&(a.tuned.default_seconds - a.tuned.seconds))
@@ -368,8 +368,8 @@ fn print_tuning(tuned: &[sdkit_engine::backend::wgpu::TunedKernel]) {
 /// Where a step's time goes: each kernel timed alone, summed by kind,
 /// and the slowest kernels with their shapes.
 fn print_profile(
-    prog: &sdkit_engine::plan::Program,
-    times: &[(sdkit_engine::plan::KernelId, f64)],
+    prog: &sdkit_compute::plan::Program,
+    times: &[(sdkit_compute::plan::KernelId, f64)],
 ) {
     let total: f64 = times.iter().map(|t| t.1).sum();
     let mut by_kind: Vec<(&str, f64, usize)> = Vec::new();
@@ -395,7 +395,7 @@ fn print_profile(
     );
     // The three slowest kernels of each of the three costliest kinds.
     for (kind, _, _) in by_kind.iter().take(3) {
-        let mut slow: Vec<&(sdkit_engine::plan::KernelId, f64)> = times
+        let mut slow: Vec<&(sdkit_compute::plan::KernelId, f64)> = times
             .iter()
             .filter(|(k, _)| prog.kernels[k.0 as usize].kind.name() == *kind)
             .collect();
@@ -410,14 +410,14 @@ fn print_profile(
 }
 
 /// The step on the CPU backend (f32), beside PyTorch on the CPU.
-fn cpu_step(prog: &sdkit_engine::plan::Program, bind: &Bindings, py: &str, small: bool) {
+fn cpu_step(prog: &sdkit_compute::plan::Program, bind: &Bindings, py: &str, small: bool) {
     let threads = rayon_threads();
-    let _ = sdkit_engine::backend::cpu::run(prog, bind);
+    let _ = sdkit_compute::backend::cpu::run(prog, bind);
     let runs = if small { 5 } else { 3 };
     let mut times = Vec::new();
     for _ in 0..runs {
         let t = Instant::now();
-        if let Err(e) = sdkit_engine::backend::cpu::run(prog, bind) {
+        if let Err(e) = sdkit_compute::backend::cpu::run(prog, bind) {
             println!("unet_step [cpu]: failed: {e}");
             return;
         }
@@ -449,7 +449,7 @@ fn rayon_threads() -> usize {
 /// The step under budgets of 100%, 50% and 25% of the weights (plus the
 /// activations): measured time and bytes moved per step, the plan's
 /// streamed bytes and lower bound.
-fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<&str>) {
+fn budgets(prog: &sdkit_compute::plan::Program, bind: &Bindings, adapter: Option<&str>) {
     let probe = match WgpuBackend::new(adapter) {
         Ok(b) => b,
         Err(e) => {
@@ -528,8 +528,8 @@ fn budgets(prog: &sdkit_engine::plan::Program, bind: &Bindings, adapter: Option<
 
 /// The residency plans alone (no device): f16 weights, f32 activations,
 /// 256-byte slot alignment, 2 GiB bindings.
-fn planned_budgets(prog: &sdkit_engine::plan::Program) {
-    use sdkit_engine::plan::residency::{plan_residency, weight_uses, ModelUse};
+fn planned_budgets(prog: &sdkit_compute::plan::Program) {
+    use sdkit_compute::plan::residency::{plan_residency, weight_uses, ModelUse};
     let weights = weight_uses(prog, 2);
     let total: u64 = weights.iter().map(|w| w.bytes).sum();
     let act = prog.stats.arena_bytes as u64 + prog.stats.input_bytes as u64;

@@ -12,11 +12,11 @@
 mod common;
 
 use common::nmse;
-use sdkit_engine::backend::cpu::Bindings;
-use sdkit_engine::backend::wgpu::probe::ProbeSize;
-use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
-use sdkit_engine::plan::{plan, samples};
-use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, InputKind, TensorGraph};
+use sdkit_compute::backend::cpu::Bindings;
+use sdkit_compute::backend::wgpu::probe::ProbeSize;
+use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
+use sdkit_compute::plan::{plan, samples};
+use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, InputKind, TensorGraph};
 use std::process::Command;
 use std::sync::Arc;
 
@@ -274,7 +274,7 @@ fn main() {
     // Each fixed cooperative GEMM tiling too (`SDKIT_BENCH_TILINGS=1`), to
     // tune the size heuristic on a new adapter.
     if paths.len() > 1 && std::env::var_os("SDKIT_BENCH_TILINGS").is_some() {
-        for t in sdkit_engine::backend::wgpu::codegen::tilings() {
+        for t in sdkit_compute::backend::wgpu::codegen::tilings() {
             if let Ok(g) = WgpuBackend::with_options(&Options {
                 adapter: adapter.clone(),
                 gemm_tiles: Some(t),

@@ -241,23 +241,23 @@ pub fn make_executor(
     {
         let budget = match vram_budget {
             None => None,
-            Some(text) => match sdkit_engine::runtime::parse_budget(text)
+            Some(text) => match sdkit_compute::runtime::parse_budget(text)
                 .map_err(|e| anyhow::anyhow!("--vram-budget {e}"))?
             {
                 Some(b) => Some(b),
                 None => {
                     eprintln!(
                         "note: the GPU backend reports no memory size; --vram-budget auto uses {} MiB",
-                        sdkit_engine::runtime::AUTO_BUDGET >> 20
+                        sdkit_compute::runtime::AUTO_BUDGET >> 20
                     );
-                    Some(sdkit_engine::runtime::AUTO_BUDGET)
+                    Some(sdkit_compute::runtime::AUTO_BUDGET)
                 }
             },
         };
         let tuning = if tune {
-            sdkit_engine::backend::wgpu::Tuning::Measure
+            sdkit_compute::backend::wgpu::Tuning::Measure
         } else {
-            sdkit_engine::backend::wgpu::Tuning::Cached
+            sdkit_compute::backend::wgpu::Tuning::Cached
         };
         let runtime = sdkit_engine::Runtime::select_tuned(
             device,
@@ -297,7 +297,7 @@ pub fn main(cli: Cli) -> Result<i32> {
 }
 
 fn devices_command(probe: Option<String>) -> Result<i32> {
-    let list = sdkit_engine::backend::wgpu::adapters_with_tuning();
+    let list = sdkit_compute::backend::wgpu::adapters_with_tuning();
     let mut out = std::io::stdout().lock();
     writeln!(out, "cpu: {} threads (always available)", rayon_threads())?;
     if list.is_empty() {
@@ -353,7 +353,7 @@ fn devices_command(probe: Option<String>) -> Result<i32> {
 
 /// Prints the measured ceilings of the best adapter (or the named one).
 fn probe_command(out: &mut impl Write, adapter: Option<String>) -> Result<()> {
-    use sdkit_engine::backend::wgpu::{probe::ProbeSize, Options, WgpuBackend};
+    use sdkit_compute::backend::wgpu::{probe::ProbeSize, Options, WgpuBackend};
     let gpu = WgpuBackend::with_options(&Options {
         adapter,
         ..Options::default()
@@ -394,7 +394,7 @@ fn plan_command(
     stats_only: bool,
     run: Option<DeviceKind>,
 ) -> Result<i32> {
-    use sdkit_engine::plan::{plan, samples};
+    use sdkit_compute::plan::{plan, samples};
     let g = match graph {
         SampleGraph::Resblock => samples::resblock_graph(batch, channels, size, 4 * channels),
         SampleGraph::Transformer => samples::transformer_graph(batch, channels, size, 77, 768, 8),
@@ -420,12 +420,12 @@ fn plan_command(
 /// Runs a planned sample graph with deterministic pseudo-random weights
 /// and inputs, and prints the time per run (after one warm-up run).
 fn time_program(
-    g: &sdkit_engine::tensor::TensorGraph,
-    p: &sdkit_engine::plan::Program,
+    g: &sdkit_compute::tensor::TensorGraph,
+    p: &sdkit_compute::plan::Program,
     device: DeviceKind,
 ) -> Result<()> {
-    use sdkit_engine::backend::{cpu, wgpu};
-    use sdkit_engine::tensor::InputKind;
+    use sdkit_compute::backend::{cpu, wgpu};
+    use sdkit_compute::tensor::InputKind;
     let mut bind = cpu::Bindings::default();
     for kind in [InputKind::Weight, InputKind::Activation] {
         for (_, name, shape) in g.inputs(kind) {

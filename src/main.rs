@@ -13,7 +13,7 @@ fn main() {
     // Warnings, and kernel tuning's progress (`--tune`: its first run can
     // spend a minute measuring before the first step).
     let filter = tracing_subscriber::EnvFilter::try_from_env("SDKIT_LOG").unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("warn,sdkit_engine::backend::wgpu::tune=info")
+        tracing_subscriber::EnvFilter::new("warn,sdkit_compute::backend::wgpu::tune=info")
     });
     tracing_subscriber::fmt()
         .with_env_filter(filter)

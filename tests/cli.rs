@@ -388,7 +388,7 @@ fn devices_probe_measures_the_adapter_or_names_what_is_missing() {
     let out = text(&o);
     if out.contains("no GPU adapters") {
         assert!(!o.status.success(), "{out}");
-        sdkit_engine::backend::wgpu::no_adapter("devices --probe", "no GPU adapters");
+        sdkit_compute::backend::wgpu::no_adapter("devices --probe", "no GPU adapters");
         return;
     }
     assert!(o.status.success(), "{out}");

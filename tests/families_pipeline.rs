@@ -122,8 +122,8 @@ fn sdxl_from_separate_files_matches_comfyui() {
 
 #[test]
 fn sdxl_txt2img_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_engine::backend::wgpu::no_adapter("SDXL txt2img on wgpu", e);
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("SDXL txt2img on wgpu", e);
         return;
     }
     matches_on("tiny_sdxl_txt2img", "wgpu");
@@ -131,8 +131,8 @@ fn sdxl_txt2img_on_wgpu_matches_comfyui() {
 
 #[test]
 fn sd2_v_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_engine::backend::wgpu::no_adapter("SD2 v on wgpu", e);
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("SD2 v on wgpu", e);
         return;
     }
     matches_on("tiny_sd2_v_txt2img", "wgpu");

@@ -9,7 +9,7 @@
 
 mod support;
 
-use sdkit_engine::weights::{write_safetensors, DType, SafeTensors, TensorData};
+use sdkit_compute::weights::{write_safetensors, DType, SafeTensors, TensorData};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
@@ -189,7 +189,7 @@ fn impossible_tile_overlap_is_an_error() {
 /// image still matches the reference.
 #[test]
 fn vae_decode_falls_back_to_tiles_when_memory_runs_out() {
-    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
     use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
     use std::sync::{Arc, Mutex};
 
@@ -200,7 +200,7 @@ fn vae_decode_falls_back_to_tiles_when_memory_runs_out() {
     }) {
         Ok(g) => g,
         Err(e) => {
-            sdkit_engine::backend::wgpu::no_adapter("VAE tile fallback", e);
+            sdkit_compute::backend::wgpu::no_adapter("VAE tile fallback", e);
             return;
         }
     };
@@ -233,8 +233,8 @@ fn vae_decode_falls_back_to_tiles_when_memory_runs_out() {
 /// The same workflow on the wgpu backend (lavapipe on CI).
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_engine::backend::wgpu::no_adapter("txt2img on wgpu", e);
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("txt2img on wgpu", e);
         return;
     }
     let (base, fx) = setup();
@@ -363,12 +363,12 @@ fn tiny_unet_program(
     base: &Path,
     batch: usize,
 ) -> (
-    sdkit_engine::plan::Program,
-    sdkit_engine::backend::cpu::Bindings,
+    sdkit_compute::plan::Program,
+    sdkit_compute::backend::cpu::Bindings,
 ) {
-    use sdkit_engine::backend::cpu::Bindings;
-    use sdkit_engine::plan::plan;
-    use sdkit_engine::tensor::GraphBuilder;
+    use sdkit_compute::backend::cpu::Bindings;
+    use sdkit_compute::plan::plan;
+    use sdkit_compute::tensor::GraphBuilder;
     use std::sync::Arc;
 
     let file = SafeTensors::open(&base.join("models/checkpoints/tiny_sd1.safetensors"))
@@ -398,7 +398,7 @@ fn tiny_unet_program(
     let prog = plan(&g.finish(&[y])).expect("plans");
     let mut bind = Bindings::default();
     for c in &prog.commands {
-        if let sdkit_engine::plan::Command::Upload { name, .. } = c {
+        if let sdkit_compute::plan::Command::Upload { name, .. } = c {
             bind.weights
                 .insert(name.clone(), Arc::new(file.to_f32(name).expect("weight")));
         }
@@ -418,12 +418,12 @@ fn tiny_unet_program(
 /// smaller budget streams more.
 #[test]
 fn unet_streams_under_a_budget() {
-    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
 
     let open = match WgpuBackend::new(None) {
         Ok(g) => g,
         Err(e) => {
-            sdkit_engine::backend::wgpu::no_adapter("unet under a budget", e);
+            sdkit_compute::backend::wgpu::no_adapter("unet under a budget", e);
             return;
         }
     };
@@ -486,13 +486,13 @@ fn unet_streams_under_a_budget() {
 /// re-plans under half, streaming, with the same output.
 #[test]
 fn out_of_memory_replans_and_streams() {
-    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
     use sdkit_engine::Runtime;
 
     let full = match WgpuBackend::new(None) {
         Ok(g) => g,
         Err(e) => {
-            sdkit_engine::backend::wgpu::no_adapter("out-of-memory replanning", e);
+            sdkit_compute::backend::wgpu::no_adapter("out-of-memory replanning", e);
             return;
         }
     };
@@ -527,13 +527,13 @@ fn out_of_memory_replans_and_streams() {
 /// budget, and both give the unlimited outputs.
 #[test]
 fn programs_prepared_side_by_side_share_the_budget() {
-    use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
     use sdkit_engine::Runtime;
 
     let full = match WgpuBackend::new(None) {
         Ok(g) => g,
         Err(e) => {
-            sdkit_engine::backend::wgpu::no_adapter("shared budget", e);
+            sdkit_compute::backend::wgpu::no_adapter("shared budget", e);
             return;
         }
     };
@@ -587,7 +587,7 @@ fn prompt_edit_uploads_no_unet_weights() {
     let runtime = match Runtime::select_with("wgpu", Some(1 << 30)) {
         Ok(g) => g,
         Err(e) => {
-            sdkit_engine::backend::wgpu::no_adapter("prompt edit residency", e);
+            sdkit_compute::backend::wgpu::no_adapter("prompt edit residency", e);
             return;
         }
     };
@@ -636,8 +636,8 @@ fn hires_workflow_plans_residency_across_models() {
     use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
     use std::sync::{Arc, Mutex};
 
-    if let Err(e) = sdkit_engine::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_engine::backend::wgpu::no_adapter("hires workflow residency", e);
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("hires workflow residency", e);
         return;
     }
     let (base, _fx) = setup();

@@ -16,7 +16,7 @@ pub fn nmse(got: &[f32], want: &[f32]) -> f64 {
 /// about `target` seconds (between `min` and `max` replays); returns its
 /// mean and the batch size.
 pub fn seconds_per_step(
-    p: &sdkit_engine::backend::wgpu::Prepared<'_>,
+    p: &sdkit_compute::backend::wgpu::Prepared<'_>,
     target: f64,
     min: usize,
     max: usize,

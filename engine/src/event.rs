@@ -94,7 +94,7 @@ pub enum Event {
     #[serde(rename = "sdkit_schedule")]
     Schedule {
         prompt_id: String,
-        uses: Vec<crate::plan::schedule::ScheduledUse>,
+        uses: Vec<sdkit_compute::plan::schedule::ScheduledUse>,
     },
     /// A sampler's view of its current result each step (ComfyUI's latent
     /// preview). The server sends it as a binary preview frame; as JSON it

@@ -89,7 +89,7 @@ pub struct NodeContext {
     pub cancel: CancelToken,
     pub events: EventSink,
     /// The device nodes run tensor programs on.
-    pub runtime: crate::runtime::Runtime,
+    pub runtime: sdkit_compute::runtime::Runtime,
 }
 
 impl NodeContext {
@@ -277,7 +277,7 @@ pub trait NodeImpl: Send + Sync {
     /// sampler's `model`, a text encoder's `clip`, a decoder's `vae`), not
     /// those it only passes on or patches. The executor runs such nodes
     /// one at a time, in its use schedule's order, and plans weight
-    /// residency over that schedule ([`crate::plan::schedule`]).
+    /// residency over that schedule ([`sdkit_compute::plan::schedule`]).
     fn device_inputs(&self) -> &'static [&'static str] {
         &[]
     }
@@ -338,7 +338,7 @@ mod tests {
             extra_pnginfo: Arc::new(serde_json::Map::new()),
             cancel: CancelToken::new(),
             events: crate::event::discard(),
-            runtime: crate::runtime::Runtime::cpu(),
+            runtime: sdkit_compute::runtime::Runtime::cpu(),
         };
         let data = [0.5, f32::NAN, f32::INFINITY, -1.0, f32::NEG_INFINITY];
         assert_eq!(ctx.warn_non_finite("the sampled latent", &data), 3);

@@ -322,7 +322,7 @@ fn save_batch(
         };
         // Unique per call, so concurrent runs in one server never share a
         // temporary file; pid-named, so a killed process's are swept.
-        let tmp = sdkit_engine::atomic::temp_path(root, &format!("{}-{i}.png", ctx.node_id));
+        let tmp = sdkit_compute::atomic::temp_path(root, &format!("{}-{i}.png", ctx.node_id));
         let written = std::fs::File::create(&tmp).and_then(|mut f| {
             f.write_all(&png)?;
             f.sync_all()

@@ -1,8 +1,8 @@
 //! Latent nodes that need no model.
 
 use crate::io::{input_path, python_json, save_target, SAVE_LOCK};
+use sdkit_compute::weights::{write_safetensors_f32, F32TensorData, SafeTensors};
 use sdkit_engine::memory;
-use sdkit_engine::weights::{write_safetensors_f32, F32TensorData, SafeTensors};
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use serde_json::json;
 use std::collections::BTreeMap;

@@ -2,9 +2,9 @@
 //! ComfyUI's SD1 encoder runs) on a tiny configuration, for the last layer
 //! and for ComfyUI's clip skip -2. Reference: tools/reference/clip_text.py.
 
-use sdkit_engine::backend::cpu;
-use sdkit_engine::plan::plan;
-use sdkit_engine::tensor::{GraphBuilder, InputKind};
+use sdkit_compute::backend::cpu;
+use sdkit_compute::plan::plan;
+use sdkit_compute::tensor::{GraphBuilder, InputKind};
 use sdkit_nodes::models::clip::{causal_mask, text_encoder, ClipLayer};
 use sdkit_nodes::models::detect::ClipConfig;
 use std::sync::Arc;

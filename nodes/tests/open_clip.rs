@@ -3,9 +3,9 @@
 //! (tools/reference/open_clip.py): the last and penultimate hidden states
 //! (without and with the final LayerNorm) and the projected pooled output.
 
-use sdkit_engine::backend::cpu;
-use sdkit_engine::plan::plan;
-use sdkit_engine::tensor::{GraphBuilder, InputKind};
+use sdkit_compute::backend::cpu;
+use sdkit_compute::plan::plan;
+use sdkit_compute::tensor::{GraphBuilder, InputKind};
 use sdkit_nodes::models::clip::{causal_mask, ClipLayer};
 use sdkit_nodes::models::detect::{open_clip_config, OpenClipConfig, Shapes};
 use sdkit_nodes::models::open_clip::{end_token_one_hot, text_encoder};

@@ -3,9 +3,9 @@
 //! and in SDXL's layout (64-channel heads, no top-level attention, the ADM
 //! vector through `label_emb`).
 
-use sdkit_engine::backend::cpu;
-use sdkit_engine::plan::plan;
-use sdkit_engine::tensor::{GraphBuilder, InputKind};
+use sdkit_compute::backend::cpu;
+use sdkit_compute::plan::plan;
+use sdkit_compute::tensor::{GraphBuilder, InputKind};
 use sdkit_nodes::models::detect::{Heads, UnetConfig};
 use sdkit_nodes::models::unet::unet;
 use std::sync::Arc;

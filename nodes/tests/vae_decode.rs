@@ -1,9 +1,9 @@
 //! The VAE decode graph equals ComfyUI's ldm Decoder with VAEDecode's
 //! scaling and clamping (tools/reference/vae_decode.py).
 
-use sdkit_engine::backend::cpu;
-use sdkit_engine::plan::plan;
-use sdkit_engine::tensor::{GraphBuilder, InputKind};
+use sdkit_compute::backend::cpu;
+use sdkit_compute::plan::plan;
+use sdkit_compute::tensor::{GraphBuilder, InputKind};
 use sdkit_nodes::models::detect::VaeConfig;
 use sdkit_nodes::models::vae::decoder;
 use std::sync::Arc;

@@ -406,7 +406,7 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
             }
         }
         inside(&base, &path)?;
-        sdkit_engine::atomic::write_atomic(&path, &data).map_err(Refusal::io)?;
+        sdkit_compute::atomic::write_atomic(&path, &data).map_err(Refusal::io)?;
         Ok(name)
     })
     .await;
@@ -572,7 +572,7 @@ pub async fn post_userdata(
             return r.into_response();
         }
     }
-    if let Err(e) = sdkit_engine::atomic::write_atomic(&path, &body) {
+    if let Err(e) = sdkit_compute::atomic::write_atomic(&path, &body) {
         return Refusal::io(e).into_response();
     }
     if full {

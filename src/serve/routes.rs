@@ -715,7 +715,7 @@ fn read_settings(server: &Server) -> Map<String, Json> {
 fn write_settings(server: &Server, s: &Map<String, Json>) -> Response {
     let text = serde_json::to_string_pretty(&Json::Object(s.clone())).unwrap_or_default();
     let path = settings_path(server);
-    match sdkit_engine::atomic::write_atomic(&path, text.as_bytes()) {
+    match sdkit_compute::atomic::write_atomic(&path, text.as_bytes()) {
         Ok(()) => status(StatusCode::OK),
         Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
     }

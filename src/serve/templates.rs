@@ -177,7 +177,7 @@ fn ui_workflow(server: &Server, t: &Template) -> Option<Json> {
     let dest = server.paths.input.join(name);
     if loads_example && !dest.exists() {
         let written = std::fs::create_dir_all(&server.paths.input)
-            .and_then(|()| sdkit_engine::atomic::write_atomic(&dest, bytes));
+            .and_then(|()| sdkit_compute::atomic::write_atomic(&dest, bytes));
         if let Err(e) = written {
             tracing::warn!("cannot write {}: {e}", dest.display());
         }

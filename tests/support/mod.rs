@@ -4,8 +4,8 @@
 //! comparing SaveLatent/SaveImage outputs with ComfyUI's.
 #![allow(dead_code)]
 
-use sdkit_engine::backend::wgpu::f32_to_f16_bits;
-use sdkit_engine::weights::{write_safetensors, DType, SafeTensors, TensorData};
+use sdkit_compute::backend::wgpu::f32_to_f16_bits;
+use sdkit_compute::weights::{write_safetensors, DType, SafeTensors, TensorData};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

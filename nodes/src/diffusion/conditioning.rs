@@ -8,8 +8,8 @@ use crate::models::clip::{causal_mask, text_encoder_embedded, ClipLayer};
 use crate::models::detect::EncoderArch;
 use crate::models::family::TextEncoder;
 use crate::models::open_clip::{self, end_token_one_hot};
-use sdkit_engine::plan::plan;
-use sdkit_engine::tensor::GraphBuilder;
+use sdkit_compute::plan::plan;
+use sdkit_compute::tensor::GraphBuilder;
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
 use sdkit_schema::SocketType;
 use std::sync::Arc;
@@ -108,7 +108,7 @@ impl TextEncoderModel {
             match &self.arch {
                 EncoderArch::Clip(c) => {
                     let o = text_encoder_embedded(&g, c, &self.prefix, e, m, eot, layer, norm)?;
-                    Ok::<_, sdkit_engine::tensor::ShapeError>((o.hidden, o.pooled))
+                    Ok::<_, sdkit_compute::tensor::ShapeError>((o.hidden, o.pooled))
                 }
                 EncoderArch::OpenClip(c) => {
                     let eot = match eot {

@@ -10,8 +10,8 @@
 use super::{graph_error, CondEntry, Model};
 use crate::models::detect::{Family, ADM_EMBED};
 use crate::models::unet::{timestep_embedding, unet};
-use sdkit_engine::plan::{plan, Program};
-use sdkit_engine::tensor::GraphBuilder;
+use sdkit_compute::plan::{plan, Program};
+use sdkit_compute::tensor::GraphBuilder;
 use sdkit_engine::NodeError;
 use std::collections::HashMap;
 use std::sync::Arc;

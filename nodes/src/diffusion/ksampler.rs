@@ -25,8 +25,8 @@ use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
 use crate::sampling::samplers::{Sampler, Space};
-use sdkit_engine::plan::Program;
-use sdkit_engine::runtime::Session;
+use sdkit_compute::plan::Program;
+use sdkit_compute::runtime::Session;
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use std::collections::HashMap;
 use std::sync::Arc;

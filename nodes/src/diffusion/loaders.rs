@@ -7,7 +7,7 @@ use crate::models::detect::{
 };
 use crate::models::family::{DefaultSampling, TextEncoder};
 use crate::sampling::discrete::DiscreteSchedule;
-use sdkit_engine::weights::{SafeTensors, WeightStore};
+use sdkit_compute::weights::{SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput};
 use sdkit_schema::SocketType;
 use std::path::PathBuf;

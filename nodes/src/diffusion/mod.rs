@@ -22,9 +22,9 @@ use crate::clip_tokenizer::ClipTokenizer;
 use crate::models::detect::{EncoderArch, Family, Heads, UnetConfig, VaeConfig};
 use crate::models::family::{LatentFormat, TextRule};
 use crate::sampling::discrete::DiscreteSchedule;
-use sdkit_engine::backend::cpu::Bindings;
-use sdkit_engine::plan::{Command, Program};
-use sdkit_engine::weights::WeightStore;
+use sdkit_compute::backend::cpu::Bindings;
+use sdkit_compute::plan::{Command, Program};
+use sdkit_compute::weights::WeightStore;
 use sdkit_engine::{Inputs, NodeError, Tensor, Value};
 use sdkit_schema::SocketType;
 use std::any::Any;
@@ -78,7 +78,7 @@ impl ModelFile {
     pub fn bindings(
         &self,
         prog: &Program,
-        runtime: &sdkit_engine::runtime::Runtime,
+        runtime: &sdkit_compute::runtime::Runtime,
     ) -> Result<Bindings, NodeError> {
         let mut b = Bindings::default();
         let names = prog.commands.iter().filter_map(|c| match c {
@@ -376,7 +376,7 @@ pub(crate) fn run_model(
     model: &str,
     prog: &Program,
     bind: Bindings,
-) -> Result<Vec<sdkit_engine::tensor::reference::Array>, NodeError> {
+) -> Result<Vec<sdkit_compute::tensor::reference::Array>, NodeError> {
     try_run_model(ctx, model, prog, bind, true).map_err(|e| e.into_node(what))
 }
 
@@ -404,7 +404,7 @@ pub(crate) fn try_run_model(
     prog: &Program,
     bind: Bindings,
     report: bool,
-) -> Result<Vec<sdkit_engine::tensor::reference::Array>, RunFailure> {
+) -> Result<Vec<sdkit_compute::tensor::reference::Array>, RunFailure> {
     let before = ctx.runtime.bytes_uploaded();
     let mut session = ctx
         .runtime
@@ -425,7 +425,7 @@ pub(crate) fn try_run_model(
 pub(crate) fn report_residency(
     ctx: &sdkit_engine::NodeContext,
     model: &str,
-    session: &sdkit_engine::runtime::Session<'_>,
+    session: &sdkit_compute::runtime::Session<'_>,
     runs: u64,
     uploaded_before: u64,
 ) {

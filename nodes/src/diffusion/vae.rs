@@ -3,8 +3,8 @@
 use super::tiling::{tile_count, tiled_scale};
 use super::{graph_error, input, try_run_model, RunFailure, Vae};
 use crate::models::vae::{decode_image, decode_raw, encode_image, encode_pixels};
-use sdkit_engine::plan::{plan, Program};
-use sdkit_engine::tensor::GraphBuilder;
+use sdkit_compute::plan::{plan, Program};
+use sdkit_compute::tensor::GraphBuilder;
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use std::sync::Arc;
 
@@ -137,10 +137,10 @@ impl Vae {
         what: &str,
         build: &dyn for<'a> Fn(
             &'a GraphBuilder,
-            sdkit_engine::tensor::T<'a>,
+            sdkit_compute::tensor::T<'a>,
         ) -> Result<
-            sdkit_engine::tensor::T<'a>,
-            sdkit_engine::tensor::ShapeError,
+            sdkit_compute::tensor::T<'a>,
+            sdkit_compute::tensor::ShapeError,
         >,
     ) -> Result<Tensor, NodeError> {
         let (b, h, w) = (x.shape[0], x.shape[2], x.shape[3]);
@@ -275,7 +275,7 @@ impl Vae {
     fn run(
         &self,
         ctx: &NodeContext,
-        graph: sdkit_engine::tensor::TensorGraph,
+        graph: sdkit_compute::tensor::TensorGraph,
         input: &str,
         value: &Tensor,
         what: &str,

@@ -7,7 +7,7 @@
 //! layer and, for SD1, still applies the final LayerNorm to it.
 
 use super::detect::ClipConfig;
-use sdkit_engine::tensor::{GraphBuilder, Scope, ShapeError, T};
+use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, T};
 
 /// Which hidden state the encoder returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

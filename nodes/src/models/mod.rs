@@ -8,7 +8,7 @@ pub mod open_clip;
 pub mod unet;
 pub mod vae;
 
-use sdkit_engine::tensor::{ShapeError, T};
+use sdkit_compute::tensor::{ShapeError, T};
 
 /// Multi-head scaled dot-product attention of `q` `[b, s, c]` over `k`, `v`
 /// `[b, s_kv, c]`, with `heads` heads of `c / heads` channels and an

@@ -13,7 +13,7 @@
 
 use super::clip::ClipLayer;
 use super::detect::OpenClipConfig;
-use sdkit_engine::tensor::{GraphBuilder, Scope, ShapeError, T};
+use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, T};
 
 /// The encoder's outputs.
 pub struct OpenClipOut<'a> {

@@ -13,7 +13,7 @@
 //!   `f_i = exp(-ln(10000)·i / half)`.
 
 use super::detect::{Heads, UnetConfig};
-use sdkit_engine::tensor::{GraphBuilder, Scope, ShapeError, UpsampleMode, T};
+use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, UpsampleMode, T};
 
 type R<'a> = Result<T<'a>, ShapeError>;
 

@@ -5,7 +5,7 @@
 //! sampling, not in the VAE nodes).
 
 use super::detect::VaeConfig;
-use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, Scope, ShapeError, UpsampleMode, T};
+use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, Scope, ShapeError, UpsampleMode, T};
 
 type R<'a> = Result<T<'a>, ShapeError>;
 

@@ -30,15 +30,7 @@ pub enum CpuError {
     },
 }
 
-/// Values bound to a program's named inputs and weights: f32 vectors, or
-/// (`stored`, CPU only) tensors left in their file, converted for the
-/// kernels that read them and dropped after the last one in each run.
-#[derive(Clone, Default)]
-pub struct Bindings {
-    pub weights: HashMap<String, Arc<Vec<f32>>>,
-    pub stored: HashMap<String, crate::weights::StoredWeight>,
-    pub inputs: HashMap<String, Arc<Vec<f32>>>,
-}
+pub use crate::runtime::Bindings;
 
 impl Bindings {
     /// Binds every weight the program uploads, from a weight store,

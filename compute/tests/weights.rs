@@ -4,7 +4,7 @@
 //! official Python library, and fuzzing that nothing panics.
 
 use proptest::prelude::*;
-use sdkit_engine::weights::{
+use sdkit_compute::weights::{
     bf16_to_f32, f16_to_f32, f8_e4m3_to_f32, f8_e5m2_to_f32, serialize_safetensors,
     write_safetensors, DType, SafeTensors, TensorData, WeightError, WeightStore, MAX_HEADER_BYTES,
 };
@@ -972,7 +972,7 @@ fn valid_fuzz_seed_parses() {
 /// writes, and a cancelled write leaves no file behind.
 #[test]
 fn f32_writer_matches_and_stops_when_cancelled() {
-    use sdkit_engine::weights::write_safetensors_f32;
+    use sdkit_compute::weights::write_safetensors_f32;
     let dir = tempfile::tempdir().expect("temp dir");
     let values: Vec<f32> = (0..(3 << 20)).map(|i| i as f32 * 0.5).collect();
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -1152,7 +1152,7 @@ struct Mount {
 /// taken from the checkpoint.
 ///
 /// ```no_run
-/// # use sdkit_engine::weights::*;
+/// # use sdkit_compute::weights::*;
 /// # use std::path::Path;
 /// # fn main() -> Result<(), WeightError> {
 /// let mut store = WeightStore::new();

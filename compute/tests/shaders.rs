@@ -5,11 +5,11 @@
 //! checks their numbers on adapters that have it (and on emulated
 //! fragments everywhere else).
 
-use sdkit_engine::backend::wgpu::codegen::{
+use sdkit_compute::backend::wgpu::codegen::{
     conv_taps_first, generate, tilings, Caps, Coop, Operand,
 };
-use sdkit_engine::plan::{plan, Command, KernelKind};
-use sdkit_engine::tensor::{Conv2dParams, GraphBuilder, TensorGraph};
+use sdkit_compute::plan::{plan, Command, KernelKind};
+use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, TensorGraph};
 
 fn graphs() -> Vec<(&'static str, TensorGraph)> {
     let mut v = Vec::new();

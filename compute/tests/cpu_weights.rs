@@ -2,11 +2,11 @@
 //! safetensors file in the checkpoint's key layout, and equals the
 //! reference evaluation with the same (converted) weights.
 
-use sdkit_engine::backend::cpu;
-use sdkit_engine::plan::{plan, samples::resblock_graph};
-use sdkit_engine::tensor::reference::{evaluate, Array};
-use sdkit_engine::tensor::InputKind;
-use sdkit_engine::weights::{bf16_to_f32, write_safetensors, DType, WeightStore};
+use sdkit_compute::backend::cpu;
+use sdkit_compute::plan::{plan, samples::resblock_graph};
+use sdkit_compute::tensor::reference::{evaluate, Array};
+use sdkit_compute::tensor::InputKind;
+use sdkit_compute::weights::{bf16_to_f32, write_safetensors, DType, WeightStore};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 

@@ -14,7 +14,7 @@
 //! Observed maxima when written were 3-7× below each bound.
 
 use proptest::prelude::*;
-use sdkit_engine::backend::cpu::kernels::{
+use sdkit_compute::backend::cpu::kernels::{
     attention, bf16_to_f32, conv2d, f16_to_f32, group_norm, layer_norm, matmul, rms_norm,
     softmax_rows, upsample_bilinear2d, upsample_nearest2d, KernelError, MatView,
 };

@@ -3,8 +3,8 @@
 //! respect the lower bound, and the known future beats recency.
 
 use proptest::prelude::*;
-use sdkit_engine::plan::residency::{ModelUse, WeightUse};
-use sdkit_engine::plan::schedule::{
+use sdkit_compute::plan::residency::{ModelUse, WeightUse};
+use sdkit_compute::plan::schedule::{
     plan_workflow, DeviceWeights, ScheduledUse, UseSchedule, WorkflowUse,
 };
 

@@ -5,7 +5,7 @@
 //! steps) prepares a [`Session`] once: on wgpu the weights are uploaded and
 //! the pipelines compiled then, and each step only uploads its inputs.
 
-use crate::backend::cpu::{self, Bindings, CpuError};
+use crate::backend::cpu::{self, CpuError};
 use crate::backend::wgpu::{Options, Prepared, Tuning, WgpuBackend, WgpuError};
 use crate::plan::residency::ResidencyPlan;
 use crate::plan::schedule::{UseSchedule, UseStep};
@@ -13,6 +13,16 @@ use crate::plan::Program;
 use crate::tensor::reference::Array;
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// Values bound to a program's named inputs and weights: f32 vectors, or
+/// (`stored`, CPU only) tensors left in their file, converted for the
+/// kernels that read them and dropped after the last one in each run.
+#[derive(Clone, Default)]
+pub struct Bindings {
+    pub weights: HashMap<String, Arc<Vec<f32>>>,
+    pub stored: HashMap<String, crate::weights::StoredWeight>,
+    pub inputs: HashMap<String, Arc<Vec<f32>>>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {

@@ -11,10 +11,10 @@
 //! first, so a kernel that reads an element it never wrote fails here.
 
 use proptest::prelude::*;
-use sdkit_engine::backend::cpu;
-use sdkit_engine::plan::{plan, Program};
-use sdkit_engine::tensor::reference::{evaluate, Array};
-use sdkit_engine::tensor::{
+use sdkit_compute::backend::cpu;
+use sdkit_compute::plan::{plan, Program};
+use sdkit_compute::tensor::reference::{evaluate, Array};
+use sdkit_compute::tensor::{
     Conv2dParams, GraphBuilder, InputKind, Op, ShapeError, TensorGraph, UpsampleMode, T,
 };
 use std::collections::HashMap;
@@ -32,7 +32,7 @@ fn run_cpu(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, S
     cpu::run(p, &b).map_err(|e| e.to_string())
 }
 
-use sdkit_engine::backend::wgpu::{Options, WgpuBackend};
+use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
 
 type GpuSlot = std::sync::OnceLock<Option<WgpuBackend>>;
 
@@ -64,7 +64,7 @@ fn gpu_coop() -> Option<&'static WgpuBackend> {
 /// register prefetch.
 fn gpu_coop_alt() -> Option<&'static WgpuBackend> {
     static ALT: GpuSlot = std::sync::OnceLock::new();
-    let staged = sdkit_engine::backend::wgpu::codegen::tilings()
+    let staged = sdkit_compute::backend::wgpu::codegen::tilings()
         .into_iter()
         .find(|t| !t.direct);
     coop_slot(
@@ -147,7 +147,7 @@ fn gpu_with(allow_f16: bool, f16_activations: bool) -> Option<&'static WgpuBacke
                 Some(b)
             }
             Err(e) => {
-                sdkit_engine::backend::wgpu::no_adapter("conformance on wgpu", e);
+                sdkit_compute::backend::wgpu::no_adapter("conformance on wgpu", e);
                 None
             }
         }
@@ -264,8 +264,8 @@ fn inputs_for(g: &TensorGraph, seed: u64, vocab: usize) -> HashMap<String, Array
                         // and inputs is then lossless, so every path is held
                         // to the same tolerance (and comparisons such as
                         // `where(a - b, ..)` agree).
-                        sdkit_engine::weights::f16_to_f32(
-                            sdkit_engine::backend::wgpu::f32_to_f16_bits(v),
+                        sdkit_compute::weights::f16_to_f32(
+                            sdkit_compute::backend::wgpu::f32_to_f16_bits(v),
                         )
                     }
                 })
@@ -640,7 +640,7 @@ proptest! {
 
 #[test]
 fn sd_blocks_match_reference() {
-    use sdkit_engine::plan::samples::{resblock_graph, transformer_graph};
+    use sdkit_compute::plan::samples::{resblock_graph, transformer_graph};
     let rb = resblock_graph(2, 64, 8, 128).expect("builds");
     check_all(rb, 7, 1e-9, 0).expect("resblock");
     let tb = transformer_graph(1, 64, 6, 12, 48, 8).expect("builds");
@@ -785,7 +785,7 @@ fn unet_shaped_graph_matches_reference() {
     // Down and up levels, skip concatenations, upsampling: the whole
     // planned Program (fusion, views, arena reuse) against unfused
     // evaluation.
-    let g = sdkit_engine::plan::samples::unet_like_graph(1, 32, 8, 2).expect("builds");
+    let g = sdkit_compute::plan::samples::unet_like_graph(1, 32, 8, 2).expect("builds");
     check_all(g, 3, 1e-8, 0).expect("unet");
 }
 

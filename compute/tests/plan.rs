@@ -2,8 +2,8 @@
 //! planned execution equal to unfused reference evaluation.
 
 use proptest::prelude::*;
-use sdkit_engine::plan::samples::{resblock_graph, transformer_graph, unet_like_graph};
-use sdkit_engine::plan::{assign_offsets, lower_bound, plan, Lifetime};
+use sdkit_compute::plan::samples::{resblock_graph, transformer_graph, unet_like_graph};
+use sdkit_compute::plan::{assign_offsets, lower_bound, plan, Lifetime};
 
 #[test]
 fn resblock_is_six_dispatches() {
@@ -55,8 +55,8 @@ fn unet_peak_is_close_to_the_lower_bound() {
     check_no_overlap(&p);
 }
 
-fn check_no_overlap(p: &sdkit_engine::plan::Program) {
-    use sdkit_engine::plan::BufferKind;
+fn check_no_overlap(p: &sdkit_compute::plan::Program) {
+    use sdkit_compute::plan::BufferKind;
     let nk = p.kernels.len();
     let mut life = vec![(usize::MAX, 0usize); p.buffers.len()];
     for (k, kern) in p.kernels.iter().enumerate() {

@@ -2,10 +2,10 @@
 //! inputs and compiles nothing new; a UNet-shaped graph gives the CPU
 //! backend's result. Skips, saying so, where no adapter exists.
 
-use sdkit_engine::backend::cpu;
-use sdkit_engine::backend::wgpu::{no_adapter, WgpuBackend};
-use sdkit_engine::plan::{plan, samples};
-use sdkit_engine::tensor::InputKind;
+use sdkit_compute::backend::cpu;
+use sdkit_compute::backend::wgpu::{no_adapter, WgpuBackend};
+use sdkit_compute::plan::{plan, samples};
+use sdkit_compute::tensor::InputKind;
 use std::sync::Arc;
 
 fn backend() -> Option<WgpuBackend> {
@@ -18,7 +18,7 @@ fn backend() -> Option<WgpuBackend> {
     }
 }
 
-fn bindings(g: &sdkit_engine::tensor::TensorGraph, salt: u32) -> cpu::Bindings {
+fn bindings(g: &sdkit_compute::tensor::TensorGraph, salt: u32) -> cpu::Bindings {
     let mut b = cpu::Bindings::default();
     for kind in [InputKind::Weight, InputKind::Activation] {
         for (_, name, shape) in g.inputs(kind) {
@@ -37,8 +37,8 @@ fn bindings(g: &sdkit_engine::tensor::TensorGraph, salt: u32) -> cpu::Bindings {
                 InputKind::Weight => data
                     .into_iter()
                     .map(|v| {
-                        sdkit_engine::weights::f16_to_f32(
-                            sdkit_engine::backend::wgpu::f32_to_f16_bits(v),
+                        sdkit_compute::weights::f16_to_f32(
+                            sdkit_compute::backend::wgpu::f32_to_f16_bits(v),
                         )
                     })
                     .collect(),
@@ -116,8 +116,8 @@ fn dropped_programs_buffers_are_reused() {
         created,
         "a prepare created buffers again"
     );
-    let budgeted = sdkit_engine::backend::wgpu::WgpuBackend::with_options(
-        &sdkit_engine::backend::wgpu::Options {
+    let budgeted = sdkit_compute::backend::wgpu::WgpuBackend::with_options(
+        &sdkit_compute::backend::wgpu::Options {
             budget: Some(1 << 40),
             ..Default::default()
         },
@@ -142,7 +142,7 @@ fn missing_input_is_a_typed_error() {
 
 #[test]
 fn tensors_past_the_binding_limit_are_split() {
-    use sdkit_engine::backend::wgpu::Options;
+    use sdkit_compute::backend::wgpu::Options;
     // A 64 KiB binding cap splits the large weights and activations of this
     // graph over several bindings, as a 128 MiB cap splits a VAE decoder's
     // activations at 512 px on lavapipe.
@@ -168,7 +168,7 @@ fn tensors_past_the_binding_limit_are_split() {
 
 #[test]
 fn compiled_pipelines_persist_to_the_cache_file() {
-    use sdkit_engine::backend::wgpu::Options;
+    use sdkit_compute::backend::wgpu::Options;
     let dir = tempfile::tempdir().expect("tempdir");
     let open = || {
         WgpuBackend::with_options(&Options {
@@ -214,7 +214,7 @@ fn compiled_pipelines_persist_to_the_cache_file() {
 /// cooperative ones (on emulated fragments where the adapter has none).
 #[test]
 fn unchecked_shaders_match_checked_ones_bit_for_bit() {
-    use sdkit_engine::backend::wgpu::Options;
+    use sdkit_compute::backend::wgpu::Options;
     let g = samples::unet_like_graph(1, 32, 16, 2).expect("builds");
     let prog = plan(&g).expect("plans");
     let b = bindings(&g, 3);
@@ -252,8 +252,8 @@ fn unchecked_shaders_match_checked_ones_bit_for_bit() {
 
 #[test]
 fn probes_measure_the_adapter_and_check_their_results() {
-    use sdkit_engine::backend::wgpu::probe::ProbeSize;
-    use sdkit_engine::backend::wgpu::Options;
+    use sdkit_compute::backend::wgpu::probe::ProbeSize;
+    use sdkit_compute::backend::wgpu::Options;
     // Emulated fragments where the adapter has none (lavapipe), so the
     // fragment probes' shaders and expected values are checked here too;
     // poisoned workgroup memory, so a probe that reads a tile it never
@@ -301,7 +301,7 @@ fn probes_measure_the_adapter_and_check_their_results() {
 /// stream under a budget gives the resident model's result.
 #[test]
 fn tap_major_conv_weights_match_whether_resident_or_streamed() {
-    use sdkit_engine::backend::wgpu::Options;
+    use sdkit_compute::backend::wgpu::Options;
     let gpu = match WgpuBackend::with_options(&Options {
         emulate_coopmat: true,
         poison_workgroup_memory: true,
@@ -342,8 +342,8 @@ fn tap_major_conv_weights_match_whether_resident_or_streamed() {
 /// product and one attention: emulated fragments compile slowly.)
 #[test]
 fn tuned_kernels_persist_and_match_cpu() {
-    use sdkit_engine::backend::wgpu::{Options, Tuning};
-    use sdkit_engine::tensor::GraphBuilder;
+    use sdkit_compute::backend::wgpu::{Options, Tuning};
+    use sdkit_compute::tensor::GraphBuilder;
     let dir = tempfile::tempdir().expect("temp dir");
     let open = |tuning| {
         WgpuBackend::with_options(&Options {
@@ -368,7 +368,7 @@ fn tuned_kernels_persist_and_match_cpu() {
         return;
     }
     let gb = GraphBuilder::new();
-    let build = || -> Result<_, sdkit_engine::tensor::ShapeError> {
+    let build = || -> Result<_, sdkit_compute::tensor::ShapeError> {
         // Depth 512 over a grid of one or two workgroups: split-K.
         let x = gb.input("x", &[1, 32, 512])?;
         let w = gb.weight("w", &[32, 512])?;
@@ -421,7 +421,7 @@ fn tuned_kernels_persist_and_match_cpu() {
         .zip(&measured)
         .all(|(x, y)| x.to_bits() == y.to_bits());
     assert!(same, "cached variants give other values");
-    let variants = |ts: Vec<sdkit_engine::backend::wgpu::TunedKernel>| {
+    let variants = |ts: Vec<sdkit_compute::backend::wgpu::TunedKernel>| {
         ts.into_iter().map(|t| t.tuned.variant).collect::<Vec<_>>()
     };
     assert_eq!(variants(cached.tuned_kernels(&prog)), variants(tuned));
@@ -469,7 +469,7 @@ fn tuned_kernels_persist_and_match_cpu() {
 
     // The second process's save keeps what the first tuned.
     let gb2 = GraphBuilder::new();
-    let build2 = || -> Result<_, sdkit_engine::tensor::ShapeError> {
+    let build2 = || -> Result<_, sdkit_compute::tensor::ShapeError> {
         gb2.input("x", &[1, 32, 64])?
             .linear(gb2.weight("w", &[48, 64])?, None)
     };

@@ -2,8 +2,8 @@
 //! UNet-shaped program.
 
 use proptest::prelude::*;
-use sdkit_engine::plan::residency::{plan_residency, weight_uses, ModelUse, WeightUse};
-use sdkit_engine::plan::{plan, samples};
+use sdkit_compute::plan::residency::{plan_residency, weight_uses, ModelUse, WeightUse};
+use sdkit_compute::plan::{plan, samples};
 
 const ALIGN: u64 = 256;
 
