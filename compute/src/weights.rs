@@ -1109,6 +1109,16 @@ impl StoredWeight {
         self.dtype
     }
 
+    /// The file it is read from.
+    pub fn file(&self) -> &Arc<SafeTensors> {
+        &self.file
+    }
+
+    /// Its name in that file.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
     /// The tensor in f32 (see [`SafeTensors::to_f32`]).
     pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
         self.file.to_f32(&self.key)

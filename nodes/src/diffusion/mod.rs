@@ -4,8 +4,8 @@
 //! Model-side values travel on links as `Value::Opaque` holding the types
 //! here: [`Model`] (MODEL), [`Clip`] (CLIP), [`Vae`] (VAE) and
 //! [`Conditioning`] (CONDITIONING). Weights stay in the memory-mapped file
-//! until a program first needs them; their f32 copies are cached per file
-//! so a sampler's steps and later runs convert each tensor once.
+//! in their stored dtype; backends convert them where a kernel or an
+//! upload needs them.
 
 pub mod cond_batch;
 pub mod cond_ops;
@@ -28,15 +28,16 @@ use sdkit_compute::weights::WeightStore;
 use sdkit_engine::{Inputs, NodeError, Tensor, Value};
 use sdkit_schema::SocketType;
 use std::any::Any;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
-/// A model file's tensors, shared by every handle made from it.
+/// A model file's tensors, shared by every handle made from it. Weights
+/// stay in the memory-mapped file in their stored dtype: programs bind
+/// `StoredWeight` handles, which the CPU backend converts for the kernels
+/// that read them and a GPU backend for its upload.
 pub struct ModelFile {
     /// The file name as the workflow gave it (for messages).
     pub name: String,
     pub store: WeightStore,
-    f32_cache: Mutex<HashMap<String, Arc<Vec<f32>>>>,
 }
 
 impl std::fmt::Debug for ModelFile {
@@ -50,66 +51,31 @@ impl ModelFile {
         ModelFile {
             name: name.into(),
             store,
-            f32_cache: Mutex::new(HashMap::new()),
         }
     }
 
-    /// One tensor in f32, converted once.
-    pub fn tensor_f32(&self, name: &str) -> Result<Arc<Vec<f32>>, NodeError> {
-        let mut cache = self
-            .f32_cache
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(d) = cache.get(name) {
-            return Ok(Arc::clone(d));
-        }
-        let d =
-            Arc::new(self.store.to_f32(name).map_err(|e| {
-                NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
-            })?);
-        cache.insert(name.to_string(), Arc::clone(&d));
-        Ok(d)
+    fn tensor_error(&self, name: &str, e: impl std::fmt::Display) -> NodeError {
+        NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
     }
 
-    /// The weights `prog` uploads. On the CPU they stay in the file in
-    /// their stored dtype (the backend converts each for the kernels that
-    /// read it); a GPU's backend keeps host master copies in f32 for
-    /// uploads and streaming, converted once per tensor.
-    pub fn bindings(
-        &self,
-        prog: &Program,
-        runtime: &sdkit_compute::runtime::Runtime,
-    ) -> Result<Bindings, NodeError> {
+    /// One (small) tensor in f32, read now.
+    pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>, NodeError> {
+        self.store
+            .to_f32(name)
+            .map_err(|e| self.tensor_error(name, e))
+    }
+
+    /// The weights `prog` uploads, as handles on the file.
+    pub fn bindings(&self, prog: &Program) -> Result<Bindings, NodeError> {
         let mut b = Bindings::default();
-        let names = prog.commands.iter().filter_map(|c| match c {
-            Command::Upload { name, .. } => Some(name),
-            _ => None,
-        });
-        if runtime.is_cpu() {
-            for name in names {
-                let w = self.store.stored(name).map_err(|e| {
-                    NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
-                })?;
+        for c in &prog.commands {
+            if let Command::Upload { name, .. } = c {
+                let w = self
+                    .store
+                    .stored(name)
+                    .map_err(|e| self.tensor_error(name, e))?;
                 b.stored.insert(name.clone(), w);
             }
-            return Ok(b);
-        }
-        let mut cache = self
-            .f32_cache
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for name in names {
-            let data = match cache.get(name) {
-                Some(d) => Arc::clone(d),
-                None => {
-                    let d = Arc::new(self.store.to_f32(name).map_err(|e| {
-                        NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
-                    })?);
-                    cache.insert(name.clone(), Arc::clone(&d));
-                    d
-                }
-            };
-            b.weights.insert(name.clone(), data);
         }
         Ok(b)
     }
@@ -127,7 +93,7 @@ impl ModelFile {
         self.store
             .stored(name)
             .and_then(|w| w.range_f32(start * width, count * width))
-            .map_err(|e| NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name)))
+            .map_err(|e| self.tensor_error(name, e))
     }
 }
 

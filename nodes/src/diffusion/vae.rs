@@ -171,7 +171,7 @@ impl Vae {
                     programs.insert(t.shape.clone(), prog);
                 }
                 let prog = &programs[&t.shape];
-                let mut bind = self.file.bindings(prog, &ctx.runtime)?;
+                let mut bind = self.file.bindings(prog)?;
                 bind.inputs.insert("x".into(), Arc::new(t.data.clone()));
                 let out = try_run_model(ctx, &self.file.name, prog, bind, false)
                     .map_err(|e| e.into_node(what))?
@@ -283,7 +283,7 @@ impl Vae {
         let prog = plan(&graph).map_err(|e| RunFailure::Node(graph_error(what, e)))?;
         let mut bind = self
             .file
-            .bindings(&prog, &ctx.runtime)
+            .bindings(&prog)
             .map_err(RunFailure::Node)?;
         bind.inputs
             .insert(input.to_string(), Arc::new(value.data.clone()));

@@ -44,6 +44,8 @@ pub enum WgpuError {
     Device(String),
     #[error(transparent)]
     Bind(#[from] crate::backend::BindError),
+    #[error("{0}")]
+    Weight(String),
     #[error("kernel k{kernel} ({kind}): {message}")]
     Unsupported {
         kernel: usize,
@@ -550,8 +552,60 @@ impl Resident {
 }
 
 struct ResidentWeight {
-    data: Arc<Vec<f32>>,
+    source: Source,
     buffer: Arc<wgpu::Buffer>,
+}
+
+/// Where a resident weight's host data lives, to tell when its model is
+/// gone: an f32 vector nobody else holds, or a file no store maps any more.
+enum Source {
+    Host(Arc<Vec<f32>>),
+    File(std::sync::Weak<crate::weights::SafeTensors>),
+}
+
+impl Source {
+    fn of(bind: &Bindings, name: &str) -> Result<Self, BindError> {
+        if let Some(d) = bind.weights.get(name) {
+            return Ok(Source::Host(Arc::clone(d)));
+        }
+        let w = bind
+            .stored
+            .get(name)
+            .ok_or_else(|| BindError::MissingWeight(name.to_string()))?;
+        Ok(Source::File(Arc::downgrade(w.file())))
+    }
+
+    fn orphaned(&self) -> bool {
+        match self {
+            Source::Host(d) => Arc::strong_count(d) == 1,
+            Source::File(f) => f.strong_count() == 0,
+        }
+    }
+}
+
+/// A weight's f32 data for encoding: the bound vector, or the stored
+/// tensor read from its file now (dropped once encoded, so no f32 copy of
+/// a model stays on the host).
+fn host_f32(bind: &Bindings, name: &str) -> Result<Arc<Vec<f32>>, WgpuError> {
+    if let Some(d) = bind.weights.get(name) {
+        return Ok(Arc::clone(d));
+    }
+    let w = bind
+        .stored
+        .get(name)
+        .ok_or_else(|| BindError::MissingWeight(name.to_string()))?;
+    w.to_f32()
+        .map(Arc::new)
+        .map_err(|e| WgpuError::Weight(format!("weight \"{name}\": {e}")))
+}
+
+/// Elements bound for `name`.
+fn bound_len(bind: &Bindings, name: &str) -> Result<usize, BindError> {
+    match (bind.weights.get(name), bind.stored.get(name)) {
+        (Some(d), _) => Ok(d.len()),
+        (None, Some(w)) => Ok(w.len()),
+        (None, None) => Err(BindError::MissingWeight(name.to_string())),
+    }
 }
 
 impl WgpuBackend {
@@ -1027,11 +1081,8 @@ impl WgpuBackend {
                 .collect();
             for s in &plan.streamed {
                 let w = &uses[s.weight];
-                let data = bind
-                    .weights
-                    .get(&w.name)
-                    .ok_or_else(|| BindError::MissingWeight(w.name.clone()))?;
-                let bytes = encode(&device_order(data, taps.get(&w.name)), self.f16_weights);
+                let data = host_f32(bind, &w.name)?;
+                let bytes = encode(&device_order(&data, taps.get(&w.name)), self.f16_weights);
                 let at = staging_bytes.len() as u64;
                 staging_bytes.extend_from_slice(&bytes);
                 staging_bytes.resize(
@@ -1077,19 +1128,18 @@ impl WgpuBackend {
                     if stream_slot.contains_key(&buffer.0) {
                         continue;
                     }
-                    let data = bind
-                        .weights
-                        .get(name)
-                        .ok_or_else(|| BindError::MissingWeight(name.clone()))?;
                     let want = prog.buffer(*buffer).len;
-                    BindError::check_len(name, data.len(), want)?;
+                    BindError::check_len(name, bound_len(bind, name)?, want)?;
                     let layout = taps.get(name);
-                    let key = resident_key(name, data, layout.is_some());
+                    let source = Source::of(bind, name)?;
+                    let key = resident_key(name, bind, layout.is_some())?;
                     if let Some(r) = cache.buffers.get(&key) {
                         external.insert(buffer.0, Arc::clone(&r.buffer));
                         continue;
                     }
-                    let bytes = encode(&device_order(data, layout), self.f16_weights);
+                    let data = host_f32(bind, name)?;
+                    let bytes = encode(&device_order(&data, layout), self.f16_weights);
+                    drop(data);
                     self.check_binding(bytes.len() as u64)?;
                     let buf = Arc::new(self.device.create_buffer_init(
                         &wgpu::util::BufferInitDescriptor {
@@ -1103,7 +1153,7 @@ impl WgpuBackend {
                     cache.buffers.insert(
                         key,
                         ResidentWeight {
-                            data: Arc::clone(data),
+                            source,
                             buffer: Arc::clone(&buf),
                         },
                     );
@@ -1448,7 +1498,7 @@ impl WgpuBackend {
         let elem = if self.f16_weights { 2 } else { 4 };
         let uses = residency::weight_uses(prog, elem);
         // Weights whose host data nobody else holds: their model is gone.
-        cache.remove_where(|r| Arc::strong_count(&r.data) == 1);
+        cache.remove_where(|r| r.source.orphaned());
         // A prepare that failed after planning (out of memory) left
         // weights the policy counts as held but no buffer holds.
         let missing: Vec<String> = cache
@@ -1478,11 +1528,7 @@ impl WgpuBackend {
         let keyed = uses
             .iter()
             .map(|w| {
-                let data = bind
-                    .weights
-                    .get(&w.name)
-                    .ok_or_else(|| BindError::MissingWeight(w.name.clone()))?;
-                let name = resident_key(&w.name, data, taps.contains_key(&w.name));
+                let name = resident_key(&w.name, bind, taps.contains_key(&w.name))?;
                 Ok(residency::WeightUse {
                     keep: in_use.contains(&name),
                     name,
@@ -1524,9 +1570,23 @@ impl WgpuBackend {
 /// A kept weight's key: its name, the host data it was made from, and
 /// whether the device holds it tap-major (a conv weight: see
 /// [`codegen::conv_taps_first`]).
-fn resident_key(name: &str, data: &Arc<Vec<f32>>, taps_first: bool) -> String {
+/// A resident weight's identity: its name and where its data comes from
+/// (the bound vector, or the file and tensor), so two checkpoints with the
+/// same tensor names stay apart.
+fn resident_key(name: &str, bind: &Bindings, taps_first: bool) -> Result<String, BindError> {
     let layout = if taps_first { "/taps" } else { "" };
-    format!("{name}#{:x}{layout}", Arc::as_ptr(data) as usize)
+    if let Some(d) = bind.weights.get(name) {
+        return Ok(format!("{name}#{:x}{layout}", Arc::as_ptr(d) as usize));
+    }
+    let w = bind
+        .stored
+        .get(name)
+        .ok_or_else(|| BindError::MissingWeight(name.to_string()))?;
+    Ok(format!(
+        "{name}#{:x}:{}{layout}",
+        Arc::as_ptr(w.file()) as usize,
+        w.key()
+    ))
 }
 
 /// Weight name → (elements per output channel, taps) of the tap-major
