@@ -281,10 +281,7 @@ impl Vae {
         what: &str,
     ) -> Result<Tensor, RunFailure> {
         let prog = plan(&graph).map_err(|e| RunFailure::Node(graph_error(what, e)))?;
-        let mut bind = self
-            .file
-            .bindings(&prog)
-            .map_err(RunFailure::Node)?;
+        let mut bind = self.file.bindings(&prog).map_err(RunFailure::Node)?;
         bind.inputs
             .insert(input.to_string(), Arc::new(value.data.clone()));
         ctx.check_cancel().map_err(RunFailure::Node)?;
