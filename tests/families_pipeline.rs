@@ -146,3 +146,10 @@ fn sd2_v_on_wgpu_matches_comfyui() {
 fn sdxl_conditioning_ops_match_comfyui() {
     matches_on("tiny_sdxl_cond_ops", "cpu");
 }
+
+/// UNETLoader with weight_dtype fp8_e4m3fn: the weights rounded to fp8 as
+/// ComfyUI stores them, computed in f32.
+#[test]
+fn unet_loader_fp8_weights_match_comfyui() {
+    matches_on("tiny_sdxl_fp8", "cpu");
+}

@@ -819,6 +819,42 @@ pub fn f8_e5m2_to_f32(b: u8) -> f32 {
     f16_to_f32(u16::from(b) << 8)
 }
 
+/// f32 rounded to the nearest `float8_e4m3fn` value (ties to even), as
+/// PyTorch casts: the format has no infinities, and larger magnitudes
+/// (infinities included) saturate at ±448; the sign of zero kept.
+pub fn round_f8_e4m3(x: f32) -> f32 {
+    round_f8(x, 3, -6, 448.0, 448.0)
+}
+
+/// f32 rounded to the nearest `float8_e5m2` value (ties to even), as
+/// PyTorch casts: magnitudes that round past 57344 become infinite.
+pub fn round_f8_e5m2(x: f32) -> f32 {
+    round_f8(x, 2, -14, 57344.0, f32::INFINITY)
+}
+
+/// Round to a float with `man` mantissa bits, smallest normal exponent
+/// `min_exp` (subnormals below it), largest finite value `max`; `over`
+/// for magnitudes that round beyond it. Exact: f64 holds every step.
+fn round_f8(x: f32, man: i32, min_exp: i32, max: f64, over: f32) -> f32 {
+    if x.is_nan() || x == 0.0 {
+        return x;
+    }
+    if x.is_infinite() {
+        return over.copysign(x);
+    }
+    let a = f64::from(x.abs());
+    // The f32's own binary exponent (subnormal f32s are far below min_exp).
+    let e = ((((x.to_bits() >> 23) & 0xff) as i32) - 127).max(min_exp);
+    let ulp = (2f64).powi(e - man);
+    let q = (a / ulp).round_ties_even() * ulp;
+    let r = if q > max { over } else { q as f32 };
+    if x < 0.0 {
+        -r
+    } else {
+        r
+    }
+}
+
 /// Exact f8 E4M3 (`float8_e4m3fn`) → f32: bias 7, no infinities, and only
 /// `S.1111.111` is NaN, so exponent 15 still holds finite values (up to 448).
 pub fn f8_e4m3_to_f32(b: u8) -> f32 {
@@ -1093,9 +1129,35 @@ pub struct StoredWeight {
     key: String,
     dtype: DType,
     len: usize,
+    /// Read as if stored in this (narrower) dtype: UNETLoader's fp8
+    /// `weight_dtype` (ComfyUI casts the weights to it when loading and
+    /// back to the compute dtype per layer).
+    cast: Option<DType>,
 }
 
 impl StoredWeight {
+    /// The dtype it is read as if cast to, if any.
+    pub fn cast(&self) -> Option<DType> {
+        self.cast
+    }
+
+    /// The same tensor read as if cast to `dtype` first (F8E4M3 or
+    /// F8E5M2; other dtypes read as stored).
+    pub fn cast_to(mut self, dtype: DType) -> Self {
+        self.cast = Some(dtype);
+        self
+    }
+
+    fn finish(&self, mut v: Vec<f32>) -> Vec<f32> {
+        let round: fn(f32) -> f32 = match self.cast {
+            Some(DType::F8E4M3) => round_f8_e4m3,
+            Some(DType::F8E5M2) => round_f8_e5m2,
+            _ => return v,
+        };
+        v.iter_mut().for_each(|x| *x = round(*x));
+        v
+    }
+
     /// Elements.
     pub fn len(&self) -> usize {
         self.len
@@ -1121,7 +1183,7 @@ impl StoredWeight {
 
     /// The tensor in f32 (see [`SafeTensors::to_f32`]).
     pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
-        self.file.to_f32(&self.key)
+        Ok(self.finish(self.file.to_f32(&self.key)?))
     }
 
     /// Elements `[start, start + len)` in f32, the rest left unread.
@@ -1140,7 +1202,7 @@ impl StoredWeight {
                     self.len
                 ),
             })?;
-        Ok(decode_f32(self.dtype, bytes))
+        Ok(self.finish(decode_f32(self.dtype, bytes)))
     }
 }
 
@@ -1277,6 +1339,7 @@ impl WeightStore {
             key,
             dtype: r.info.dtype,
             len: r.info.numel(),
+            cast: None,
         })
     }
 

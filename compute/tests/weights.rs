@@ -997,3 +997,34 @@ fn f32_writer_matches_and_stops_when_cancelled() {
         .collect();
     assert_eq!(left.len(), 2, "{left:?}");
 }
+
+/// f32 → float8 rounding (UNETLoader's fp8 `weight_dtype`) equals
+/// PyTorch's casts bit for bit on every fp8 value, the midpoints and their
+/// neighbours, the overflow thresholds and random magnitudes
+/// (tools/reference/fp8_cast.py).
+#[test]
+fn fp8_rounding_matches_torch() {
+    use sdkit_compute::weights::{round_f8_e4m3, round_f8_e5m2};
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/fp8/cast.json"),
+    )
+    .expect("fixture");
+    let fx: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let rows = fx["rows"].as_array().expect("rows");
+    assert!(rows.len() > 5000);
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    for r in rows {
+        let bits = |i: usize| f32::from_bits(r[i].as_u64().expect("bits") as u32);
+        let (x, e4, e5) = (bits(0), bits(1), bits(2));
+        assert!(
+            same(round_f8_e4m3(x), e4),
+            "e4m3fn({x:e}): {:e} vs torch {e4:e}",
+            round_f8_e4m3(x)
+        );
+        assert!(
+            same(round_f8_e5m2(x), e5),
+            "e5m2({x:e}): {:e} vs torch {e5:e}",
+            round_f8_e5m2(x)
+        );
+    }
+}

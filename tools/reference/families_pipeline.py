@@ -86,7 +86,8 @@ ROOT = sd1.ROOT
 COMFY = sd1.COMFY
 WORKFLOWS = ["tiny_sdxl_txt2img", "tiny_sdxl_sizes", "tiny_sdxl_img2img",
              "tiny_sdxl_refiner", "tiny_sd2_txt2img", "tiny_sd2_v_txt2img",
-             "tiny_sd2_v_img2img", "tiny_sdxl_separate", "tiny_sdxl_cond_ops"]
+             "tiny_sd2_v_img2img", "tiny_sdxl_separate", "tiny_sdxl_cond_ops",
+             "tiny_sdxl_fp8"]
 
 _XL_COMMON = dict(in_channels=4, out_channels=4, model_channels=64,
                   transformer_depth_middle=1, use_linear_in_transformer=True,

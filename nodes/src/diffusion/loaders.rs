@@ -7,7 +7,7 @@ use crate::models::detect::{
 };
 use crate::models::family::{DefaultSampling, TextEncoder};
 use crate::sampling::discrete::DiscreteSchedule;
-use sdkit_compute::weights::{SafeTensors, WeightStore};
+use sdkit_compute::weights::{DType, SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput};
 use sdkit_schema::SocketType;
 use std::path::PathBuf;
@@ -310,12 +310,20 @@ pub struct UnetLoader;
 impl NodeImpl for UnetLoader {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let name = inputs.string("unet_name")?;
-        let dtype = inputs.string("weight_dtype")?;
-        if dtype != "default" {
-            return Err(NodeError::invalid(format!(
-                "weight_dtype {dtype:?} is not supported yet: sdkit loads diffusion models in their stored precision (use \"default\")"
-            )));
-        }
+        // ComfyUI stores the weights in the fp8 type and casts each layer's
+        // back to the compute dtype: the values are the fp8-rounded ones.
+        // ("_fast" adds fp8 matrix products on GPUs that have them; the
+        // values are the same.)
+        let cast = match inputs.string("weight_dtype")? {
+            "default" => None,
+            "fp8_e4m3fn" | "fp8_e4m3fn_fast" => Some(DType::F8E4M3),
+            "fp8_e5m2" => Some(DType::F8E5M2),
+            other => {
+                return Err(NodeError::invalid(format!(
+                    "weight_dtype {other:?} is not one of default, fp8_e4m3fn, fp8_e4m3fn_fast, fp8_e5m2"
+                )))
+            }
+        };
         let path = model_path(ctx, "diffusion_models", name)?;
         let file = open(&path)?;
         let s = shapes(&file);
@@ -323,7 +331,9 @@ impl NodeImpl for UnetLoader {
             detect_unet(&s).map_err(|e| NodeError::file(&path, e))?;
         let mut store = WeightStore::new();
         store.mount(file, "", "");
-        let shared = Arc::new(ModelFile::new(name, store));
+        let mut mf = ModelFile::new(name, store);
+        mf.cast = cast;
+        let shared = Arc::new(mf);
         let model = build_model(&shared, &s, family, unet, heads, prefix)
             .map_err(|e| NodeError::file(&path, e))?;
         Ok(NodeOutput::values(vec![opaque(SocketType::Model, model)]))

@@ -38,6 +38,8 @@ pub struct ModelFile {
     /// The file name as the workflow gave it (for messages).
     pub name: String,
     pub store: WeightStore,
+    /// UNETLoader's fp8 `weight_dtype`: every weight read as if cast to it.
+    pub cast: Option<sdkit_compute::weights::DType>,
 }
 
 impl std::fmt::Debug for ModelFile {
@@ -51,6 +53,7 @@ impl ModelFile {
         ModelFile {
             name: name.into(),
             store,
+            cast: None,
         }
     }
 
@@ -74,6 +77,10 @@ impl ModelFile {
                     .store
                     .stored(name)
                     .map_err(|e| self.tensor_error(name, e))?;
+                let w = match self.cast {
+                    Some(d) => w.cast_to(d),
+                    None => w,
+                };
                 b.stored.insert(name.clone(), w);
             }
         }

@@ -1582,8 +1582,9 @@ fn resident_key(name: &str, bind: &Bindings, taps_first: bool) -> Result<String,
         .stored
         .get(name)
         .ok_or_else(|| BindError::MissingWeight(name.to_string()))?;
+    let cast = w.cast().map_or("", |d| d.name());
     Ok(format!(
-        "{name}#{:x}:{}{layout}",
+        "{name}#{:x}:{}{cast}{layout}",
         Arc::as_ptr(w.file()) as usize,
         w.key()
     ))
