@@ -309,26 +309,6 @@ def v3_nodes():
     return out
 
 
-def install_perturbation(torch):
-    """sd1_pipeline's --perturb-unet: the initial noise and every UNet output
-    times (1 + 2^-23 z)."""
-    import comfy.model_base
-    import comfy.sample
-    apply = comfy.model_base.BaseModel._apply_model
-    gen = torch.Generator().manual_seed(7)
-
-    def perturbed(self, *args, **kwargs):
-        out = apply(self, *args, **kwargs)
-        return out * (1 + 2.0 ** -23 * torch.randn(out.shape, generator=gen))
-    comfy.model_base.BaseModel._apply_model = perturbed
-    prepare = comfy.sample.prepare_noise
-
-    def perturbed_noise(*args, **kwargs):
-        n = prepare(*args, **kwargs)
-        return n * (1 + 2.0 ** -23 * torch.randn(n.shape, generator=gen))
-    comfy.sample.prepare_noise = perturbed_noise
-
-
 def check_models(nodes, torch):
     """Model detection picked the intended classes and prediction types."""
     import comfy.model_base as mb
@@ -408,7 +388,7 @@ def main():
     torch.set_grad_enabled(False)
     import comfy.sd  # noqa: F401
     if perturb:
-        install_perturbation(torch)
+        sd1.install_perturbation(torch)
     import folder_paths
     import nodes
 

@@ -204,6 +204,26 @@ def patch_comfy(tmp):
     comfy.sd.VAE.__init__ = tiny_vae
 
 
+def install_perturbation(torch):
+    """`--perturb-unet`: the initial noise and every UNet output times
+    (1 + 2^-23 z), z standard normal from one seeded generator."""
+    import comfy.model_base
+    import comfy.sample
+    apply = comfy.model_base.BaseModel._apply_model
+    gen = torch.Generator().manual_seed(7)
+
+    def perturbed(self, *args, **kwargs):
+        out = apply(self, *args, **kwargs)
+        return out * (1 + 2.0 ** -23 * torch.randn(out.shape, generator=gen))
+    comfy.model_base.BaseModel._apply_model = perturbed
+    prepare = comfy.sample.prepare_noise
+
+    def perturbed_noise(*args, **kwargs):
+        n = prepare(*args, **kwargs)
+        return n * (1 + 2.0 ** -23 * torch.randn(n.shape, generator=gen))
+    comfy.sample.prepare_noise = perturbed_noise
+
+
 def run_workflow(prompt, nodes, torch):
     """ComfyUI's execution, reduced to what these graphs need: inputs
     resolved depth-first, each node's FUNCTION called once, SaveImage
@@ -270,21 +290,7 @@ def main():
     torch.set_grad_enabled(False)
     import comfy.sd  # noqa: F401
     if perturb:
-        import comfy.model_base
-        apply = comfy.model_base.BaseModel._apply_model
-        gen = torch.Generator().manual_seed(7)
-
-        def perturbed(self, *args, **kwargs):
-            out = apply(self, *args, **kwargs)
-            return out * (1 + 2.0 ** -23 * torch.randn(out.shape, generator=gen))
-        comfy.model_base.BaseModel._apply_model = perturbed
-        import comfy.sample
-        prepare = comfy.sample.prepare_noise
-
-        def perturbed_noise(*args, **kwargs):
-            n = prepare(*args, **kwargs)
-            return n * (1 + 2.0 ** -23 * torch.randn(n.shape, generator=gen))
-        comfy.sample.prepare_noise = perturbed_noise
+        install_perturbation(torch)
     import folder_paths
     import nodes
 

@@ -149,6 +149,21 @@ impl NodeImpl for ConditioningConcat {
     }
 }
 
+/// Every entry with `area` and `strength` (the area replaces a mask's
+/// "mask bounds", as ComfyUI sets `set_area_to_bounds` false).
+fn set_area(inputs: &Inputs, area: CondArea) -> Result<NodeOutput, NodeError> {
+    let s = strength(inputs, "strength")?;
+    each(inputs, "conditioning", |e| {
+        e.area = Some(area);
+        e.strength = s;
+        e.mask = e.mask.take().map(|m| CondMask {
+            set_area_to_bounds: false,
+            ..m
+        });
+        Ok(())
+    })
+}
+
 /// ConditioningSetArea: an area in pixels, stored in latent cells.
 pub struct ConditioningSetArea;
 
@@ -160,16 +175,7 @@ impl NodeImpl for ConditioningSetArea {
             cells(inputs, "y")?,
             cells(inputs, "x")?,
         ];
-        let s = strength(inputs, "strength")?;
-        each(inputs, "conditioning", |e| {
-            e.area = Some(CondArea::Latent(area));
-            e.strength = s;
-            e.mask = e.mask.take().map(|m| CondMask {
-                set_area_to_bounds: false,
-                ..m
-            });
-            Ok(())
-        })
+        set_area(inputs, CondArea::Latent(area))
     }
 }
 
@@ -184,16 +190,7 @@ impl NodeImpl for ConditioningSetAreaPercentage {
             inputs.float("y")?,
             inputs.float("x")?,
         ];
-        let s = strength(inputs, "strength")?;
-        each(inputs, "conditioning", |e| {
-            e.area = Some(CondArea::Percentage(area));
-            e.strength = s;
-            e.mask = e.mask.take().map(|m| CondMask {
-                set_area_to_bounds: false,
-                ..m
-            });
-            Ok(())
-        })
+        set_area(inputs, CondArea::Percentage(area))
     }
 }
 

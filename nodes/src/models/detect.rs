@@ -561,11 +561,9 @@ fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> 
     }
 }
 
-/// Detects a single-file checkpoint in the original (ldm) layout.
-///
-/// Unsupported families are recognised and refused by name.
-pub fn detect_checkpoint(s: &Shapes) -> Result<Detected, DetectError> {
-    let prefix = "model.diffusion_model.";
+/// The diffusion model under `prefix`: its family (refused by name when
+/// sdkit cannot build it) and config.
+fn diffusion_model(s: &Shapes, prefix: &str) -> Result<(Family, UnetConfig), DetectError> {
     if let Some(f) = dit_family(s, prefix) {
         return Err(DetectError::Unsupported(f));
     }
@@ -574,6 +572,14 @@ pub fn detect_checkpoint(s: &Shapes) -> Result<Detected, DetectError> {
     if !family.supported() {
         return Err(DetectError::Unsupported(family));
     }
+    Ok((family, unet))
+}
+
+/// Detects a single-file checkpoint in the original (ldm) layout.
+///
+/// Unsupported families are recognised and refused by name.
+pub fn detect_checkpoint(s: &Shapes) -> Result<Detected, DetectError> {
+    let (family, unet) = diffusion_model(s, "model.diffusion_model.")?;
     Ok(Detected {
         family,
         heads: family.spec().heads,
@@ -592,14 +598,7 @@ pub fn detect_unet(s: &Shapes) -> Result<(Family, UnetConfig, Heads, &'static st
     } else {
         ""
     };
-    if let Some(f) = dit_family(s, prefix) {
-        return Err(DetectError::Unsupported(f));
-    }
-    let unet = unet_config(s, prefix)?;
-    let family = unet_family(&unet)?;
-    if !family.supported() {
-        return Err(DetectError::Unsupported(family));
-    }
+    let (family, unet) = diffusion_model(s, prefix)?;
     Ok((family, unet, family.spec().heads, prefix))
 }
 
