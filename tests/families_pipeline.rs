@@ -153,3 +153,10 @@ fn sdxl_conditioning_ops_match_comfyui() {
 fn unet_loader_fp8_weights_match_comfyui() {
     matches_on("tiny_sdxl_fp8", "cpu");
 }
+
+/// The refiner from separate files: UNETLoader (refiner UNet) and
+/// CLIPLoader with OpenCLIP-G alone, with CLIPTextEncodeSDXLRefiner.
+#[test]
+fn sdxl_refiner_from_separate_files_matches_comfyui() {
+    matches_on("tiny_sdxl_refiner_separate", "cpu");
+}

@@ -35,6 +35,7 @@ written):
   clip/tiny_clip_l.safetensors: CLIP_L, HF layout `text_model.*`.
   clip/tiny_clip_g.safetensors: CLIP_G, HF layout `text_model.*` plus
       `text_projection.weight` (what people download as clip_g).
+  unet/tiny_sdxl_refiner_unet.safetensors: UNET_REFINER keys, no prefix.
   vae/tiny_sdxl_vae.safetensors: the tiny VAE without a prefix.
 
 ComfyUI only recognises full-size parts. Relaxed here, nothing else:
@@ -54,14 +55,10 @@ ComfyUI only recognises full-size parts. Relaxed here, nothing else:
     output_blocks.{n-1}.1.transformer_blocks.0.norm1.bias (index 11 for a
     real SD2, 3 here); asserted to give V_PREDICTION for tiny_sd2_v and EPS
     for tiny_sd2.
-  * Separate text encoders: in a DualCLIPLoader "sdxl" pair ComfyUI routes
-    each file in SDXLClipModel.load_sd (detect_te_model is not consulted
-    for this pair): a file with
-    text_model.encoder.layers.30.* (31+ layers) is G, any other is L. The
-    tiny files have 3 layers, so load_sd is wrapped: ComfyUI's test first,
-    then a file wider than clip_l (token embedding width 128 > 64) is G.
-    That is the rule the Rust side uses: layer count as ComfyUI, falling
-    back to the wider encoder of the pair being G.
+Separate text encoders need no patch: the tiny G has 32 layers, so
+ComfyUI's own rule (a file with text_model.encoder.layers.30.* is G, in
+DualCLIPLoader's SDXLClipModel.load_sd and CLIPLoader's detect_te_model)
+tells it from L.
 Everything else (OpenCLIP -> CLIP key conversion, tokenizers, padding,
 clip layers, encode_adm, model sampling, samplers, VAE) is ComfyUI's own.
 
@@ -87,7 +84,7 @@ COMFY = sd1.COMFY
 WORKFLOWS = ["tiny_sdxl_txt2img", "tiny_sdxl_sizes", "tiny_sdxl_img2img",
              "tiny_sdxl_refiner", "tiny_sd2_txt2img", "tiny_sd2_v_txt2img",
              "tiny_sd2_v_img2img", "tiny_sdxl_separate", "tiny_sdxl_cond_ops",
-             "tiny_sdxl_fp8"]
+             "tiny_sdxl_fp8", "tiny_sdxl_refiner_separate"]
 
 _XL_COMMON = dict(in_channels=4, out_channels=4, model_channels=64,
                   transformer_depth_middle=1, use_linear_in_transformer=True,
@@ -103,9 +100,12 @@ UNET_SD2 = dict(_XL_COMMON, channel_mult=[1, 2], num_res_blocks=[1, 1],
                 transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
                 context_dim=128, adm_in_channels=None)
 CLIP_L = sd1.CLIP
+# G has bigG's 32 layers, so separate G files are told from L by ComfyUI's
+# own layer-count rule (31+ layers); H, only ever read from a checkpoint
+# here, keeps 3.
 CLIP_G = dict(sd1.CLIP, hidden_act="gelu", hidden_size=128, intermediate_size=256,
-              num_attention_heads=2, num_hidden_layers=3, projection_dim=128)
-CLIP_H = dict(CLIP_G)
+              num_attention_heads=2, num_hidden_layers=32, projection_dim=128)
+CLIP_H = dict(CLIP_G, num_hidden_layers=3)
 VAE = sd1.VAE
 V_BIAS = "model.diffusion_model.output_blocks.3.1.transformer_blocks.0.norm1.bias"
 
@@ -208,6 +208,7 @@ def file_specs(torch):
         ("checkpoints", "tiny_sd2.safetensors", sd2, {}),
         ("checkpoints", "tiny_sd2_v.safetensors", sd2, {V_BIAS: 4.0}),
         ("unet", "tiny_sdxl_unet.safetensors", [("", xl)], {}),
+        ("unet", "tiny_sdxl_refiner_unet.safetensors", [("", unet_keys(torch, UNET_REFINER))], {}),
         ("clip", "tiny_clip_l.safetensors", [("", l_hf)], {}),
         ("clip", "tiny_clip_g.safetensors", [("", clip_hf_keys(torch, CLIP_G, True))], {}),
         ("vae", "tiny_sdxl_vae.safetensors", [("", vae)], {}),
@@ -261,17 +262,6 @@ def patch_comfy(tmp, torch):
                 return comfy.model_base.ModelType.V_PREDICTION
         return comfy.model_base.ModelType.EPS
     comfy.supported_models.SD20.model_type = model_type
-
-    load_sd = comfy.sdxl_clip.SDXLClipModel.load_sd
-
-    def tiny_load_sd(self, sd):
-        key = "text_model.embeddings.token_embedding.weight"
-        if ("text_model.encoder.layers.30.mlp.fc1.weight" not in sd and key in sd
-                and sd[key].shape[-1] > self.clip_l.transformer.text_model.embeddings
-                .token_embedding.weight.shape[-1]):
-            return self.clip_g.load_sd(sd)
-        return load_sd(self, sd)
-    comfy.sdxl_clip.SDXLClipModel.load_sd = tiny_load_sd
 
     # Recording only: which ADM width and sizes ComfyUI really used.
     for cls in (comfy.model_base.SDXL, comfy.model_base.SDXLRefiner):
@@ -436,7 +426,8 @@ def main():
             assert np.isfinite(lat).all() and np.isfinite(img).all(), name
             if name.startswith("tiny_sdxl"):
                 widths = {(c, w) for c, w, _ in ADM_LOG}
-                want = {("SDXL", 1664)} | ({("SDXLRefiner", 1408)} if "refiner" in name else set())
+                base = set() if name.endswith("refiner_separate") else {("SDXL", 1664)}
+                want = base | ({("SDXLRefiner", 1408)} if "refiner" in name else set())
                 assert widths == want, (name, widths)
             else:
                 assert not ADM_LOG, name
