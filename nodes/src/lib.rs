@@ -5,6 +5,7 @@
 //! far. Types without an implementation validate, and running one fails
 //! with "not implemented yet".
 
+pub mod adapters;
 pub mod clip_tokenizer;
 pub mod diffusion;
 pub mod image;
@@ -39,6 +40,8 @@ pub fn library() -> NodeLibrary {
     );
     lib.implement("VAELoader", diffusion::loaders::VaeLoader);
     lib.implement("UNETLoader", diffusion::loaders::UnetLoader);
+    lib.implement("LoraLoader", adapters::LoraLoader);
+    lib.implement("LoraLoaderModelOnly", adapters::LoraLoaderModelOnly);
     lib.implement("CLIPLoader", diffusion::loaders::ClipLoader);
     lib.implement("DualCLIPLoader", diffusion::loaders::DualClipLoader);
     lib.implement(

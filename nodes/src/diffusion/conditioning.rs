@@ -126,7 +126,7 @@ impl TextEncoderModel {
             None => g.finish(&[outs.0]),
         };
         let prog = plan(&graph).map_err(|e| graph_error("text encoder", e))?;
-        let mut bind = self.file.bindings(&prog)?;
+        let mut bind = self.file.bindings(&prog, Some(&self.patches))?;
         // The token embedding lookup happens here, on the host, one row
         // at a time from the file (the table is the encoder's largest
         // tensor; 77 rows of it need no device and no f32 copy of it).

@@ -26,7 +26,11 @@ pub struct MissingPart {
     pub file: String,
 }
 
-fn model_path(ctx: &NodeContext, folder: &str, name: &str) -> Result<PathBuf, NodeError> {
+pub(crate) fn model_path(
+    ctx: &NodeContext,
+    folder: &str,
+    name: &str,
+) -> Result<PathBuf, NodeError> {
     let path = ctx.paths.model(folder, name).ok_or_else(|| {
         NodeError::invalid(format!(
             "model name {name:?} must be a relative path inside models/{folder}"
@@ -88,6 +92,7 @@ fn text_encoder(
         prefix: part.prefix,
         arch,
         rule,
+        patches: Arc::default(),
     })
 }
 
@@ -125,6 +130,7 @@ fn build_model(
     Ok(Model {
         family,
         file: Arc::clone(file),
+        patches: Arc::default(),
         prefix: prefix.to_string(),
         unet,
         heads,

@@ -68,11 +68,22 @@ impl ModelFile {
             .map_err(|e| self.tensor_error(name, e))
     }
 
-    /// The weights `prog` uploads, as handles on the file.
-    pub fn bindings(&self, prog: &Program) -> Result<Bindings, NodeError> {
+    /// The weights `prog` uploads, as handles on the file; tensors that
+    /// `patches` (LoRA) change, patched, in f32.
+    pub fn bindings(
+        &self,
+        prog: &Program,
+        patches: Option<&crate::adapters::Patches>,
+    ) -> Result<Bindings, NodeError> {
         let mut b = Bindings::default();
         for c in &prog.commands {
             if let Command::Upload { name, .. } = c {
+                if let Some(p) = patches {
+                    if let Some(d) = p.patched(self, name)? {
+                        b.weights.insert(name.clone(), d);
+                        continue;
+                    }
+                }
                 let w = self
                     .store
                     .stored(name)
@@ -163,6 +174,8 @@ impl Prediction {
 pub struct Model {
     pub family: Family,
     pub file: Arc<ModelFile>,
+    /// LoRA patches on the UNet's tensors.
+    pub patches: Arc<crate::adapters::Patches>,
     pub prefix: String,
     pub unet: UnetConfig,
     pub heads: Heads,
@@ -180,6 +193,8 @@ pub struct TextEncoderModel {
     pub prefix: String,
     pub arch: EncoderArch,
     pub rule: TextRule,
+    /// LoRA patches on this encoder's tensors.
+    pub patches: Arc<crate::adapters::Patches>,
 }
 
 /// CLIP: a family's text encoders (SD1: CLIP-L; SD 2.x: OpenCLIP-H;

@@ -1,0 +1,236 @@
+//! Adapters on top of a loaded model: LoRA/LoCon (LoraLoader,
+//! LoraLoaderModelOnly).
+//!
+//! The base weights are never modified. A MODEL or CLIP carries
+//! [`Patches`]: per tensor, the layers applied to it in stack order. When a
+//! program binds its weights, each patched tensor is computed from the
+//! file (base + patches) once per patch set and bound as f32; the others
+//! stay in the file as before.
+
+pub mod keys;
+pub mod lora;
+
+use crate::diffusion::{input, opaque, Clip, Model, ModelFile};
+use keys::Target;
+use lora::TensorPatch;
+use sdkit_compute::weights::SafeTensors;
+use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput};
+use sdkit_schema::SocketType;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+/// The patches on one model's tensors, and the patched tensors computed so
+/// far (shared by every handle on this patch set, so a sampler's steps and
+/// later runs patch each tensor once).
+#[derive(Debug, Default)]
+pub struct Patches {
+    pub by_tensor: BTreeMap<String, Vec<TensorPatch>>,
+    computed: Mutex<HashMap<String, Arc<Vec<f32>>>>,
+}
+
+impl Patches {
+    pub fn is_empty(&self) -> bool {
+        self.by_tensor.is_empty()
+    }
+
+    /// These patches followed by `more`.
+    pub fn with(&self, more: impl IntoIterator<Item = (String, TensorPatch)>) -> Patches {
+        let mut by_tensor = self.by_tensor.clone();
+        for (t, p) in more {
+            by_tensor.entry(t).or_default().push(p);
+        }
+        Patches {
+            by_tensor,
+            computed: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Tensor `name` of `file` with its patches applied, or None when it
+    /// has none.
+    pub fn patched(
+        &self,
+        file: &ModelFile,
+        name: &str,
+    ) -> Result<Option<Arc<Vec<f32>>>, NodeError> {
+        let Some(list) = self.by_tensor.get(name) else {
+            return Ok(None);
+        };
+        let mut computed = self
+            .computed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(d) = computed.get(name) {
+            return Ok(Some(Arc::clone(d)));
+        }
+        let mut w = file.tensor_f32(name)?;
+        lora::apply(&mut w, list)
+            .map_err(|e| NodeError::invalid(format!("{}: tensor \"{name}\": {e}", file.name)))?;
+        let d = Arc::new(w);
+        computed.insert(name.to_string(), Arc::clone(&d));
+        Ok(Some(d))
+    }
+}
+
+/// Patches by tensor name, and the file keys they came from.
+type Loaded = (Vec<(String, TensorPatch)>, BTreeSet<String>);
+
+/// The LoRA file `name` from `models/loras`.
+fn open_lora(ctx: &NodeContext, name: &str) -> Result<SafeTensors, NodeError> {
+    let path = crate::diffusion::loaders::model_path(ctx, "loras", name)?;
+    SafeTensors::open(&path).map_err(|e| NodeError::invalid(e.to_string()))
+}
+
+/// The patches a LoRA file makes on a model at `strength`, and the file
+/// keys they used.
+fn model_patches(
+    file: &SafeTensors,
+    model: &Model,
+    strength: f64,
+    source: &str,
+) -> Result<Loaded, NodeError> {
+    if model.file.cast.is_some() {
+        return Err(NodeError::invalid(
+            "LoRA on a model loaded with an fp8 weight_dtype is not supported yet (ComfyUI rounds the patched weights back to fp8 stochastically)",
+        ));
+    }
+    let names: Vec<String> = model
+        .file
+        .store
+        .entries()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let map = keys::unet_keys(&model.unet, &model.prefix, names.iter().map(String::as_str));
+    patches_from(file, &map, strength, source)
+}
+
+fn patches_from(
+    file: &SafeTensors,
+    map: &HashMap<String, Target>,
+    strength: f64,
+    source: &str,
+) -> Result<Loaded, NodeError> {
+    let loaded = lora::load(file, map).map_err(NodeError::invalid)?;
+    let all: BTreeSet<String> = file.tensors().map(|t| t.name.clone()).collect();
+    let unused: BTreeSet<String> = loaded.unused.into_iter().collect();
+    let used = all.difference(&unused).cloned().collect();
+    let patches = loaded
+        .layers
+        .into_iter()
+        .map(|(t, layer)| {
+            (
+                t.tensor,
+                TensorPatch {
+                    layer,
+                    strength,
+                    rows: t.rows,
+                    source: source.to_string(),
+                },
+            )
+        })
+        .collect();
+    Ok((patches, used))
+}
+
+/// Warns, as ComfyUI does, about the file's keys no model part took.
+fn report_unused(ctx: &NodeContext, name: &str, file: &SafeTensors, used: &BTreeSet<String>) {
+    let unused: Vec<&str> = file
+        .tensors()
+        .map(|t| t.name.as_str())
+        .filter(|n| !used.contains(*n))
+        .collect();
+    if !unused.is_empty() {
+        let shown: Vec<&str> = unused.iter().take(5).copied().collect();
+        tracing::warn!(
+            "node {} ({}): LoRA {name}: {} keys not loaded (no matching model weight), e.g. {}",
+            ctx.node_id,
+            ctx.class_type,
+            unused.len(),
+            shown.join(", ")
+        );
+    }
+}
+
+fn patched_model(model: &Model, patches: Vec<(String, TensorPatch)>) -> Model {
+    let mut m = model.clone();
+    m.patches = Arc::new(model.patches.with(patches));
+    m
+}
+
+/// ComfyUI's LoraLoader: the LoRA's UNet layers on the model at
+/// `strength_model`, its text-encoder layers on the CLIP at
+/// `strength_clip` (either may be negative; 0 leaves that part as it is).
+pub struct LoraLoader;
+
+impl NodeImpl for LoraLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
+        let name = inputs.string("lora_name")?;
+        let (sm, sc) = (
+            inputs.float("strength_model")?,
+            inputs.float("strength_clip")?,
+        );
+        if sm == 0.0 && sc == 0.0 {
+            return Ok(NodeOutput::values(vec![
+                opaque(SocketType::Model, (*model).clone()),
+                opaque(SocketType::Clip, (*clip).clone()),
+            ]));
+        }
+        let file = open_lora(ctx, name)?;
+        let (mp, mut used) = model_patches(&file, &model, sm, name)?;
+        let mut clip_out = (*clip).clone();
+        let parts: Vec<_> = clip
+            .encoders
+            .iter()
+            .map(|e| (e.rule.encoder, e.prefix.as_str(), &e.arch))
+            .collect();
+        let by_key = keys::clip_keys(&parts);
+        for (i, enc) in clip_out.encoders.iter_mut().enumerate() {
+            let map: HashMap<String, Target> = by_key
+                .iter()
+                .filter(|(_, (e, _))| *e == i)
+                .map(|(k, (_, t))| (k.clone(), t.clone()))
+                .collect();
+            let (cp, u) = patches_from(&file, &map, sc, name)?;
+            used.extend(u);
+            if sc != 0.0 {
+                enc.patches = Arc::new(enc.patches.with(cp));
+            }
+        }
+        report_unused(ctx, name, &file, &used);
+        let model_out = if sm != 0.0 {
+            patched_model(&model, mp)
+        } else {
+            (*model).clone()
+        };
+        Ok(NodeOutput::values(vec![
+            opaque(SocketType::Model, model_out),
+            opaque(SocketType::Clip, clip_out),
+        ]))
+    }
+}
+
+/// ComfyUI's LoraLoaderModelOnly: the UNet layers only.
+pub struct LoraLoaderModelOnly;
+
+impl NodeImpl for LoraLoaderModelOnly {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let name = inputs.string("lora_name")?;
+        let sm = inputs.float("strength_model")?;
+        if sm == 0.0 {
+            return Ok(NodeOutput::values(vec![opaque(
+                SocketType::Model,
+                (*model).clone(),
+            )]));
+        }
+        let file = open_lora(ctx, name)?;
+        let (mp, used) = model_patches(&file, &model, sm, name)?;
+        report_unused(ctx, name, &file, &used);
+        Ok(NodeOutput::values(vec![opaque(
+            SocketType::Model,
+            patched_model(&model, mp),
+        )]))
+    }
+}
