@@ -819,6 +819,22 @@ pub fn f8_e5m2_to_f32(b: u8) -> f32 {
     f16_to_f32(u16::from(b) << 8)
 }
 
+/// f32 rounded to the nearest f16 (ties to even, as PyTorch's cast).
+pub fn round_f16(x: f32) -> f32 {
+    f16_to_f32(crate::backend::wgpu::f32_to_f16_bits(x))
+}
+
+/// The f32 → `dtype` → f32 rounding of a float storage dtype, if it
+/// rounds.
+pub fn rounding(dtype: DType) -> Option<fn(f32) -> f32> {
+    match dtype {
+        DType::F16 => Some(round_f16),
+        DType::F8E4M3 => Some(round_f8_e4m3),
+        DType::F8E5M2 => Some(round_f8_e5m2),
+        _ => None,
+    }
+}
+
 /// f32 rounded to the nearest `float8_e4m3fn` value (ties to even), as
 /// PyTorch casts: the format has no infinities, and larger magnitudes
 /// (infinities included) saturate at ±448; the sign of zero kept.
@@ -1141,7 +1157,7 @@ impl StoredWeight {
         self.cast
     }
 
-    /// The same tensor read as if cast to `dtype` first (F8E4M3 or
+    /// The same tensor read as if cast to `dtype` first (F16, F8E4M3 or
     /// F8E5M2; other dtypes read as stored).
     pub fn cast_to(mut self, dtype: DType) -> Self {
         self.cast = Some(dtype);
@@ -1149,12 +1165,12 @@ impl StoredWeight {
     }
 
     fn finish(&self, mut v: Vec<f32>) -> Vec<f32> {
-        let round: fn(f32) -> f32 = match self.cast {
-            Some(DType::F8E4M3) => round_f8_e4m3,
-            Some(DType::F8E5M2) => round_f8_e5m2,
-            _ => return v,
-        };
-        v.iter_mut().for_each(|x| *x = round(*x));
+        if self.cast == Some(self.dtype) {
+            return v;
+        }
+        if let Some(round) = self.cast.and_then(rounding) {
+            v.iter_mut().for_each(|x| *x = round(*x));
+        }
         v
     }
 

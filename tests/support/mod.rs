@@ -72,6 +72,19 @@ pub fn write_tensors(
     checksum_f16: &str,
     nan: Option<&str>,
 ) {
+    write_tensors_with(path, keys, scaled, None, checksum_f16, nan);
+}
+
+/// [`write_tensors`] where `fixed` gives some tensors' one value (0-dim
+/// tensors such as a LoRA's `.alpha`).
+pub fn write_tensors_with(
+    path: &Path,
+    keys: &serde_json::Value,
+    scaled: Option<&serde_json::Value>,
+    fixed: Option<&serde_json::Value>,
+    checksum_f16: &str,
+    nan: Option<&str>,
+) {
     let keys = keys.as_array().expect("keys");
     let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut total = 0u64;
@@ -86,7 +99,14 @@ pub fn write_tensors(
         let factor = scaled
             .and_then(|s| s.get(&name))
             .and_then(serde_json::Value::as_f64);
-        let bits: Vec<u16> = values(&name, &shape)
+        let given = fixed
+            .and_then(|f| f.get(&name))
+            .and_then(serde_json::Value::as_f64);
+        let raw = match given {
+            Some(v) => vec![v as f32],
+            None => values(&name, &shape),
+        };
+        let bits: Vec<u16> = raw
             .into_iter()
             .map(|v| match factor {
                 Some(f) => v * f as f32,
@@ -217,10 +237,26 @@ pub fn check_outputs(
     latent_file: &str,
     image_prefix: &str,
 ) {
+    check_outputs_within(base, w, graph, latent_file, image_prefix, None);
+}
+
+/// [`check_outputs`] with the latent tolerance given (`Some`) rather than
+/// 10× the reference's spread: for a device that rounds weights the f32
+/// reference does not (a GPU storing LoRA-patched f32 weights as f16, as
+/// ComfyUI on a GPU does); pixels then may differ by 1/255 on at most 1%
+/// of values.
+pub fn check_outputs_within(
+    base: &Path,
+    w: &serde_json::Value,
+    graph: &str,
+    latent_file: &str,
+    image_prefix: &str,
+    latent_tol_override: Option<f32>,
+) {
     let spread = w["f32_vs_f64_unet_rel"].as_f64().expect("spread") as f32;
     let rounding = w["unet_rounding_rel"].as_f64().expect("rounding spread") as f32;
     let spread = spread.max(rounding);
-    let latent_tol = 10.0 * spread;
+    let latent_tol = latent_tol_override.unwrap_or(10.0 * spread);
     let want_latent = f32s(w["latent_f32"].as_str().expect("latent"));
     let latent_shape: Vec<usize> =
         serde_json::from_value(w["latent_shape"].clone()).expect("shape");
@@ -263,4 +299,11 @@ pub fn check_outputs(
         "{graph}: latent differs by {dl} (relative)"
     );
     assert!(worst <= 1, "{graph}: pixels differ by up to {worst}");
+    if latent_tol_override.is_some() {
+        assert!(
+            off * 100 <= b * per,
+            "{graph}: {off} of {} pixel values differ",
+            b * per
+        );
+    }
 }

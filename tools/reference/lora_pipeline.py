@@ -332,20 +332,15 @@ def check_merge(nodes, torch, specs, lora_data):
 
 def without_loras(prompt):
     """The graph with every LoRA node bypassed (outputs rewired to inputs)."""
-    prompt = json.loads(json.dumps(prompt))
     lora = {nid for nid, n in prompt.items() if n["class_type"] in LORA_NODES}
 
     def source(ref):
         while ref[0] in lora:
             ref = prompt[ref[0]]["inputs"]["model" if ref[1] == 0 else "clip"]
         return ref
-    for nid in lora:
-        del prompt[nid]
-    for n in prompt.values():
-        for k, v in n["inputs"].items():
-            if isinstance(v, list):
-                n["inputs"][k] = source(v)
-    return prompt
+    return {nid: dict(n, inputs={k: source(v) if isinstance(v, list) else v
+                                 for k, v in n["inputs"].items()})
+            for nid, n in prompt.items() if nid not in lora}
 
 
 def main():
@@ -412,7 +407,11 @@ def main():
                 print("lora", name, "on", base, "targets", len(targets), "keys", len(keys),
                       "alphas", sorted(set(alphas.values())),
                       "no alpha", sum(t[4] is None for t in targets), "checksum", digest)
-                for t in targets[:2] + [t for t in targets if len(t[2]) == 4] + targets[-1:]:
+                show = [t for t in targets if t[0].endswith("attn1_to_q")][:1] + \
+                    [t for t in targets if t[0].endswith("proj_in")][:1] + \
+                    [t for t in targets if len(t[2]) == 4 and t[2][2:] == [3, 3]] + \
+                    [t for t in targets if t[0].startswith("lora_te")][:1] + targets[-1:]
+                for t in show:
                     print("   ", t[0], "->", t[1], t[2], "tucker" if t[3] else "", t[4])
 
         if not sub:

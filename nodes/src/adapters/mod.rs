@@ -13,7 +13,7 @@ pub mod lora;
 use crate::diffusion::{input, opaque, Clip, Model, ModelFile};
 use keys::Target;
 use lora::TensorPatch;
-use sdkit_compute::weights::SafeTensors;
+use sdkit_compute::weights::{rounding, DType, SafeTensors};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput};
 use sdkit_schema::SocketType;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -46,11 +46,14 @@ impl Patches {
     }
 
     /// Tensor `name` of `file` with its patches applied, or None when it
-    /// has none.
+    /// has none. `held_as`: the dtype the weight is held in (its base
+    /// read as that, the patched result rounded back to it, as ComfyUI
+    /// casts a patched weight to the weight's dtype).
     pub fn patched(
         &self,
         file: &ModelFile,
         name: &str,
+        held_as: Option<DType>,
     ) -> Result<Option<Arc<Vec<f32>>>, NodeError> {
         let Some(list) = self.by_tensor.get(name) else {
             return Ok(None);
@@ -62,9 +65,12 @@ impl Patches {
         if let Some(d) = computed.get(name) {
             return Ok(Some(Arc::clone(d)));
         }
-        let mut w = file.tensor_f32(name)?;
+        let mut w = file.tensor_held(name, held_as)?;
         lora::apply(&mut w, list)
             .map_err(|e| NodeError::invalid(format!("{}: tensor \"{name}\": {e}", file.name)))?;
+        if let Some(round) = held_as.and_then(rounding) {
+            w.iter_mut().for_each(|x| *x = round(*x));
+        }
         let d = Arc::new(w);
         computed.insert(name.to_string(), Arc::clone(&d));
         Ok(Some(d))

@@ -10,6 +10,7 @@ use crate::models::family::TextEncoder;
 use crate::models::open_clip::{self, end_token_one_hot};
 use sdkit_compute::plan::plan;
 use sdkit_compute::tensor::GraphBuilder;
+use sdkit_compute::weights::DType;
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
 use sdkit_schema::SocketType;
 use std::sync::Arc;
@@ -29,6 +30,11 @@ impl NodeImpl for ClipSetLastLayer {
         Ok(NodeOutput::values(vec![opaque(SocketType::Clip, c)]))
     }
 }
+
+/// The dtype ComfyUI holds text-encoder weights in (its default
+/// `text_encoder_dtype`, CPU included; computed in f32): weights from a
+/// bf16 or f32 file and LoRA-patched weights are rounded to it.
+const TEXT_ENCODER_DTYPE: DType = DType::F16;
 
 /// ComfyUI's `set_clip_options` rule: an index beyond the layer count
 /// (or none) means the last layer.
@@ -126,7 +132,9 @@ impl TextEncoderModel {
             None => g.finish(&[outs.0]),
         };
         let prog = plan(&graph).map_err(|e| graph_error("text encoder", e))?;
-        let mut bind = self.file.bindings(&prog, Some(&self.patches))?;
+        let mut bind = self
+            .file
+            .bindings(&prog, Some(&self.patches), Some(TEXT_ENCODER_DTYPE))?;
         // The token embedding lookup happens here, on the host, one row
         // at a time from the file (the table is the encoder's largest
         // tensor; 77 rows of it need no device and no f32 copy of it).
@@ -138,7 +146,12 @@ impl TextEncoderModel {
                     "token id {id} is outside the text encoder's {vocab}-token vocabulary"
                 )));
             }
-            embeds.extend(self.file.rows_f32(&table, width, id as usize, 1)?);
+            embeds.extend(self.file.rows_f32(
+                &table,
+                width,
+                (id as usize, 1),
+                Some(TEXT_ENCODER_DTYPE),
+            )?);
         }
         bind.inputs.insert("embeddings".into(), Arc::new(embeds));
         bind.inputs

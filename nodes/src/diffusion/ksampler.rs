@@ -338,7 +338,7 @@ pub fn sample(
         })
         .collect::<Result<_, _>>()?;
     let bind = match progs.first() {
-        Some(p) => model.file.bindings(p, Some(&model.patches))?,
+        Some(p) => model.file.bindings(p, Some(&model.patches), None)?,
         None => return Err(NodeError::invalid("nothing to sample")),
     };
     // The model inputs of each group besides x and t (the context and,

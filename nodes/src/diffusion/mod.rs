@@ -24,7 +24,7 @@ use crate::models::family::{LatentFormat, TextRule};
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_compute::backend::cpu::Bindings;
 use sdkit_compute::plan::{Command, Program};
-use sdkit_compute::weights::WeightStore;
+use sdkit_compute::weights::{DType, WeightStore};
 use sdkit_engine::{Inputs, NodeError, Tensor, Value};
 use sdkit_schema::SocketType;
 use std::any::Any;
@@ -39,7 +39,7 @@ pub struct ModelFile {
     pub name: String,
     pub store: WeightStore,
     /// UNETLoader's fp8 `weight_dtype`: every weight read as if cast to it.
-    pub cast: Option<sdkit_compute::weights::DType>,
+    pub cast: Option<DType>,
 }
 
 impl std::fmt::Debug for ModelFile {
@@ -61,25 +61,44 @@ impl ModelFile {
         NodeError::invalid(format!("{}: tensor \"{name}\": {e}", self.name))
     }
 
-    /// One (small) tensor in f32, read now.
+    /// One tensor in f32, read now.
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>, NodeError> {
         self.store
             .to_f32(name)
             .map_err(|e| self.tensor_error(name, e))
     }
 
+    /// One tensor in f32 as held in `held_as` (see [`Self::bindings`]).
+    pub fn tensor_held(&self, name: &str, held_as: Option<DType>) -> Result<Vec<f32>, NodeError> {
+        let w = self
+            .store
+            .stored(name)
+            .map_err(|e| self.tensor_error(name, e))?;
+        match held_as {
+            Some(d) => w.cast_to(d),
+            None => w,
+        }
+        .to_f32()
+        .map_err(|e| self.tensor_error(name, e))
+    }
+
     /// The weights `prog` uploads, as handles on the file; tensors that
-    /// `patches` (LoRA) change, patched, in f32.
+    /// `patches` (LoRA) change, patched, in f32. `held_as`: the dtype
+    /// ComfyUI holds these weights in on the device, where it rounds them
+    /// (its text encoders are f16 weights computed in f32: a bf16 or f32
+    /// file, and a LoRA-patched weight, is rounded to f16).
     pub fn bindings(
         &self,
         prog: &Program,
         patches: Option<&crate::adapters::Patches>,
+        held_as: Option<DType>,
     ) -> Result<Bindings, NodeError> {
         let mut b = Bindings::default();
+        let cast = self.cast.or(held_as);
         for c in &prog.commands {
             if let Command::Upload { name, .. } = c {
                 if let Some(p) = patches {
-                    if let Some(d) = p.patched(self, name)? {
+                    if let Some(d) = p.patched(self, name, cast)? {
                         b.weights.insert(name.clone(), d);
                         continue;
                     }
@@ -88,7 +107,7 @@ impl ModelFile {
                     .store
                     .stored(name)
                     .map_err(|e| self.tensor_error(name, e))?;
-                let w = match self.cast {
+                let w = match cast {
                     Some(d) => w.cast_to(d),
                     None => w,
                 };
@@ -100,16 +119,20 @@ impl ModelFile {
 
     /// Rows `[start, start + count)` of a 2-D tensor `[rows, width]` in
     /// f32, read from the file without converting the rest (token
-    /// embedding lookups).
+    /// embedding lookups), rounded as held in `held_as`.
     pub fn rows_f32(
         &self,
         name: &str,
         width: usize,
-        start: usize,
-        count: usize,
+        (start, count): (usize, usize),
+        held_as: Option<DType>,
     ) -> Result<Vec<f32>, NodeError> {
         self.store
             .stored(name)
+            .map(|w| match held_as {
+                Some(d) => w.cast_to(d),
+                None => w,
+            })
             .and_then(|w| w.range_f32(start * width, count * width))
             .map_err(|e| self.tensor_error(name, e))
     }

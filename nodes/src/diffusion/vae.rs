@@ -171,7 +171,7 @@ impl Vae {
                     programs.insert(t.shape.clone(), prog);
                 }
                 let prog = &programs[&t.shape];
-                let mut bind = self.file.bindings(prog, None)?;
+                let mut bind = self.file.bindings(prog, None, None)?;
                 bind.inputs.insert("x".into(), Arc::new(t.data.clone()));
                 let out = try_run_model(ctx, &self.file.name, prog, bind, false)
                     .map_err(|e| e.into_node(what))?
@@ -281,7 +281,10 @@ impl Vae {
         what: &str,
     ) -> Result<Tensor, RunFailure> {
         let prog = plan(&graph).map_err(|e| RunFailure::Node(graph_error(what, e)))?;
-        let mut bind = self.file.bindings(&prog, None).map_err(RunFailure::Node)?;
+        let mut bind = self
+            .file
+            .bindings(&prog, None, None)
+            .map_err(RunFailure::Node)?;
         bind.inputs
             .insert(input.to_string(), Arc::new(value.data.clone()));
         ctx.check_cancel().map_err(RunFailure::Node)?;
