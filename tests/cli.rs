@@ -85,7 +85,7 @@ fn every_example_graph_validates_and_image_graphs_run() {
             .filter(|s| s.ends_with(".safetensors") && !s.contains('/'))
             .collect();
         let needs_model = !models.is_empty();
-        for folder in ["checkpoints", "unet", "clip", "vae"] {
+        for folder in ["checkpoints", "unet", "clip", "vae", "loras"] {
             let dir = base.path().join("models").join(folder);
             std::fs::create_dir_all(&dir).expect("mkdir");
             for name in &models {
