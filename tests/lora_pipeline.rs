@@ -113,3 +113,10 @@ fn sdxl_lora_on_wgpu_matches_comfyui() {
     run(base.path(), "tiny_sdxl_lora", "wgpu");
     check(base.path(), &fx, "tiny_sdxl_lora", Some(1e-3));
 }
+
+/// LoHa (plain and CP), LoKr (full and decomposed factors, a conv), a
+/// full diff with its bias and a bias-only diff, LoHa/LoKr on CLIP.
+#[test]
+fn sd1_lycoris_matches_comfyui() {
+    matches_on("tiny_sd1_lycoris", "cpu");
+}
