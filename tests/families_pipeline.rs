@@ -13,9 +13,8 @@
 
 mod support;
 
-use std::path::Path;
 use std::sync::OnceLock;
-use support::{check_outputs, copy_input, run, write_tensors};
+use support::{check_graph, copy_input, run, write_tensors};
 
 fn fixture() -> &'static serde_json::Value {
     static FX: OnceLock<serde_json::Value> = OnceLock::new();
@@ -45,36 +44,10 @@ fn setup() -> tempfile::TempDir {
     base
 }
 
-/// The `filename_prefix` of the graph's node of `class`.
-fn prefix(graph: &serde_json::Value, class: &str) -> String {
-    graph
-        .as_object()
-        .expect("API-format graph")
-        .values()
-        .find(|n| n["class_type"] == class)
-        .and_then(|n| n["inputs"]["filename_prefix"].as_str())
-        .unwrap_or_else(|| panic!("no {class} with a filename_prefix"))
-        .to_string()
-}
-
-fn check(base: &Path, graph: &str) {
-    let text = std::fs::read_to_string(support::root().join(format!("graphs/{graph}.json")))
-        .expect("graph");
-    let g: serde_json::Value = serde_json::from_str(&text).expect("graph json");
-    let latent = format!("{}_00001_.latent", prefix(&g, "SaveLatent"));
-    check_outputs(
-        base,
-        &fixture()["workflows"][graph],
-        graph,
-        &latent,
-        &prefix(&g, "SaveImage"),
-    );
-}
-
 fn matches_on(graph: &str, device: &str) {
     let base = setup();
     run(base.path(), graph, device);
-    check(base.path(), graph);
+    check_graph(base.path(), fixture(), graph, None);
 }
 
 #[test]

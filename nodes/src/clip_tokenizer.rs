@@ -45,9 +45,10 @@
 //!   `<|endoftext|>` differently): ids differ there for such inputs;
 //! - no NFC normalization: decomposed input (e.g. `e` + U+0301) tokenizes
 //!   differently from ComfyUI, which composes it first;
-//! - textual-inversion embeddings (`embedding:name`) are not loaded: the text
-//!   is tokenized as plain words (ComfyUI's behaviour without an embedding
-//!   directory; with one, a missing embedding is dropped from the prompt);
+//! - [`ClipTokenizer::tokenize_with_weights`] is ComfyUI's tokenizer without
+//!   an embedding folder (`embedding:name` stays plain words);
+//!   [`ClipTokenizer::tokenize_with_embeddings`] is the one CLIPTextEncode
+//!   uses, with the folder;
 //! - prompt weights written with non-ASCII digits (which Python's `float()`
 //!   accepts) are not recognized;
 //! - `\p{L}` comes from a Unicode 14 table, `\p{N}` from Rust's `char`; code
@@ -59,6 +60,14 @@ use thiserror::Error;
 
 /// Start-of-text token id (`<|startoftext|>`).
 pub const BOS: u32 = 49406;
+/// One 77-token chunk of (token id, weight).
+pub type WeightedChunk = Vec<(u32, f32)>;
+
+/// The first id of embedding vectors in a tokenized prompt: id
+/// `EMBED_BASE + i` is row `i` of the prompt's embedding table (real
+/// vocabularies are far smaller).
+pub const EMBED_BASE: u32 = 0x8000_0000;
+
 /// End-of-text token id (`<|endoftext|>`), also used as padding.
 pub const EOS: u32 = 49407;
 /// Token count of one chunk, bos and eos included.
@@ -336,7 +345,75 @@ impl ClipTokenizer {
                 }
             }
         }
+        self.chunk(groups, pad)
+    }
 
+    /// [`Self::tokenize_with_weights_padded`] with textual-inversion
+    /// embeddings, as ComfyUI's tokenizer with an embedding folder:
+    /// a word `embedding:NAME…` (split off before ` embedding:` and
+    /// `\nembedding:`) asks `resolve` for NAME's vectors (the name is the
+    /// first whitespace-separated part; failing that, the same without
+    /// trailing commas, which go back into the text). Found vectors take
+    /// one token position each, as ids [`EMBED_BASE`] + their index in the
+    /// returned table; a missing embedding is dropped (`resolve` warns);
+    /// what follows the name is tokenized as text.
+    pub fn tokenize_with_embeddings(
+        &self,
+        text: &str,
+        pad: u32,
+        resolve: &mut dyn FnMut(&str) -> Option<Vec<Vec<f32>>>,
+    ) -> (Vec<WeightedChunk>, Vec<Vec<f32>>) {
+        const ID: &str = "embedding:";
+        let escaped = escape_important(text);
+        let mut groups: Vec<(Vec<u32>, f64)> = Vec::new();
+        let mut table: Vec<Vec<f32>> = Vec::new();
+        for (segment, weight) in token_weights(&escaped) {
+            let segment = unescape_important(&segment);
+            for word in split_embeddings(&segment) {
+                if word.is_empty() {
+                    continue;
+                }
+                let mut word = word.to_string();
+                if let Some(rest) = word.strip_prefix(ID) {
+                    let rest = rest.trim_matches('\n');
+                    let mut parts = rest.split_whitespace();
+                    let name = parts.next().unwrap_or("").to_string();
+                    let mut leftover = parts.collect::<Vec<_>>().join(" ");
+                    let mut found = resolve(&name);
+                    if found.is_none() {
+                        let stripped = name.trim_matches(',');
+                        if stripped.len() < name.len() {
+                            found = resolve(stripped);
+                            // Python's name[len(stripped):], in characters.
+                            let tail: String =
+                                name.chars().skip(stripped.chars().count()).collect();
+                            leftover = format!("{tail} {leftover}");
+                        }
+                    }
+                    if let Some(vectors) = found {
+                        let ids = vectors
+                            .into_iter()
+                            .map(|v| {
+                                table.push(v);
+                                EMBED_BASE + (table.len() - 1) as u32
+                            })
+                            .collect();
+                        groups.push((ids, weight));
+                    }
+                    if leftover.is_empty() {
+                        continue;
+                    }
+                    word = leftover;
+                }
+                groups.push((self.encode(&word), weight));
+            }
+        }
+        (self.chunk(groups, pad), table)
+    }
+
+    /// Packs weighted token groups into 77-token chunks (the second half of
+    /// `tokenize_with_weights`).
+    fn chunk(&self, groups: Vec<(Vec<u32>, f64)>, pad: u32) -> Vec<Vec<(u32, f32)>> {
         let has_end = 1;
         let mut chunks: Vec<Vec<(u32, f32)>> = Vec::new();
         let mut batch: Vec<(u32, f32)> = vec![(BOS, 1.0)];

@@ -307,3 +307,71 @@ pub fn check_outputs_within(
         );
     }
 }
+
+/// The tiny SD1 and SDXL checkpoints (rebuilt from their own fixtures)
+/// under `models/checkpoints`: the bases of the adapter fixtures.
+pub fn write_base_checkpoints(models: &Path) {
+    let sd1 = fixture("sd1/expected.json");
+    write_tensors(
+        &models
+            .join("checkpoints")
+            .join(sd1["checkpoint"].as_str().expect("name")),
+        &sd1["keys"],
+        None,
+        sd1["checksum_f16"].as_str().expect("checksum"),
+        None,
+    );
+    let fam = fixture("families/expected.json");
+    for f in fam["files"].as_array().expect("files") {
+        if f["name"] == "tiny_sdxl.safetensors" {
+            write_tensors(
+                &models.join("checkpoints/tiny_sdxl.safetensors"),
+                &f["keys"],
+                f.get("scaled"),
+                f["checksum_f16"].as_str().expect("checksum"),
+                None,
+            );
+        }
+    }
+}
+
+/// Writes each entry of `files` (`name`, `keys`, `scaled`, optional
+/// `alphas`, `checksum_f16`) into `dir`.
+pub fn write_fixture_files(dir: &Path, files: &serde_json::Value) {
+    for f in files.as_array().expect("files") {
+        write_tensors_with(
+            &dir.join(f["name"].as_str().expect("name")),
+            &f["keys"],
+            f.get("scaled"),
+            f.get("alphas"),
+            f["checksum_f16"].as_str().expect("checksum"),
+            None,
+        );
+    }
+}
+
+/// The `filename_prefix` of graphs/`graph`.json's node of `class`.
+pub fn graph_prefix(graph: &str, class: &str) -> String {
+    let text = std::fs::read_to_string(root().join(format!("graphs/{graph}.json"))).expect("graph");
+    let g: serde_json::Value = serde_json::from_str(&text).expect("graph json");
+    g.as_object()
+        .expect("API-format graph")
+        .values()
+        .find(|n| n["class_type"] == class)
+        .and_then(|n| n["inputs"]["filename_prefix"].as_str())
+        .unwrap_or_else(|| panic!("no {class} with a filename_prefix"))
+        .to_string()
+}
+
+/// Checks graphs/`graph`.json's SaveLatent and SaveImage outputs under
+/// `base` against `fx["workflows"][graph]`.
+pub fn check_graph(base: &Path, fx: &serde_json::Value, graph: &str, latent_tol: Option<f32>) {
+    check_outputs_within(
+        base,
+        &fx["workflows"][graph],
+        graph,
+        &format!("{}_00001_.latent", graph_prefix(graph, "SaveLatent")),
+        &graph_prefix(graph, "SaveImage"),
+        latent_tol,
+    );
+}

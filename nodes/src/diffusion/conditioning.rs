@@ -4,6 +4,7 @@ use super::{
     graph_error, input, opaque, sd1_tokenizer, Clip, CondEntry, Conditioning, SizeCond,
     TextEncoderModel,
 };
+use crate::clip_tokenizer::EMBED_BASE;
 use crate::models::clip::{causal_mask, text_encoder_embedded, ClipLayer};
 use crate::models::detect::EncoderArch;
 use crate::models::family::TextEncoder;
@@ -51,8 +52,13 @@ fn clip_layer(layer_idx: Option<i64>, layers: usize) -> ClipLayer {
     }
 }
 
-/// A prompt's tokens for one encoder: 77-token chunks of (id, weight).
-pub type Chunks = Vec<Vec<(u32, f32)>>;
+/// A prompt's tokens for one encoder: 77-token chunks of (id, weight),
+/// and the embedding vectors that ids from [`EMBED_BASE`] stand for.
+#[derive(Clone, Debug, Default)]
+pub struct Chunks {
+    pub chunks: Vec<Vec<(u32, f32)>>,
+    pub embeds: Vec<Vec<f32>>,
+}
 
 /// One encoder's output for a prompt: `[1, tokens, width]` and the
 /// pooled vector `[1, projection]` where the encoder gives one.
@@ -88,6 +94,7 @@ impl TextEncoderModel {
         &self,
         ctx: &NodeContext,
         rows: &[Vec<u32>],
+        embeds_table: &[Vec<f32>],
         layer: ClipLayer,
     ) -> Result<(Vec<f32>, Option<Vec<f32>>), NodeError> {
         let len = rows.first().map_or(0, Vec::len);
@@ -141,6 +148,15 @@ impl TextEncoderModel {
         let table = self.table_name();
         let mut embeds = Vec::with_capacity(rows.len() * len * width);
         for &id in rows.iter().flatten() {
+            if id >= EMBED_BASE {
+                // An embedding's vector, as it is (ComfyUI inserts it in
+                // f32 beside the looked-up rows).
+                let v = embeds_table
+                    .get((id - EMBED_BASE) as usize)
+                    .ok_or_else(|| NodeError::invalid("an embedding id without its vector"))?;
+                embeds.extend_from_slice(v);
+                continue;
+            }
             if id as usize >= vocab {
                 return Err(NodeError::invalid(format!(
                     "token id {id} is outside the text encoder's {vocab}-token vocabulary"
@@ -180,17 +196,37 @@ impl TextEncoderModel {
     pub(crate) fn encode_weighted(
         &self,
         ctx: &NodeContext,
-        chunks: &[Vec<(u32, f32)>],
+        tokens: &Chunks,
         layer_idx: Option<i64>,
     ) -> Result<Encoded, NodeError> {
         let layer = clip_layer(layer_idx.or(self.rule.default_layer), self.layers());
         let width = self.arch.width();
+        let chunks = &tokens.chunks;
         let len = chunks.iter().map(Vec::len).max().unwrap_or(0);
         let has_weights = chunks.iter().flatten().any(|&(_, w)| w != 1.0);
+        // An embedding of another width is left out and the row padded at
+        // its end (ComfyUI warns; the weights keep their positions).
+        let fits = |id: u32| {
+            id < EMBED_BASE
+                || tokens
+                    .embeds
+                    .get((id - EMBED_BASE) as usize)
+                    .is_some_and(|v| v.len() == width)
+        };
         let mut rows: Vec<Vec<u32>> = chunks
             .iter()
-            .map(|c| c.iter().map(|&(t, _)| t).collect())
+            .map(|c| {
+                let mut r: Vec<u32> = c.iter().map(|&(t, _)| t).filter(|&t| fits(t)).collect();
+                r.resize(c.len(), self.rule.pad);
+                r
+            })
             .collect();
+        if chunks.iter().flatten().any(|&(t, _)| !fits(t)) {
+            tracing::warn!(
+                "node {}: an embedding's vectors are not {width} wide (this text encoder's width); left out",
+                ctx.node_id
+            );
+        }
         if rows.iter().any(|r| r.len() != len) {
             return Err(NodeError::invalid("token chunks differ in length"));
         }
@@ -201,7 +237,7 @@ impl TextEncoderModel {
             empty.resize(len.max(2), self.rule.pad);
             rows.push(empty);
         }
-        let (out, pooled) = self.encode_rows(ctx, &rows, layer)?;
+        let (out, pooled) = self.encode_rows(ctx, &rows, &tokens.embeds, layer)?;
         let pooled = match pooled {
             Some(p) => {
                 let w = p.len() / rows.len();
@@ -238,14 +274,28 @@ impl TextEncoderModel {
 
 impl Clip {
     /// Each encoder's token chunks for `text` (the same text, each padded
-    /// its own way).
-    pub fn tokenize(&self, text: &str) -> Result<Vec<Chunks>, NodeError> {
+    /// its own way), with `embedding:NAME` resolved from `models/embeddings`
+    /// for that encoder.
+    pub fn tokenize(&self, ctx: &NodeContext, text: &str) -> Result<Vec<Chunks>, NodeError> {
         let tok = sd1_tokenizer()?;
-        Ok(self
-            .encoders
-            .iter()
-            .map(|e| tok.tokenize_with_weights_padded(text, e.rule.pad))
-            .collect())
+        let mut out = Vec::with_capacity(self.encoders.len());
+        for e in &self.encoders {
+            let mut failure = None;
+            let mut resolve = |name: &str| match super::embeddings::load(ctx, name, e.rule.encoder)
+            {
+                Ok(found) => found,
+                Err(err) => {
+                    failure.get_or_insert(err);
+                    None
+                }
+            };
+            let (chunks, embeds) = tok.tokenize_with_embeddings(text, e.rule.pad, &mut resolve);
+            if let Some(err) = failure {
+                return Err(err);
+            }
+            out.push(Chunks { chunks, embeds });
+        }
+        Ok(out)
     }
 
     /// Encodes per-encoder token chunks and joins the encoders as the
@@ -304,7 +354,7 @@ impl NodeImpl for ClipTextEncode {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
         let text = inputs.string("text")?;
-        let tokens = clip.tokenize(text)?;
+        let tokens = clip.tokenize(ctx, text)?;
         Ok(conditioning(clip.encode_tokens(ctx, &tokens)?))
     }
 }
@@ -335,15 +385,15 @@ impl NodeImpl for ClipTextEncodeSdxl {
                 clip.family.name()
             )));
         };
-        let mut tokens = clip.tokenize(inputs.string("text_g")?)?;
-        tokens[l] = clip.tokenize(inputs.string("text_l")?)?.swap_remove(l);
-        if tokens[l].len() != tokens[gi].len() {
-            let empty = clip.tokenize("")?;
-            while tokens[l].len() < tokens[gi].len() {
-                tokens[l].extend(empty[l].iter().cloned());
+        let mut tokens = clip.tokenize(ctx, inputs.string("text_g")?)?;
+        tokens[l] = clip.tokenize(ctx, inputs.string("text_l")?)?.swap_remove(l);
+        if tokens[l].chunks.len() != tokens[gi].chunks.len() {
+            let empty = clip.tokenize(ctx, "")?;
+            while tokens[l].chunks.len() < tokens[gi].chunks.len() {
+                tokens[l].chunks.extend(empty[l].chunks.iter().cloned());
             }
-            while tokens[gi].len() < tokens[l].len() {
-                tokens[gi].extend(empty[gi].iter().cloned());
+            while tokens[gi].chunks.len() < tokens[l].chunks.len() {
+                tokens[gi].chunks.extend(empty[gi].chunks.iter().cloned());
             }
         }
         let mut entry = clip.encode_tokens(ctx, &tokens)?;
@@ -370,7 +420,7 @@ impl NodeImpl for ClipTextEncodeSdxlRefiner {
 
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
-        let tokens = clip.tokenize(inputs.string("text")?)?;
+        let tokens = clip.tokenize(ctx, inputs.string("text")?)?;
         let mut entry = clip.encode_tokens(ctx, &tokens)?;
         entry.aesthetic_score = Some(inputs.float("ascore")?);
         entry.size.width = size(inputs, "width")?;

@@ -12,6 +12,7 @@ pub mod cond_ops;
 pub mod conditioning;
 pub mod custom;
 pub mod denoiser;
+pub mod embeddings;
 pub mod ksampler;
 pub mod loaders;
 pub mod preview;
