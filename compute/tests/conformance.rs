@@ -201,7 +201,12 @@ fn run_on(
 /// emulated fragments where the adapter has no cooperative matrices.
 fn backends(emulated: bool) -> Vec<(&'static str, Runner, f64)> {
     let mut v: Vec<(&'static str, Runner, f64)> = vec![("cpu", run_cpu, 0.0)];
-    if std::env::var_os("SDKIT_SKIP_WGPU").is_none() {
+    let skip = std::env::var_os("SDKIT_SKIP_WGPU").is_some();
+    if skip {
+        // A developer's opt-out; where an adapter is required (CI), it may
+        // not switch the wgpu half of the suite off.
+        sdkit_compute::backend::wgpu::no_adapter("conformance on wgpu", "SDKIT_SKIP_WGPU is set");
+    } else {
         if let Some(best) = gpu(true) {
             v.push(("wgpu", run_wgpu, 0.0));
             // The fallback path only differs where the best path uses f16

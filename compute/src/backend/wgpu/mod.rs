@@ -311,41 +311,7 @@ fn rank(t: wgpu::DeviceType) -> u8 {
     }
 }
 
-/// Converts f32 to IEEE half, rounding to nearest even (weights stored as
-/// f16 where the adapter has SHADER_F16).
-pub fn f32_to_f16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u16;
-    let exp = ((b >> 23) & 0xff) as i32;
-    let man = b & 0x7f_ffff;
-    if exp == 0xff {
-        return sign | 0x7c00 | if man != 0 { 0x200 } else { 0 };
-    }
-    let e = exp - 127 + 15;
-    if e >= 0x1f {
-        return sign | 0x7c00;
-    }
-    if e <= 0 {
-        if e < -10 {
-            return sign;
-        }
-        let m = man | 0x80_0000;
-        let shift = (14 - e) as u32;
-        let half = 1u32 << (shift - 1);
-        let rest = m & ((1u32 << shift) - 1);
-        let mut v = m >> shift;
-        if rest > half || (rest == half && v & 1 == 1) {
-            v += 1;
-        }
-        return sign | v as u16;
-    }
-    let mut v = ((e as u32) << 10) | (man >> 13);
-    let rest = man & 0x1fff;
-    if rest > 0x1000 || (rest == 0x1000 && v & 1 == 1) {
-        v += 1;
-    }
-    sign | v as u16
-}
+pub use crate::weights::f32_to_f16_bits;
 
 /// Backend options.
 #[derive(Clone, Debug)]
