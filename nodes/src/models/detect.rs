@@ -394,26 +394,63 @@ fn embedding_table(s: &Shapes, name: &str) -> Result<Option<(usize, usize)>, Det
     }
 }
 
-/// CLIP text encoder config under `prefix` (e.g.
-/// `cond_stage_model.transformer.text_model.`).
-pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, DetectError> {
-    let emb = format!("{prefix}embeddings.token_embedding.weight");
-    let Some((vocab, width)) = embedding_table(s, &emb)? else {
+/// The sizes shapes show of a text transformer.
+struct Tower {
+    vocab: usize,
+    width: usize,
+    layers: usize,
+    positions: usize,
+    intermediate: usize,
+}
+
+/// Key names of a text transformer layout (relative to its prefix).
+struct Layout {
+    token_table: &'static str,
+    positions: &'static str,
+    layers: &'static str,
+    fc1: &'static str,
+}
+
+const HF_CLIP: Layout = Layout {
+    token_table: "embeddings.token_embedding.weight",
+    positions: "embeddings.position_embedding.weight",
+    layers: "encoder.layers.",
+    fc1: "encoder.layers.0.mlp.fc1.weight",
+};
+
+const OPEN_CLIP: Layout = Layout {
+    token_table: "token_embedding.weight",
+    positions: "positional_embedding",
+    layers: "transformer.resblocks.",
+    fc1: "transformer.resblocks.0.mlp.c_fc.weight",
+};
+
+fn tower(s: &Shapes, prefix: &str, l: &Layout) -> Result<Option<Tower>, DetectError> {
+    let Some((vocab, width)) = embedding_table(s, &format!("{prefix}{}", l.token_table))? else {
         return Ok(None);
     };
-    let layers = count_blocks(s, &format!("{prefix}encoder.layers."));
-    let max_positions = dim(
+    let positions = dim(
         s,
-        &format!("{prefix}embeddings.position_embedding.weight"),
+        &format!("{prefix}{}", l.positions),
         0,
         "[positions, width]",
     )?;
-    let intermediate = dim(
-        s,
-        &format!("{prefix}encoder.layers.0.mlp.fc1.weight"),
-        0,
-        "[intermediate, width]",
-    )?;
+    let intermediate = dim(s, &format!("{prefix}{}", l.fc1), 0, "[intermediate, width]")?;
+    Ok(Some(Tower {
+        vocab,
+        width,
+        layers: count_blocks(s, &format!("{prefix}{}", l.layers)),
+        positions,
+        intermediate,
+    }))
+}
+
+/// CLIP text encoder config under `prefix` (e.g.
+/// `cond_stage_model.transformer.text_model.`).
+pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, DetectError> {
+    let Some(t) = tower(s, prefix, &HF_CLIP)? else {
+        return Ok(None);
+    };
     let projection = s
         .get(&format!(
             "{}text_projection.weight",
@@ -421,12 +458,12 @@ pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, Detec
         ))
         .and_then(|sh| sh.first().copied());
     Ok(Some(ClipConfig {
-        vocab,
-        width,
-        layers,
-        max_positions,
-        heads: (width / 64).max(1),
-        intermediate,
+        vocab: t.vocab,
+        width: t.width,
+        layers: t.layers,
+        max_positions: t.positions,
+        heads: (t.width / 64).max(1),
+        intermediate: t.intermediate,
         gelu: false,
         projection,
     }))
@@ -435,23 +472,9 @@ pub fn clip_config(s: &Shapes, prefix: &str) -> Result<Option<ClipConfig>, Detec
 /// OpenCLIP text encoder config under `prefix` (SD 2.x:
 /// `cond_stage_model.model.`; SDXL: `conditioner.embedders.1.model.`).
 pub fn open_clip_config(s: &Shapes, prefix: &str) -> Result<Option<OpenClipConfig>, DetectError> {
-    let emb = format!("{prefix}token_embedding.weight");
-    let Some((vocab, width)) = embedding_table(s, &emb)? else {
+    let Some(t) = tower(s, prefix, &OPEN_CLIP)? else {
         return Ok(None);
     };
-    let layers = count_blocks(s, &format!("{prefix}transformer.resblocks."));
-    let max_positions = dim(
-        s,
-        &format!("{prefix}positional_embedding"),
-        0,
-        "[positions, width]",
-    )?;
-    let intermediate = dim(
-        s,
-        &format!("{prefix}transformer.resblocks.0.mlp.c_fc.weight"),
-        0,
-        "[intermediate, width]",
-    )?;
     let projection = dim(
         s,
         &format!("{prefix}text_projection"),
@@ -459,12 +482,12 @@ pub fn open_clip_config(s: &Shapes, prefix: &str) -> Result<Option<OpenClipConfi
         "[width, projection]",
     )?;
     Ok(Some(OpenClipConfig {
-        vocab,
-        width,
-        layers,
-        max_positions,
-        heads: (width / 64).max(1),
-        intermediate,
+        vocab: t.vocab,
+        width: t.width,
+        layers: t.layers,
+        max_positions: t.positions,
+        heads: (t.width / 64).max(1),
+        intermediate: t.intermediate,
         projection,
     }))
 }
