@@ -462,8 +462,6 @@ pub struct TensorPatch {
     pub layer: Arc<LoraLayer>,
     pub strength: f64,
     pub rows: Option<(usize, usize)>,
-    /// Identifies the layer's file for cache keys.
-    pub source: String,
 }
 
 /// Applies `patches` in order to `w` (f32, row-major).

@@ -92,7 +92,6 @@ fn model_patches(
     file: &SafeTensors,
     model: &Model,
     strength: f64,
-    source: &str,
 ) -> Result<Loaded, NodeError> {
     if model.file.cast.is_some() {
         return Err(NodeError::invalid(
@@ -107,14 +106,13 @@ fn model_patches(
         .map(|(n, _)| n)
         .collect();
     let map = keys::unet_keys(&model.unet, &model.prefix, names.iter().map(String::as_str));
-    patches_from(file, &map, strength, source)
+    patches_from(file, &map, strength)
 }
 
 fn patches_from(
     file: &SafeTensors,
     map: &HashMap<String, Target>,
     strength: f64,
-    source: &str,
 ) -> Result<Loaded, NodeError> {
     let loaded = lora::load(file, map).map_err(NodeError::invalid)?;
     let all: BTreeSet<String> = file.tensors().map(|t| t.name.clone()).collect();
@@ -130,7 +128,6 @@ fn patches_from(
                     layer,
                     strength,
                     rows: t.rows,
-                    source: source.to_string(),
                 },
             )
         })
@@ -184,7 +181,7 @@ impl NodeImpl for LoraLoader {
             ]));
         }
         let file = open_lora(ctx, name)?;
-        let (mp, mut used) = model_patches(&file, &model, sm, name)?;
+        let (mp, mut used) = model_patches(&file, &model, sm)?;
         let mut clip_out = (*clip).clone();
         let parts: Vec<_> = clip
             .encoders
@@ -198,7 +195,7 @@ impl NodeImpl for LoraLoader {
                 .filter(|(_, (e, _))| *e == i)
                 .map(|(k, (_, t))| (k.clone(), t.clone()))
                 .collect();
-            let (cp, u) = patches_from(&file, &map, sc, name)?;
+            let (cp, u) = patches_from(&file, &map, sc)?;
             used.extend(u);
             if sc != 0.0 {
                 enc.patches = Arc::new(enc.patches.with(cp));
@@ -232,7 +229,7 @@ impl NodeImpl for LoraLoaderModelOnly {
             )]));
         }
         let file = open_lora(ctx, name)?;
-        let (mp, used) = model_patches(&file, &model, sm, name)?;
+        let (mp, used) = model_patches(&file, &model, sm)?;
         report_unused(ctx, name, &file, &used);
         Ok(NodeOutput::values(vec![opaque(
             SocketType::Model,
