@@ -547,19 +547,8 @@ def without_loras(prompt):
 
 
 def main():
-    fp64 = "--fp64-unet" in sys.argv
-    perturb = "--perturb-unet" in sys.argv
+    fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    sys.meta_path.insert(0, sd1._StubFinder())
-    sys.path.insert(0, COMFY)
-    sys.argv = [sys.argv[0], "--cpu"] + (["--fp64-unet"] if fp64 else [])
-    import comfy.options
-    comfy.options.enable_args_parsing()
-    import torch
-    torch.set_grad_enabled(False)
-    import comfy.sd  # noqa: F401
-    if perturb:
-        sd1.install_perturbation(torch)
     import folder_paths
     import nodes
 
@@ -570,19 +559,7 @@ def main():
         fam.patch_comfy(tmp, torch)
         # The base checkpoints, as the SD1 / families scripts build them.
         ckpt_dir = os.path.join(tmp, "checkpoints")
-        os.makedirs(ckpt_dir)
-        sd1_digest = sd1.write_checkpoint(os.path.join(ckpt_dir, sd1.CKPT),
-                                          sd1.checkpoint_keys(torch), torch)
-        (xl_spec,) = [s for s in fam.file_specs(torch) if s[1] == "tiny_sdxl.safetensors"]
-        _, xl_name, parts, xl_scaled = xl_spec
-        xl_keys = sorted((p + k, s) for p, ks in parts for k, s in ks)
-        xl_digest = fam.write_file(os.path.join(ckpt_dir, xl_name), xl_keys, xl_scaled, torch)
-        ref = os.path.join(ROOT, "tests", "reference")
-        with open(os.path.join(ref, "sd1", "expected.json")) as f:
-            assert json.load(f)["checksum_f16"] == str(sd1_digest)
-        with open(os.path.join(ref, "families", "expected.json")) as f:
-            (xl_file,) = [x for x in json.load(f)["files"] if x["name"] == xl_name]
-            assert xl_file["checksum_f16"] == str(xl_digest)
+        xl_name = fam.write_base_checkpoints(ckpt_dir, torch)
         folder_paths.add_model_folder_path("checkpoints", ckpt_dir, is_default=True)
         folder_paths.set_input_directory(os.path.join(ROOT, "graphs", "input"))
 

@@ -204,6 +204,27 @@ def patch_comfy(tmp):
     comfy.sd.VAE.__init__ = tiny_vae
 
 
+def start_comfy():
+    """ComfyUI importable on the CPU, for a reference script's main():
+    media-only packages stubbed, its argument parser given `--cpu` (and
+    `--fp64-unet` for a `--fp64-unet` run), gradients off, and for a
+    `--perturb-unet` run the perturbation installed. Returns (fp64,
+    perturb, torch)."""
+    fp64 = "--fp64-unet" in sys.argv
+    perturb = "--perturb-unet" in sys.argv
+    sys.meta_path.insert(0, _StubFinder())
+    sys.path.insert(0, COMFY)
+    sys.argv = [sys.argv[0], "--cpu"] + (["--fp64-unet"] if fp64 else [])
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    import torch
+    torch.set_grad_enabled(False)
+    import comfy.sd  # noqa: F401
+    if perturb:
+        install_perturbation(torch)
+    return fp64, perturb, torch
+
+
 def install_perturbation(torch):
     """`--perturb-unet`: the initial noise and every UNet output times
     (1 + 2^-23 z), z standard normal from one seeded generator."""
