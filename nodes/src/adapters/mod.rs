@@ -88,11 +88,7 @@ fn open_lora(ctx: &NodeContext, name: &str) -> Result<SafeTensors, NodeError> {
 
 /// The patches a LoRA file makes on a model at `strength`, and the file
 /// keys they used.
-fn model_patches(
-    file: &SafeTensors,
-    model: &Model,
-    strength: f64,
-) -> Result<Loaded, NodeError> {
+fn model_patches(file: &SafeTensors, model: &Model, strength: f64) -> Result<Loaded, NodeError> {
     if model.file.cast.is_some() {
         return Err(NodeError::invalid(
             "LoRA on a model loaded with an fp8 weight_dtype is not supported yet (ComfyUI rounds the patched weights back to fp8 stochastically)",
