@@ -288,6 +288,65 @@ fn standalone_vae_file_decodes_the_same() {
     check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
 }
 
+/// A `.ckpt` copy of the checkpoint (torch.save's zip layout, Lightning's
+/// `state_dict` wrapper) and a `.pt` copy of its VAE, read by the
+/// restricted pickle reader, give the same image as the safetensors file.
+#[test]
+fn ckpt_copy_gives_the_same_image() {
+    use support::torch_save::{write as torch_save, Obj};
+    let (base, fx) = setup();
+    let models = base.path().join("models");
+    let file = SafeTensors::open(&models.join("checkpoints/tiny_sd1.safetensors")).expect("ckpt");
+    let blobs: Vec<(String, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.shape.clone(),
+                file.raw(&t.name).expect("raw").to_vec(),
+            )
+        })
+        .collect();
+    let dict = |prefix: &str| {
+        Obj::Dict(
+            blobs
+                .iter()
+                .filter_map(|(n, s, b)| {
+                    let name = n.strip_prefix(prefix)?;
+                    Some((name, Obj::Tensor(DType::F16, s.as_slice(), b.as_slice())))
+                })
+                .collect(),
+        )
+    };
+    torch_save(
+        &models.join("checkpoints/tiny_sd1_copy.ckpt"),
+        &Obj::Dict(vec![
+            ("epoch", Obj::Int(6)),
+            ("global_step", Obj::Int(470000)),
+            ("state_dict", dict("")),
+        ]),
+    );
+    std::fs::create_dir_all(models.join("vae")).expect("mkdir");
+    torch_save(&models.join("vae/tiny_vae.pt"), &dict("first_stage_model."));
+    std::fs::remove_file(models.join("checkpoints/tiny_sd1.safetensors")).expect("rm");
+    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
+    let mut g: serde_json::Value = serde_json::from_str(&text).expect("json");
+    g["1"]["inputs"]["ckpt_name"] = serde_json::json!("tiny_sd1_copy.ckpt");
+    g["20"] = serde_json::json!({"class_type": "VAELoader", "inputs": {"vae_name": "tiny_vae.pt"}});
+    g["7"]["inputs"]["vae"] = serde_json::json!(["20", 0]);
+    let graph = base.path().join("ckpt.json");
+    std::fs::write(&graph, g.to_string()).expect("write graph");
+    let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+        .args(["run", "-q", "--precision", "f32", "--device", "cpu"])
+        .arg(&graph)
+        .arg("--base-dir")
+        .arg(base.path())
+        .output()
+        .expect("runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
+}
+
 /// Bad model files fail the loader with a message naming the file and the
 /// problem; nothing panics.
 #[test]
@@ -325,7 +384,7 @@ fn bad_checkpoints_are_clear_errors() {
         .collect();
     write_safetensors(&dir.join("partial.safetensors"), &tensors, &BTreeMap::new()).expect("write");
     for (name, expect) in [
-        ("old.ckpt", "pickle"),
+        ("old.ckpt", "cannot read this torch checkpoint"),
         ("cut.safetensors", "cut.safetensors"),
         ("partial.safetensors", "partial.safetensors"),
         ("missing.safetensors", "Value not in list"),

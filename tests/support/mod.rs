@@ -4,6 +4,8 @@
 //! comparing SaveLatent/SaveImage outputs with ComfyUI's.
 #![allow(dead_code)]
 
+pub mod torch_save;
+
 use sdkit_compute::backend::wgpu::f32_to_f16_bits;
 use sdkit_compute::weights::{write_safetensors, DType, SafeTensors, TensorData};
 use std::collections::BTreeMap;

@@ -27,11 +27,14 @@
 //!
 //! # Pickle checkpoints
 //!
-//! `.ckpt`, `.pt`, `.pth` and `.bin` files are Python pickles (often inside a
-//! zip archive), and loading a pickle can run arbitrary code. They are refused
-//! with [`WeightError::PickleRefused`], recognized by extension and, for any
-//! file that is not a valid safetensors file, by magic bytes; they are never
-//! unpickled.
+//! `.ckpt`, `.pt`, `.pth` and `.bin` files are `torch.save` pickles, and
+//! unpickling one with Python can run arbitrary code. They are read here by
+//! a restricted reader ([`pickle`], [`torch_file`]) that builds only
+//! tensors and plain containers and executes nothing; a file that names any
+//! other global is refused with [`WeightError::PickleRefused`], naming it.
+//! Their tensors are then byte ranges of the mapped file like a
+//! safetensors file's, so everything above this module sees one kind of
+//! file.
 
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
@@ -42,7 +45,9 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 mod convert;
+mod pickle;
 mod store;
+mod torch_file;
 mod write;
 
 use convert::decode_f32;
@@ -75,14 +80,24 @@ pub enum WeightError {
         #[source]
         source: std::io::Error,
     },
-    /// A pickle checkpoint: refused without being unpickled.
+    /// A pickle file names a global outside what a state dict needs
+    /// (`os.system`, `builtins.eval`, a model class): refused, nothing run.
     #[error(
-        "{}: refusing to load {kind}: pickle checkpoints (.ckpt, .pt, .pth, .bin) can execute \
-         arbitrary code when loaded, so sdkit never unpickles them; convert the file to \
-         .safetensors with a tool you trust and load that instead",
+        "{}: refusing to load: the pickle names `{global}` (at byte {offset} of its object \
+         pickle); sdkit rebuilds only tensors and plain containers from .ckpt/.pt/.bin files and \
+         never runs code a file names. If you trust the file, convert it to .safetensors with \
+         a tool you trust",
         .path.display()
     )]
-    PickleRefused { path: PathBuf, kind: &'static str },
+    PickleRefused {
+        path: PathBuf,
+        global: String,
+        offset: usize,
+    },
+    /// A pickle checkpoint that is damaged or uses something this reader
+    /// does not support.
+    #[error("{}: cannot read this torch checkpoint: {reason}", .path.display())]
+    InvalidPickle { path: PathBuf, reason: String },
     /// Shorter than the 8-byte header length.
     #[error("{}: {len} bytes is too short for a safetensors file (needs an 8-byte header length)", .path.display())]
     FileTooShort { path: PathBuf, len: u64 },
@@ -297,7 +312,9 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
     /// Absolute byte range within the file (header included), so a reader
     /// can also `pread` it without the mapping. Its length is always
-    /// `numel() * dtype.size_bytes()`.
+    /// `numel() * dtype.size_bytes()`. (A torch checkpoint's non-contiguous
+    /// tensor was copied at load: its range starts at or past the file's
+    /// length and indexes that copy.)
     pub byte_range: Range<usize>,
 }
 
@@ -338,6 +355,9 @@ pub struct SafeTensors {
     header_len: usize,
     tensors: BTreeMap<String, TensorInfo>,
     metadata: BTreeMap<String, String>,
+    /// Copies of a torch checkpoint's non-contiguous tensors, addressed by
+    /// byte ranges that start at the file's length.
+    extra: Vec<u8>,
 }
 
 impl fmt::Debug for SafeTensors {
@@ -353,23 +373,13 @@ impl fmt::Debug for SafeTensors {
 }
 
 impl SafeTensors {
-    /// Maps the file and parses its header; reads no tensor data.
+    /// Maps the file and parses its header (or, for a torch checkpoint, its
+    /// object pickle); reads no tensor data.
     ///
-    /// Pickle checkpoints (see [`PICKLE_EXTENSIONS`]) are refused by their
-    /// extension before the file is opened, and by their magic bytes if a
-    /// file under another name is not valid safetensors.
+    /// A file is read as a torch checkpoint when it is not valid
+    /// safetensors and either its extension is one of [`PICKLE_EXTENSIONS`]
+    /// or its bytes start like one (a zip archive, a pickle stream).
     pub fn open(path: &Path) -> Result<Self, WeightError> {
-        if let Some(ext) = path.extension().and_then(|e| e.to_str()) {
-            if PICKLE_EXTENSIONS
-                .iter()
-                .any(|p| p.eq_ignore_ascii_case(ext))
-            {
-                return Err(WeightError::PickleRefused {
-                    path: path.to_path_buf(),
-                    kind: "a pickle checkpoint (by its extension)",
-                });
-            }
-        }
         let io = |source| WeightError::Io {
             path: path.to_path_buf(),
             source,
@@ -397,24 +407,44 @@ impl SafeTensors {
         Self::from_backing(path.to_path_buf(), Backing::Mapped(map))
     }
 
-    /// Parses a safetensors file held in memory. `name` stands for the path
-    /// in errors. Pickle data is recognized by its magic bytes.
+    /// Parses a weight file held in memory. `name` stands for the path in
+    /// errors, and its extension counts as [`SafeTensors::open`] says.
     pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<Self, WeightError> {
         Self::from_backing(PathBuf::from(name), Backing::Owned(bytes))
     }
 
     fn from_backing(path: PathBuf, backing: Backing) -> Result<Self, WeightError> {
         let bytes = backing.bytes();
-        let parsed = match parse_header(&path, bytes) {
-            Ok(parsed) => parsed,
-            // Only a file that is not valid safetensors is sniffed: a valid
-            // header whose length happens to start with 0x80 stays valid.
-            Err(err) => {
-                return Err(match pickle_kind(bytes) {
-                    Some(kind) => WeightError::PickleRefused { path, kind },
-                    None => err,
-                })
+        let pickle_name = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|ext| {
+                PICKLE_EXTENSIONS
+                    .iter()
+                    .any(|p| p.eq_ignore_ascii_case(ext))
+            });
+        // A pickle name is read as torch.save unless the bytes are valid
+        // safetensors (protocol 0/1 pickles have no magic bytes); any other
+        // name only when it is not safetensors and starts like a pickle.
+        let parsed = if pickle_name && bytes.starts_with(b"PK\x03\x04") {
+            None
+        } else {
+            match parse_header(&path, bytes) {
+                Ok(parsed) => Some(parsed),
+                Err(err) if !pickle_name && !looks_like_pickle(bytes) => return Err(err),
+                Err(_) => None,
             }
+        };
+        let Some(parsed) = parsed else {
+            let loaded = torch_file::read(&path, bytes)?;
+            return Ok(SafeTensors {
+                path,
+                header_len: 0,
+                tensors: loaded.tensors,
+                metadata: BTreeMap::new(),
+                backing,
+                extra: loaded.extra,
+            });
         };
         Ok(SafeTensors {
             path,
@@ -422,6 +452,7 @@ impl SafeTensors {
             tensors: parsed.tensors,
             metadata: parsed.metadata,
             backing,
+            extra: Vec::new(),
         })
     }
 
@@ -495,16 +526,20 @@ impl SafeTensors {
     fn raw_of(&self, info: &TensorInfo) -> Result<&[u8], WeightError> {
         // The range was checked against the length when parsing; `get`
         // keeps even a broken invariant from panicking.
-        self.backing
-            .bytes()
-            .get(info.byte_range.clone())
-            .ok_or_else(|| WeightError::OffsetsOutOfRange {
-                path: self.path.clone(),
-                tensor: info.name.clone(),
-                begin: info.byte_range.start as u64,
-                end: info.byte_range.end as u64,
-                data_len: self.file_len() as u64,
-            })
+        let file = self.backing.bytes();
+        let r = info.byte_range.clone();
+        let bytes = if r.start >= file.len() && !r.is_empty() {
+            self.extra.get(r.start - file.len()..r.end - file.len())
+        } else {
+            file.get(r)
+        };
+        bytes.ok_or_else(|| WeightError::OffsetsOutOfRange {
+            path: self.path.clone(),
+            tensor: info.name.clone(),
+            begin: info.byte_range.start as u64,
+            end: info.byte_range.end as u64,
+            data_len: self.file_len() as u64,
+        })
     }
 
     /// One tensor converted to `f32`, row-major.
@@ -786,14 +821,8 @@ fn check_overlaps(path: &Path, tensors: &BTreeMap<String, TensorInfo>) -> Result
     Ok(())
 }
 
-/// What the magic bytes say about a file that is not valid safetensors.
-fn pickle_kind(bytes: &[u8]) -> Option<&'static str> {
-    match bytes {
-        // torch.save since PyTorch 1.6: a zip archive holding data.pkl.
-        [b'P', b'K', 3, 4, ..] => Some("a zip archive (a torch.save checkpoint)"),
-        // Pickle protocols 2 to 5 start with the PROTO opcode 0x80 and the
-        // protocol number; older torch.save files are bare pickles.
-        [0x80, 2..=5, ..] => Some("a pickle stream"),
-        _ => None,
-    }
+/// Whether the bytes start like a `torch.save` file: a zip archive (since
+/// PyTorch 1.6) or a pickle stream of protocol 2 to 5 (older files).
+fn looks_like_pickle(bytes: &[u8]) -> bool {
+    matches!(bytes, [b'P', b'K', 3, 4, ..] | [0x80, 2..=5, ..])
 }

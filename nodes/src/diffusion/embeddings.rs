@@ -3,7 +3,8 @@
 //! NAME with `.safetensors`, `.pt` or `.bin` appended; the tensor under the
 //! encoder's key (`clip_l`, `clip_g`, `clip_h`: SDXL files carry one per
 //! encoder), else the file's first tensor (`emb_params` of SD1/SD2
-//! files); one vector per row.
+//! files); one vector per row. A1111's `.pt` files are read by the
+//! restricted pickle reader (nothing in them runs).
 
 use crate::models::family::TextEncoder;
 use sdkit_compute::weights::SafeTensors;
@@ -17,6 +18,24 @@ fn key(role: TextEncoder) -> &'static str {
         TextEncoder::OpenClipH => "clip_h",
         TextEncoder::T5Xxl => "t5xxl",
     }
+}
+
+/// ComfyUI's choice of tensor: A1111's `string_to_param`, else the
+/// encoder's key, else a LoRA-bundled embedding, else the first tensor
+/// (names are sorted).
+fn choose(names: &[&str], key: &str) -> Option<String> {
+    let pick = names
+        .iter()
+        .find(|n| n.starts_with("string_to_param."))
+        .or_else(|| names.iter().find(|n| **n == key))
+        .or_else(|| {
+            names.iter().find(|n| {
+                n.starts_with("bundle_emb.")
+                    && (n.ends_with(".string_to_param.*") || n.ends_with(&format!(".{key}")))
+            })
+        })
+        .or_else(|| names.first());
+    pick.map(|n| n.to_string())
 }
 
 /// The vectors of embedding `name` for the encoder `role`; None (with
@@ -38,25 +57,11 @@ pub fn load(
         );
         return Ok(None);
     };
-    let is_safetensors = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
-    if !is_safetensors {
-        return Err(NodeError::file(
-            &path,
-            "embedding files in pickle form (.pt, .bin) are not supported yet; use the .safetensors version",
-        ));
-    }
+    // `.pt`/`.bin` files go through the restricted pickle reader, which
+    // flattens A1111's {"string_to_param": {"*": tensor}} to dotted names.
     let file = SafeTensors::open(&path).map_err(|e| NodeError::invalid(e.to_string()))?;
-    let mut names: Vec<&str> = file.tensors().map(|t| t.name.as_str()).collect();
-    names.sort_unstable();
-    let Some(chosen) = names
-        .iter()
-        .find(|n| **n == key(role))
-        .or_else(|| names.first())
-        .map(|n| n.to_string())
-    else {
+    let names: Vec<&str> = file.tensors().map(|t| t.name.as_str()).collect();
+    let Some(chosen) = choose(&names, key(role)) else {
         return Err(NodeError::file(&path, "the embedding file holds no tensor"));
     };
     let info = file
