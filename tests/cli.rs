@@ -19,12 +19,15 @@ fn root() -> PathBuf {
 /// A fresh base folder with the example input image.
 fn base_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
+    // Every example input (the graphs load them by name).
     std::fs::create_dir_all(dir.path().join("input")).expect("mkdir");
-    std::fs::copy(
-        root().join("graphs/input/example.png"),
-        dir.path().join("input/example.png"),
-    )
-    .expect("copy input");
+    for e in std::fs::read_dir(root().join("graphs/input")).expect("graphs/input") {
+        let e = e.expect("entry");
+        if e.path().is_file() {
+            std::fs::copy(e.path(), dir.path().join("input").join(e.file_name()))
+                .expect("copy input");
+        }
+    }
     dir
 }
 

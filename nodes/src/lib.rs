@@ -125,6 +125,15 @@ pub fn library() -> NodeLibrary {
     lib.implement("SDTurboScheduler", diffusion::custom::SdTurboScheduler);
     lib.implement("VAEDecode", diffusion::vae::VaeDecode);
     lib.implement("VAEEncode", diffusion::vae::VaeEncode);
+    lib.implement(
+        "VAEEncodeForInpaint",
+        diffusion::inpaint::VaeEncodeForInpaint,
+    );
+    lib.implement("SetLatentNoiseMask", diffusion::inpaint::SetLatentNoiseMask);
+    lib.implement(
+        "InpaintModelConditioning",
+        diffusion::inpaint::InpaintModelConditioning,
+    );
     lib.implement("VAEDecodeTiled", diffusion::vae::VaeDecodeTiled);
     lib.implement("VAEEncodeTiled", diffusion::vae::VaeEncodeTiled);
     lib.implement("ImageScale", image::ImageScale);

@@ -178,11 +178,12 @@ pub fn f32s(s: &str) -> Vec<f32> {
 /// Copies the example input image into `base/input`.
 pub fn copy_input(base: &Path) {
     std::fs::create_dir_all(base.join("input")).expect("mkdir");
-    std::fs::copy(
-        root().join("graphs/input/example.png"),
-        base.join("input/example.png"),
-    )
-    .expect("copy");
+    for e in std::fs::read_dir(root().join("graphs/input")).expect("graphs/input") {
+        let e = e.expect("entry");
+        if e.path().is_file() {
+            std::fs::copy(e.path(), base.join("input").join(e.file_name())).expect("copy");
+        }
+    }
 }
 
 /// Runs graphs/`graph`.json with `sdkit run` in f32 on `device`.

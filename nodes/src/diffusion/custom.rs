@@ -145,17 +145,6 @@ impl NodeImpl for SetFirstSigma {
     }
 }
 
-/// The `latent_image` input; noise masks (inpainting) are refused.
-fn unmasked_latent(inputs: &Inputs) -> Result<&Latent, NodeError> {
-    let latent = inputs.latent("latent_image")?;
-    if latent.noise_mask.is_some() {
-        return Err(NodeError::invalid(
-            "latents with a noise mask (inpainting) are not supported yet",
-        ));
-    }
-    Ok(latent)
-}
-
 /// SamplerCustom's two outputs: the sampled latent and the last step's
 /// denoised estimate (the sample itself when there was no step), both
 /// keeping the input's batch index.
@@ -191,7 +180,7 @@ impl NodeImpl for SamplerCustom {
         let negative: Arc<Conditioning> = input(inputs, "negative", "CONDITIONING")?;
         let sampler: Arc<Sampler> = input(inputs, "sampler", "SAMPLER")?;
         let sigmas: Arc<Sigmas> = input(inputs, "sigmas", "SIGMAS")?;
-        let latent = unmasked_latent(inputs)?;
+        let latent = inputs.latent("latent_image")?;
         let seed = inputs.int("noise_seed")?;
         let seed = u64::try_from(seed)
             .map_err(|_| NodeError::invalid(format!("seed {seed} is out of range")))?;
@@ -304,7 +293,7 @@ impl NodeImpl for SamplerCustomAdvanced {
         let guider: Arc<Guider> = input(inputs, "guider", "GUIDER")?;
         let sampler: Arc<Sampler> = input(inputs, "sampler", "SAMPLER")?;
         let sigmas: Arc<Sigmas> = input(inputs, "sigmas", "SIGMAS")?;
-        let latent = unmasked_latent(inputs)?;
+        let latent = inputs.latent("latent_image")?;
         let (noise_seed, seed) = match *noise {
             NoiseSource::Random(s) => (Some(s), s),
             NoiseSource::Disabled => (None, 0),

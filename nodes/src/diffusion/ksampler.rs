@@ -21,6 +21,7 @@
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
 use super::cond_batch::{self, Item};
+use super::inpaint;
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
@@ -120,11 +121,6 @@ fn common_ksampler(
     let positive: Arc<Conditioning> = input(inputs, "positive", "CONDITIONING")?;
     let negative: Arc<Conditioning> = input(inputs, "negative", "CONDITIONING")?;
     let latent = inputs.latent("latent_image")?;
-    if latent.noise_mask.is_some() {
-        return Err(NodeError::invalid(
-            "latents with a noise mask (inpainting) are not supported yet",
-        ));
-    }
     let mut sigmas = ksampler_sigmas(&model, s.sampler, s.scheduler, s.steps, s.denoise)?;
     // KSampler.sample: cut at last_step (zeroing the end unless leftover
     // noise is wanted), then start at start_step.
@@ -235,10 +231,10 @@ pub fn sample(
     sigmas: &[f32],
 ) -> Result<(Tensor, Option<Tensor>), NodeError> {
     let shape = latent.samples.shape.clone();
-    if shape.len() != 4 || shape[1] != model.unet.in_channels {
+    if shape.len() != 4 || shape[1] != model.latent.channels {
         return Err(NodeError::invalid(format!(
             "latent_image has shape {shape:?}; this model takes [batch, {}, height, width]",
-            model.unet.in_channels
+            model.latent.channels
         )));
     }
     if sigmas.len() < 2 {
@@ -280,6 +276,24 @@ pub fn sample(
         s0
     };
     let flow = model.prediction == Prediction::Flow;
+    let dims = [b, shape[1], h, w];
+    // Inpainting: the latent's mask at the latent size, and the noise the
+    // masked-out part is renoised with each call (ddim draws its own).
+    let denoise_mask = match &latent.noise_mask {
+        Some(m) => Some(inpaint::denoise_mask(m, dims)?),
+        None => None,
+    };
+    let inpaint_noise = match (&denoise_mask, sampler) {
+        (Some(_), Sampler::Ddim) => prepare_noise(seed.wrapping_add(1), &shape, &ctx.cancel)?,
+        (Some(_), _) => noise.clone(),
+        (None, _) => Vec::new(),
+    };
+    let blend = denoise_mask.as_deref().map(|mask| inpaint::Blend {
+        mask,
+        noise: &inpaint_noise,
+        latent: &latent_in,
+        flow,
+    });
     let x0: Vec<f32> = noise
         .iter()
         .zip(&latent_in)
@@ -324,7 +338,6 @@ pub fn sample(
             model.unet.context_dim
         )));
     }
-    let dims = [b, shape[1], h, w];
     let items: Vec<Item<'_>> = cond_batch::items(model, &conds, (b, shape[1], h, w))?
         .into_iter()
         .filter(|i| i.cond < slots)
@@ -367,6 +380,30 @@ pub fn sample(
             Ok(feed)
         })
         .collect::<Result<_, NodeError>>()?;
+    // An inpainting model's extra input channels per group, cropped to
+    // each entry's area: [entries × b, extra, ah, aw].
+    let concats: Vec<Option<(usize, Vec<f32>)>> = groups
+        .iter()
+        .map(|g| {
+            let mut out: Option<(usize, Vec<f32>)> = None;
+            for &i in &g.items {
+                let Some(cc) = inpaint::concat_cond(
+                    model,
+                    items[i].model,
+                    denoise_mask.as_deref(),
+                    &latent_in,
+                    dims,
+                )?
+                else {
+                    return Ok(None);
+                };
+                let extra = cc.len() / (b * h * w);
+                let (_, buf) = out.get_or_insert_with(|| (extra, Vec::new()));
+                cond_batch::crop_into(buf, &cc, [b, extra, h, w], items[i].area);
+            }
+            Ok(out)
+        })
+        .collect::<Result<_, NodeError>>()?;
     let before_prepare = ctx.runtime.bytes_uploaded();
     let mut sessions: Vec<Session<'_>> = ctx
         .runtime
@@ -388,7 +425,12 @@ pub fn sample(
         // Per conditioning: Σ denoised·mult and 1e-37 + Σ mult.
         let mut sums = vec![vec![0f32; per_item]; slots];
         let mut counts = vec![vec![1e-37f32; per_item]; slots];
-        for ((g, session), fixed) in groups.iter().zip(sessions.iter_mut()).zip(&feeds) {
+        for (((g, session), fixed), concat) in groups
+            .iter()
+            .zip(sessions.iter_mut())
+            .zip(&feeds)
+            .zip(&concats)
+        {
             let first = &items[g.items[0]];
             if !first.active(sigma) {
                 continue;
@@ -402,6 +444,19 @@ pub fn sample(
                 cond_batch::crop_into(&mut xs, &xin, dims, items[i].area);
                 cond_batch::crop_into(&mut raw, x, dims, items[i].area);
             }
+            // c_concat follows x along channels, row by row.
+            let xs = match concat {
+                Some((extra, cc)) => {
+                    let (ci, ce) = (shape[1] * ah * aw, extra * ah * aw);
+                    let mut joined = Vec::with_capacity(xs.len() + cc.len());
+                    for (xr, cr) in xs.chunks(ci).zip(cc.chunks(ce)) {
+                        joined.extend_from_slice(xr);
+                        joined.extend_from_slice(cr);
+                    }
+                    joined
+                }
+                None => xs,
+            };
             let mut feed = fixed.clone();
             feed.insert("x".to_string(), Arc::new(xs));
             feed.insert("t".to_string(), Arc::new(vec![t; n * b]));
@@ -453,7 +508,14 @@ pub fn sample(
     let new_step = std::cell::Cell::new(true);
     let mut model_call = denoise;
     let denoise = |x: &[f32], sigma: f32| -> Result<Vec<f32>, NodeError> {
-        let out = model_call(x, sigma)?;
+        let out = match &blend {
+            Some(bl) => {
+                let mut out = model_call(&bl.input(x, sigma), sigma)?;
+                bl.output(&mut out);
+                out
+            }
+            None => model_call(x, sigma)?,
+        };
         if new_step.replace(false) {
             *step_x0.borrow_mut() = Some(out.clone());
         }

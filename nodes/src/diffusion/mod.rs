@@ -13,6 +13,7 @@ pub mod conditioning;
 pub mod custom;
 pub mod denoiser;
 pub mod embeddings;
+pub mod inpaint;
 pub mod ksampler;
 pub mod loaders;
 pub mod preview;
@@ -265,6 +266,11 @@ pub struct CondEntry {
     /// which the entry applies.
     pub start_percent: Option<f64>,
     pub end_percent: Option<f64>,
+    /// InpaintModelConditioning: the greyed image's latent `[b, c, h, w]`
+    /// (unscaled) and the mask `[b, 1, H, W]` an inpainting model gets as
+    /// `c_concat` ([`inpaint::concat_cond`]).
+    pub concat_latent_image: Option<Arc<Tensor>>,
+    pub concat_mask: Option<Arc<Tensor>>,
 }
 
 /// An entry's `area`, as ComfyUI stores it: `(height, width, y, x)`.
@@ -303,6 +309,8 @@ impl CondEntry {
             mask: None,
             start_percent: None,
             end_percent: None,
+            concat_latent_image: None,
+            concat_mask: None,
         }
     }
 }

@@ -78,11 +78,13 @@ impl Default for Space {
     }
 }
 
-/// A sampler by ComfyUI name (`_gpu` names alias their base; `ddim` is
-/// Euler, as in ComfyUI).
+/// A sampler by ComfyUI name (`_gpu` names alias their base).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sampler {
     Euler,
+    /// ComfyUI's `ddim`: Euler, except that inpainting blends in fresh
+    /// noise (seed + 1) rather than the initial noise.
+    Ddim,
     EulerAncestral,
     Heun,
     Dpm2,
@@ -124,7 +126,8 @@ pub enum Sampler {
 impl Sampler {
     pub fn from_name(name: &str) -> Option<Sampler> {
         Some(match name.strip_suffix("_gpu").unwrap_or(name) {
-            "euler" | "ddim" => Sampler::Euler,
+            "euler" => Sampler::Euler,
+            "ddim" => Sampler::Ddim,
             "euler_ancestral" => Sampler::EulerAncestral,
             "heun" => Sampler::Heun,
             "dpm_2" => Sampler::Dpm2,
@@ -289,6 +292,9 @@ impl Sampler {
         mut noise: impl FnMut() -> Vec<f32>,
         mut step: impl FnMut(usize, usize) -> Result<(), E>,
     ) -> Result<Vec<f32>, E> {
+        if self == Sampler::Ddim {
+            return Sampler::Euler.run_with_uncond(space, x, sigmas, denoise, uncond, noise, step);
+        }
         let len = x.len();
         let uncond = || uncond().unwrap_or_else(|| vec![0.0; len]);
         if self == Sampler::DpmFast {
@@ -332,7 +338,8 @@ impl Sampler {
                 {
                     x = self.rf_ancestral_step(x, denoised, s, s_next, &mut denoise, &mut noise)?;
                 }
-                Sampler::Euler => {
+                // Ddim runs as Euler (redirected above).
+                Sampler::Euler | Sampler::Ddim => {
                     let dt = s_next - s;
                     for (xv, dv) in x.iter_mut().zip(&denoised) {
                         *xv += to_d(*xv, s, *dv) * dt;

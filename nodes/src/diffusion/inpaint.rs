@@ -1,0 +1,435 @@
+//! Inpainting as ComfyUI does it.
+//!
+//! - **Nodes** (nodes.py): SetLatentNoiseMask attaches a mask to a latent;
+//!   VAEEncodeForInpaint resizes the mask to the image (bilinear), crops
+//!   both to the VAE cell, greys the masked pixels (`(p − 0.5)·(1 −
+//!   round(m)) + 0.5`), encodes, and grows the rounded mask by a box
+//!   kernel for the noise mask; InpaintModelConditioning does the same
+//!   without growing, encodes the original pixels for the latent, and puts
+//!   the greyed latent and the mask on every conditioning entry
+//!   (`concat_latent_image`, `concat_mask`).
+//! - **Sampling** (`KSamplerX0Inpaint`): the latent's mask is resized to
+//!   the latent (bilinear, no crop), repeated over channels and batch
+//!   ([`denoise_mask`]); every model call sees `x·m + (noise·σ + latent)·(1 −
+//!   m)` and returns `out·m + latent·(1 − m)`, where `noise` is the
+//!   initial unscaled noise ([`Blend`]).
+//! - **Inpainting models** (9-channel UNets, `BaseModel.concat_cond`): the
+//!   model input is `x / c_in` followed by `c_concat` = the mask (the
+//!   entry's `concat_mask`, else the sampler's mask; resized with
+//!   `common_upscale` bilinear/center, rounded) and the masked image
+//!   (the entry's `concat_latent_image` in model space, else the sampler's
+//!   latent); without any mask, ones and the "blank" latent
+//!   ([`concat_cond`]).
+
+use super::{input, opaque, CondEntry, Conditioning, Model, Vae};
+use crate::imageops::{common_upscale, Crop, SourceLayout, Tensor4, UpscaleMethod};
+use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
+use sdkit_schema::SocketType;
+use std::sync::Arc;
+
+/// Bilinear resize of `n` single-channel planes `[n, h, w]` to `[n, oh,
+/// ow]` (`F.interpolate` when `crop` is disabled, `common_upscale` with
+/// its centre crop otherwise).
+fn resize_planes(
+    data: &[f32],
+    n: usize,
+    (h, w): (usize, usize),
+    (oh, ow): (usize, usize),
+    crop: Crop,
+) -> Result<Vec<f32>, NodeError> {
+    if (h, w) == (oh, ow) {
+        return Ok(data.to_vec());
+    }
+    let t = Tensor4 {
+        b: n,
+        h,
+        w,
+        c: 1,
+        data: data.to_vec(),
+    };
+    common_upscale(
+        &t,
+        ow,
+        oh,
+        UpscaleMethod::Bilinear,
+        crop,
+        SourceLayout::ContiguousNchw,
+    )
+    .map(|t| t.data)
+    .map_err(|e| NodeError::invalid(format!("resizing a mask: {e}")))
+}
+
+/// `(batch, h, w)` of a MASK `[b, h, w]` or a noise mask `[b, 1, h, w]`.
+fn mask_dims(m: &Tensor) -> Result<(usize, usize, usize), NodeError> {
+    match m.shape.as_slice() {
+        [b, h, w] | [b, 1, h, w] => Ok((*b, *h, *w)),
+        [h, w] => Ok((1, *h, *w)),
+        s => Err(NodeError::invalid(format!(
+            "a mask of shape {s:?}: expected [batch, height, width]"
+        ))),
+    }
+}
+
+/// `repeat_to_batch_size`: the first `b` items, the batch tiled as needed.
+fn repeat_to_batch(data: &[f32], per: usize, b: usize) -> Vec<f32> {
+    let n = data.len() / per.max(1);
+    (0..b)
+        .flat_map(|i| data[(i % n) * per..(i % n + 1) * per].iter().copied())
+        .collect()
+}
+
+/// `resize_to_batch_size`: items picked by nearest index.
+fn resize_to_batch(data: &[f32], per: usize, b: usize) -> Vec<f32> {
+    let n = data.len() / per.max(1);
+    if n == b || n == 0 {
+        return data.to_vec();
+    }
+    let pick = |i: usize| -> usize {
+        if b <= 1 {
+            i
+        } else if b < n {
+            let scale = (n - 1) as f64 / (b - 1) as f64;
+            (round_half_even(i as f64 * scale) as usize).min(n - 1)
+        } else {
+            let scale = n as f64 / b as f64;
+            (((i as f64 + 0.5) * scale).floor() as usize).min(n - 1)
+        }
+    };
+    (0..b)
+        .flat_map(|i| {
+            let j = pick(i);
+            data[j * per..(j + 1) * per].iter().copied()
+        })
+        .collect()
+}
+
+fn round_half_even(v: f64) -> f64 {
+    let r = v.round();
+    if (v - v.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - v.signum()
+    } else {
+        r
+    }
+}
+
+/// `comfy.utils.reshape_mask` for a latent `[b, c, h, w]`: bilinear to
+/// the latent size (no crop), repeated over channels, tiled over the batch.
+pub fn denoise_mask(mask: &Tensor, [b, c, h, w]: [usize; 4]) -> Result<Vec<f32>, NodeError> {
+    let (mb, mh, mw) = mask_dims(mask)?;
+    let plane = resize_planes(&mask.data, mb, (mh, mw), (h, w), Crop::Disabled)?;
+    let per = c * h * w;
+    let mut full = Vec::with_capacity(mb * per);
+    for i in 0..mb {
+        for _ in 0..c {
+            full.extend_from_slice(&plane[i * h * w..(i + 1) * h * w]);
+        }
+    }
+    Ok(repeat_to_batch(&full, per, b))
+}
+
+/// The per-call blend of `KSamplerX0Inpaint`.
+pub struct Blend<'a> {
+    /// The prepared denoise mask `[b, c, h, w]`.
+    pub mask: &'a [f32],
+    /// The initial noise, unscaled.
+    pub noise: &'a [f32],
+    /// The latent in model space.
+    pub latent: &'a [f32],
+    /// Rectified flow scales noise as `σ·n + (1 − σ)·l`.
+    pub flow: bool,
+}
+
+impl Blend<'_> {
+    /// `x·m + scale_latent_inpaint(σ)·(1 − m)`.
+    pub fn input(&self, x: &[f32], sigma: f32) -> Vec<f32> {
+        x.iter()
+            .zip(self.mask)
+            .zip(self.noise.iter().zip(self.latent))
+            .map(|((&x, &m), (&n, &l))| {
+                let scaled = if self.flow {
+                    sigma * n + (1.0 - sigma) * l
+                } else {
+                    n * sigma + l
+                };
+                x * m + scaled * (1.0 - m)
+            })
+            .collect()
+    }
+
+    /// `out·m + latent·(1 − m)`.
+    pub fn output(&self, out: &mut [f32]) {
+        for ((o, &m), &l) in out.iter_mut().zip(self.mask).zip(self.latent) {
+            *o = *o * m + l * (1.0 - m);
+        }
+    }
+}
+
+/// The `c_concat` channels of an inpainting model (`concat_cond`) for one
+/// entry, `[b, 1 + c, h, w]` (mask, then masked image), or None when the
+/// model takes only the latent.
+pub fn concat_cond(
+    model: &Model,
+    entry: &CondEntry,
+    denoise_mask: Option<&[f32]>,
+    latent_in: &[f32],
+    [b, c, h, w]: [usize; 4],
+) -> Result<Option<Vec<f32>>, NodeError> {
+    let extra = model.unet.in_channels.saturating_sub(c);
+    if extra == 0 {
+        return Ok(None);
+    }
+    if extra != 1 + c {
+        return Err(NodeError::invalid(format!(
+            "the model takes {} input channels; sdkit knows {c}-channel latents plus a mask and \
+             a masked image ({}) for inpainting models",
+            model.unet.in_channels,
+            1 + 2 * c
+        )));
+    }
+    let plane = h * w;
+    let image: Vec<f32> = match &entry.concat_latent_image {
+        Some(img) => {
+            let [ib, ic, ih, iw] = img.shape[..] else {
+                return Err(NodeError::invalid(
+                    "concat_latent_image is not [b, c, h, w]",
+                ));
+            };
+            if ic != c {
+                return Err(NodeError::invalid(format!(
+                    "concat_latent_image has {ic} channels; the latent has {c}"
+                )));
+            }
+            let scaled: Vec<f32> = img
+                .data
+                .iter()
+                .map(|&v| model.latent.process_in(v))
+                .collect();
+            let resized = resize_planes(&scaled, ib * ic, (ih, iw), (h, w), Crop::Center)?;
+            resize_to_batch(&resized, c * plane, b)
+        }
+        None => latent_in.to_vec(),
+    };
+    let mask: Option<Vec<f32>> = match (&entry.concat_mask, denoise_mask) {
+        (Some(m), _) => {
+            let (mb, mh, mw) = mask_dims(m)?;
+            let r = resize_planes(&m.data, mb, (mh, mw), (h, w), Crop::Center)?;
+            Some(resize_to_batch(&r, plane, b))
+        }
+        (None, Some(dm)) => {
+            // Channel 0 of the prepared mask, already [b, c, h, w].
+            Some(
+                (0..b)
+                    .flat_map(|i| dm[i * c * plane..i * c * plane + plane].iter().copied())
+                    .collect(),
+            )
+        }
+        (None, None) => None,
+    };
+    let (mask, image) = match mask {
+        Some(m) => (
+            m.iter()
+                .map(|&v| round_half_even(f64::from(v)) as f32)
+                .collect(),
+            image,
+        ),
+        None => {
+            // No mask anywhere: all of it is to be painted, over the latent
+            // of a blank image.
+            const BLANK: [f32; 4] = [0.8223, -0.6876, 0.6364, 0.1380];
+            let blank = (0..b * c * plane)
+                .map(|i| BLANK.get((i / plane) % c).copied().unwrap_or(1.0))
+                .collect();
+            (vec![1.0; b * plane], blank)
+        }
+    };
+    let mut out = Vec::with_capacity(b * (1 + c) * plane);
+    for i in 0..b {
+        out.extend_from_slice(&mask[i * plane..(i + 1) * plane]);
+        out.extend_from_slice(&image[i * c * plane..(i + 1) * c * plane]);
+    }
+    Ok(Some(out))
+}
+
+/// ComfyUI's SetLatentNoiseMask.
+pub struct SetLatentNoiseMask;
+
+impl NodeImpl for SetLatentNoiseMask {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let latent = inputs.latent("samples")?;
+        let mask = inputs.mask("mask")?;
+        let (mb, mh, mw) = mask_dims(mask)?;
+        let noise_mask =
+            Tensor::new(vec![mb, 1, mh, mw], mask.data.clone()).map_err(NodeError::invalid)?;
+        Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
+            samples: latent.samples.clone(),
+            batch_index: latent.batch_index.clone(),
+            noise_mask: Some(noise_mask),
+        }))]))
+    }
+}
+
+/// The mask resized to the image `[mb, H, W]` and both cropped to the
+/// `cell` (centred), with the greyed pixels: what both inpaint nodes
+/// start from. Returns (pixels, mask, mask batch, h, w).
+fn mask_and_grey(
+    pixels: &Tensor,
+    mask: &Tensor,
+    cell: usize,
+) -> Result<(Tensor, Vec<f32>, usize, usize, usize), NodeError> {
+    let [b, ph, pw, pc] = pixels.shape[..] else {
+        return Err(NodeError::invalid(format!(
+            "pixels of shape {:?}: expected [batch, height, width, channels]",
+            pixels.shape
+        )));
+    };
+    if pc < 3 {
+        return Err(NodeError::invalid("pixels need three colour channels"));
+    }
+    let (mb, mh, mw) = mask_dims(mask)?;
+    if mb != 1 && mb != b {
+        return Err(NodeError::invalid(format!(
+            "a batch of {mb} masks for {b} images: give one mask, or one per image"
+        )));
+    }
+    let full = resize_planes(&mask.data, mb, (mh, mw), (ph, pw), Crop::Disabled)?;
+    let (h, w) = ((ph / cell) * cell, (pw / cell) * cell);
+    if h == 0 || w == 0 {
+        return Err(NodeError::invalid(format!(
+            "a {pw}x{ph} image is smaller than the VAE's {cell}-pixel cell"
+        )));
+    }
+    let (y0, x0) = ((ph % cell) / 2, (pw % cell) / 2);
+    let mut m = Vec::with_capacity(mb * h * w);
+    for i in 0..mb {
+        for y in y0..y0 + h {
+            let row = (i * ph + y) * pw;
+            m.extend_from_slice(&full[row + x0..row + x0 + w]);
+        }
+    }
+    let mut px = Vec::with_capacity(b * h * w * pc);
+    for i in 0..b {
+        let mi = if mb == 1 { 0 } else { i };
+        for y in 0..h {
+            for x in 0..w {
+                let keep = 1.0 - round_half_even(f64::from(m[(mi * h + y) * w + x])) as f32;
+                let at = ((i * ph + y + y0) * pw + x + x0) * pc;
+                for ch in 0..pc {
+                    let v = pixels.data[at + ch];
+                    px.push(if ch < 3 { (v - 0.5) * keep + 0.5 } else { v });
+                }
+            }
+        }
+    }
+    let px = Tensor::new(vec![b, h, w, pc], px).map_err(NodeError::invalid)?;
+    Ok((px, m, mb, h, w))
+}
+
+/// `clamp(conv2d(mask, ones(g, g), padding=ceil((g − 1)/2)), 0, 1)`, cut
+/// to the mask's size and rounded: output (y, x) sums input rows
+/// `y − p ..= y − p + g − 1` (for even g one more row after than before).
+/// The rounded mask holds integers, so box sums from a summed-area table
+/// (f64) are exact, as the convolution's are.
+fn grow_mask(mask: &[f32], n: usize, h: usize, w: usize, g: usize) -> Vec<f32> {
+    let pad = g / 2; // ceil((g − 1) / 2)
+    let mut out = Vec::with_capacity(mask.len());
+    let mut sat = vec![0f64; (h + 1) * (w + 1)];
+    for i in 0..n {
+        let plane = &mask[i * h * w..(i + 1) * h * w];
+        for y in 0..h {
+            let mut row = 0f64;
+            for x in 0..w {
+                row += f64::from(plane[y * w + x]);
+                sat[(y + 1) * (w + 1) + x + 1] = sat[y * (w + 1) + x + 1] + row;
+            }
+        }
+        for y in 0..h {
+            let (y0, y1) = (y.saturating_sub(pad), (y + g - pad).min(h));
+            for x in 0..w {
+                let (x0, x1) = (x.saturating_sub(pad), (x + g - pad).min(w));
+                let s = sat[y1 * (w + 1) + x1] - sat[y0 * (w + 1) + x1] - sat[y1 * (w + 1) + x0]
+                    + sat[y0 * (w + 1) + x0];
+                out.push(round_half_even(s.clamp(0.0, 1.0)) as f32);
+            }
+        }
+    }
+    out
+}
+
+/// ComfyUI's VAEEncodeForInpaint.
+pub struct VaeEncodeForInpaint;
+
+impl NodeImpl for VaeEncodeForInpaint {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["vae"]
+    }
+
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let vae: Arc<Vae> = input(inputs, "vae", "VAE")?;
+        let pixels = inputs.image("pixels")?;
+        let mask = inputs.mask("mask")?;
+        let grow = usize::try_from(inputs.int("grow_mask_by")?).unwrap_or(0);
+        let (grey, m, mb, h, w) = mask_and_grey(pixels, mask, vae.downscale())?;
+        let samples = vae.encode(ctx, &grey)?;
+        // The rounded mask grown by a g×g box (conv2d with padding
+        // ceil((g − 1)/2), cut to the image: for even g the window is
+        // rows y − g/2 .. y + g/2 − 1), clamped to 1 and rounded.
+        let rounded: Vec<f32> = m
+            .iter()
+            .map(|&v| round_half_even(f64::from(v)) as f32)
+            .collect();
+        let grown = if grow == 0 {
+            rounded
+        } else {
+            grow_mask(&rounded, mb, h, w, grow)
+        };
+        let noise_mask = Tensor::new(vec![mb, 1, h, w], grown).map_err(NodeError::invalid)?;
+        Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
+            samples,
+            batch_index: None,
+            noise_mask: Some(noise_mask),
+        }))]))
+    }
+}
+
+/// ComfyUI's InpaintModelConditioning.
+pub struct InpaintModelConditioning;
+
+impl NodeImpl for InpaintModelConditioning {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["vae"]
+    }
+
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let vae: Arc<Vae> = input(inputs, "vae", "VAE")?;
+        let pixels = inputs.image("pixels")?;
+        let mask = inputs.mask("mask")?;
+        // ComfyUI crops to 8 here whatever the VAE's cell.
+        let (grey, m, mb, h, w) = mask_and_grey(pixels, mask, 8)?;
+        let concat = Arc::new(vae.encode(ctx, &grey)?);
+        let samples = vae.encode(ctx, pixels)?;
+        let m = Arc::new(Tensor::new(vec![mb, 1, h, w], m).map_err(NodeError::invalid)?);
+        let with = |name: &str| -> Result<Value, NodeError> {
+            let c: Arc<Conditioning> = input(inputs, name, "CONDITIONING")?;
+            let mut c = (*c).clone();
+            for e in &mut c.0 {
+                e.concat_latent_image = Some(Arc::clone(&concat));
+                e.concat_mask = Some(Arc::clone(&m));
+            }
+            Ok(opaque(SocketType::Conditioning, c))
+        };
+        let noise_mask = if inputs.bool("noise_mask")? {
+            Some((*m).clone())
+        } else {
+            None
+        };
+        Ok(NodeOutput::values(vec![
+            with("positive")?,
+            with("negative")?,
+            Value::Latent(Arc::new(Latent {
+                samples,
+                batch_index: None,
+                noise_mask,
+            })),
+        ]))
+    }
+}
