@@ -98,6 +98,7 @@ fn graph(small: bool) -> (TensorGraph, String) {
             t,
             c,
             None,
+            None,
         )
     })();
     let y = out.expect("SD1.5 UNet graph");

@@ -451,6 +451,7 @@ fn tiny_unet_program(
             t,
             c,
             None,
+            None,
         )
     })()
     .expect("unet graph");

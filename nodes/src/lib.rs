@@ -125,6 +125,16 @@ pub fn library() -> NodeLibrary {
     lib.implement("SDTurboScheduler", diffusion::custom::SdTurboScheduler);
     lib.implement("VAEDecode", diffusion::vae::VaeDecode);
     lib.implement("VAEEncode", diffusion::vae::VaeEncode);
+    lib.implement("ControlNetLoader", diffusion::control::ControlNetLoader);
+    lib.implement(
+        "DiffControlNetLoader",
+        diffusion::control::DiffControlNetLoader,
+    );
+    lib.implement("ControlNetApply", diffusion::control::ControlNetApply);
+    lib.implement(
+        "ControlNetApplyAdvanced",
+        diffusion::control::ControlNetApplyAdvanced,
+    );
     lib.implement(
         "VAEEncodeForInpaint",
         diffusion::inpaint::VaeEncodeForInpaint,

@@ -112,7 +112,7 @@ fn matches_comfyui_unet() {
         let yi = cfg
             .adm_in_channels
             .map(|a| g.input("y", &[1, a]).expect("input"));
-        let y = unet(&g, &cfg, heads, PREFIX, xi, ti, ci, yi).expect("builds");
+        let y = unet(&g, &cfg, heads, PREFIX, xi, ti, ci, yi, None).expect("builds");
         assert_eq!(y.shape(), [1, 4, 8, 8]);
         let graph = g.finish(&[y]);
         let prog = plan(&graph).expect("plans");

@@ -36,6 +36,8 @@ pub(crate) struct Item<'a> {
     /// Runs while `end ≤ σ ≤ start`.
     pub sigma_start: Option<f32>,
     pub sigma_end: Option<f32>,
+    /// The entry's ControlNet chain.
+    pub control: Option<std::sync::Arc<super::control::Control>>,
 }
 
 pub(crate) enum Mult {
@@ -262,6 +264,7 @@ pub(crate) fn items<'a>(
                 mult,
                 sigma_start: sigma(e.start_percent),
                 sigma_end: sigma(e.end_percent),
+                control: e.control.clone(),
             });
         }
     }
@@ -325,7 +328,8 @@ pub(crate) struct Group {
     pub tokens: usize,
 }
 
-/// Groups items: the same area size and sigma range, and contexts within
+/// Groups items: the same area size, sigma range and ControlNet chain
+/// (the identical object), and contexts within
 /// 4× of the group's first (ComfyUI's `can_concat`), repeated to the least
 /// common multiple of the group's lengths. Within a group ComfyUI adds the
 /// outputs last-first, so the items are listed that way.
@@ -341,6 +345,7 @@ pub(crate) fn groups(items: &[Item<'_>]) -> Vec<Group> {
             i.area[..2] == f.area[..2]
                 && i.sigma_start == f.sigma_start
                 && i.sigma_end == f.sigma_end
+                && super::control::same(&i.control, &f.control)
                 && l / ft.min(t) <= 4
         };
         let (mut take, rest): (Vec<usize>, Vec<usize>) =

@@ -7,11 +7,13 @@
 //! size). Inpainting's `c_concat`, ControlNet residuals and Flux's
 //! guidance join here as further inputs of the same program.
 
+use super::control::ControlNetModel;
 use super::{graph_error, CondEntry, Model};
+use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, ADM_EMBED};
-use crate::models::unet::{timestep_embedding, unet};
+use crate::models::unet::{skip_shapes, timestep_embedding, unet, ControlResiduals};
 use sdkit_compute::plan::{plan, Program};
-use sdkit_compute::tensor::GraphBuilder;
+use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
 use sdkit_engine::NodeError;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -56,9 +58,9 @@ impl Model {
     }
 
     /// The denoiser program for `batch` rows of `[in, h, w]` latents and
-    /// `tokens × dim` contexts. Inputs: `x`, `t` `[batch]`, `context`, and
-    /// with an ADM rule `pooled` `[batch, width]` and `adm_values`
-    /// `[batch × n]` (embedded in the graph as ComfyUI's `Timestep(256)`).
+    /// a `[batch, tokens, dim]` context. With `control`, it also takes a
+    /// ControlNet's residuals as inputs `ctrl_out.{i}` (one per input
+    /// block's skip) and `ctrl_mid`.
     pub fn program(
         &self,
         batch: usize,
@@ -66,27 +68,106 @@ impl Model {
         w: usize,
         tokens: usize,
         dim: usize,
+        control: bool,
     ) -> Result<Program, NodeError> {
         let g = GraphBuilder::new();
         let out = (|| {
             let x = g.input("x", &[batch, self.unet.in_channels, h, w])?;
             let t = g.input("t", &[batch])?;
             let c = g.input("context", &[batch, tokens, dim])?;
-            let y = match self.adm() {
-                Some(adm) => {
-                    let pooled = g.input("pooled", &[batch, self.pooled_width(adm)])?;
-                    let n = adm.values();
-                    let values = g.input("adm_values", &[batch * n])?;
-                    let emb = timestep_embedding(&g, values, ADM_EMBED)?
-                        .reshape(&[batch, n * ADM_EMBED])?;
-                    Some(g.concat(&[pooled, emb], 1)?)
-                }
-                None => None,
+            let y = self.adm_vector(&g, batch)?;
+            let residuals = if control {
+                let (skips, mid) = skip_shapes(&self.unet, batch, h, w);
+                let output = skips
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| g.input(&format!("ctrl_out.{i}"), s))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(ControlResiduals {
+                    output,
+                    middle: Some(g.input("ctrl_mid", &mid)?),
+                })
+            } else {
+                None
             };
-            unet(&g, &self.unet, self.heads, &self.prefix, x, t, c, y)
+            unet(
+                &g,
+                &self.unet,
+                self.heads,
+                &self.prefix,
+                x,
+                t,
+                c,
+                y,
+                residuals,
+            )
         })()
         .map_err(|e| graph_error("UNet", e))?;
         plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))
+    }
+
+    /// The ADM vector `y`, built in the graph from the inputs `pooled` and
+    /// `adm_values` (each size value's `Timestep(256)` embedding).
+    fn adm_vector<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        batch: usize,
+    ) -> Result<Option<T<'a>>, ShapeError> {
+        let Some(adm) = self.adm() else {
+            return Ok(None);
+        };
+        let pooled = g.input("pooled", &[batch, self.pooled_width(adm)])?;
+        let n = adm.values();
+        let values = g.input("adm_values", &[batch * n])?;
+        let emb = timestep_embedding(g, values, ADM_EMBED)?.reshape(&[batch, n * ADM_EMBED])?;
+        Ok(Some(g.concat(&[pooled, emb], 1)?))
+    }
+
+    /// A ControlNet's program for the same batch as [`Model::program`]:
+    /// inputs `x` (the latent channels, already divided by c_in), `t`,
+    /// `context`, the ADM inputs, and `hint` `[1 or batch, channels, 8h,
+    /// 8w]`; outputs the residuals, input blocks first, the middle last.
+    pub fn control_program(
+        &self,
+        net: &ControlNetModel,
+        batch: usize,
+        (h, w): (usize, usize),
+        (tokens, dim): (usize, usize),
+        hint_batch: usize,
+    ) -> Result<Program, NodeError> {
+        let what = format!("ControlNet {}", net.file.name);
+        if net.cfg.unet.adm_in_channels != self.unet.adm_in_channels
+            || net.cfg.unet.context_dim.is_some_and(|d| d != dim)
+            || skip_shapes(&net.cfg.unet, batch, h, w) != skip_shapes(&self.unet, batch, h, w)
+        {
+            return Err(NodeError::invalid(format!(
+                "{what} does not fit this model: its blocks ({} channels × {:?}, context {:?}, \
+                 ADM {:?}) differ from the model's ({} × {:?}, context {:?}, ADM {:?}); use a \
+                 ControlNet made for this model family",
+                net.cfg.unet.model_channels,
+                net.cfg.unet.channel_mult,
+                net.cfg.unet.context_dim,
+                net.cfg.unet.adm_in_channels,
+                self.unet.model_channels,
+                self.unet.channel_mult,
+                self.unet.context_dim,
+                self.unet.adm_in_channels,
+            )));
+        }
+        let g = GraphBuilder::new();
+        let outs = (|| {
+            let x = g.input("x", &[batch, net.cfg.unet.in_channels, h, w])?;
+            let t = g.input("t", &[batch])?;
+            let c = g.input("context", &[batch, tokens, dim])?;
+            let y = self.adm_vector(&g, batch)?;
+            let hint = g.input("hint", &[hint_batch, net.cfg.hint_channels(), 8 * h, 8 * w])?;
+            let (mut outs, mid) =
+                controlnet(&g, &net.cfg, net.heads, &net.prefix, x, t, c, y, hint)?;
+            outs.push(mid);
+            Ok(outs)
+        })()
+        .map_err(|e: ShapeError| graph_error(&what, e))?;
+        plan(&g.finish(&outs)).map_err(|e| graph_error(&what, e))
     }
 
     /// The per-row model inputs other than `x` and `t` for the entries of

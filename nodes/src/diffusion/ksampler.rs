@@ -21,8 +21,9 @@
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
 use super::cond_batch::{self, Item};
-use super::inpaint;
+use super::{control, inpaint};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
+use crate::models::unet::skip_shapes;
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
 use crate::sampling::samplers::{Sampler, Space};
@@ -317,8 +318,10 @@ pub fn sample(
     let slots = if use_uncond { 2 } else { 1 };
     // Both lists take part in resolving areas (each area gets an opposite
     // entry in the other list) even where the negative does not run.
+    // ControlNetApply's controls reach the negative entries here.
+    let filled = negative.and_then(|n| control::fill_uncond(positive, n));
     let conds: Vec<&Conditioning> = match negative {
-        Some(n) => vec![positive, n],
+        Some(n) => vec![positive, filled.as_ref().unwrap_or(n)],
         None => vec![positive],
     };
     let dim = positive.0[0].cross_attn.dim(2);
@@ -347,7 +350,8 @@ pub fn sample(
         .iter()
         .map(|g| {
             let [ah, aw, ..] = items[g.items[0]].area;
-            model.program(g.items.len() * b, ah, aw, g.tokens, dim)
+            let control = items[g.items[0]].control.is_some();
+            model.program(g.items.len() * b, ah, aw, g.tokens, dim, control)
         })
         .collect::<Result<_, _>>()?;
     let bind = match progs.first() {
@@ -404,7 +408,42 @@ pub fn sample(
             Ok(out)
         })
         .collect::<Result<_, NodeError>>()?;
+    // Zeros for the residual inputs of a controlled group at steps where
+    // no net of its chain is active.
+    let no_control: Vec<Option<control::Residuals>> = groups
+        .iter()
+        .map(|g| {
+            let first = &items[g.items[0]];
+            first.control.as_ref().map(|_| {
+                let [ah, aw, ..] = first.area;
+                let (skips, mid) = skip_shapes(&model.unet, g.items.len() * b, ah, aw);
+                control::Residuals {
+                    output: skips
+                        .iter()
+                        .map(|s| vec![0.0; s.iter().product()])
+                        .collect(),
+                    middle: vec![0.0; mid.iter().product()],
+                }
+            })
+        })
+        .collect();
+    let mut plans = control::Plans::default();
+    for g in &groups {
+        let first = &items[g.items[0]];
+        if let Some(chain) = &first.control {
+            let [ah, aw, ..] = first.area;
+            let shape = control::Shape {
+                rows: g.items.len() * b,
+                entries: g.items.len(),
+                hw: (ah, aw),
+                tokens: g.tokens,
+                dim,
+            };
+            plans.add(model, chain, &shape)?;
+        }
+    }
     let before_prepare = ctx.runtime.bytes_uploaded();
+    let mut controls = control::Runner::new(ctx, &plans)?;
     let mut sessions: Vec<Session<'_>> = ctx
         .runtime
         .with_tuning_progress(ctx.progress_sink(), || {
@@ -425,11 +464,12 @@ pub fn sample(
         // Per conditioning: Σ denoised·mult and 1e-37 + Σ mult.
         let mut sums = vec![vec![0f32; per_item]; slots];
         let mut counts = vec![vec![1e-37f32; per_item]; slots];
-        for (((g, session), fixed), concat) in groups
+        for (gi, (((g, session), fixed), concat)) in groups
             .iter()
             .zip(sessions.iter_mut())
             .zip(&feeds)
             .zip(&concats)
+            .enumerate()
         {
             let first = &items[g.items[0]];
             if !first.active(sigma) {
@@ -443,6 +483,24 @@ pub fn sample(
             for &i in &g.items {
                 cond_batch::crop_into(&mut xs, &xin, dims, items[i].area);
                 cond_batch::crop_into(&mut raw, x, dims, items[i].area);
+            }
+            let mut residuals = None;
+            if let Some(chain) = &first.control {
+                residuals = controls.residuals(
+                    model,
+                    chain,
+                    &control::Batch {
+                        x: &xs,
+                        rows: n * b,
+                        entries: n,
+                        hw: (ah, aw),
+                        t,
+                        sigma,
+                        fixed,
+                        tokens: g.tokens,
+                        dim,
+                    },
+                )?;
             }
             // c_concat follows x along channels, row by row.
             let xs = match concat {
@@ -459,6 +517,13 @@ pub fn sample(
             };
             let mut feed = fixed.clone();
             feed.insert("x".to_string(), Arc::new(xs));
+            if let Some(zeros) = &no_control[gi] {
+                let r = residuals.as_ref().unwrap_or(zeros);
+                for (i, o) in r.output.iter().enumerate() {
+                    feed.insert(format!("ctrl_out.{i}"), Arc::new(o.clone()));
+                }
+                feed.insert("ctrl_mid".to_string(), Arc::new(r.middle.clone()));
+            }
             feed.insert("t".to_string(), Arc::new(vec![t; n * b]));
             let out = session.run(feed).map_err(|e| run_error("UNet", e))?;
             let eps = &out[0].data;

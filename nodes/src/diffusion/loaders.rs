@@ -47,7 +47,7 @@ pub(crate) fn model_path(
 
 /// Changes when the file is replaced or rewritten, so the cached load is
 /// dropped.
-fn file_fingerprint(ctx: &NodeContext, folder: &str, name: &str) -> Option<String> {
+pub(crate) fn file_fingerprint(ctx: &NodeContext, folder: &str, name: &str) -> Option<String> {
     let path = ctx.paths.model(folder, name)?;
     let meta = std::fs::metadata(path).ok()?;
     let modified = meta
@@ -59,14 +59,14 @@ fn file_fingerprint(ctx: &NodeContext, folder: &str, name: &str) -> Option<Strin
     Some(format!("{}:{modified}", meta.len()))
 }
 
-fn open(path: &std::path::Path) -> Result<Arc<SafeTensors>, NodeError> {
+pub(crate) fn open(path: &std::path::Path) -> Result<Arc<SafeTensors>, NodeError> {
     // The weight errors name the file themselves.
     SafeTensors::open(path)
         .map(Arc::new)
         .map_err(|e| NodeError::invalid(e.to_string()))
 }
 
-fn shapes(file: &SafeTensors) -> Shapes {
+pub(crate) fn shapes(file: &SafeTensors) -> Shapes {
     file.tensors()
         .map(|t| (t.name.clone(), t.shape.clone()))
         .collect()

@@ -10,6 +10,7 @@
 pub mod cond_batch;
 pub mod cond_ops;
 pub mod conditioning;
+pub mod control;
 pub mod custom;
 pub mod denoiser;
 pub mod embeddings;
@@ -271,6 +272,11 @@ pub struct CondEntry {
     /// `c_concat` ([`inpaint::concat_cond`]).
     pub concat_latent_image: Option<Arc<Tensor>>,
     pub concat_mask: Option<Arc<Tensor>>,
+    /// ControlNetApply(Advanced): the chain of ControlNets, newest last.
+    pub control: Option<Arc<control::Control>>,
+    /// Set by ControlNetApply: the sampler gives this entry's control to
+    /// the negative entries too ([`control::fill_uncond`]).
+    pub control_apply_to_uncond: bool,
 }
 
 /// An entry's `area`, as ComfyUI stores it: `(height, width, y, x)`.
@@ -311,6 +317,8 @@ impl CondEntry {
             end_percent: None,
             concat_latent_image: None,
             concat_mask: None,
+            control: None,
+            control_apply_to_uncond: false,
         }
     }
 }

@@ -166,24 +166,67 @@ pub fn timestep_embedding<'a>(g: &'a GraphBuilder, timesteps: T<'a>, dim: usize)
     }
 }
 
-/// The UNet: `x` `[b, in_channels, h, w]`, `timesteps` `[b]`, `context`
-/// `[b, tokens, context_dim]` → `[b, out_channels, h, w]`, weights under
-/// `prefix` (e.g. `model.diffusion_model.`). `heads` splits each
-/// transformer's channels into attention heads. `y` `[b, adm_in_channels]`
-/// is the ADM vector a model with `label_emb` takes (SDXL: pooled text
-/// and size embeddings), added to the timestep embedding as ComfyUI's
-/// `num_classes == "sequential"` does.
+/// Residuals a ControlNet adds inside the UNet (ComfyUI's
+/// `apply_control`): `output[i]` to input block `i`'s skip as the output
+/// blocks pop it, `middle` after the middle block.
+pub struct ControlResiduals<'a> {
+    pub output: Vec<T<'a>>,
+    pub middle: Option<T<'a>>,
+}
+
+/// The UNet's first half: the time (and ADM) embedding, the input blocks
+/// and the middle block. A ControlNet is this half with its hint added
+/// after input block 0 (`hint`), so both build it here.
+pub struct Encoded<'a> {
+    /// The SiLU of the embedding every ResBlock takes.
+    pub emb_act: T<'a>,
+    /// Each input block's output, in order (the skips).
+    pub skips: Vec<T<'a>>,
+    /// The middle block's output.
+    pub middle: T<'a>,
+    /// Its channel count.
+    pub channels: usize,
+}
+
+/// The shapes of [`Encoded::skips`] and of the middle block's output for
+/// a `[b, _, h, w]` input: what a ControlNet's residuals must match.
+pub fn skip_shapes(
+    cfg: &UnetConfig,
+    b: usize,
+    h: usize,
+    w: usize,
+) -> (Vec<Vec<usize>>, Vec<usize>) {
+    let mc = cfg.model_channels;
+    let (mut h, mut w, mut ch) = (h, w, mc);
+    let mut skips = vec![vec![b, mc, h, w]];
+    let levels = cfg.channel_mult.len();
+    for (level, &mult) in cfg.channel_mult.iter().enumerate() {
+        for _ in 0..cfg.num_res_blocks.get(level).copied().unwrap_or(0) {
+            ch = mult * mc;
+            skips.push(vec![b, ch, h, w]);
+        }
+        if level + 1 != levels {
+            // A 3×3 stride-2 convolution with padding 1.
+            (h, w) = (h.div_ceil(2), w.div_ceil(2));
+            skips.push(vec![b, ch, h, w]);
+        }
+    }
+    (skips, vec![b, ch, h, w])
+}
+
+/// Builds [`Encoded`] from the weights under `vb`; see [`unet`].
 #[allow(clippy::too_many_arguments)]
-pub fn unet<'a>(
+pub fn encode<'a>(
     g: &'a GraphBuilder,
     cfg: &UnetConfig,
     heads: Heads,
-    prefix: &str,
+    vb: &Scope<'a>,
     x: T<'a>,
     timesteps: T<'a>,
     context: T<'a>,
     y: Option<T<'a>>,
-) -> R<'a> {
+    hint: Option<T<'a>>,
+) -> Result<Encoded<'a>, ShapeError> {
     let (xs, cs) = (x.shape(), context.shape());
     let levels = cfg.channel_mult.len();
     let n_res: usize = cfg.num_res_blocks.iter().sum();
@@ -195,8 +238,7 @@ pub fn unet<'a>(
         && heads.at(cfg.model_channels) > 0
         && levels > 0
         && cfg.num_res_blocks.len() == levels
-        && cfg.transformer_depth.len() == n_res
-        && cfg.transformer_depth_output.len() == n_res + levels;
+        && cfg.transformer_depth.len() == n_res;
     if !valid {
         return Err(bad(
             "unet",
@@ -210,7 +252,6 @@ pub fn unet<'a>(
         ));
     }
     let mc = cfg.model_channels;
-    let vb = Scope::new(g, prefix);
     let cx = Ctx {
         heads,
         use_linear: cfg.use_linear_in_transformer,
@@ -265,6 +306,9 @@ pub fn unet<'a>(
 
     let inputs = vb.pp("input_blocks");
     let mut h = inputs.pp("0.0").conv2d(x, cfg.in_channels, mc, 3, 1)?;
+    if let Some(hint) = hint {
+        h = h.add(hint)?;
+    }
     let mut skips = vec![h];
     let mut ch = mc;
     let mut id = 1;
@@ -297,6 +341,80 @@ pub fn unet<'a>(
         h = cx.spatial_transformer(&middle.pp(1), h, context, ch, depth)?;
         h = cx.resblock(&middle.pp(2), h, emb_act, ch, ch)?;
     }
+    Ok(Encoded {
+        emb_act,
+        skips,
+        middle: h,
+        channels: ch,
+    })
+}
+
+/// The UNet: `x` `[b, in_channels, h, w]`, `timesteps` `[b]`, `context`
+/// `[b, tokens, context_dim]` → `[b, out_channels, h, w]`, weights under
+/// `prefix` (e.g. `model.diffusion_model.`). `heads` splits each
+/// transformer's channels into attention heads. `y` `[b, adm_in_channels]`
+/// is the ADM vector a model with `label_emb` takes (SDXL: pooled text
+/// and size embeddings), added to the timestep embedding as ComfyUI's
+/// `num_classes == "sequential"` does. `control` adds a ControlNet's
+/// residuals.
+#[allow(clippy::too_many_arguments)]
+pub fn unet<'a>(
+    g: &'a GraphBuilder,
+    cfg: &UnetConfig,
+    heads: Heads,
+    prefix: &str,
+    x: T<'a>,
+    timesteps: T<'a>,
+    context: T<'a>,
+    y: Option<T<'a>>,
+    control: Option<ControlResiduals<'a>>,
+) -> R<'a> {
+    let xs = x.shape();
+    let levels = cfg.channel_mult.len();
+    let n_res: usize = cfg.num_res_blocks.iter().sum();
+    if cfg.transformer_depth_output.len() != n_res + levels {
+        return Err(bad(
+            "unet",
+            format!(
+                "transformer_depth_output has {} entries; num_res_blocks {:?} needs {}",
+                cfg.transformer_depth_output.len(),
+                cfg.num_res_blocks,
+                n_res + levels
+            ),
+            &[&xs],
+        ));
+    }
+    let vb = Scope::new(g, prefix);
+    let enc = encode(g, cfg, heads, &vb, x, timesteps, context, y, None)?;
+    let mc = cfg.model_channels;
+    let cx = Ctx {
+        heads,
+        use_linear: cfg.use_linear_in_transformer,
+        emb_dim: 4 * mc,
+    };
+    let check_heads = |c: usize| -> Result<(), ShapeError> {
+        let n = heads.at(c);
+        if c.is_multiple_of(n) {
+            Ok(())
+        } else {
+            Err(bad(
+                "unet",
+                format!("{c} channels do not split into {n} heads"),
+                &[&xs],
+            ))
+        }
+    };
+    let emb_act = enc.emb_act;
+    let mut skips = enc.skips;
+    let mut h = enc.middle;
+    let mut ch = enc.channels;
+    let (mut control_out, control_mid) = match control {
+        Some(c) => (c.output, c.middle),
+        None => (Vec::new(), None),
+    };
+    if let Some(m) = control_mid {
+        h = h.add(m)?;
+    }
 
     // ComfyUI pops the output depths from the end: output block k uses
     // transformer_depth_output[len - 1 - k].
@@ -304,9 +422,14 @@ pub fn unet<'a>(
     let mut id = 0;
     for level in (0..levels).rev() {
         for i in 0..=cfg.num_res_blocks[level] {
-            let Some(skip) = skips.pop() else {
+            let Some(mut skip) = skips.pop() else {
                 return Err(bad("unet", "ran out of skip connections".into(), &[&xs]));
             };
+            // The ControlNet residual for this skip: ComfyUI pops both
+            // lists from the end together.
+            if let Some(r) = control_out.pop() {
+                skip = skip.add(r)?;
+            }
             let ich = skip.shape()[1];
             h = g.concat(&[h, skip], 1)?;
             let cout = mc * cfg.channel_mult[level];

@@ -1,0 +1,573 @@
+//! ControlNets as ComfyUI applies them (comfy/controlnet.py, nodes.py).
+//!
+//! - **Loading** (ControlNetLoader): a ldm-layout ControlNet, keys under
+//!   `control_model.` or at the top level ([`crate::models::controlnet`]).
+//!   Diffusers-format ControlNets, T2I-Adapters, control-LoRAs and union
+//!   ControlNets are refused by name.
+//! - **Applying**: each conditioning entry carries a chain of [`Control`]s
+//!   (the newest last, each pointing at the one it was applied over).
+//!   ControlNetApply gives every positive entry its own copy and marks it
+//!   for the negative too; the sampler then hands the same object to the
+//!   negative entries without an area ([`fill_uncond`], ComfyUI's
+//!   `apply_empty_x_to_equal_area`). ControlNetApplyAdvanced shares one
+//!   copy per previous chain between positive and negative, which lets
+//!   them batch together (entries batch only with the identical chain).
+//! - **Running** ([`Runner`]): per batch and step, the chain from the
+//!   oldest: a net outside its `(start, end)` sigma range passes the
+//!   previous result on; otherwise it runs on `x / c_in`, the timestep,
+//!   the batch's context (and ADM vector) and its hint (the image resized
+//!   to the latent × 8, nearest-exact with the centre crop, a batch of one
+//!   broadcast), its residuals × strength, added to the previous ones
+//!   (`prev + own`). The UNet adds them to its skips and middle block.
+
+use super::loaders::{file_fingerprint, model_path, open, shapes};
+use super::{input, opaque, run_error, CondEntry, Conditioning, Model, ModelFile};
+use crate::imageops::{upscale, Crop, Tensor4, UpscaleMethod};
+use crate::models::controlnet::{controlnet_config, ControlNetConfig};
+use crate::models::detect::Heads;
+use sdkit_compute::plan::Program;
+use sdkit_compute::runtime::Session;
+use sdkit_compute::weights::WeightStore;
+use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
+use sdkit_schema::SocketType;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A loaded ControlNet file.
+#[derive(Debug)]
+pub struct ControlNetModel {
+    pub file: Arc<ModelFile>,
+    pub cfg: ControlNetConfig,
+    pub heads: Heads,
+    pub prefix: String,
+}
+
+/// One applied ControlNet: the net, its hint image, strength and range,
+/// and the chain it was applied over.
+#[derive(Debug)]
+pub struct Control {
+    pub net: Arc<ControlNetModel>,
+    /// IMAGE `[b, H, W, C]`.
+    pub hint: Arc<Tensor>,
+    pub strength: f32,
+    /// `(start_percent, end_percent)`.
+    pub range: (f64, f64),
+    pub previous: Option<Arc<Control>>,
+}
+
+impl Control {
+    /// The chain, oldest first.
+    fn chain(self: &Arc<Self>) -> Vec<Arc<Control>> {
+        let mut v = vec![Arc::clone(self)];
+        while let Some(p) = v.last().and_then(|c| c.previous.clone()) {
+            v.push(p);
+        }
+        v.reverse();
+        v
+    }
+}
+
+/// Whether two entries' chains are the same object (ComfyUI batches
+/// entries only then).
+pub fn same(a: &Option<Arc<Control>>, b: &Option<Arc<Control>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
+    }
+}
+
+/// ControlNetLoader.
+pub struct ControlNetLoader;
+
+fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
+    let path = model_path(ctx, "controlnet", name)?;
+    let file = open(&path)?;
+    let s = shapes(&file);
+    let has = |k: &str| s.contains_key(k);
+    let refuse = |what: &str| {
+        Err(NodeError::file(
+            &path,
+            format!("{what} are not supported yet (sdkit reads ldm-layout ControlNets, control_v11* and their conversions)"),
+        ))
+    };
+    if has("controlnet_cond_embedding.conv_in.weight") {
+        return refuse("diffusers-format ControlNets");
+    }
+    if s.keys().any(|k| k.starts_with("lora_controlnet")) {
+        return refuse("control-LoRAs");
+    }
+    let prefix = if has("control_model.zero_convs.0.0.weight") {
+        "control_model."
+    } else if has("zero_convs.0.0.weight") {
+        ""
+    } else {
+        return refuse("T2I-Adapters and other control models");
+    };
+    if has(&format!("{prefix}task_embedding"))
+        || has(&format!("{prefix}control_add_embedding.linear_1.weight"))
+    {
+        return refuse("union ControlNets");
+    }
+    let cfg = controlnet_config(&s, prefix).map_err(|e| NodeError::file(&path, e))?;
+    // The family's head rule: SD1's nets have no linear projections, SD2's
+    // and SDXL's do (ComfyUI detects the net like a UNet).
+    let heads = if cfg.unet.use_linear_in_transformer {
+        Heads::Width(64)
+    } else {
+        Heads::Count(8)
+    };
+    let mut store = WeightStore::new();
+    store.mount(file, "", "");
+    Ok(ControlNetModel {
+        file: Arc::new(ModelFile::new(name, store)),
+        cfg,
+        heads,
+        prefix: prefix.to_string(),
+    })
+}
+
+impl NodeImpl for ControlNetLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let name = inputs.string("control_net_name")?;
+        let net = load(ctx, name)?;
+        Ok(NodeOutput::values(vec![opaque(
+            SocketType::ControlNet,
+            Arc::new(net),
+        )]))
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        file_fingerprint(ctx, "controlnet", inputs.string("control_net_name").ok()?)
+    }
+}
+
+/// DiffControlNetLoader: ComfyUI adds a "diff" ControlNet's weights to the
+/// model's; for a full ControlNet (what people use it with) that is the
+/// same as ControlNetLoader.
+pub struct DiffControlNetLoader;
+
+impl NodeImpl for DiffControlNetLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let _model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        ControlNetLoader.execute(ctx, inputs)
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        ControlNetLoader.fingerprint(ctx, inputs)
+    }
+}
+
+fn net(inputs: &Inputs) -> Result<Arc<ControlNetModel>, NodeError> {
+    let n: Arc<Arc<ControlNetModel>> = input(inputs, "control_net", "CONTROL_NET")?;
+    Ok(Arc::clone(&n))
+}
+
+fn strength(inputs: &Inputs) -> Result<f32, NodeError> {
+    let s = inputs.float("strength")?;
+    if !s.is_finite() {
+        return Err(NodeError::invalid("strength must be a finite number"));
+    }
+    Ok(s as f32)
+}
+
+/// ControlNetApply (the old node): positive only, applied to the negative
+/// by the sampler.
+pub struct ControlNetApply;
+
+impl NodeImpl for ControlNetApply {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let c: Arc<Conditioning> = input(inputs, "conditioning", "CONDITIONING")?;
+        let strength = strength(inputs)?;
+        if strength == 0.0 {
+            return Ok(NodeOutput::values(vec![opaque(
+                SocketType::Conditioning,
+                (*c).clone(),
+            )]));
+        }
+        let net = net(inputs)?;
+        let hint = Arc::clone(inputs.image("image")?);
+        let mut out = (*c).clone();
+        for e in &mut out.0 {
+            e.control = Some(Arc::new(Control {
+                net: Arc::clone(&net),
+                hint: Arc::clone(&hint),
+                strength,
+                range: (0.0, 1.0),
+                previous: e.control.take(),
+            }));
+            e.control_apply_to_uncond = true;
+        }
+        Ok(NodeOutput::values(vec![opaque(
+            SocketType::Conditioning,
+            out,
+        )]))
+    }
+}
+
+/// ControlNetApplyAdvanced: one chain object per previous chain, shared by
+/// positive and negative. The VAE input only matters for ControlNets that
+/// work in latent space (none of the kinds sdkit loads).
+pub struct ControlNetApplyAdvanced;
+
+impl NodeImpl for ControlNetApplyAdvanced {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let pos: Arc<Conditioning> = input(inputs, "positive", "CONDITIONING")?;
+        let neg: Arc<Conditioning> = input(inputs, "negative", "CONDITIONING")?;
+        let strength = strength(inputs)?;
+        if strength == 0.0 {
+            return Ok(NodeOutput::values(vec![
+                opaque(SocketType::Conditioning, (*pos).clone()),
+                opaque(SocketType::Conditioning, (*neg).clone()),
+            ]));
+        }
+        let net = net(inputs)?;
+        let hint = Arc::clone(inputs.image("image")?);
+        let range = (inputs.float("start_percent")?, inputs.float("end_percent")?);
+        // Keyed by the previous chain's identity (None for none).
+        let mut made: Vec<(Option<Arc<Control>>, Arc<Control>)> = Vec::new();
+        let mut apply = |c: &Conditioning| -> Conditioning {
+            let mut out = c.clone();
+            for e in &mut out.0 {
+                let prev = e.control.take();
+                let found = made
+                    .iter()
+                    .find(|(p, _)| same(p, &prev))
+                    .map(|(_, c)| Arc::clone(c));
+                let c = found.unwrap_or_else(|| {
+                    let c = Arc::new(Control {
+                        net: Arc::clone(&net),
+                        hint: Arc::clone(&hint),
+                        strength,
+                        range,
+                        previous: prev.clone(),
+                    });
+                    made.push((prev, Arc::clone(&c)));
+                    c
+                });
+                e.control = Some(c);
+                e.control_apply_to_uncond = false;
+            }
+            out
+        };
+        let p = apply(&pos);
+        let n = apply(&neg);
+        Ok(NodeOutput::values(vec![
+            opaque(SocketType::Conditioning, p),
+            opaque(SocketType::Conditioning, n),
+        ]))
+    }
+}
+
+/// Whether an entry has an area once resolved (an explicit one, or its
+/// mask's bounds).
+fn has_area(e: &CondEntry) -> bool {
+    e.area.is_some() || e.mask.as_ref().is_some_and(|m| m.set_area_to_bounds)
+}
+
+/// `apply_empty_x_to_equal_area` for controls: when no negative entry
+/// without an area has a control, the ControlNetApply controls of the
+/// positive entries without one go to those negative entries in turn.
+pub fn fill_uncond(positive: &Conditioning, negative: &Conditioning) -> Option<Conditioning> {
+    let cnets: Vec<&Arc<Control>> = positive
+        .0
+        .iter()
+        .filter(|e| e.control_apply_to_uncond && !has_area(e))
+        .filter_map(|e| e.control.as_ref())
+        .collect();
+    if cnets.is_empty()
+        || negative
+            .0
+            .iter()
+            .any(|e| !has_area(e) && e.control.is_some())
+    {
+        return None;
+    }
+    let others: Vec<usize> = (0..negative.0.len())
+        .filter(|&i| !has_area(&negative.0[i]))
+        .collect();
+    if others.is_empty() {
+        return None;
+    }
+    let mut out = negative.clone();
+    for (x, c) in cnets.iter().enumerate() {
+        let i = others[x % others.len()];
+        out.0[i].control = Some(Arc::clone(c));
+    }
+    Some(out)
+}
+
+/// The residuals of one batch: one per UNet skip, and the middle's.
+pub struct Residuals {
+    pub output: Vec<Vec<f32>>,
+    pub middle: Vec<f32>,
+}
+
+/// One batch's inputs to a control chain.
+pub struct Batch<'a> {
+    /// `x / c_in` `[rows, c, h, w]`.
+    pub x: &'a [f32],
+    pub rows: usize,
+    /// Entries in the batch (ComfyUI's `batched_number`).
+    pub entries: usize,
+    pub hw: (usize, usize),
+    pub t: f32,
+    pub sigma: f32,
+    /// The context, and the ADM inputs where the model takes them.
+    pub fixed: &'a HashMap<String, Arc<Vec<f32>>>,
+    pub tokens: usize,
+    pub dim: usize,
+}
+
+/// `(net, rows, h, w, tokens, hint batch)`: one program each.
+type Key = (usize, usize, usize, usize, usize, usize);
+
+/// The control programs a sampling needs, planned before it starts, and
+/// the hints resized per control and area.
+#[derive(Default)]
+pub struct Plans {
+    progs: Vec<(Program, Arc<ControlNetModel>)>,
+    index: HashMap<Key, usize>,
+    hints: HashMap<(usize, usize, usize), Arc<Vec<f32>>>,
+}
+
+/// A batch's shape as [`Plans::add`] needs it.
+pub struct Shape {
+    pub rows: usize,
+    pub entries: usize,
+    pub hw: (usize, usize),
+    pub tokens: usize,
+    pub dim: usize,
+}
+
+impl Plans {
+    /// Plans every net of `chain` for batches of `shape`.
+    pub fn add(
+        &mut self,
+        model: &Model,
+        chain: &Arc<Control>,
+        shape: &Shape,
+    ) -> Result<(), NodeError> {
+        for c in chain.chain() {
+            let (_, hb) = self.hint_for(&c, shape)?;
+            let key = key(&c, shape, hb);
+            if !self.index.contains_key(&key) {
+                let (h, w) = shape.hw;
+                let prog = model.control_program(
+                    &c.net,
+                    shape.rows,
+                    (h, w),
+                    (shape.tokens, shape.dim),
+                    hb,
+                )?;
+                self.index.insert(key, self.progs.len());
+                self.progs.push((prog, Arc::clone(&c.net)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The control's hint for batches of `shape`, broadcast, and its batch.
+    fn hint_for(
+        &mut self,
+        c: &Arc<Control>,
+        shape: &Shape,
+    ) -> Result<(Vec<f32>, usize), NodeError> {
+        let (h, w) = shape.hw;
+        self.hint(c, h, w)?;
+        self.cached_hint(c, shape)
+    }
+
+    /// [`Plans::hint_for`] of a hint already resized.
+    fn cached_hint(&self, c: &Arc<Control>, shape: &Shape) -> Result<(Vec<f32>, usize), NodeError> {
+        let (h, w) = shape.hw;
+        let hint = self
+            .hints
+            .get(&(Arc::as_ptr(c) as usize, h, w))
+            .ok_or_else(|| NodeError::invalid("a control hint was not planned"))?;
+        let per = c.net.cfg.hint_channels() * 64 * h * w;
+        let n = hint.len() / per.max(1);
+        let v = if n == shape.rows {
+            hint.to_vec()
+        } else {
+            broadcast(hint, n, shape.rows, shape.entries)
+        };
+        let hb = v.len() / per.max(1);
+        Ok((v, hb))
+    }
+
+    /// The control's hint at latent size `h`×`w` (pixels 8h×8w), NCHW.
+    fn hint(&mut self, c: &Arc<Control>, h: usize, w: usize) -> Result<Arc<Vec<f32>>, NodeError> {
+        let key = (Arc::as_ptr(c) as usize, h, w);
+        if let Some(v) = self.hints.get(&key) {
+            return Ok(Arc::clone(v));
+        }
+        let img = &c.hint;
+        let [n, ih, iw, ic] = img.shape[..] else {
+            return Err(NodeError::invalid(format!(
+                "the control image has shape {:?}; expected [batch, height, width, channels]",
+                img.shape
+            )));
+        };
+        let want = c.net.cfg.hint_channels();
+        if ic < want {
+            return Err(NodeError::invalid(format!(
+                "the control image has {ic} channels; this ControlNet takes {want}"
+            )));
+        }
+        let t = Tensor4 {
+            b: n,
+            h: ih,
+            w: iw,
+            c: ic,
+            data: img.data.clone(),
+        };
+        let r = upscale(&t, 8 * w, 8 * h, UpscaleMethod::NearestExact, Crop::Center)
+            .map_err(|e| NodeError::invalid(format!("resizing the control image: {e}")))?;
+        let (oh, ow) = (8 * h, 8 * w);
+        let mut out = Vec::with_capacity(n * want * oh * ow);
+        for bi in 0..n {
+            for ch in 0..want {
+                for y in 0..oh {
+                    for x in 0..ow {
+                        out.push(r.data[((bi * oh + y) * ow + x) * ic + ch]);
+                    }
+                }
+            }
+        }
+        let v = Arc::new(out);
+        self.hints.insert(key, Arc::clone(&v));
+        Ok(v)
+    }
+}
+
+fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
+    let (h, w) = shape.hw;
+    (
+        Arc::as_ptr(&c.net) as usize,
+        shape.rows,
+        h,
+        w,
+        shape.tokens,
+        hb,
+    )
+}
+
+/// Runs control chains for the sampler on the programs of a [`Plans`],
+/// each prepared once.
+pub struct Runner<'p> {
+    plans: &'p Plans,
+    sessions: Vec<Session<'p>>,
+}
+
+impl<'p> Runner<'p> {
+    /// Prepares every planned program (their weights are bound here).
+    pub fn new(ctx: &'p NodeContext, plans: &'p Plans) -> Result<Self, NodeError> {
+        let mut sessions = Vec::with_capacity(plans.progs.len());
+        for (prog, net) in &plans.progs {
+            let bind = net.file.bindings(prog, None, None)?;
+            sessions.push(
+                ctx.runtime
+                    .prepare(prog, &bind)
+                    .map_err(|e| run_error("ControlNet", e))?,
+            );
+        }
+        Ok(Runner { plans, sessions })
+    }
+
+    /// The chain's residuals for a batch, or None when no net in it is
+    /// active at this sigma.
+    pub fn residuals(
+        &mut self,
+        model: &Model,
+        control: &Arc<Control>,
+        b: &Batch<'_>,
+    ) -> Result<Option<Residuals>, NodeError> {
+        let shape = Shape {
+            rows: b.rows,
+            entries: b.entries,
+            hw: b.hw,
+            tokens: b.tokens,
+            dim: b.dim,
+        };
+        let mut acc: Option<Residuals> = None;
+        for c in control.chain() {
+            // ComfyUI compares the f32 sigma with the range in f32.
+            let start = model.schedule.percent_to_sigma(c.range.0) as f32;
+            let end = model.schedule.percent_to_sigma(c.range.1) as f32;
+            if b.sigma > start || b.sigma < end {
+                continue;
+            }
+            let (hint, hb) = self.plans.cached_hint(&c, &shape)?;
+            let Some(&i) = self.plans.index.get(&key(&c, &shape, hb)) else {
+                return Err(NodeError::invalid("a ControlNet program was not planned"));
+            };
+            let mut feed = b.fixed.clone();
+            feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
+            feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
+            feed.insert("hint".to_string(), Arc::new(hint));
+            let mut outs = self.sessions[i]
+                .run(feed)
+                .map_err(|e| run_error("ControlNet", e))?;
+            // x *= strength, in f32, as ComfyUI scales in place.
+            for o in &mut outs {
+                for v in &mut o.data {
+                    *v *= c.strength;
+                }
+            }
+            let middle = outs.pop().map(|o| o.data).unwrap_or_default();
+            let own = Residuals {
+                output: outs.into_iter().map(|o| o.data).collect(),
+                middle,
+            };
+            acc = Some(match acc {
+                None => own,
+                Some(prev) => merge(prev, own),
+            });
+        }
+        Ok(acc)
+    }
+}
+
+/// `broadcast_image_to`, which ComfyUI calls when the hint's batch is not
+/// the batch's: a batch of one stays (the net broadcasts it); otherwise the first `rows / entries` images, tiled to that, repeated
+/// for each entry of the batch.
+fn broadcast(hint: &[f32], n: usize, rows: usize, entries: usize) -> Vec<f32> {
+    if n <= 1 || n == rows {
+        return hint.to_vec();
+    }
+    let per = hint.len() / n;
+    let per_batch = rows / entries.max(1);
+    let mut one: Vec<f32> = Vec::with_capacity(per_batch * per);
+    for i in 0..per_batch {
+        let j = i % n.min(per_batch).max(1);
+        one.extend_from_slice(&hint[j * per..(j + 1) * per]);
+    }
+    if per_batch == rows {
+        return one;
+    }
+    one.repeat(entries)
+}
+
+/// `control_merge` with a previous result: `prev + own` where both exist.
+fn merge(prev: Residuals, own: Residuals) -> Residuals {
+    let add = |p: Vec<f32>, o: Vec<f32>| -> Vec<f32> {
+        if p.len() != o.len() {
+            return o;
+        }
+        p.iter().zip(&o).map(|(a, b)| a + b).collect()
+    };
+    let mut output = Vec::with_capacity(own.output.len().max(prev.output.len()));
+    let mut po = prev.output.into_iter();
+    for o in own.output {
+        output.push(match po.next() {
+            Some(p) => add(p, o),
+            None => o,
+        });
+    }
+    output.extend(po);
+    Residuals {
+        output,
+        middle: add(prev.middle, own.middle),
+    }
+}
