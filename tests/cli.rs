@@ -19,8 +19,18 @@ fn root() -> PathBuf {
 /// A fresh base folder with the example input image.
 fn base_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
-    // Every example input (the graphs load them by name).
     std::fs::create_dir_all(dir.path().join("input")).expect("mkdir");
+    std::fs::copy(
+        root().join("graphs/input/example.png"),
+        dir.path().join("input/example.png"),
+    )
+    .expect("copy input");
+    dir
+}
+
+/// [`base_dir`] with every example input (the graphs load them by name).
+fn base_dir_with_inputs() -> tempfile::TempDir {
+    let dir = base_dir();
     for e in std::fs::read_dir(root().join("graphs/input")).expect("graphs/input") {
         let e = e.expect("entry");
         if e.path().is_file() {
@@ -75,7 +85,7 @@ fn every_example_graph_validates_and_image_graphs_run() {
         if !["ron", "json"].contains(&ext) {
             continue;
         }
-        let base = base_dir();
+        let base = base_dir_with_inputs();
         let p = path.to_string_lossy().to_string();
         // Model workflows need model files: give every `.safetensors` name
         // they mention an empty placeholder in each model folder, so
@@ -88,7 +98,7 @@ fn every_example_graph_validates_and_image_graphs_run() {
             .filter(|s| s.ends_with(".safetensors") && !s.contains('/'))
             .collect();
         let needs_model = !models.is_empty();
-        for folder in ["checkpoints", "unet", "clip", "vae", "loras"] {
+        for folder in ["checkpoints", "unet", "clip", "vae", "loras", "controlnet"] {
             let dir = base.path().join("models").join(folder);
             std::fs::create_dir_all(&dir).expect("mkdir");
             for name in &models {
