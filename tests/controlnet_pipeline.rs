@@ -4,8 +4,9 @@
 //! `control_model.` prefix, through ControlNetApply (applied to the
 //! negative by the sampler) and ControlNetApplyAdvanced (a timestep range;
 //! two chained with different images, one cropped to the latent's aspect),
-//! and with a LoRA on the model. ControlNet kinds sdkit does not read yet
-//! (diffusers layout, T2I-Adapter) fail with an error naming the kind.
+//! and with a LoRA on the model; an SDXL ControlNet in the diffusers
+//! layout. Control models sdkit does not read yet (T2I-Adapter) fail with
+//! an error naming the kind.
 
 mod support;
 
@@ -53,6 +54,11 @@ fn controlnet_with_lora_matches_comfyui() {
 }
 
 #[test]
+fn sdxl_diffusers_controlnet_matches_comfyui() {
+    matches_on("tiny_sdxl_controlnet", "cpu", None);
+}
+
+#[test]
 fn controlnet_on_wgpu_matches_comfyui() {
     if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
         sdkit_compute::backend::wgpu::no_adapter("ControlNet on wgpu", e);
@@ -65,10 +71,7 @@ fn controlnet_on_wgpu_matches_comfyui() {
 #[test]
 fn unsupported_control_models_are_named() {
     let (base, _) = setup();
-    for (graph, kind) in [
-        ("tiny_sdxl_controlnet", "diffusers-format ControlNets"),
-        ("tiny_sd1_controlnet_t2i", "T2I-Adapters"),
-    ] {
+    for (graph, kind) in [("tiny_sd1_controlnet_t2i", "T2I-Adapters")] {
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_sdkit"))
             .args(["run", "-q", "--device", "cpu"])
             .arg(root().join("graphs").join(format!("{graph}.json")))

@@ -503,6 +503,24 @@ impl SafeTensors {
             .take_while(move |k| k.starts_with(prefix))
     }
 
+    /// Renames tensors by `map` (old name → new) and drops the others,
+    /// returning the names dropped: a file in another layout (a diffusers
+    /// ControlNet, say) seen in the layout the model code reads.
+    pub fn rename(&mut self, map: &std::collections::HashMap<String, String>) -> Vec<String> {
+        let old = std::mem::take(&mut self.tensors);
+        let mut dropped = Vec::new();
+        for (name, mut info) in old {
+            match map.get(&name) {
+                Some(new) => {
+                    info.name = new.clone();
+                    self.tensors.insert(new.clone(), info);
+                }
+                None => dropped.push(name),
+            }
+        }
+        dropped
+    }
+
     /// The `__metadata__` strings (empty if the file has none).
     pub fn metadata(&self) -> &BTreeMap<String, String> {
         &self.metadata

@@ -1,9 +1,9 @@
 //! ControlNets as ComfyUI applies them (comfy/controlnet.py, nodes.py).
 //!
 //! - **Loading** (ControlNetLoader): a ldm-layout ControlNet, keys under
-//!   `control_model.` or at the top level ([`crate::models::controlnet`]).
-//!   Diffusers-format ControlNets, T2I-Adapters, control-LoRAs and union
-//!   ControlNets are refused by name.
+//!   `control_model.` or at the top level, or a diffusers-format one
+//!   renamed to that layout ([`crate::models::controlnet`]). T2I-Adapters,
+//!   control-LoRAs and union ControlNets are refused by name.
 //! - **Applying**: each conditioning entry carries a chain of [`Control`]s
 //!   (the newest last, each pointing at the one it was applied over).
 //!   ControlNetApply gives every positive entry its own copy and marks it
@@ -20,14 +20,16 @@
 //!   broadcast), its residuals × strength, added to the previous ones
 //!   (`prev + own`). The UNet adds them to its skips and middle block.
 
-use super::loaders::{file_fingerprint, model_path, open, shapes};
+use super::loaders::{file_fingerprint, model_path, shapes};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, ModelFile};
 use crate::imageops::{upscale, Crop, Tensor4, UpscaleMethod};
-use crate::models::controlnet::{controlnet_config, ControlNetConfig};
+use crate::models::controlnet::{
+    controlnet_config, diffusers_config, diffusers_names, ControlNetConfig,
+};
 use crate::models::detect::Heads;
 use sdkit_compute::plan::Program;
 use sdkit_compute::runtime::Session;
-use sdkit_compute::weights::WeightStore;
+use sdkit_compute::weights::{SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
 use sdkit_schema::SocketType;
 use std::collections::HashMap;
@@ -82,8 +84,30 @@ pub struct ControlNetLoader;
 
 fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     let path = model_path(ctx, "controlnet", name)?;
-    let file = open(&path)?;
-    let s = shapes(&file);
+    let mut file = SafeTensors::open(&path).map_err(|e| NodeError::invalid(e.to_string()))?;
+    let mut s = shapes(&file);
+    if s.contains_key("controlnet_cond_embedding.conv_in.weight")
+        && !s.contains_key("control_add_embedding.linear_1.weight")
+    {
+        // Diffusers layout: renamed to ldm as ComfyUI does.
+        let cfg = diffusers_config(&s).map_err(|e| NodeError::file(&path, e))?;
+        let dropped = file.rename(&diffusers_names(&cfg, &s));
+        if !dropped.is_empty() {
+            tracing::warn!(
+                "{}: {} tensors not used by the ControlNet: {}",
+                path.display(),
+                dropped.len(),
+                dropped
+                    .iter()
+                    .take(8)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        s = shapes(&file);
+    }
+    let file = Arc::new(file);
     let has = |k: &str| s.contains_key(k);
     let refuse = |what: &str| {
         Err(NodeError::file(
@@ -92,7 +116,7 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
         ))
     };
     if has("controlnet_cond_embedding.conv_in.weight") {
-        return refuse("diffusers-format ControlNets");
+        return refuse("union ControlNets");
     }
     if s.keys().any(|k| k.starts_with("lora_controlnet")) {
         return refuse("control-LoRAs");

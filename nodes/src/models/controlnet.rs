@@ -1,5 +1,6 @@
 //! ControlNet (ComfyUI's `comfy/cldm/cldm.py`) in the ldm layout of the
-//! `control_v11*` files: the UNet's first half (time and ADM embedding,
+//! `control_v11*` files (diffusers-format files are renamed to it,
+//! [`diffusers_names`]): the UNet's first half (time and ADM embedding,
 //! input blocks, middle block; [`super::unet::encode`]) whose input block
 //! 0 also gets the hint image through `input_hint_block` (eight 3×3
 //! convolutions, SiLU between them, strides of 2 at sequence indices 4, 8
@@ -8,7 +9,9 @@
 
 use super::detect::{unet_config, DetectError, Heads, Shapes, UnetConfig};
 use super::unet::encode;
+use crate::adapters::keys::unet_to_diffusers;
 use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, T};
+use std::collections::HashMap;
 
 /// A ControlNet's sizes, inferred from its tensors.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,4 +94,128 @@ pub fn controlnet<'a>(
     let c = enc.channels;
     let mid = vb.pp("middle_block_out.0").conv2d(enc.middle, c, c, 1, 1)?;
     Ok((outs, mid))
+}
+
+/// A diffusers-format ControlNet's config, read from its layout
+/// (ComfyUI matches a table of known configs; the same numbers follow
+/// from the shapes): `conv_in` gives the width and input channels, each
+/// `down_blocks.N` a level (its resnets, their output width, their
+/// attention depths), `mid_block.attentions.0` the middle's depth,
+/// `add_embedding` SDXL's ADM input.
+pub fn diffusers_config(s: &Shapes) -> Result<UnetConfig, DetectError> {
+    let get = |k: &str| -> Result<&Vec<usize>, DetectError> {
+        s.get(k).ok_or_else(|| DetectError::NoModel {
+            prefix: k.to_string(),
+        })
+    };
+    let conv_in = get("conv_in.weight")?;
+    let (model_channels, in_channels) = match conv_in.as_slice() {
+        [m, i, _, _] => (*m, *i),
+        other => {
+            return Err(DetectError::BadShape {
+                name: "conv_in.weight".into(),
+                shape: other.to_vec(),
+                expected: "[model_channels, in, 3, 3]",
+            })
+        }
+    };
+    let count = |prefix: &str| {
+        (0..)
+            .take_while(|i| s.keys().any(|k| k.starts_with(&format!("{prefix}{i}."))))
+            .count()
+    };
+    let levels = count("down_blocks.");
+    let mut num_res_blocks = Vec::new();
+    let mut channel_mult = Vec::new();
+    let mut transformer_depth = Vec::new();
+    let mut context_dim = None;
+    let mut use_linear = false;
+    for l in 0..levels {
+        let n = count(&format!("down_blocks.{l}.resnets."));
+        num_res_blocks.push(n);
+        let out = get(&format!("down_blocks.{l}.resnets.0.conv2.weight"))?;
+        channel_mult.push(out.first().copied().unwrap_or(0) / model_channels.max(1));
+        for r in 0..n {
+            let a = format!("down_blocks.{l}.attentions.{r}.");
+            let depth = count(&format!("{a}transformer_blocks."));
+            transformer_depth.push(depth);
+            if depth > 0 && context_dim.is_none() {
+                context_dim = s
+                    .get(&format!("{a}transformer_blocks.0.attn2.to_k.weight"))
+                    .and_then(|v| v.get(1).copied());
+                use_linear = s
+                    .get(&format!("{a}proj_in.weight"))
+                    .is_some_and(|v| v.len() == 2);
+            }
+        }
+    }
+    let middle = count("mid_block.attentions.0.transformer_blocks.");
+    // The output half mirrors the input (a ControlNet has none; the key
+    // map still lists it).
+    let mut transformer_depth_output = Vec::new();
+    let mut it = transformer_depth.iter();
+    for &n in &num_res_blocks {
+        let d: Vec<usize> = it.by_ref().take(n).copied().collect();
+        let last = d.last().copied().unwrap_or(0);
+        transformer_depth_output.extend(d);
+        transformer_depth_output.push(last);
+    }
+    Ok(UnetConfig {
+        in_channels,
+        out_channels: in_channels,
+        model_channels,
+        num_res_blocks,
+        channel_mult,
+        transformer_depth,
+        transformer_depth_output,
+        transformer_depth_middle: (middle > 0).then_some(middle),
+        use_linear_in_transformer: use_linear,
+        context_dim,
+        adm_in_channels: s
+            .get("add_embedding.linear_1.weight")
+            .and_then(|v| v.get(1).copied()),
+    })
+}
+
+/// ComfyUI's renaming of a diffusers ControlNet to the ldm layout:
+/// `unet_to_diffusers` for the UNet half, `controlnet_down_blocks.N` →
+/// `zero_convs.N.0`, `controlnet_mid_block` → `middle_block_out.0`, and
+/// the conditioning embedding's `conv_in`, `blocks.N`, `conv_out` →
+/// `input_hint_block.{0, 2N + 2, last}`.
+pub fn diffusers_names(cfg: &UnetConfig, s: &Shapes) -> HashMap<String, String> {
+    let mut map = HashMap::new();
+    let mut layer = |d: String, l: String| {
+        for suffix in [".weight", ".bias"] {
+            map.insert(format!("{d}{suffix}"), format!("{l}{suffix}"));
+        }
+    };
+    for (d, l) in unet_to_diffusers(cfg) {
+        layer(d, l);
+    }
+    layer("controlnet_mid_block".into(), "middle_block_out.0".into());
+    let mut i = 0;
+    while s.contains_key(&format!("controlnet_down_blocks.{i}.weight")) {
+        layer(
+            format!("controlnet_down_blocks.{i}"),
+            format!("zero_convs.{i}.0"),
+        );
+        i += 1;
+    }
+    layer(
+        "controlnet_cond_embedding.conv_in".into(),
+        "input_hint_block.0".into(),
+    );
+    let mut n = 0;
+    while s.contains_key(&format!("controlnet_cond_embedding.blocks.{n}.weight")) {
+        layer(
+            format!("controlnet_cond_embedding.blocks.{n}"),
+            format!("input_hint_block.{}", 2 * n + 2),
+        );
+        n += 1;
+    }
+    layer(
+        "controlnet_cond_embedding.conv_out".into(),
+        format!("input_hint_block.{}", 2 * n + 2),
+    );
+    map
 }
