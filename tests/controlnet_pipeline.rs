@@ -86,3 +86,41 @@ fn unsupported_control_models_are_named() {
         "{graph}: {err}"
     );
 }
+
+/// The Canny preprocessor against kornia's (what ComfyUI's node runs), at
+/// two threshold pairs: edge maps are 0 or 1, so a pixel either matches or
+/// not; float summation order may flip a pixel whose magnitude sits on a
+/// threshold or ties a neighbour, so a handful may differ.
+#[test]
+fn canny_matches_comfyui() {
+    let (base, fx) = setup();
+    support::run(base.path(), "tiny_canny", "cpu");
+    let images = fx["workflows"]["tiny_canny"]["images"]
+        .as_array()
+        .expect("images");
+    for im in images {
+        let prefix = im["filename_prefix"].as_str().expect("prefix");
+        let want = support::f32s(im["image_f32"].as_str().expect("image"));
+        let path = base.path().join(format!("output/{prefix}_00001_.png"));
+        let img = image::open(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .to_rgb8();
+        let got = img.as_raw();
+        assert_eq!(got.len(), want.len());
+        let off = got
+            .iter()
+            .zip(&want)
+            .filter(|(g, w)| **g != sdkit_nodes::io::to_u8(**w))
+            .count();
+        let edges = want.iter().filter(|v| **v > 0.5).count() / 3;
+        eprintln!(
+            "{prefix}: {off} of {} values differ ({edges} edge pixels)",
+            got.len()
+        );
+        assert!(
+            edges > 20,
+            "{prefix}: the reference has too few edges to test"
+        );
+        assert!(off <= 3 * 6, "{prefix}: {off} values differ");
+    }
+}

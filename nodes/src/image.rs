@@ -162,6 +162,19 @@ image_node!(
 );
 
 image_node!(
+    /// ComfyUI's Canny (kornia's edge detector; see `imageops::canny`).
+    Canny,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::canny(
+            &img,
+            inputs.float("low_threshold")? as f32,
+            inputs.float("high_threshold")? as f32,
+        )?))
+    }
+);
+
+image_node!(
     /// ComfyUI's ImageInvert: 1 - x.
     ImageInvert,
     |inputs| one(image_out(imageops::invert(&image_in(inputs, "image")?)))

@@ -149,6 +149,7 @@ pub fn library() -> NodeLibrary {
     lib.implement("ImageScale", image::ImageScale);
     lib.implement("ImageScaleBy", image::ImageScaleBy);
     lib.implement("ImageInvert", image::ImageInvert);
+    lib.implement("Canny", image::Canny);
     lib.implement("ImageCrop", image::ImageCrop);
     lib.implement("ImageBlur", image::ImageBlur);
     lib.implement("ImageSharpen", image::ImageSharpen);

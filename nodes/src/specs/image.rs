@@ -71,6 +71,14 @@ pub(super) fn image(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("Canny", "image/preprocessors")
+            .socket("image", T::Image)
+            .float("low_threshold", 0.4, 0.01, 0.99, 0.01)
+            .float("high_threshold", 0.8, 0.01, 0.99, 0.01)
+            .returns(T::Image)
+            .build(),
+    );
+    v.push(
         node("ImageInvert", "image")
             .display("Invert Image")
             .socket("image", T::Image)
