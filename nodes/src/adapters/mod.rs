@@ -65,6 +65,10 @@ impl Patches {
         if let Some(d) = computed.get(name) {
             return Ok(Some(Arc::clone(d)));
         }
+        if let Some(d) = file.patched.get(name, list, held_as) {
+            computed.insert(name.to_string(), Arc::clone(&d));
+            return Ok(Some(d));
+        }
         let mut w = file.tensor_held(name, held_as)?;
         lora::apply(&mut w, list)
             .map_err(|e| NodeError::invalid(format!("{}: tensor \"{name}\": {e}", file.name)))?;
@@ -72,8 +76,95 @@ impl Patches {
             w.iter_mut().for_each(|x| *x = round(*x));
         }
         let d = Arc::new(w);
+        file.patched.insert(name, list, held_as, Arc::clone(&d));
         computed.insert(name.to_string(), Arc::clone(&d));
         Ok(Some(d))
+    }
+}
+
+/// One patch of a list as the cache compares it: the layer (held weakly),
+/// the strength's bits and the row range.
+type PatchKey = (
+    std::sync::Weak<lora::LoraLayer>,
+    u64,
+    Option<(usize, usize)>,
+);
+
+/// One patched tensor: the patch list it was made with (each layer held
+/// weakly, so an entry lives only while all its layers do) and the result.
+#[derive(Debug)]
+struct PatchedEntry {
+    layers: Vec<PatchKey>,
+    held_as: Option<DType>,
+    data: Arc<Vec<f32>>,
+}
+
+impl PatchedEntry {
+    fn matches(&self, list: &[TensorPatch], held_as: Option<DType>) -> bool {
+        self.held_as == held_as
+            && self.layers.len() == list.len()
+            && self.layers.iter().zip(list).all(|((w, s, r), p)| {
+                w.upgrade().is_some_and(|l| Arc::ptr_eq(&l, &p.layer))
+                    && *s == p.strength.to_bits()
+                    && *r == p.rows
+            })
+    }
+
+    fn alive(&self) -> bool {
+        self.layers.iter().all(|(w, ..)| w.strong_count() > 0)
+    }
+}
+
+/// A file's patched tensors by patch list. When a LoRA stack runs again
+/// with one strength changed (`watch`, the server), only the loader that
+/// changed makes new layers: tensors the other LoRAs patch keep their list
+/// and are found here, not recomputed, and being the same host data they
+/// are not uploaded again. Entries go when one of their layers is dropped.
+#[derive(Debug, Default)]
+pub struct PatchedCache(Mutex<HashMap<String, Vec<PatchedEntry>>>);
+
+impl PatchedCache {
+    fn get(
+        &self,
+        name: &str,
+        list: &[TensorPatch],
+        held_as: Option<DType>,
+    ) -> Option<Arc<Vec<f32>>> {
+        let map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.get(name)?
+            .iter()
+            .find(|e| e.matches(list, held_as))
+            .map(|e| Arc::clone(&e.data))
+    }
+
+    fn insert(
+        &self,
+        name: &str,
+        list: &[TensorPatch],
+        held_as: Option<DType>,
+        data: Arc<Vec<f32>>,
+    ) {
+        let mut map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Drop what can no longer match, here and for every tensor (a
+        // stack's tensors are inserted together, so this stays small).
+        map.retain(|_, v| {
+            v.retain(PatchedEntry::alive);
+            !v.is_empty()
+        });
+        map.entry(name.to_string()).or_default().push(PatchedEntry {
+            layers: list
+                .iter()
+                .map(|p| (Arc::downgrade(&p.layer), p.strength.to_bits(), p.rows))
+                .collect(),
+            held_as,
+            data,
+        });
     }
 }
 

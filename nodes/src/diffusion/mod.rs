@@ -43,6 +43,9 @@ pub struct ModelFile {
     pub store: WeightStore,
     /// UNETLoader's fp8 `weight_dtype`: every weight read as if cast to it.
     pub cast: Option<DType>,
+    /// Patched tensors of this file by patch list, shared by every patch
+    /// set that gives a tensor the same list ([`crate::adapters::Patches`]).
+    pub patched: crate::adapters::PatchedCache,
 }
 
 impl std::fmt::Debug for ModelFile {
@@ -57,6 +60,7 @@ impl ModelFile {
             name: name.into(),
             store,
             cast: None,
+            patched: Default::default(),
         }
     }
 
