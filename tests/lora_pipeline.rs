@@ -70,49 +70,24 @@ fn sd1_lycoris_matches_comfyui() {
 /// events, on wgpu under a budget).
 #[test]
 fn lora_strength_edit_reuploads_only_that_loras_tensors() {
-    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
-    use std::sync::{Arc, Mutex};
-
-    let runtime = match Runtime::select_with("wgpu", Some(1 << 30)) {
-        Ok(g) => g,
-        Err(e) => {
-            sdkit_compute::backend::wgpu::no_adapter("LoRA edit residency", e);
-            return;
-        }
-    };
     let (base, _fx) = setup();
-    let lib = Arc::new(sdkit_nodes::library());
-    let paths = Paths::under(base.path());
-    let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime);
-    let uploads: Arc<Mutex<Vec<u64>>> = Arc::default();
-    let sink = uploads.clone();
-    let events: EventSink = Arc::new(move |e: &Event| {
-        if let Event::Residency {
-            uploaded_bytes,
-            node,
-            ..
-        } = e
-        {
-            if node == "6" {
-                sink.lock().expect("lock").push(*uploaded_bytes);
-            }
-        }
-    });
     let text =
         std::fs::read_to_string(support::root().join("graphs/tiny_sd1_lora.json")).expect("graph");
-    let rt = tokio::runtime::Runtime::new().expect("tokio");
     // (strength of LoRA a, of LoRA b): first run, b edited, nothing
     // edited, a edited (a patches every UNet Linear, b only attn2 k/v).
-    for (a, b) in [(0.8, -0.5), (0.8, -0.25), (0.8, -0.25), (0.5, -0.25)] {
-        let mut wf: serde_json::Value = serde_json::from_str(&text).expect("json");
-        wf["10"]["inputs"]["strength_model"] = serde_json::json!(a);
-        wf["11"]["inputs"]["strength_model"] = serde_json::json!(b);
-        let wf = sdkit_schema::workflow::load(&wf.to_string(), &lib.registry).expect("loads");
-        let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
-        rt.block_on(exec.run(&graph, RunOptions::new(events.clone(), CancelToken::new())))
-            .expect("runs");
-    }
-    let u = uploads.lock().expect("lock").clone();
+    let variants: Vec<serde_json::Value> = [(0.8, -0.5), (0.8, -0.25), (0.8, -0.25), (0.5, -0.25)]
+        .iter()
+        .map(|(a, b)| {
+            let mut wf: serde_json::Value = serde_json::from_str(&text).expect("json");
+            wf["10"]["inputs"]["strength_model"] = serde_json::json!(a);
+            wf["11"]["inputs"]["strength_model"] = serde_json::json!(b);
+            wf
+        })
+        .collect();
+    let Some(u) = support::residency_uploads(base.path(), &variants, "6", "LoRA edit residency")
+    else {
+        return;
+    };
     // The unchanged run samples nothing (the executor's cache answers).
     assert_eq!(u.len(), 3, "one residency event per KSampler run: {u:?}");
     assert!(u[0] > 0, "the first run uploads the UNet");

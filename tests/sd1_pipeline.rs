@@ -641,45 +641,21 @@ fn programs_prepared_side_by_side_share_the_budget() {
 /// text encoder and the sampler but uploads no UNet weights again.
 #[test]
 fn prompt_edit_uploads_no_unet_weights() {
-    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
-    use std::sync::{Arc, Mutex};
-
-    let runtime = match Runtime::select_with("wgpu", Some(1 << 30)) {
-        Ok(g) => g,
-        Err(e) => {
-            sdkit_compute::backend::wgpu::no_adapter("prompt edit residency", e);
-            return;
-        }
-    };
     let (base, _fx) = setup();
-    let lib = Arc::new(sdkit_nodes::library());
-    let paths = Paths::under(base.path());
-    let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime);
-    let uploads: Arc<Mutex<Vec<u64>>> = Arc::default();
-    let sink_uploads = uploads.clone();
-    let events: EventSink = Arc::new(move |e: &Event| {
-        if let Event::Residency {
-            uploaded_bytes,
-            node,
-            ..
-        } = e
-        {
-            if node == "6" {
-                sink_uploads.lock().expect("lock").push(*uploaded_bytes);
-            }
-        }
-    });
     let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
-    let rt = tokio::runtime::Runtime::new().expect("tokio");
-    for prompt in ["a lighthouse", "a lighthouse at night"] {
-        let mut wf: serde_json::Value = serde_json::from_str(&text).expect("json");
-        wf["3"]["inputs"]["text"] = serde_json::json!(prompt);
-        let wf = sdkit_schema::workflow::load(&wf.to_string(), &lib.registry).expect("loads");
-        let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
-        rt.block_on(exec.run(&graph, RunOptions::new(events.clone(), CancelToken::new())))
-            .expect("runs");
-    }
-    let uploads = uploads.lock().expect("lock").clone();
+    let variants: Vec<serde_json::Value> = ["a lighthouse", "a lighthouse at night"]
+        .iter()
+        .map(|prompt| {
+            let mut wf: serde_json::Value = serde_json::from_str(&text).expect("json");
+            wf["3"]["inputs"]["text"] = serde_json::json!(prompt);
+            wf
+        })
+        .collect();
+    let Some(uploads) =
+        support::residency_uploads(base.path(), &variants, "6", "prompt edit residency")
+    else {
+        return;
+    };
     assert_eq!(uploads.len(), 2, "one residency event per KSampler run");
     assert!(uploads[0] > 0, "the first run uploads the UNet");
     assert_eq!(uploads[1], 0, "the edited run uploaded UNet weights again");

@@ -378,3 +378,52 @@ pub fn check_graph(base: &Path, fx: &serde_json::Value, graph: &str, latent_tol:
         latent_tol,
     );
 }
+
+/// Runs each workflow of `variants` (ComfyUI API JSON) in turn through one
+/// executor on wgpu with a 1 GiB budget, as `watch` and the server run
+/// edits, and returns the bytes uploaded in each residency event of node
+/// `node`. None (after `no_adapter`) without an adapter.
+pub fn residency_uploads(
+    base: &Path,
+    variants: &[serde_json::Value],
+    node: &str,
+    what: &str,
+) -> Option<Vec<u64>> {
+    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
+    use std::sync::{Arc, Mutex};
+
+    let runtime = match Runtime::select_with("wgpu", Some(1 << 30)) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_compute::backend::wgpu::no_adapter(what, e);
+            return None;
+        }
+    };
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = Paths::under(base);
+    let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime);
+    let uploads: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let sink = uploads.clone();
+    let node = node.to_string();
+    let events: EventSink = Arc::new(move |e: &Event| {
+        if let Event::Residency {
+            uploaded_bytes,
+            node: n,
+            ..
+        } = e
+        {
+            if *n == node {
+                sink.lock().expect("lock").push(*uploaded_bytes);
+            }
+        }
+    });
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    for wf in variants {
+        let wf = sdkit_schema::workflow::load(&wf.to_string(), &lib.registry).expect("loads");
+        let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+        rt.block_on(exec.run(&graph, RunOptions::new(events.clone(), CancelToken::new())))
+            .expect("runs");
+    }
+    let out = uploads.lock().expect("lock").clone();
+    Some(out)
+}

@@ -166,6 +166,20 @@ pub fn timestep_embedding<'a>(g: &'a GraphBuilder, timesteps: T<'a>, dim: usize)
     }
 }
 
+/// Whether `c` channels split into `heads`' attention heads.
+fn heads_fit(heads: Heads, c: usize, xs: &[usize]) -> Result<(), ShapeError> {
+    let n = heads.at(c);
+    if c.is_multiple_of(n) {
+        Ok(())
+    } else {
+        Err(bad(
+            "unet",
+            format!("{c} channels do not split into {n} heads"),
+            &[xs],
+        ))
+    }
+}
+
 /// Residuals a ControlNet adds inside the UNet (ComfyUI's
 /// `apply_control`): `output[i]` to input block `i`'s skip as the output
 /// blocks pop it, `middle` after the middle block.
@@ -257,18 +271,7 @@ pub fn encode<'a>(
         use_linear: cfg.use_linear_in_transformer,
         emb_dim: 4 * mc,
     };
-    let check_heads = |c: usize| -> Result<(), ShapeError> {
-        let n = heads.at(c);
-        if c.is_multiple_of(n) {
-            Ok(())
-        } else {
-            Err(bad(
-                "unet",
-                format!("{c} channels do not split into {n} heads"),
-                &[&xs],
-            ))
-        }
-    };
+    let check_heads = |c: usize| heads_fit(heads, c, &xs);
 
     let t_emb = timestep_embedding(g, timesteps, mc)?;
     let emb = vb.pp("time_embed.0").linear(t_emb, mc, 4 * mc)?.silu();
@@ -392,18 +395,7 @@ pub fn unet<'a>(
         use_linear: cfg.use_linear_in_transformer,
         emb_dim: 4 * mc,
     };
-    let check_heads = |c: usize| -> Result<(), ShapeError> {
-        let n = heads.at(c);
-        if c.is_multiple_of(n) {
-            Ok(())
-        } else {
-            Err(bad(
-                "unet",
-                format!("{c} channels do not split into {n} heads"),
-                &[&xs],
-            ))
-        }
-    };
+    let check_heads = |c: usize| heads_fit(heads, c, &xs);
     let emb_act = enc.emb_act;
     let mut skips = enc.skips;
     let mut h = enc.middle;
