@@ -5,12 +5,11 @@
 //! negative by the sampler) and ControlNetApplyAdvanced (a timestep range;
 //! two chained with different images, one cropped to the latent's aspect),
 //! and with a LoRA on the model; an SDXL ControlNet in the diffusers
-//! layout. Control models sdkit does not read yet (T2I-Adapter) fail with
-//! an error naming the kind.
+//! layout; a T2I-Adapter; the Canny preprocessor.
 
 mod support;
 
-use support::{check_graph, copy_input, root, write_base_checkpoints, write_fixture_files};
+use support::{check_graph, copy_input, write_base_checkpoints, write_fixture_files};
 
 fn setup() -> (tempfile::TempDir, serde_json::Value) {
     let fx = support::fixture("controlnet/expected.json");
@@ -67,24 +66,11 @@ fn controlnet_on_wgpu_matches_comfyui() {
     matches_on("tiny_sd1_controlnet_chain", "wgpu", Some(1e-3));
 }
 
-/// Not built yet: refused by name, not run wrong.
+/// A T2I-Adapter (the full kind, average-pooling downsamplers, a grey
+/// hint) on an SD1 UNet with SD1's twelve input blocks, in a time range.
 #[test]
-fn unsupported_control_models_are_named() {
-    let (base, _) = setup();
-    let (graph, kind) = ("tiny_sd1_controlnet_t2i", "T2I-Adapters");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(["run", "-q", "--device", "cpu"])
-        .arg(root().join("graphs").join(format!("{graph}.json")))
-        .arg("--base-dir")
-        .arg(base.path())
-        .output()
-        .expect("runs");
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "{graph} ran");
-    assert!(
-        err.contains(kind) && err.contains("not supported yet"),
-        "{graph}: {err}"
-    );
+fn t2i_adapter_matches_comfyui() {
+    matches_on("tiny_sd1_controlnet_t2i", "cpu", None);
 }
 
 /// The Canny preprocessor against kornia's (what ComfyUI's node runs), at

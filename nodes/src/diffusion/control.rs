@@ -21,27 +21,61 @@
 //!   (`prev + own`). The UNet adds them to its skips and middle block.
 
 use super::loaders::{file_fingerprint, model_path, shapes};
-use super::{input, opaque, run_error, CondEntry, Conditioning, Model, ModelFile};
+use super::{graph_error, input, opaque, run_error, CondEntry, Conditioning, Model, ModelFile};
 use crate::imageops::{upscale, Crop, Tensor4, UpscaleMethod};
 use crate::models::controlnet::{
     controlnet_config, diffusers_config, diffusers_names, ControlNetConfig,
 };
 use crate::models::detect::Heads;
+use crate::models::t2i::{t2i_adapter, t2i_config, T2iConfig};
+use crate::models::unet::skip_shapes;
+use sdkit_compute::plan::plan;
 use sdkit_compute::plan::Program;
 use sdkit_compute::runtime::Session;
+use sdkit_compute::tensor::GraphBuilder;
 use sdkit_compute::weights::{SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
 use sdkit_schema::SocketType;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-/// A loaded ControlNet file.
+/// A loaded control model file (ComfyUI's CONTROL_NET value).
 #[derive(Debug)]
 pub struct ControlNetModel {
     pub file: Arc<ModelFile>,
-    pub cfg: ControlNetConfig,
-    pub heads: Heads,
+    pub kind: ControlKind,
     pub prefix: String,
+}
+
+/// What a control model is.
+#[derive(Debug)]
+pub enum ControlKind {
+    /// A ControlNet: runs every step on x, t and the context.
+    Net { cfg: ControlNetConfig, heads: Heads },
+    /// A T2I-Adapter: features of the hint alone, computed once.
+    T2i(T2iConfig),
+}
+
+impl ControlNetModel {
+    /// Channels of the hint it takes.
+    fn hint_channels(&self) -> usize {
+        match &self.kind {
+            ControlKind::Net { cfg, .. } => cfg.hint_channels(),
+            ControlKind::T2i(t) => t.hint_channels(),
+        }
+    }
+
+    /// The hint's pixel size for a latent of `h`×`w` (ComfyUI's
+    /// compression ratio 8; an adapter rounds up to its unshuffle factor).
+    fn hint_size(&self, h: usize, w: usize) -> (usize, usize) {
+        match &self.kind {
+            ControlKind::Net { .. } => (8 * h, 8 * w),
+            ControlKind::T2i(t) => {
+                let r = t.unshuffle();
+                ((8 * h).div_ceil(r) * r, (8 * w).div_ceil(r) * r)
+            }
+        }
+    }
 }
 
 /// One applied ControlNet: the net, its hint image, strength and range,
@@ -126,7 +160,21 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     } else if has("zero_convs.0.0.weight") {
         ""
     } else {
-        return refuse("T2I-Adapters and other control models");
+        // A T2I-Adapter: the full kind is read; the light and style kinds
+        // are refused by name.
+        if has("body.0.in_conv.weight") {
+            return refuse("light T2I-Adapters");
+        }
+        let Some(t) = t2i_config(&s).map_err(|e| NodeError::file(&path, e))? else {
+            return refuse("control models of this layout (not a ControlNet or T2I-Adapter)");
+        };
+        let mut store = WeightStore::new();
+        store.mount(file, "", "");
+        return Ok(ControlNetModel {
+            file: Arc::new(ModelFile::new(name, store)),
+            kind: ControlKind::T2i(t),
+            prefix: String::new(),
+        });
     };
     if has(&format!("{prefix}task_embedding"))
         || has(&format!("{prefix}control_add_embedding.linear_1.weight"))
@@ -145,8 +193,7 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     store.mount(file, "", "");
     Ok(ControlNetModel {
         file: Arc::new(ModelFile::new(name, store)),
-        cfg,
-        heads,
+        kind: ControlKind::Net { cfg, heads },
         prefix: prefix.to_string(),
     })
 }
@@ -321,10 +368,54 @@ pub fn fill_uncond(positive: &Conditioning, negative: &Conditioning) -> Option<C
     Some(out)
 }
 
-/// The residuals of one batch: one per UNet skip, and the middle's.
+/// Where a chain's residuals enter the UNet program: after input blocks
+/// (`ctrl_in.{k}`), on every skip (`ctrl_out.{i}`), after the middle
+/// (`ctrl_mid`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slots {
+    pub input: Vec<usize>,
+    pub output: bool,
+    pub middle: bool,
+}
+
+/// One batch's residuals.
+#[derive(Debug, Default)]
 pub struct Residuals {
+    /// By input block.
+    pub input: BTreeMap<usize, Vec<f32>>,
+    /// One per skip, or none.
     pub output: Vec<Vec<f32>>,
-    pub middle: Vec<f32>,
+    pub middle: Option<Vec<f32>>,
+}
+
+impl Residuals {
+    /// The program inputs for `slots`, zeros where this has none.
+    pub fn feed(
+        &self,
+        slots: &Slots,
+        (skips, mid): &(Vec<Vec<usize>>, Vec<usize>),
+        feed: &mut HashMap<String, Arc<Vec<f32>>>,
+    ) {
+        let zeros = |s: &[usize]| vec![0f32; s.iter().product()];
+        for &k in &slots.input {
+            let v = self
+                .input
+                .get(&k)
+                .cloned()
+                .unwrap_or_else(|| zeros(&skips[k]));
+            feed.insert(format!("ctrl_in.{k}"), Arc::new(v));
+        }
+        if slots.output {
+            for (i, s) in skips.iter().enumerate() {
+                let v = self.output.get(i).cloned().unwrap_or_else(|| zeros(s));
+                feed.insert(format!("ctrl_out.{i}"), Arc::new(v));
+            }
+        }
+        if slots.middle {
+            let v = self.middle.clone().unwrap_or_else(|| zeros(mid));
+            feed.insert("ctrl_mid".to_string(), Arc::new(v));
+        }
+    }
 }
 
 /// One batch's inputs to a control chain.
@@ -365,30 +456,55 @@ pub struct Shape {
 }
 
 impl Plans {
-    /// Plans every net of `chain` for batches of `shape`.
+    /// Plans every model of `chain` for batches of `shape`; returns the
+    /// UNet inputs the chain feeds.
     pub fn add(
         &mut self,
         model: &Model,
         chain: &Arc<Control>,
         shape: &Shape,
-    ) -> Result<(), NodeError> {
+    ) -> Result<Slots, NodeError> {
+        let (h, w) = shape.hw;
+        let (skips, _) = skip_shapes(&model.unet, shape.rows, h, w);
+        let mut slots = Slots::default();
         for c in chain.chain() {
             let (_, hb) = self.hint_for(&c, shape)?;
             let key = key(&c, shape, hb);
+            match &c.net.kind {
+                ControlKind::Net { .. } => {
+                    slots.output = true;
+                    slots.middle = true;
+                }
+                ControlKind::T2i(t) => {
+                    let (blocks, mid) = t.placement();
+                    for (_, k) in blocks {
+                        if k < skips.len() && !slots.input.contains(&k) {
+                            slots.input.push(k);
+                        }
+                    }
+                    slots.middle |= mid.is_some();
+                }
+            }
             if !self.index.contains_key(&key) {
-                let (h, w) = shape.hw;
-                let prog = model.control_program(
-                    &c.net,
-                    shape.rows,
-                    (h, w),
-                    (shape.tokens, shape.dim),
-                    hb,
-                )?;
+                let prog = match &c.net.kind {
+                    ControlKind::Net { .. } => model.control_program(
+                        &c.net,
+                        shape.rows,
+                        (h, w),
+                        (shape.tokens, shape.dim),
+                        hb,
+                    )?,
+                    ControlKind::T2i(t) => {
+                        let (ph, pw) = c.net.hint_size(h, w);
+                        adapter_program(&c.net.file.name, t, hb, ph, pw)?
+                    }
+                };
                 self.index.insert(key, self.progs.len());
                 self.progs.push((prog, Arc::clone(&c.net)));
             }
         }
-        Ok(())
+        slots.input.sort_unstable();
+        Ok(slots)
     }
 
     /// The control's hint for batches of `shape`, broadcast, and its batch.
@@ -409,7 +525,8 @@ impl Plans {
             .hints
             .get(&(Arc::as_ptr(c) as usize, h, w))
             .ok_or_else(|| NodeError::invalid("a control hint was not planned"))?;
-        let per = c.net.cfg.hint_channels() * 64 * h * w;
+        let (ph, pw) = c.net.hint_size(h, w);
+        let per = c.net.hint_channels() * ph * pw;
         let n = hint.len() / per.max(1);
         let v = if n == shape.rows {
             hint.to_vec()
@@ -420,7 +537,9 @@ impl Plans {
         Ok((v, hb))
     }
 
-    /// The control's hint at latent size `h`×`w` (pixels 8h×8w), NCHW.
+    /// The control's hint for a latent of `h`×`w`, NCHW: resized with the
+    /// centre crop (nearest-exact), an adapter's grey hint the channels'
+    /// mean.
     fn hint(&mut self, c: &Arc<Control>, h: usize, w: usize) -> Result<Arc<Vec<f32>>, NodeError> {
         let key = (Arc::as_ptr(c) as usize, h, w);
         if let Some(v) = self.hints.get(&key) {
@@ -433,10 +552,11 @@ impl Plans {
                 img.shape
             )));
         };
-        let want = c.net.cfg.hint_channels();
+        let want = c.net.hint_channels();
+        let grey = matches!(c.net.kind, ControlKind::T2i(_)) && want == 1 && ic > 1;
         if ic < want {
             return Err(NodeError::invalid(format!(
-                "the control image has {ic} channels; this ControlNet takes {want}"
+                "the control image has {ic} channels; this control model takes {want}"
             )));
         }
         let t = Tensor4 {
@@ -446,15 +566,20 @@ impl Plans {
             c: ic,
             data: img.data.clone(),
         };
-        let r = upscale(&t, 8 * w, 8 * h, UpscaleMethod::NearestExact, Crop::Center)
+        let (oh, ow) = c.net.hint_size(h, w);
+        let r = upscale(&t, ow, oh, UpscaleMethod::NearestExact, Crop::Center)
             .map_err(|e| NodeError::invalid(format!("resizing the control image: {e}")))?;
-        let (oh, ow) = (8 * h, 8 * w);
         let mut out = Vec::with_capacity(n * want * oh * ow);
         for bi in 0..n {
             for ch in 0..want {
                 for y in 0..oh {
                     for x in 0..ow {
-                        out.push(r.data[((bi * oh + y) * ow + x) * ic + ch]);
+                        let px = &r.data[((bi * oh + y) * ow + x) * ic..][..ic];
+                        out.push(if grey {
+                            px.iter().sum::<f32>() / ic as f32
+                        } else {
+                            px[ch]
+                        });
                     }
                 }
             }
@@ -465,23 +590,42 @@ impl Plans {
     }
 }
 
-fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
-    let (h, w) = shape.hw;
-    (
-        Arc::as_ptr(&c.net) as usize,
-        shape.rows,
-        h,
-        w,
-        shape.tokens,
-        hb,
-    )
+/// A T2I-Adapter's program: `hint` in, its four features out.
+fn adapter_program(
+    name: &str,
+    cfg: &T2iConfig,
+    hb: usize,
+    ph: usize,
+    pw: usize,
+) -> Result<Program, NodeError> {
+    let what = format!("T2I-Adapter {name}");
+    let g = GraphBuilder::new();
+    let feats = g
+        .input("hint", &[hb, cfg.hint_channels(), ph, pw])
+        .and_then(|x| t2i_adapter(&g, cfg, x))
+        .map_err(|e| graph_error(&what, e))?;
+    plan(&g.finish(&feats)).map_err(|e| graph_error(&what, e))
 }
 
+fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
+    let (h, w) = shape.hw;
+    let (rows, tokens) = match c.net.kind {
+        // An adapter depends on its hint alone.
+        ControlKind::T2i(_) => (0, 0),
+        ControlKind::Net { .. } => (shape.rows, shape.tokens),
+    };
+    (Arc::as_ptr(&c.net) as usize, rows, h, w, tokens, hb)
+}
+
+/// An adapter's features for one hint: `(control, h, w, hint batch)`.
+type Features = Arc<Vec<Vec<f32>>>;
+
 /// Runs control chains for the sampler on the programs of a [`Plans`],
-/// each prepared once.
+/// each prepared once; an adapter's features are computed on first use.
 pub struct Runner<'p> {
     plans: &'p Plans,
     sessions: Vec<Session<'p>>,
+    features: HashMap<(usize, usize, usize, usize), Features>,
 }
 
 impl<'p> Runner<'p> {
@@ -493,13 +637,17 @@ impl<'p> Runner<'p> {
             sessions.push(
                 ctx.runtime
                     .prepare(prog, &bind)
-                    .map_err(|e| run_error("ControlNet", e))?,
+                    .map_err(|e| run_error("control model", e))?,
             );
         }
-        Ok(Runner { plans, sessions })
+        Ok(Runner {
+            plans,
+            sessions,
+            features: HashMap::new(),
+        })
     }
 
-    /// The chain's residuals for a batch, or None when no net in it is
+    /// The chain's residuals for a batch, or None when no model in it is
     /// active at this sigma.
     pub fn residuals(
         &mut self,
@@ -523,27 +671,65 @@ impl<'p> Runner<'p> {
                 continue;
             }
             let (hint, hb) = self.plans.cached_hint(&c, &shape)?;
-            let Some(&i) = self.plans.index.get(&key(&c, &shape, hb)) else {
-                return Err(NodeError::invalid("a ControlNet program was not planned"));
+            let key = key(&c, &shape, hb);
+            let Some(&i) = self.plans.index.get(&key) else {
+                return Err(NodeError::invalid("a control program was not planned"));
             };
-            let mut feed = b.fixed.clone();
-            feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
-            feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
-            feed.insert("hint".to_string(), Arc::new(hint));
-            let mut outs = self.sessions[i]
-                .run(feed)
-                .map_err(|e| run_error("ControlNet", e))?;
-            // x *= strength, in f32, as ComfyUI scales in place.
-            for o in &mut outs {
-                for v in &mut o.data {
-                    *v *= c.strength;
+            let mut own = match &c.net.kind {
+                ControlKind::Net { .. } => {
+                    let mut feed = b.fixed.clone();
+                    feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
+                    feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
+                    feed.insert("hint".to_string(), Arc::new(hint));
+                    let mut outs = self.sessions[i]
+                        .run(feed)
+                        .map_err(|e| run_error("ControlNet", e))?;
+                    let middle = outs.pop().map(|o| o.data);
+                    Residuals {
+                        input: BTreeMap::new(),
+                        output: outs.into_iter().map(|o| o.data).collect(),
+                        middle,
+                    }
                 }
-            }
-            let middle = outs.pop().map(|o| o.data).unwrap_or_default();
-            let own = Residuals {
-                output: outs.into_iter().map(|o| o.data).collect(),
-                middle,
+                ControlKind::T2i(t) => {
+                    let fkey = (Arc::as_ptr(&c) as usize, b.hw.0, b.hw.1, hb);
+                    let feats = match self.features.get(&fkey) {
+                        Some(f) => Arc::clone(f),
+                        None => {
+                            let mut feed = HashMap::new();
+                            feed.insert("hint".to_string(), Arc::new(hint));
+                            let outs = self.sessions[i]
+                                .run(feed)
+                                .map_err(|e| run_error("T2I-Adapter", e))?;
+                            let f = Arc::new(outs.into_iter().map(|o| o.data).collect::<Vec<_>>());
+                            self.features.insert(fkey, Arc::clone(&f));
+                            f
+                        }
+                    };
+                    // A batch-one feature broadcasts over the batch.
+                    let rows = |f: &Vec<f32>| -> Vec<f32> {
+                        if hb == b.rows {
+                            f.clone()
+                        } else {
+                            f.repeat(b.rows / hb.max(1))
+                        }
+                    };
+                    let (blocks, mid) = t.placement();
+                    Residuals {
+                        input: blocks
+                            .into_iter()
+                            .filter_map(|(f, k)| feats.get(f).map(|v| (k, rows(v))))
+                            .collect(),
+                        output: Vec::new(),
+                        middle: mid.and_then(|f| feats.get(f)).map(rows),
+                    }
+                }
             };
+            // x *= strength, in f32, as ComfyUI scales in place.
+            let scale = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x *= c.strength);
+            own.input.values_mut().for_each(scale);
+            own.output.iter_mut().for_each(scale);
+            own.middle.iter_mut().for_each(scale);
             acc = Some(match acc {
                 None => own,
                 Some(prev) => merge(prev, own),
@@ -554,8 +740,9 @@ impl<'p> Runner<'p> {
 }
 
 /// `broadcast_image_to`, which ComfyUI calls when the hint's batch is not
-/// the batch's: a batch of one stays (the net broadcasts it); otherwise the first `rows / entries` images, tiled to that, repeated
-/// for each entry of the batch.
+/// the batch's: a batch of one stays (the model broadcasts it); otherwise
+/// the first `rows / entries` images, tiled to that, repeated for each
+/// entry of the batch.
 fn broadcast(hint: &[f32], n: usize, rows: usize, entries: usize) -> Vec<f32> {
     if n <= 1 || n == rows {
         return hint.to_vec();
@@ -581,6 +768,14 @@ fn merge(prev: Residuals, own: Residuals) -> Residuals {
         }
         p.iter().zip(&o).map(|(a, b)| a + b).collect()
     };
+    let mut input = prev.input;
+    for (k, o) in own.input {
+        let v = match input.remove(&k) {
+            Some(p) => add(p, o),
+            None => o,
+        };
+        input.insert(k, v);
+    }
     let mut output = Vec::with_capacity(own.output.len().max(prev.output.len()));
     let mut po = prev.output.into_iter();
     for o in own.output {
@@ -590,8 +785,13 @@ fn merge(prev: Residuals, own: Residuals) -> Residuals {
         });
     }
     output.extend(po);
+    let middle = match (prev.middle, own.middle) {
+        (Some(p), Some(o)) => Some(add(p, o)),
+        (p, o) => o.or(p),
+    };
     Residuals {
+        input,
         output,
-        middle: add(prev.middle, own.middle),
+        middle,
     }
 }

@@ -7,7 +7,7 @@
 //! size). Inpainting's `c_concat`, ControlNet residuals and Flux's
 //! guidance join here as further inputs of the same program.
 
-use super::control::ControlNetModel;
+use super::control::{ControlKind, ControlNetModel, Slots};
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, ADM_EMBED};
@@ -58,9 +58,9 @@ impl Model {
     }
 
     /// The denoiser program for `batch` rows of `[in, h, w]` latents and
-    /// a `[batch, tokens, dim]` context. With `control`, it also takes a
-    /// ControlNet's residuals as inputs `ctrl_out.{i}` (one per input
-    /// block's skip) and `ctrl_mid`.
+    /// a `[batch, tokens, dim]` context. With `control`, it also takes
+    /// control residuals as inputs: `ctrl_in.{k}` after input block `k`,
+    /// `ctrl_out.{i}` on every skip, `ctrl_mid` after the middle block.
     pub fn program(
         &self,
         batch: usize,
@@ -68,7 +68,7 @@ impl Model {
         w: usize,
         tokens: usize,
         dim: usize,
-        control: bool,
+        control: Option<&Slots>,
     ) -> Result<Program, NodeError> {
         let g = GraphBuilder::new();
         let out = (|| {
@@ -76,19 +76,27 @@ impl Model {
             let t = g.input("t", &[batch])?;
             let c = g.input("context", &[batch, tokens, dim])?;
             let y = self.adm_vector(&g, batch)?;
-            let residuals = if control {
-                let (skips, mid) = skip_shapes(&self.unet, batch, h, w);
-                let output = skips
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| g.input(&format!("ctrl_out.{i}"), s))
-                    .collect::<Result<Vec<_>, _>>()?;
-                Some(ControlResiduals {
-                    output,
-                    middle: Some(g.input("ctrl_mid", &mid)?),
-                })
-            } else {
-                None
+            let residuals = match control {
+                Some(slots) => {
+                    let (skips, mid) = skip_shapes(&self.unet, batch, h, w);
+                    let mut r = ControlResiduals {
+                        input: vec![None; skips.len()],
+                        ..Default::default()
+                    };
+                    for &k in &slots.input {
+                        r.input[k] = Some(g.input(&format!("ctrl_in.{k}"), &skips[k])?);
+                    }
+                    if slots.output {
+                        for (i, s) in skips.iter().enumerate() {
+                            r.output.push(g.input(&format!("ctrl_out.{i}"), s)?);
+                        }
+                    }
+                    if slots.middle {
+                        r.middle = Some(g.input("ctrl_mid", &mid)?);
+                    }
+                    Some(r)
+                }
+                None => None,
             };
             unet(
                 &g,
@@ -136,18 +144,21 @@ impl Model {
         hint_batch: usize,
     ) -> Result<Program, NodeError> {
         let what = format!("ControlNet {}", net.file.name);
-        if net.cfg.unet.adm_in_channels != self.unet.adm_in_channels
-            || net.cfg.unet.context_dim.is_some_and(|d| d != dim)
-            || skip_shapes(&net.cfg.unet, batch, h, w) != skip_shapes(&self.unet, batch, h, w)
+        let ControlKind::Net { cfg, heads } = &net.kind else {
+            return Err(NodeError::invalid(format!("{what} is not a ControlNet")));
+        };
+        if cfg.unet.adm_in_channels != self.unet.adm_in_channels
+            || cfg.unet.context_dim.is_some_and(|d| d != dim)
+            || skip_shapes(&cfg.unet, batch, h, w) != skip_shapes(&self.unet, batch, h, w)
         {
             return Err(NodeError::invalid(format!(
                 "{what} does not fit this model: its blocks ({} channels × {:?}, context {:?}, \
                  ADM {:?}) differ from the model's ({} × {:?}, context {:?}, ADM {:?}); use a \
                  ControlNet made for this model family",
-                net.cfg.unet.model_channels,
-                net.cfg.unet.channel_mult,
-                net.cfg.unet.context_dim,
-                net.cfg.unet.adm_in_channels,
+                cfg.unet.model_channels,
+                cfg.unet.channel_mult,
+                cfg.unet.context_dim,
+                cfg.unet.adm_in_channels,
                 self.unet.model_channels,
                 self.unet.channel_mult,
                 self.unet.context_dim,
@@ -156,13 +167,12 @@ impl Model {
         }
         let g = GraphBuilder::new();
         let outs = (|| {
-            let x = g.input("x", &[batch, net.cfg.unet.in_channels, h, w])?;
+            let x = g.input("x", &[batch, cfg.unet.in_channels, h, w])?;
             let t = g.input("t", &[batch])?;
             let c = g.input("context", &[batch, tokens, dim])?;
             let y = self.adm_vector(&g, batch)?;
-            let hint = g.input("hint", &[hint_batch, net.cfg.hint_channels(), 8 * h, 8 * w])?;
-            let (mut outs, mid) =
-                controlnet(&g, &net.cfg, net.heads, &net.prefix, x, t, c, y, hint)?;
+            let hint = g.input("hint", &[hint_batch, cfg.hint_channels(), 8 * h, 8 * w])?;
+            let (mut outs, mid) = controlnet(&g, cfg, *heads, &net.prefix, x, t, c, y, hint)?;
             outs.push(mid);
             Ok(outs)
         })()

@@ -346,12 +346,40 @@ pub fn sample(
         .filter(|i| i.cond < slots)
         .collect();
     let groups = cond_batch::groups(&items);
-    let progs: Vec<Program> = groups
+    // The control programs, and per group the UNet inputs its chain
+    // feeds and their shapes (zeros where no model of it is active).
+    let mut plans = control::Plans::default();
+    let mut control_slots: Vec<Option<control::Slots>> = Vec::with_capacity(groups.len());
+    for g in &groups {
+        let first = &items[g.items[0]];
+        control_slots.push(match &first.control {
+            Some(chain) => {
+                let [ah, aw, ..] = first.area;
+                let shape = control::Shape {
+                    rows: g.items.len() * b,
+                    entries: g.items.len(),
+                    hw: (ah, aw),
+                    tokens: g.tokens,
+                    dim,
+                };
+                Some(plans.add(model, chain, &shape)?)
+            }
+            None => None,
+        });
+    }
+    let slot_shapes: Vec<_> = groups
         .iter()
         .map(|g| {
             let [ah, aw, ..] = items[g.items[0]].area;
-            let control = items[g.items[0]].control.is_some();
-            model.program(g.items.len() * b, ah, aw, g.tokens, dim, control)
+            skip_shapes(&model.unet, g.items.len() * b, ah, aw)
+        })
+        .collect();
+    let progs: Vec<Program> = groups
+        .iter()
+        .zip(&control_slots)
+        .map(|(g, slots)| {
+            let [ah, aw, ..] = items[g.items[0]].area;
+            model.program(g.items.len() * b, ah, aw, g.tokens, dim, slots.as_ref())
         })
         .collect::<Result<_, _>>()?;
     let bind = match progs.first() {
@@ -408,40 +436,6 @@ pub fn sample(
             Ok(out)
         })
         .collect::<Result<_, NodeError>>()?;
-    // Zeros for the residual inputs of a controlled group at steps where
-    // no net of its chain is active.
-    let no_control: Vec<Option<control::Residuals>> = groups
-        .iter()
-        .map(|g| {
-            let first = &items[g.items[0]];
-            first.control.as_ref().map(|_| {
-                let [ah, aw, ..] = first.area;
-                let (skips, mid) = skip_shapes(&model.unet, g.items.len() * b, ah, aw);
-                control::Residuals {
-                    output: skips
-                        .iter()
-                        .map(|s| vec![0.0; s.iter().product()])
-                        .collect(),
-                    middle: vec![0.0; mid.iter().product()],
-                }
-            })
-        })
-        .collect();
-    let mut plans = control::Plans::default();
-    for g in &groups {
-        let first = &items[g.items[0]];
-        if let Some(chain) = &first.control {
-            let [ah, aw, ..] = first.area;
-            let shape = control::Shape {
-                rows: g.items.len() * b,
-                entries: g.items.len(),
-                hw: (ah, aw),
-                tokens: g.tokens,
-                dim,
-            };
-            plans.add(model, chain, &shape)?;
-        }
-    }
     let before_prepare = ctx.runtime.bytes_uploaded();
     let mut controls = control::Runner::new(ctx, &plans)?;
     let mut sessions: Vec<Session<'_>> = ctx
@@ -517,12 +511,10 @@ pub fn sample(
             };
             let mut feed = fixed.clone();
             feed.insert("x".to_string(), Arc::new(xs));
-            if let Some(zeros) = &no_control[gi] {
-                let r = residuals.as_ref().unwrap_or(zeros);
-                for (i, o) in r.output.iter().enumerate() {
-                    feed.insert(format!("ctrl_out.{i}"), Arc::new(o.clone()));
-                }
-                feed.insert("ctrl_mid".to_string(), Arc::new(r.middle.clone()));
+            if let Some(slots) = &control_slots[gi] {
+                residuals
+                    .unwrap_or_default()
+                    .feed(slots, &slot_shapes[gi], &mut feed);
             }
             feed.insert("t".to_string(), Arc::new(vec![t; n * b]));
             let out = session.run(feed).map_err(|e| run_error("UNet", e))?;

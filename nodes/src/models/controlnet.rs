@@ -80,7 +80,18 @@ pub fn controlnet<'a>(
             h = h.silu();
         }
     }
-    let enc = encode(g, &cfg.unet, heads, &vb, x, timesteps, context, y, Some(h))?;
+    let enc = encode(
+        g,
+        &cfg.unet,
+        heads,
+        &vb,
+        x,
+        timesteps,
+        context,
+        y,
+        Some(h),
+        &[],
+    )?;
     let zc = vb.pp("zero_convs");
     let outs = enc
         .skips

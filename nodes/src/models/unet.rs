@@ -180,10 +180,13 @@ fn heads_fit(heads: Heads, c: usize, xs: &[usize]) -> Result<(), ShapeError> {
     }
 }
 
-/// Residuals a ControlNet adds inside the UNet (ComfyUI's
-/// `apply_control`): `output[i]` to input block `i`'s skip as the output
-/// blocks pop it, `middle` after the middle block.
+/// Residuals control models add inside the UNet (ComfyUI's
+/// `apply_control`): `input[k]` after input block `k` (T2I-Adapters),
+/// `output[i]` to input block `i`'s skip as the output blocks pop it
+/// (ControlNets), `middle` after the middle block.
+#[derive(Default)]
 pub struct ControlResiduals<'a> {
+    pub input: Vec<Option<T<'a>>>,
     pub output: Vec<T<'a>>,
     pub middle: Option<T<'a>>,
 }
@@ -240,6 +243,7 @@ pub fn encode<'a>(
     context: T<'a>,
     y: Option<T<'a>>,
     hint: Option<T<'a>>,
+    input_residuals: &[Option<T<'a>>],
 ) -> Result<Encoded<'a>, ShapeError> {
     let (xs, cs) = (x.shape(), context.shape());
     let levels = cfg.channel_mult.len();
@@ -312,6 +316,11 @@ pub fn encode<'a>(
     if let Some(hint) = hint {
         h = h.add(hint)?;
     }
+    let residual = |h: T<'a>, k: usize| match input_residuals.get(k) {
+        Some(Some(r)) => h.add(*r),
+        _ => Ok(h),
+    };
+    h = residual(h, 0)?;
     let mut skips = vec![h];
     let mut ch = mc;
     let mut id = 1;
@@ -327,11 +336,13 @@ pub fn encode<'a>(
                 check_heads(ch)?;
                 h = cx.spatial_transformer(&block.pp(1), h, context, ch, depth)?;
             }
+            h = residual(h, id)?;
             skips.push(h);
             id += 1;
         }
         if level + 1 != levels {
             h = inputs.pp(id).pp("0.op").conv2d(h, ch, ch, 3, 2)?;
+            h = residual(h, id)?;
             skips.push(h);
             id += 1;
         }
@@ -388,7 +399,19 @@ pub fn unet<'a>(
         ));
     }
     let vb = Scope::new(g, prefix);
-    let enc = encode(g, cfg, heads, &vb, x, timesteps, context, y, None)?;
+    let control = control.unwrap_or_default();
+    let enc = encode(
+        g,
+        cfg,
+        heads,
+        &vb,
+        x,
+        timesteps,
+        context,
+        y,
+        None,
+        &control.input,
+    )?;
     let mc = cfg.model_channels;
     let cx = Ctx {
         heads,
@@ -400,10 +423,7 @@ pub fn unet<'a>(
     let mut skips = enc.skips;
     let mut h = enc.middle;
     let mut ch = enc.channels;
-    let (mut control_out, control_mid) = match control {
-        Some(c) => (c.output, c.middle),
-        None => (Vec::new(), None),
-    };
+    let (mut control_out, control_mid) = (control.output, control.middle);
     if let Some(m) = control_mid {
         h = h.add(m)?;
     }
