@@ -10,6 +10,7 @@ pub const MODEL_FOLDERS: &[&str] = &[
     "checkpoints",
     "loras",
     "vae",
+    "vae_approx",
     "controlnet",
     "embeddings",
     "clip",
@@ -102,8 +103,20 @@ impl Paths {
         paths.into_iter().find(|p| p.is_file()).or(first)
     }
 
+    /// The approximate VAEs both of whose halves (`NAME_encoder.*`,
+    /// `NAME_decoder.*`) are in `vae_approx`, in ComfyUI's order.
+    fn vae_approximations(&self) -> Vec<String> {
+        let files = self.model_files("vae_approx");
+        let has = |stem: &str| files.iter().any(|f| f.starts_with(stem));
+        ["taesd", "taesdxl", "taesd3", "taef1"]
+            .iter()
+            .filter(|n| has(&format!("{n}_encoder.")) && has(&format!("{n}_decoder.")))
+            .map(|n| n.to_string())
+            .collect()
+    }
+
     /// Every model file of a folder kind, relative, sorted, deduplicated.
-    fn model_files(&self, folder: &str) -> Vec<String> {
+    pub fn model_files(&self, folder: &str) -> Vec<String> {
         let mut out: Vec<String> = folder_dirs(folder)
             .iter()
             .flat_map(|d| list_files(&self.models.join(d), MODEL_EXTENSIONS, true))
@@ -173,6 +186,12 @@ impl ComboSource for Paths {
             // ComfyUI lists the top level of the input folder only.
             ComboOptions::InputImages => list_files(&self.input, IMAGE_EXTENSIONS, false),
             ComboOptions::Models(folder) => self.model_files(folder),
+            ComboOptions::Vaes => {
+                let mut v = self.model_files("vae");
+                v.extend(self.vae_approximations());
+                v.push("pixel_space".to_string());
+                v
+            }
         }
     }
 
@@ -183,14 +202,21 @@ impl ComboSource for Paths {
             // annotations included, as ComfyUI's VALIDATE_INPUTS does.
             ComboOptions::InputImages => self.annotated_input(value).is_some_and(|p| p.is_file()),
             ComboOptions::Models(folder) => self.model(folder, value).is_some_and(|p| p.is_file()),
+            ComboOptions::Vaes => {
+                value == "pixel_space"
+                    || self.vae_approximations().iter().any(|a| a == value)
+                    || self.model("vae", value).is_some_and(|p| p.is_file())
+            }
         }
     }
 
     /// For model files: the folder searched, as an absolute path, and that
     /// the file goes there; a first run's `not in []` says nothing else.
     fn missing_hint(&self, options: &ComboOptions) -> Option<String> {
-        let ComboOptions::Models(folder) = options else {
-            return None;
+        let folder = match options {
+            ComboOptions::Models(folder) => *folder,
+            ComboOptions::Vaes => "vae",
+            _ => return None,
         };
         let dir = self.models.join(folder_dirs(folder)[0]);
         let dir = std::path::absolute(&dir).unwrap_or(dir);

@@ -119,6 +119,10 @@ pub enum ComboOptions {
     InputImages,
     /// Files in a model folder such as `checkpoints` or `vae`.
     Models(&'static str),
+    /// VAELoader's list: the `vae` files, then `taesd`, `taesdxl`,
+    /// `taesd3`, `taef1` where both halves are in `vae_approx`, then
+    /// `pixel_space` (ComfyUI's `vae_list`).
+    Vaes,
 }
 
 /// The value kind an input accepts.
@@ -490,6 +494,19 @@ impl SpecBuilder {
             name,
             InputKind::Combo {
                 options: ComboOptions::Models(folder),
+                default: None,
+                image_upload: false,
+            },
+            true,
+        )
+    }
+
+    /// VAELoader's combo ([`ComboOptions::Vaes`]).
+    pub fn vaes(self, name: &str) -> Self {
+        self.push(
+            name,
+            InputKind::Combo {
+                options: ComboOptions::Vaes,
                 default: None,
                 image_upload: false,
             },

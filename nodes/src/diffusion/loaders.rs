@@ -1,6 +1,6 @@
 //! CheckpointLoaderSimple and VAELoader.
 
-use super::{opaque, Clip, Model, ModelFile, Prediction, TextEncoderModel, Vae};
+use super::{opaque, Clip, Model, ModelFile, Prediction, TextEncoderModel, Vae, VaeKind};
 use crate::models::detect::{
     detect_checkpoint, detect_text_encoder, detect_unet, vae_config, EncoderArch, Family, Heads,
     Shapes, TextPart, UnetConfig,
@@ -238,7 +238,7 @@ impl NodeImpl for CheckpointLoaderSimple {
                 Vae {
                     file: Arc::clone(&shared),
                     prefix: VAE_PREFIX.to_string(),
-                    cfg,
+                    kind: VaeKind::Kl(cfg),
                 },
             ),
             None => opaque(
@@ -269,10 +269,16 @@ pub struct VaeLoader;
 impl NodeImpl for VaeLoader {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let name = inputs.string("vae_name")?;
-        if matches!(name, "pixel_space") || name.starts_with("taesd") {
-            return Err(NodeError::invalid(format!(
-                "VAE {name:?} is not supported yet: sdkit loads KL VAE files from models/vae"
-            )));
+        match name {
+            "taesd" => return load_taesd(ctx, name, 0.18215, 0.0),
+            "taesdxl" => return load_taesd(ctx, name, 0.13025, 0.0),
+            "taesd3" | "taef1" | "pixel_space" => {
+                return Err(NodeError::invalid(format!(
+                    "VAE {name:?} is not supported yet: sdkit loads KL VAE files from models/vae \
+                     and taesd/taesdxl from models/vae_approx"
+                )))
+            }
+            _ => {}
         }
         let path = model_path(ctx, "vae", name)?;
         let file = open(&path)?;
@@ -299,7 +305,7 @@ impl NodeImpl for VaeLoader {
         let vae = Vae {
             file: Arc::new(ModelFile::new(name, store)),
             prefix: VAE_PREFIX.to_string(),
-            cfg,
+            kind: VaeKind::Kl(cfg),
         };
         Ok(NodeOutput::values(vec![opaque(SocketType::Vae, vae)]))
     }
@@ -307,6 +313,46 @@ impl NodeImpl for VaeLoader {
     fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
         file_fingerprint(ctx, "vae", inputs.string("vae_name").ok()?)
     }
+}
+
+/// VAELoader's `taesd`/`taesdxl`: the first `{name}_encoder.*` and
+/// `{name}_decoder.*` files of `models/vae_approx`, with the family's
+/// latent scale and shift (ComfyUI's `load_taesd`).
+fn load_taesd(
+    ctx: &NodeContext,
+    name: &str,
+    scale: f32,
+    shift: f32,
+) -> Result<NodeOutput, NodeError> {
+    let files = ctx.paths.model_files("vae_approx");
+    let find = |part: &str| -> Result<PathBuf, NodeError> {
+        let stem = format!("{name}_{part}.");
+        let file = files.iter().find(|f| f.starts_with(&stem)).ok_or_else(|| {
+            NodeError::invalid(format!(
+                "VAE {name:?} needs {stem}safetensors (or .pth) in models/vae_approx"
+            ))
+        })?;
+        model_path(ctx, "vae_approx", file)
+    };
+    let (enc, dec) = (find("encoder")?, find("decoder")?);
+    let mut store = WeightStore::new();
+    store.mount(open(&enc)?, "", "taesd_encoder.");
+    let decoder = open(&dec)?;
+    let latent_channels = decoder
+        .get("1.weight")
+        .and_then(|t| t.shape.get(1).copied())
+        .ok_or_else(|| NodeError::file(&dec, "no TAESD decoder (1.weight [64, latent, 3, 3])"))?;
+    store.mount(decoder, "", "taesd_decoder.");
+    let vae = Vae {
+        file: Arc::new(ModelFile::new(name, store)),
+        prefix: String::new(),
+        kind: VaeKind::Taesd {
+            latent_channels,
+            scale,
+            shift,
+        },
+    };
+    Ok(NodeOutput::values(vec![opaque(SocketType::Vae, vae)]))
 }
 
 /// ComfyUI's UNETLoader: a diffusion model alone (`models/diffusion_models`

@@ -243,7 +243,22 @@ pub struct Clip {
 pub struct Vae {
     pub file: Arc<ModelFile>,
     pub prefix: String,
-    pub cfg: VaeConfig,
+    pub kind: VaeKind,
+}
+
+/// Which autoencoder a VAE is.
+#[derive(Debug, Clone)]
+pub enum VaeKind {
+    /// The KL autoencoder of SD checkpoints and `models/vae` files.
+    Kl(VaeConfig),
+    /// TAESD (`models/vae_approx`): its encoder and decoder under
+    /// `taesd_encoder.` / `taesd_decoder.`, and VAELoader's `vae_scale` /
+    /// `vae_shift` (the family's latent scale, no shift).
+    Taesd {
+        latent_channels: usize,
+        scale: f32,
+        shift: f32,
+    },
 }
 
 /// One CONDITIONING entry: the cross-attention context `[1, tokens, dim]`

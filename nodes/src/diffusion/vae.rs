@@ -1,17 +1,86 @@
 //! VAEDecode and VAEEncode.
 
 use super::tiling::{tile_count, tiled_scale};
-use super::{graph_error, input, try_run_model, RunFailure, Vae};
-use crate::models::vae::{decode_image, decode_raw, encode_image, encode_pixels};
+use super::{graph_error, input, try_run_model, RunFailure, Vae, VaeKind};
+use crate::models::taesd;
+use crate::models::vae::{decode_raw, encode_pixels};
 use sdkit_compute::plan::{plan, Program};
-use sdkit_compute::tensor::GraphBuilder;
+use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
+
+type R<'a> = Result<T<'a>, ShapeError>;
+
+/// `Ok` in method position, to end a builder chain.
+trait PipeOk: Sized {
+    fn pipe_ok(self) -> Result<Self, ShapeError> {
+        Ok(self)
+    }
+}
+
+impl PipeOk for T<'_> {}
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use std::sync::Arc;
 
 impl Vae {
     /// The spatial factor between image and latent (8 for SD's VAE).
     pub fn downscale(&self) -> usize {
-        1 << self.cfg.ch_mult.len().saturating_sub(1)
+        match &self.kind {
+            VaeKind::Kl(cfg) => 1 << cfg.ch_mult.len().saturating_sub(1),
+            VaeKind::Taesd { .. } => 8,
+        }
+    }
+
+    /// Latent channels.
+    pub fn z_channels(&self) -> usize {
+        match &self.kind {
+            VaeKind::Kl(cfg) => cfg.z_channels,
+            VaeKind::Taesd {
+                latent_channels, ..
+            } => *latent_channels,
+        }
+    }
+
+    /// The decoder's output `[b, 3, H, W]` before ComfyUI's
+    /// `process_output` (about −1..1). TAESD: `decoder((z − shift) ·
+    /// scale)`, then `(x − 0.5) · 2`.
+    fn raw_decode<'a>(&self, g: &'a GraphBuilder, z: T<'a>) -> R<'a> {
+        match &self.kind {
+            VaeKind::Kl(cfg) => decode_raw(g, cfg, &self.prefix, z),
+            VaeKind::Taesd {
+                latent_channels,
+                scale,
+                shift,
+            } => {
+                let z = z.add_scalar(-shift).mul_scalar(*scale);
+                taesd::decoder(g, "taesd_decoder.", z, *latent_channels)?
+                    .add_scalar(-0.5)
+                    .mul_scalar(2.0)
+                    .pipe_ok()
+            }
+        }
+    }
+
+    /// The latent for pixels `[b, 3, H, W]` in 0..1. TAESD: the encoder of
+    /// `(p · 2 − 1) · 0.5 + 0.5` (ComfyUI's round trip, which rounds),
+    /// divided by the scale, plus the shift.
+    fn raw_encode<'a>(&self, g: &'a GraphBuilder, pixels: T<'a>) -> R<'a> {
+        match &self.kind {
+            VaeKind::Kl(cfg) => encode_pixels(g, cfg, &self.prefix, pixels),
+            VaeKind::Taesd {
+                latent_channels,
+                scale,
+                shift,
+            } => {
+                let x = pixels
+                    .mul_scalar(2.0)
+                    .add_scalar(-1.0)
+                    .mul_scalar(0.5)
+                    .add_scalar(0.5);
+                taesd::encoder(g, "taesd_encoder.", x, *latent_channels)?
+                    .div(g.constant(*scale))?
+                    .add_scalar(*shift)
+                    .pipe_ok()
+            }
+        }
     }
 
     /// An unscaled latent `[b, z, h, w]` → IMAGE `[b, 8h, 8w, 3]` in 0..1.
@@ -20,7 +89,13 @@ impl Vae {
         let g = GraphBuilder::new();
         let out = g
             .input("latent", &latent.shape)
-            .and_then(|z| decode_image(&g, &self.cfg, &self.prefix, z))
+            .and_then(|z| {
+                self.raw_decode(&g, z)?
+                    .add_scalar(1.0)
+                    .mul_scalar(0.5)
+                    .clamp(0.0, 1.0)
+                    .permute(&[0, 2, 3, 1])
+            })
             .map_err(|e| graph_error("VAE decoder", e))?;
         match self.run(ctx, g.finish(&[out]), "latent", latent, "VAE decoder") {
             // As ComfyUI: out of device memory, decode in tiles instead.
@@ -58,7 +133,7 @@ impl Vae {
             f as f64,
             3,
             "VAE decoder",
-            &|g, x| decode_raw(g, &self.cfg, &self.prefix, x),
+            &|g, x| self.raw_decode(g, x),
         )?;
         // process_output, then IMAGE layout.
         let [b, c, h, w] = raw.shape[..] else {
@@ -116,9 +191,9 @@ impl Vae {
             &passes,
             overlap,
             1.0 / self.downscale() as f64,
-            self.cfg.z_channels,
+            self.z_channels(),
             "VAE encoder",
-            &|g, x| encode_pixels(g, &self.cfg, &self.prefix, x),
+            &|g, x| self.raw_encode(g, x),
         )
     }
 
@@ -219,7 +294,7 @@ impl Vae {
         let g = GraphBuilder::new();
         let out = g
             .input("pixels", &pixels.shape)
-            .and_then(|x| encode_image(&g, &self.cfg, &self.prefix, x))
+            .and_then(|x| self.raw_encode(&g, x.permute(&[0, 3, 1, 2])?))
             .map_err(|e| graph_error("VAE encoder", e))?;
         match self.run(ctx, g.finish(&[out]), "pixels", &pixels, "VAE encoder") {
             // As ComfyUI: out of device memory, encode in tiles instead.
@@ -232,10 +307,11 @@ impl Vae {
     }
 
     fn check_latent(&self, latent: &Tensor) -> Result<(), NodeError> {
-        if latent.shape.len() != 4 || latent.shape[1] != self.cfg.z_channels {
+        if latent.shape.len() != 4 || latent.shape[1] != self.z_channels() {
             return Err(NodeError::invalid(format!(
                 "latent of shape {:?} does not fit this VAE ([batch, {}, height, width])",
-                latent.shape, self.cfg.z_channels
+                latent.shape,
+                self.z_channels()
             )));
         }
         Ok(())

@@ -7,6 +7,7 @@ pub mod detect;
 pub mod family;
 pub mod open_clip;
 pub mod t2i;
+pub mod taesd;
 pub mod unet;
 pub mod vae;
 

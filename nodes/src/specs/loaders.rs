@@ -44,12 +44,10 @@ pub(super) fn loaders(v: &mut Vec<NodeSpec>) {
             .returns(T::ClipVision)
             .build(),
     );
-    // ComfyUI also offers "taesd", "taesdxl", "taesd3", "taef1" (when their
-    // vae_approx files exist) and "pixel_space"; the folder combo cannot.
     v.push(
         node("VAELoader", "loaders")
             .display("Load VAE")
-            .models("vae_name", "vae")
+            .vaes("vae_name")
             .returns(T::Vae)
             .build(),
     );
