@@ -107,6 +107,19 @@ pub enum Event {
     },
 }
 
+/// How samplers preview their progress (ComfyUI's `--preview-method`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PreviewMethod {
+    /// The latent format's linear RGB factors (cheap; ComfyUI's default).
+    #[default]
+    Latent2Rgb,
+    /// The family's TAESD decoder from `models/vae_approx`, falling back
+    /// to latent2rgb when it is missing.
+    Taesd,
+    /// No previews.
+    None,
+}
+
 /// An 8-bit RGB image, rows top to bottom.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PreviewImage {

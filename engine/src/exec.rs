@@ -31,6 +31,8 @@ pub struct RunOptions {
     pub extra_pnginfo: Map<String, Json>,
     pub events: EventSink,
     pub cancel: CancelToken,
+    /// How samplers preview (the server's `--preview-method`).
+    pub preview: crate::event::PreviewMethod,
 }
 
 impl RunOptions {
@@ -40,6 +42,7 @@ impl RunOptions {
             extra_pnginfo: Map::new(),
             events,
             cancel,
+            preview: Default::default(),
         }
     }
 }
@@ -188,6 +191,7 @@ impl Executor {
             cancel: opts.cancel.clone(),
             events: opts.events.clone(),
             runtime: self.runtime.clone(),
+            preview: opts.preview,
         }
     }
 

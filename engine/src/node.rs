@@ -90,6 +90,8 @@ pub struct NodeContext {
     pub events: EventSink,
     /// The device nodes run tensor programs on.
     pub runtime: sdkit_compute::runtime::Runtime,
+    /// How samplers preview their progress.
+    pub preview: crate::event::PreviewMethod,
 }
 
 impl NodeContext {
@@ -339,6 +341,7 @@ mod tests {
             cancel: CancelToken::new(),
             events: crate::event::discard(),
             runtime: sdkit_compute::runtime::Runtime::cpu(),
+            preview: Default::default(),
         };
         let data = [0.5, f32::NAN, f32::INFINITY, -1.0, f32::NEG_INFINITY];
         assert_eq!(ctx.warn_non_finite("the sampled latent", &data), 3);

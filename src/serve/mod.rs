@@ -63,6 +63,15 @@ pub struct ServeArgs {
     /// Hosts are refused, which stops DNS-rebinding pages.
     #[arg(long = "allow-host", value_name = "NAME")]
     pub allow_hosts: Vec<String>,
+    /// Sampler previews: `auto` (TAESD when the family's decoder is in
+    /// models/vae_approx, latent2rgb otherwise), `taesd` (the same),
+    /// `latent2rgb`, or `none`.
+    #[arg(
+        long,
+        value_name = "auto|taesd|latent2rgb|none",
+        default_value = "auto"
+    )]
+    pub preview_method: String,
 }
 
 /// Which `Host` headers the server answers. Bound to loopback, only
@@ -109,6 +118,8 @@ pub struct Server {
     pub hosts: HostPolicy,
     pub queue: queue::Queue,
     pub clients: ws::Clients,
+    /// How samplers preview ([`ServeArgs::preview_method`]).
+    pub preview: sdkit_engine::event::PreviewMethod,
 }
 
 impl Server {
@@ -119,6 +130,7 @@ impl Server {
         front_end: Option<PathBuf>,
         max_body: usize,
         hosts: HostPolicy,
+        preview: sdkit_engine::event::PreviewMethod,
     ) -> Arc<Server> {
         let paths = Arc::clone(exec.paths());
         Arc::new(Server {
@@ -131,6 +143,7 @@ impl Server {
             hosts,
             queue: queue::Queue::default(),
             clients: ws::Clients::default(),
+            preview,
         })
     }
 }
@@ -172,7 +185,24 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
     )?;
     let max_body = (args.max_upload_size * 1024.0 * 1024.0).max(0.0) as usize;
     let hosts = HostPolicy::for_listen(&args.listen, &args.allow_hosts);
-    let server = Server::new(exec, lib, user_dir, args.front_end.clone(), max_body, hosts);
+    use sdkit_engine::event::PreviewMethod;
+    let preview = match args.preview_method.as_str() {
+        "auto" | "taesd" => PreviewMethod::Taesd,
+        "latent2rgb" => PreviewMethod::Latent2Rgb,
+        "none" => PreviewMethod::None,
+        other => {
+            anyhow::bail!("--preview-method {other:?}: expected auto, taesd, latent2rgb or none")
+        }
+    };
+    let server = Server::new(
+        exec,
+        lib,
+        user_dir,
+        args.front_end.clone(),
+        max_body,
+        hosts,
+        preview,
+    );
     let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((args.listen.as_str(), args.port))

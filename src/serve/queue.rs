@@ -488,6 +488,7 @@ async fn run_one(server: &Arc<Server>, graph: &Graph, parts: RunOptionsParts) {
         extra_pnginfo: parts.extra_pnginfo,
         events,
         cancel: parts.cancel,
+        preview: server.preview,
     };
     let result = server.exec.run(graph, opts).await;
     let (outputs, ok) = match &result {

@@ -141,7 +141,7 @@ pub fn write_tensors_with(
     write_safetensors(path, &tensors, &BTreeMap::new()).expect("writes tensors");
 }
 
-fn b64(s: &str) -> Vec<u8> {
+pub fn b64(s: &str) -> Vec<u8> {
     let val = |c: u8| -> u32 {
         match c {
             b'A'..=b'Z' => u32::from(c - b'A'),

@@ -555,6 +555,22 @@ pub fn sample(
         *last_uncond.borrow_mut() = Some(uncond);
         Ok(out)
     };
+    // The TAESD previewer's decoder, when previews are TAESD.
+    let taesd = if ctx.preview == sdkit_engine::event::PreviewMethod::None {
+        None
+    } else {
+        super::preview::taesd_program(ctx, model.latent, (shape[1], h, w))
+    };
+    let mut taesd_session = match &taesd {
+        Some((prog, bind)) => match ctx.runtime.prepare(prog, bind) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!("TAESD previews unavailable ({e}); using latent2rgb");
+                None
+            }
+        },
+        None => None,
+    };
     // k-diffusion's default noise sampler: a generator seeded with the
     // seed, fresh for this sampling call (ComfyUI's on the CPU).
     let mut gen = Mt19937::new(seed);
@@ -589,10 +605,29 @@ pub fn sample(
             new_step.set(true);
             ctx.progress(i as u64, n as u64)?;
             // The step's prediction, as ComfyUI's sampler callback previews.
-            if let Some(p) = step_x0
-                .borrow()
-                .as_deref()
-                .and_then(|x| super::preview::latent_preview(x, shape[1], h, w, model.latent))
+            if ctx.preview == sdkit_engine::event::PreviewMethod::None {
+                return Ok(());
+            }
+            let x0 = step_x0.borrow();
+            let Some(x) = x0.as_deref() else {
+                return Ok(());
+            };
+            let taesd = taesd_session.as_mut().and_then(|s| {
+                let first = x.get(..shape[1] * h * w)?.to_vec();
+                let mut feed = HashMap::new();
+                feed.insert("x0".to_string(), Arc::new(first));
+                match s.run(feed) {
+                    Ok(out) => out
+                        .first()
+                        .map(|o| super::preview::taesd_image(&o.data, 8 * h, 8 * w)),
+                    Err(e) => {
+                        tracing::warn!("TAESD preview failed: {e}");
+                        None
+                    }
+                }
+            });
+            if let Some(p) =
+                taesd.or_else(|| super::preview::latent_preview(x, shape[1], h, w, model.latent))
             {
                 ctx.preview(p);
             }

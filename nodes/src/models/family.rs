@@ -19,6 +19,9 @@ pub struct LatentFormat {
     /// One `[r, g, b]` row per latent channel.
     pub rgb_factors: &'static [[f32; 3]],
     pub rgb_bias: [f32; 3],
+    /// The stem of its TAESD files in `models/vae_approx`
+    /// (`{stem}_decoder.*`), where one exists.
+    pub taesd: Option<&'static str>,
 }
 
 impl LatentFormat {
@@ -46,6 +49,7 @@ impl LatentFormat {
 /// SD 1.x and 2.x (ComfyUI's `SD15`).
 pub static SD15: LatentFormat = LatentFormat {
     name: "SD15",
+    taesd: Some("taesd"),
     channels: 4,
     scale: 0.18215,
     shift: 0.0,
@@ -61,6 +65,7 @@ pub static SD15: LatentFormat = LatentFormat {
 /// SDXL and its refiner (`SDXL`).
 pub static SDXL: LatentFormat = LatentFormat {
     name: "SDXL",
+    taesd: Some("taesdxl"),
     channels: 4,
     scale: 0.13025,
     shift: 0.0,
@@ -76,6 +81,7 @@ pub static SDXL: LatentFormat = LatentFormat {
 /// SD3 / 3.5 (`SD3`): 16 channels with a shift.
 pub static SD3: LatentFormat = LatentFormat {
     name: "SD3",
+    taesd: Some("taesd3"),
     channels: 16,
     scale: 1.5305,
     shift: 0.0609,
@@ -103,6 +109,7 @@ pub static SD3: LatentFormat = LatentFormat {
 /// Flux and Chroma (`Flux`): 16 channels with a shift.
 pub static FLUX: LatentFormat = LatentFormat {
     name: "Flux",
+    taesd: Some("taef1"),
     channels: 16,
     scale: 0.3611,
     shift: 0.1159,
