@@ -165,11 +165,14 @@ pub fn load(file: &SafeTensors, map: &HashMap<String, Target>) -> Result<LoraFil
         let alpha = r
             .opt(&format!("{x}.alpha"))?
             .map(|(_, v)| f64::from(v.first().copied().unwrap_or(0.0)));
-        if r.file.get(&format!("{x}.dora_scale")).is_some() {
-            return Err(bad(
-                file,
-                format!("{x}: DoRA layers (dora_scale) are not supported yet"),
-            ));
+        for (suffix, what) in [
+            ("dora_scale", "DoRA layers (dora_scale)"),
+            ("a1.weight", "GLoRA layers (a1/a2/b1/b2)"),
+            ("oft_blocks", "OFT/BOFT layers (oft_blocks)"),
+        ] {
+            if r.file.get(&format!("{x}.{suffix}")).is_some() {
+                return Err(bad(file, format!("{x}: {what} are not supported yet")));
+            }
         }
         let mut layer = match lora(&mut r, x)? {
             Some((kind, rank)) => Some(LoraLayer {
@@ -502,4 +505,42 @@ fn fused_rows(len: usize, b: usize, diff: usize, a: usize) -> Result<usize, Stri
         ));
     }
     Ok(len / cols)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sdkit_compute::weights::{serialize_safetensors, DType};
+    use std::collections::BTreeMap;
+
+    /// Adapter types sdkit does not build are refused by name rather than
+    /// skipped as unknown keys (which would silently do nothing).
+    #[test]
+    fn unbuilt_adapter_types_are_refused_by_name() {
+        let x = "lora_unet_down_blocks_0_attentions_0_proj_in";
+        let one = 1.0f32.to_le_bytes();
+        for (suffix, what) in [
+            ("dora_scale", "DoRA"),
+            ("a1.weight", "GLoRA"),
+            ("oft_blocks", "OFT/BOFT"),
+        ] {
+            let name = format!("{x}.{suffix}");
+            let bytes = serialize_safetensors(&[(&name, DType::F32, &[1], &one)], &BTreeMap::new())
+                .expect("serializes");
+            let file = SafeTensors::from_bytes("adapter.safetensors", bytes).expect("parses");
+            let mut map = HashMap::new();
+            map.insert(
+                x.to_string(),
+                Target {
+                    tensor: "w.weight".into(),
+                    rows: None,
+                },
+            );
+            let err = load(&file, &map).err().expect("refused");
+            assert!(
+                err.contains(what) && err.contains("not supported yet"),
+                "{err}"
+            );
+        }
+    }
 }
