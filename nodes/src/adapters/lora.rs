@@ -536,7 +536,9 @@ mod tests {
                     rows: None,
                 },
             );
-            let err = load(&file, &map).err().expect("refused");
+            let Err(err) = load(&file, &map) else {
+                panic!("{what} layers were not refused");
+            };
             assert!(
                 err.contains(what) && err.contains("not supported yet"),
                 "{err}"
