@@ -110,3 +110,30 @@ fn canny_matches_comfyui() {
         assert!(off <= 3 * 6, "{prefix}: {off} values differ");
     }
 }
+
+/// A union ControlNet (xinsir's layout, diffusers format) with and
+/// without SetUnionControlNetType: "auto" on tiny_sdxl; a chosen type on
+/// a 320-wide SDXL (the union layers are 320 wide, as in the real model).
+fn union_matches(graph: &str) {
+    let fx = support::fixture("controlnet_union/expected.json");
+    let base = tempfile::tempdir().expect("tempdir");
+    let models = base.path().join("models");
+    write_base_checkpoints(&models);
+    for f in fx["files"].as_array().expect("files") {
+        let folder = f["folder"].as_str().expect("folder");
+        write_fixture_files(&models.join(folder), &serde_json::json!([f]));
+    }
+    copy_input(base.path());
+    support::run(base.path(), graph, "cpu");
+    check_graph(base.path(), &fx, graph, None);
+}
+
+#[test]
+fn union_controlnet_auto_matches_comfyui() {
+    union_matches("tiny_sdxl_controlnet_union_auto");
+}
+
+#[test]
+fn union_controlnet_with_a_type_matches_comfyui() {
+    union_matches("tiny_sdxl_controlnet_union");
+}

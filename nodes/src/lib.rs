@@ -132,6 +132,10 @@ pub fn library() -> NodeLibrary {
     );
     lib.implement("ControlNetApply", diffusion::control::ControlNetApply);
     lib.implement(
+        "SetUnionControlNetType",
+        diffusion::control::SetUnionControlNetType,
+    );
+    lib.implement(
         "ControlNetApplyAdvanced",
         diffusion::control::ControlNetApplyAdvanced,
     );

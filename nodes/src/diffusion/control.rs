@@ -45,6 +45,9 @@ pub struct ControlNetModel {
     pub file: Arc<ModelFile>,
     pub kind: ControlKind,
     pub prefix: String,
+    /// SetUnionControlNetType's choice for a union ControlNet (empty:
+    /// auto, also what a union net without the node gets).
+    pub control_type: Vec<usize>,
 }
 
 /// What a control model is.
@@ -120,12 +123,25 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     let path = model_path(ctx, "controlnet", name)?;
     let mut file = SafeTensors::open(&path).map_err(|e| NodeError::invalid(e.to_string()))?;
     let mut s = shapes(&file);
-    if s.contains_key("controlnet_cond_embedding.conv_in.weight")
-        && !s.contains_key("control_add_embedding.linear_1.weight")
-    {
-        // Diffusers layout: renamed to ldm as ComfyUI does.
+    if s.contains_key("controlnet_cond_embedding.conv_in.weight") {
+        // Diffusers layout: renamed to ldm as ComfyUI does; a union net's
+        // own tensors keep their names (`.attn.in_proj_` → `.attn.in_proj.`).
         let cfg = diffusers_config(&s).map_err(|e| NodeError::file(&path, e))?;
-        let dropped = file.rename(&diffusers_names(&cfg, &s));
+        let mut names = diffusers_names(&cfg, &s);
+        if s.contains_key("control_add_embedding.linear_1.weight") {
+            for k in s.keys() {
+                let own = [
+                    "task_embedding",
+                    "transformer_layes.",
+                    "spatial_ch_projs.",
+                    "control_add_embedding.",
+                ];
+                if own.iter().any(|p| k.starts_with(p)) {
+                    names.insert(k.clone(), k.replace(".attn.in_proj_", ".attn.in_proj."));
+                }
+            }
+        }
+        let dropped = file.rename(&names);
         if !dropped.is_empty() {
             tracing::warn!(
                 "{}: {} tensors not used by the ControlNet: {}",
@@ -149,9 +165,6 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
             format!("{what} are not supported yet (sdkit reads ldm-layout ControlNets, control_v11* and their conversions)"),
         ))
     };
-    if has("controlnet_cond_embedding.conv_in.weight") {
-        return refuse("union ControlNets");
-    }
     if s.keys().any(|k| k.starts_with("lora_controlnet")) {
         return refuse("control-LoRAs");
     }
@@ -174,13 +187,9 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
             file: Arc::new(ModelFile::new(name, store)),
             kind: ControlKind::T2i(t),
             prefix: String::new(),
+            control_type: Vec::new(),
         });
     };
-    if has(&format!("{prefix}task_embedding"))
-        || has(&format!("{prefix}control_add_embedding.linear_1.weight"))
-    {
-        return refuse("union ControlNets");
-    }
     let cfg = controlnet_config(&s, prefix).map_err(|e| NodeError::file(&path, e))?;
     // The family's head rule: SD1's nets have no linear projections, SD2's
     // and SDXL's do (ComfyUI detects the net like a UNet).
@@ -195,6 +204,7 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
         file: Arc::new(ModelFile::new(name, store)),
         kind: ControlKind::Net { cfg, heads },
         prefix: prefix.to_string(),
+        control_type: Vec::new(),
     })
 }
 
@@ -226,6 +236,44 @@ impl NodeImpl for DiffControlNetLoader {
 
     fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
         ControlNetLoader.fingerprint(ctx, inputs)
+    }
+}
+
+/// SetUnionControlNetType: a copy of the ControlNet with the type chosen
+/// ("auto" clears it), as ComfyUI's `control_type` extra argument.
+pub struct SetUnionControlNetType;
+
+impl NodeImpl for SetUnionControlNetType {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        const TYPES: [&str; 8] = [
+            "openpose",
+            "depth",
+            "hed/pidi/scribble/ted",
+            "canny/lineart/anime_lineart/mlsd",
+            "normal",
+            "segment",
+            "tile",
+            "repaint",
+        ];
+        let n = net(inputs)?;
+        let ty = inputs.string("type")?;
+        let kind = match &n.kind {
+            ControlKind::Net { cfg, heads } => ControlKind::Net {
+                cfg: cfg.clone(),
+                heads: *heads,
+            },
+            ControlKind::T2i(t) => ControlKind::T2i(t.clone()),
+        };
+        let out = ControlNetModel {
+            file: Arc::clone(&n.file),
+            kind,
+            prefix: n.prefix.clone(),
+            control_type: TYPES.iter().position(|t| *t == ty).into_iter().collect(),
+        };
+        Ok(NodeOutput::values(vec![opaque(
+            SocketType::ControlNet,
+            Arc::new(out),
+        )]))
     }
 }
 
@@ -681,6 +729,25 @@ impl<'p> Runner<'p> {
                     feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
                     feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
                     feed.insert("hint".to_string(), Arc::new(hint));
+                    if let ControlKind::Net {
+                        cfg:
+                            ControlNetConfig {
+                                union_types: Some(n),
+                                ..
+                            },
+                        ..
+                    } = &c.net.kind
+                    {
+                        // The one-hot of the chosen types (ComfyUI's
+                        // `c_type`), embedded in the program.
+                        let mut onehot = vec![0f32; *n];
+                        for &t in &c.net.control_type {
+                            if let Some(v) = onehot.get_mut(t) {
+                                *v = 1.0;
+                            }
+                        }
+                        feed.insert("control_type".to_string(), Arc::new(onehot));
+                    }
                     let mut outs = self.sessions[i]
                         .run(feed)
                         .map_err(|e| run_error("ControlNet", e))?;

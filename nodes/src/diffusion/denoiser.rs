@@ -147,6 +147,14 @@ impl Model {
         let ControlKind::Net { cfg, heads } = &net.kind else {
             return Err(NodeError::invalid(format!("{what} is not a ControlNet")));
         };
+        if let (Some(n), Some(&t)) = (cfg.union_types, net.control_type.iter().max()) {
+            if t >= n {
+                return Err(NodeError::invalid(format!(
+                    "{what}: control type {t} is out of range for its {n} control types \
+                     (the ProMax union ControlNet has all 8)"
+                )));
+            }
+        }
         if cfg.unet.adm_in_channels != self.unet.adm_in_channels
             || cfg.unet.context_dim.is_some_and(|d| d != dim)
             || skip_shapes(&cfg.unet, batch, h, w) != skip_shapes(&self.unet, batch, h, w)
@@ -172,7 +180,18 @@ impl Model {
             let c = g.input("context", &[batch, tokens, dim])?;
             let y = self.adm_vector(&g, batch)?;
             let hint = g.input("hint", &[hint_batch, cfg.hint_channels(), 8 * h, 8 * w])?;
-            let (mut outs, mid) = controlnet(&g, cfg, *heads, &net.prefix, x, t, c, y, hint)?;
+            let (mut outs, mid) = controlnet(
+                &g,
+                cfg,
+                *heads,
+                &net.prefix,
+                x,
+                t,
+                c,
+                y,
+                hint,
+                Some(&net.control_type),
+            )?;
             outs.push(mid);
             Ok(outs)
         })()

@@ -8,7 +8,7 @@
 //! input block's output and `middle_block_out.0` on the middle's.
 
 use super::detect::{unet_config, DetectError, Heads, Shapes, UnetConfig};
-use super::unet::encode;
+use super::unet::{encode, timestep_embedding};
 use crate::adapters::keys::unet_to_diffusers;
 use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, T};
 use std::collections::HashMap;
@@ -20,7 +20,15 @@ pub struct ControlNetConfig {
     pub unet: UnetConfig,
     /// The hint convolutions `(index, in, out)` in order.
     pub hint_convs: Vec<(usize, usize, usize)>,
+    /// A union ControlNet's number of control types (`task_embedding`
+    /// rows), None for a plain one.
+    pub union_types: Option<usize>,
 }
+
+/// A union ControlNet's fixed widths (ComfyUI's cldm.py: one transformer
+/// layer of 320 channels and 8 heads; a 256-wide embedding per type).
+const UNION_WIDTH: usize = 320;
+const UNION_TYPE_EMBED: usize = 256;
 
 impl ControlNetConfig {
     /// Channels of the hint image (3 for RGB control images).
@@ -51,7 +59,39 @@ pub fn controlnet_config(s: &Shapes, prefix: &str) -> Result<ControlNetConfig, D
             prefix: format!("{prefix}input_hint_block."),
         });
     }
-    Ok(ControlNetConfig { unet, hint_convs })
+    let union_types = s
+        .get(&format!("{prefix}task_embedding"))
+        .and_then(|v| v.first().copied());
+    Ok(ControlNetConfig {
+        unet,
+        hint_convs,
+        union_types,
+    })
+}
+
+/// `union_controlnet_merge` for one control type `t`: the hint's
+/// features `cond` `[b, 320, h, w]` averaged over space, plus the type's
+/// `task_embedding` row, through one transformer layer (with a single
+/// token, attention is exactly `out_proj(v)`: the softmax of one score is
+/// 1), projected by `spatial_ch_projs` and added to `cond` everywhere.
+fn union_merge<'a>(vb: &Scope<'a>, cond: T<'a>, t: usize, n: usize) -> Result<T<'a>, ShapeError> {
+    let c = UNION_WIDTH;
+    let b = cond.shape()[0];
+    let task = vb.get("task_embedding", &[n, c])?.slice(0, t, t + 1)?;
+    let x = cond.mean(&[2, 3], false)?.add(task)?;
+    let tl = vb.pp("transformer_layes.0");
+    let ln1 = tl.pp("ln_1").layer_norm(x, c, 1e-5)?;
+    let qkv = tl.pp("attn.in_proj").linear(ln1, c, 3 * c)?;
+    let v = qkv.slice(1, 2 * c, 3 * c)?;
+    let x = x.add(tl.pp("attn.out_proj").linear(v, c, c)?)?;
+    let ln2 = tl.pp("ln_2").layer_norm(x, c, 1e-5)?;
+    let m = tl.pp("mlp.c_fc").linear(ln2, c, 4 * c)?.quick_gelu();
+    let x = x.add(tl.pp("mlp.c_proj").linear(m, 4 * c, c)?)?;
+    let alpha = vb
+        .pp("spatial_ch_projs")
+        .linear(x, c, c)?
+        .reshape(&[b, c, 1, 1])?;
+    cond.add(alpha)
 }
 
 /// The ControlNet's residuals for `x` `[b, in, h, w]`, `hint` `[1 or b,
@@ -68,6 +108,7 @@ pub fn controlnet<'a>(
     context: T<'a>,
     y: Option<T<'a>>,
     hint: T<'a>,
+    control_type: Option<&[usize]>,
 ) -> Result<(Vec<T<'a>>, T<'a>), ShapeError> {
     let vb = Scope::new(g, prefix);
     let hb = vb.pp("input_hint_block");
@@ -78,6 +119,24 @@ pub fn controlnet<'a>(
         h = hb.pp(i).conv2d(h, cin, cout, 3, stride)?;
         if k != last {
             h = h.silu();
+        }
+    }
+    // A union net: the control types' embedding joins the time embedding,
+    // and a chosen type reweights the hint's features (`union_merge`).
+    let mut type_emb = None;
+    if let (Some(n), Some(types)) = (cfg.union_types, control_type) {
+        let ted = 4 * cfg.unet.model_channels;
+        let onehot = g.input("control_type", &[n])?;
+        let e =
+            timestep_embedding(g, onehot, UNION_TYPE_EMBED)?.reshape(&[1, n * UNION_TYPE_EMBED])?;
+        let ce = vb.pp("control_add_embedding");
+        let e = ce
+            .pp("linear_1")
+            .linear(e, n * UNION_TYPE_EMBED, ted)?
+            .silu();
+        type_emb = Some(ce.pp("linear_2").linear(e, ted, ted)?);
+        if let Some(&t) = types.first() {
+            h = union_merge(&vb, h, t, n)?;
         }
     }
     let enc = encode(
@@ -91,6 +150,7 @@ pub fn controlnet<'a>(
         y,
         Some(h),
         &[],
+        type_emb,
     )?;
     let zc = vb.pp("zero_convs");
     let outs = enc

@@ -244,6 +244,7 @@ pub fn encode<'a>(
     y: Option<T<'a>>,
     hint: Option<T<'a>>,
     input_residuals: &[Option<T<'a>>],
+    extra_emb: Option<T<'a>>,
 ) -> Result<Encoded<'a>, ShapeError> {
     let (xs, cs) = (x.shape(), context.shape());
     let levels = cfg.channel_mult.len();
@@ -280,6 +281,10 @@ pub fn encode<'a>(
     let t_emb = timestep_embedding(g, timesteps, mc)?;
     let emb = vb.pp("time_embed.0").linear(t_emb, mc, 4 * mc)?.silu();
     let mut emb = vb.pp("time_embed.2").linear(emb, 4 * mc, 4 * mc)?;
+    // A union ControlNet's type embedding, added before the ADM's.
+    if let Some(e) = extra_emb {
+        emb = emb.add(e)?;
+    }
     match (cfg.adm_in_channels, y) {
         (None, None) => {}
         (Some(adm), Some(y)) => {
@@ -411,6 +416,7 @@ pub fn unet<'a>(
         y,
         None,
         &control.input,
+        None,
     )?;
     let mc = cfg.model_channels;
     let cx = Ctx {

@@ -135,6 +135,26 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("SetUnionControlNetType", "conditioning/controlnet")
+            .socket("control_net", T::ControlNet)
+            .combo(
+                "type",
+                &[
+                    "auto",
+                    "openpose",
+                    "depth",
+                    "hed/pidi/scribble/ted",
+                    "canny/lineart/anime_lineart/mlsd",
+                    "normal",
+                    "segment",
+                    "tile",
+                    "repaint",
+                ],
+            )
+            .returns(T::ControlNet)
+            .build(),
+    );
+    v.push(
         node("ControlNetApplyAdvanced", "conditioning/controlnet")
             .display("Apply ControlNet")
             .socket("positive", T::Conditioning)
