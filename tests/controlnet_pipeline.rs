@@ -137,3 +137,32 @@ fn union_controlnet_auto_matches_comfyui() {
 fn union_controlnet_with_a_type_matches_comfyui() {
     union_matches("tiny_sdxl_controlnet_union");
 }
+
+/// Stability's control-LoRA: a ControlNet made from the sampling model's
+/// weights and the file's, with and without a LoRA on the model (which
+/// the ControlNet then inherits).
+fn control_lora_matches(graph: &str) {
+    let fx = support::fixture("control_lora/expected.json");
+    let base = tempfile::tempdir().expect("tempdir");
+    let models = base.path().join("models");
+    write_base_checkpoints(&models);
+    for f in fx["files"].as_array().expect("files") {
+        let folder = f["folder"].as_str().expect("folder");
+        write_fixture_files(&models.join(folder), &serde_json::json!([f]));
+    }
+    let lora = support::fixture("lora/expected.json");
+    write_fixture_files(&models.join("loras"), &lora["loras"]);
+    copy_input(base.path());
+    support::run(base.path(), graph, "cpu");
+    check_graph(base.path(), &fx, graph, None);
+}
+
+#[test]
+fn control_lora_matches_comfyui() {
+    control_lora_matches("tiny_sdxl_control_lora");
+}
+
+#[test]
+fn control_lora_on_a_lora_patched_model_matches_comfyui() {
+    control_lora_matches("tiny_sdxl_control_lora_model_lora");
+}

@@ -29,8 +29,9 @@ use crate::models::controlnet::{
 use crate::models::detect::Heads;
 use crate::models::t2i::{t2i_adapter, t2i_config, T2iConfig};
 use crate::models::unet::skip_shapes;
+use sdkit_compute::backend::cpu::Bindings;
 use sdkit_compute::plan::plan;
-use sdkit_compute::plan::Program;
+use sdkit_compute::plan::{Command, Program};
 use sdkit_compute::runtime::Session;
 use sdkit_compute::tensor::GraphBuilder;
 use sdkit_compute::weights::{SafeTensors, WeightStore};
@@ -57,6 +58,13 @@ pub enum ControlKind {
     Net { cfg: ControlNetConfig, heads: Heads },
     /// A T2I-Adapter: features of the hint alone, computed once.
     T2i(T2iConfig),
+    /// Stability's control-LoRA: a ControlNet built at sampling time from
+    /// the sampling model's own (patched) weights, the file's full
+    /// tensors replacing some and its `up`/`down` pairs added to others
+    /// (`W + up·down`). The hint convolutions come from the file.
+    Lora {
+        hint_convs: Vec<(usize, usize, usize)>,
+    },
 }
 
 impl ControlNetModel {
@@ -65,6 +73,24 @@ impl ControlNetModel {
         match &self.kind {
             ControlKind::Net { cfg, .. } => cfg.hint_channels(),
             ControlKind::T2i(t) => t.hint_channels(),
+            ControlKind::Lora { hint_convs } => hint_convs.first().map_or(3, |c| c.1),
+        }
+    }
+
+    /// The ControlNet this is for `model`: its own config, or (a
+    /// control-LoRA) the model's with the file's hint block.
+    pub fn net_config(&self, model: &Model) -> Option<(ControlNetConfig, Heads)> {
+        match &self.kind {
+            ControlKind::Net { cfg, heads } => Some((cfg.clone(), *heads)),
+            ControlKind::Lora { hint_convs } => Some((
+                ControlNetConfig {
+                    unet: model.unet.clone(),
+                    hint_convs: hint_convs.clone(),
+                    union_types: None,
+                },
+                model.heads,
+            )),
+            ControlKind::T2i(_) => None,
         }
     }
 
@@ -72,7 +98,7 @@ impl ControlNetModel {
     /// compression ratio 8; an adapter rounds up to its unshuffle factor).
     fn hint_size(&self, h: usize, w: usize) -> (usize, usize) {
         match &self.kind {
-            ControlKind::Net { .. } => (8 * h, 8 * w),
+            ControlKind::Net { .. } | ControlKind::Lora { .. } => (8 * h, 8 * w),
             ControlKind::T2i(t) => {
                 let r = t.unshuffle();
                 ((8 * h).div_ceil(r) * r, (8 * w).div_ceil(r) * r)
@@ -159,15 +185,35 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     }
     let file = Arc::new(file);
     let has = |k: &str| s.contains_key(k);
+    if has("lora_controlnet") {
+        let mut hint_convs = Vec::new();
+        for i in (0..32).step_by(2) {
+            match s.get(&format!("input_hint_block.{i}.weight")) {
+                Some(sh) if sh.len() == 4 => hint_convs.push((i, sh[1], sh[0])),
+                _ => break,
+            }
+        }
+        if hint_convs.is_empty() {
+            return Err(NodeError::file(
+                &path,
+                "a control-LoRA without input_hint_block.0.weight",
+            ));
+        }
+        let mut store = WeightStore::new();
+        store.mount(file, "", "");
+        return Ok(ControlNetModel {
+            file: Arc::new(ModelFile::new(name, store)),
+            kind: ControlKind::Lora { hint_convs },
+            prefix: String::new(),
+            control_type: Vec::new(),
+        });
+    }
     let refuse = |what: &str| {
         Err(NodeError::file(
             &path,
             format!("{what} are not supported yet (sdkit reads ldm-layout ControlNets, control_v11* and their conversions)"),
         ))
     };
-    if s.keys().any(|k| k.starts_with("lora_controlnet")) {
-        return refuse("control-LoRAs");
-    }
     let prefix = if has("control_model.zero_convs.0.0.weight") {
         "control_model."
     } else if has("zero_convs.0.0.weight") {
@@ -263,6 +309,9 @@ impl NodeImpl for SetUnionControlNetType {
                 heads: *heads,
             },
             ControlKind::T2i(t) => ControlKind::T2i(t.clone()),
+            ControlKind::Lora { hint_convs } => ControlKind::Lora {
+                hint_convs: hint_convs.clone(),
+            },
         };
         let out = ControlNetModel {
             file: Arc::clone(&n.file),
@@ -489,7 +538,7 @@ type Key = (usize, usize, usize, usize, usize, usize);
 /// the hints resized per control and area.
 #[derive(Default)]
 pub struct Plans {
-    progs: Vec<(Program, Arc<ControlNetModel>)>,
+    progs: Vec<(Program, Bindings)>,
     index: HashMap<Key, usize>,
     hints: HashMap<(usize, usize, usize), Arc<Vec<f32>>>,
 }
@@ -519,7 +568,7 @@ impl Plans {
             let (_, hb) = self.hint_for(&c, shape)?;
             let key = key(&c, shape, hb);
             match &c.net.kind {
-                ControlKind::Net { .. } => {
+                ControlKind::Net { .. } | ControlKind::Lora { .. } => {
                     slots.output = true;
                     slots.middle = true;
                 }
@@ -535,7 +584,7 @@ impl Plans {
             }
             if !self.index.contains_key(&key) {
                 let prog = match &c.net.kind {
-                    ControlKind::Net { .. } => model.control_program(
+                    ControlKind::Net { .. } | ControlKind::Lora { .. } => model.control_program(
                         &c.net,
                         shape.rows,
                         (h, w),
@@ -547,8 +596,12 @@ impl Plans {
                         adapter_program(&c.net.file.name, t, hb, ph, pw)?
                     }
                 };
+                let bind = match &c.net.kind {
+                    ControlKind::Lora { .. } => control_lora_bindings(&prog, &c.net.file, model)?,
+                    _ => c.net.file.bindings(&prog, None, None)?,
+                };
                 self.index.insert(key, self.progs.len());
-                self.progs.push((prog, Arc::clone(&c.net)));
+                self.progs.push((prog, bind));
             }
         }
         slots.input.sort_unstable();
@@ -655,12 +708,99 @@ fn adapter_program(
     plan(&g.finish(&feats)).map_err(|e| graph_error(&what, e))
 }
 
+/// A control-LoRA's weights for `prog` (ComfyUI's `ControlLora.pre_run`):
+/// the file's full tensors; where it has `X.up`/`X.down`, the model's
+/// (LoRA-patched) `X.weight` plus `up·down` (in f32, the model's dtype on
+/// the CPU); everything else the model's own weight.
+fn control_lora_bindings(
+    prog: &Program,
+    file: &ModelFile,
+    model: &Model,
+) -> Result<Bindings, NodeError> {
+    let mut b = Bindings::default();
+    let model_weight = |name: &str| -> Result<Option<Arc<Vec<f32>>>, NodeError> {
+        let full = format!("{}{name}", model.prefix);
+        model.patches.patched(&model.file, &full, None)
+    };
+    for c in &prog.commands {
+        let Command::Upload { name, .. } = c else {
+            continue;
+        };
+        if file.store.contains(name) {
+            b.stored.insert(
+                name.clone(),
+                file.store
+                    .stored(name)
+                    .map_err(|e| NodeError::invalid(format!("{}: {e}", file.name)))?,
+            );
+            continue;
+        }
+        let base = name.strip_suffix(".weight");
+        let pair = base.filter(|x| {
+            file.store.contains(&format!("{x}.up")) && file.store.contains(&format!("{x}.down"))
+        });
+        if let Some(x) = pair {
+            let mut w = match model_weight(name)? {
+                Some(p) => p.to_vec(),
+                None => model.file.tensor_f32(&format!("{}{name}", model.prefix))?,
+            };
+            let up = file.tensor_f32(&format!("{x}.up"))?;
+            let down = file.tensor_f32(&format!("{x}.down"))?;
+            // up [out, r(, 1, 1)], down [r, in·kh·kw]: W += up · down.
+            let r = rank_of(&file.store, x)?;
+            let out = up.len() / r;
+            let cols = w.len() / out.max(1);
+            if out * cols != w.len() || down.len() != r * cols {
+                return Err(NodeError::invalid(format!(
+                    "{}: {x}.up/.down do not fit the model's {name}",
+                    file.name
+                )));
+            }
+            for o in 0..out {
+                for (k, wv) in w[o * cols..(o + 1) * cols].iter_mut().enumerate() {
+                    let mut d = 0f32;
+                    for j in 0..r {
+                        d += up[o * r + j] * down[j * cols + k];
+                    }
+                    *wv += d;
+                }
+            }
+            b.weights.insert(name.clone(), Arc::new(w));
+            continue;
+        }
+        match model_weight(name)? {
+            Some(p) => {
+                b.weights.insert(name.clone(), p);
+            }
+            None => {
+                let full = format!("{}{name}", model.prefix);
+                let w = model
+                    .file
+                    .store
+                    .stored(&full)
+                    .map_err(|e| NodeError::invalid(format!("{}: {e}", model.file.name)))?;
+                b.stored.insert(name.clone(), w);
+            }
+        }
+    }
+    Ok(b)
+}
+
+/// The rank of a control-LoRA pair: `X.up`'s second dimension.
+fn rank_of(store: &WeightStore, x: &str) -> Result<usize, NodeError> {
+    store
+        .get(&format!("{x}.up"))
+        .and_then(|r| r.info.shape.get(1).copied())
+        .filter(|&r| r > 0)
+        .ok_or_else(|| NodeError::invalid(format!("{x}.up has no rank dimension")))
+}
+
 fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
     let (h, w) = shape.hw;
     let (rows, tokens) = match c.net.kind {
         // An adapter depends on its hint alone.
         ControlKind::T2i(_) => (0, 0),
-        ControlKind::Net { .. } => (shape.rows, shape.tokens),
+        ControlKind::Net { .. } | ControlKind::Lora { .. } => (shape.rows, shape.tokens),
     };
     (Arc::as_ptr(&c.net) as usize, rows, h, w, tokens, hb)
 }
@@ -680,11 +820,10 @@ impl<'p> Runner<'p> {
     /// Prepares every planned program (their weights are bound here).
     pub fn new(ctx: &'p NodeContext, plans: &'p Plans) -> Result<Self, NodeError> {
         let mut sessions = Vec::with_capacity(plans.progs.len());
-        for (prog, net) in &plans.progs {
-            let bind = net.file.bindings(prog, None, None)?;
+        for (prog, bind) in &plans.progs {
             sessions.push(
                 ctx.runtime
-                    .prepare(prog, &bind)
+                    .prepare(prog, bind)
                     .map_err(|e| run_error("control model", e))?,
             );
         }
@@ -724,7 +863,7 @@ impl<'p> Runner<'p> {
                 return Err(NodeError::invalid("a control program was not planned"));
             };
             let mut own = match &c.net.kind {
-                ControlKind::Net { .. } => {
+                ControlKind::Net { .. } | ControlKind::Lora { .. } => {
                     let mut feed = b.fixed.clone();
                     feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
                     feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));

@@ -7,7 +7,7 @@
 //! size). Inpainting's `c_concat`, ControlNet residuals and Flux's
 //! guidance join here as further inputs of the same program.
 
-use super::control::{ControlKind, ControlNetModel, Slots};
+use super::control::{ControlNetModel, Slots};
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, ADM_EMBED};
@@ -144,9 +144,10 @@ impl Model {
         hint_batch: usize,
     ) -> Result<Program, NodeError> {
         let what = format!("ControlNet {}", net.file.name);
-        let ControlKind::Net { cfg, heads } = &net.kind else {
+        let Some((cfg, heads)) = net.net_config(self) else {
             return Err(NodeError::invalid(format!("{what} is not a ControlNet")));
         };
+        let (cfg, heads) = (&cfg, &heads);
         if let (Some(n), Some(&t)) = (cfg.union_types, net.control_type.iter().max()) {
             if t >= n {
                 return Err(NodeError::invalid(format!(
