@@ -12,7 +12,13 @@ mod support;
 use support::{check_graph, copy_input, write_base_checkpoints, write_fixture_files};
 
 fn setup() -> (tempfile::TempDir, serde_json::Value) {
-    let fx = support::fixture("controlnet/expected.json");
+    setup_from("controlnet/expected.json")
+}
+
+/// A base folder with the base checkpoints, `fixture`'s files (each in
+/// its folder), the LoRA fixture's LoRAs and the example inputs.
+fn setup_from(fixture: &str) -> (tempfile::TempDir, serde_json::Value) {
+    let fx = support::fixture(fixture);
     let base = tempfile::tempdir().expect("tempdir");
     let models = base.path().join("models");
     write_base_checkpoints(&models);
@@ -115,15 +121,7 @@ fn canny_matches_comfyui() {
 /// without SetUnionControlNetType: "auto" on tiny_sdxl; a chosen type on
 /// a 320-wide SDXL (the union layers are 320 wide, as in the real model).
 fn union_matches(graph: &str) {
-    let fx = support::fixture("controlnet_union/expected.json");
-    let base = tempfile::tempdir().expect("tempdir");
-    let models = base.path().join("models");
-    write_base_checkpoints(&models);
-    for f in fx["files"].as_array().expect("files") {
-        let folder = f["folder"].as_str().expect("folder");
-        write_fixture_files(&models.join(folder), &serde_json::json!([f]));
-    }
-    copy_input(base.path());
+    let (base, fx) = setup_from("controlnet_union/expected.json");
     support::run(base.path(), graph, "cpu");
     check_graph(base.path(), &fx, graph, None);
 }
@@ -142,17 +140,7 @@ fn union_controlnet_with_a_type_matches_comfyui() {
 /// weights and the file's, with and without a LoRA on the model (which
 /// the ControlNet then inherits).
 fn control_lora_matches(graph: &str) {
-    let fx = support::fixture("control_lora/expected.json");
-    let base = tempfile::tempdir().expect("tempdir");
-    let models = base.path().join("models");
-    write_base_checkpoints(&models);
-    for f in fx["files"].as_array().expect("files") {
-        let folder = f["folder"].as_str().expect("folder");
-        write_fixture_files(&models.join(folder), &serde_json::json!([f]));
-    }
-    let lora = support::fixture("lora/expected.json");
-    write_fixture_files(&models.join("loras"), &lora["loras"]);
-    copy_input(base.path());
+    let (base, fx) = setup_from("control_lora/expected.json");
     support::run(base.path(), graph, "cpu");
     check_graph(base.path(), &fx, graph, None);
 }
