@@ -136,7 +136,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -429,12 +428,7 @@ def main():
             for h, lvl in quiet:
                 h.setLevel(lvl)
 
-            def spread_run(flag):
-                res = subprocess.run([sys.executable, os.path.abspath(__file__), flag],
-                                     check=True, capture_output=True, text=True)
-                return json.loads(res.stdout.strip().splitlines()[-1])
-            f64_latents = spread_run("--fp64-unet")
-            perturbed_latents = spread_run("--perturb-unet")
+            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
 
         for name in WORKFLOWS:
             with open(os.path.join(ROOT, "graphs", name + ".json")) as f:

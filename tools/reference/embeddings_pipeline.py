@@ -85,7 +85,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -327,12 +326,7 @@ def main():
                 print("parse", repr(c["text"]), [t for t in c["entries"]], c["warnings"])
             out["parsing_sd1"] = cases
 
-            def spread_run(flag):
-                res = subprocess.run([sys.executable, os.path.abspath(__file__), flag],
-                                     check=True, capture_output=True, text=True)
-                return json.loads(res.stdout.strip().splitlines()[-1])
-            f64_latents = spread_run("--fp64-unet")
-            perturbed_latents = spread_run("--perturb-unet")
+            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
 
         node_ns = types.SimpleNamespace(NODE_CLASS_MAPPINGS=nodes.NODE_CLASS_MAPPINGS)
         plog = ProcessLog(torch)

@@ -69,7 +69,6 @@ import base64
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -417,12 +416,7 @@ def main():
             check_models(nodes, torch)
             report_clip(nodes, torch)
 
-            def spread_run(flag):
-                res = subprocess.run([sys.executable, os.path.abspath(__file__), flag],
-                                     check=True, capture_output=True, text=True)
-                return json.loads(res.stdout.strip().splitlines()[-1])
-            f64_latents = spread_run("--fp64-unet")
-            perturbed_latents = spread_run("--perturb-unet")
+            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
         for name in WORKFLOWS:
             with open(os.path.join(ROOT, "graphs", name + ".json")) as f:
                 prompt = json.load(f)

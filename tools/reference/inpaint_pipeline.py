@@ -146,7 +146,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -391,12 +390,7 @@ def main():
             check_detection(nodes, log)
             check_encode_for_inpaint(nodes, torch)
 
-            def spread_run(flag):
-                res = subprocess.run([sys.executable, os.path.abspath(__file__), flag],
-                                     check=True, capture_output=True, text=True)
-                return json.loads(res.stdout.strip().splitlines()[-1])
-            f64_latents = spread_run("--fp64-unet")
-            perturbed_latents = spread_run("--perturb-unet")
+            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
 
         rec = Record(torch)
         for name in WORKFLOWS:

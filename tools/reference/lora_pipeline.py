@@ -136,7 +136,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import types
@@ -604,12 +603,7 @@ def main():
             check_merge(nodes, torch, specs, lora_data)
             assert not log.problems(), log.problems()
 
-            def spread_run(flag):
-                res = subprocess.run([sys.executable, os.path.abspath(__file__), flag],
-                                     check=True, capture_output=True, text=True)
-                return json.loads(res.stdout.strip().splitlines()[-1])
-            f64_latents = spread_run("--fp64-unet")
-            perturbed_latents = spread_run("--perturb-unet")
+            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
 
         node_ns = types.SimpleNamespace(NODE_CLASS_MAPPINGS=nodes.NODE_CLASS_MAPPINGS)
         for name in WORKFLOWS:

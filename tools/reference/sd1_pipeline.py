@@ -283,6 +283,20 @@ def run_workflow(prompt, nodes, torch):
     return saved, latents
 
 
+def spread_runs(script):
+    """The workflows' latents of `script` run again in fresh processes with
+    the UNet in f64 (`--fp64-unet`) and perturbed (`--perturb-unet`): the
+    reference's own float spreads, which the Rust tests scale their
+    tolerances by."""
+    import subprocess
+
+    def run(flag):
+        res = subprocess.run([sys.executable, os.path.abspath(script), flag],
+                             check=True, capture_output=True, text=True)
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    return run("--fp64-unet"), run("--perturb-unet")
+
+
 def b64(a):
     return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
 
@@ -329,12 +343,7 @@ def main():
         if not sub:
             import subprocess
 
-            def spread_run(flag):
-                res = subprocess.run([sys.executable, os.path.abspath(__file__), flag],
-                                     check=True, capture_output=True, text=True)
-                return json.loads(res.stdout.strip().splitlines()[-1])
-            f64_latents = spread_run("--fp64-unet")
-            perturbed_latents = spread_run("--perturb-unet")
+            f64_latents, perturbed_latents = spread_runs(__file__)
         for name in WORKFLOWS:
             with open(os.path.join(ROOT, "graphs", name + ".json")) as f:
                 prompt = json.load(f)
