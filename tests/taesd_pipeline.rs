@@ -115,6 +115,32 @@ fn sampler_previews_match_comfyui() {
                 worst <= 1 && off * 100 <= bytes.len(),
                 "{key}: {off} differ, worst {worst}"
             );
+            // The server's resize (ImageOps.contain, BILINEAR) of the
+            // reference frame, where the fixture keeps rows of it.
+            if let Some(rows) = f.get("preview_rows") {
+                use sdkit_nodes::imageops::{pil_contain_size, pil_resize_rgb, PilFilter};
+                let (pw, ph) = pil_contain_size(w as usize, h as usize, 512);
+                assert_eq!(
+                    (pw as u64, ph as u64),
+                    (
+                        f["preview_width"].as_u64().expect("w"),
+                        f["preview_height"].as_u64().expect("h")
+                    )
+                );
+                let big =
+                    pil_resize_rgb(&bytes, w as usize, h as usize, pw, ph, PilFilter::Bilinear);
+                let want = support::b64(rows["u8"].as_str().expect("u8"));
+                let got: Vec<u8> = rows["rows"]
+                    .as_array()
+                    .expect("rows")
+                    .iter()
+                    .flat_map(|r| {
+                        let y = r.as_u64().expect("row") as usize;
+                        big[y * pw * 3..(y + 1) * pw * 3].to_vec()
+                    })
+                    .collect();
+                assert_eq!(got, want, "{key}: the preview resize differs from Pillow's");
+            }
         }
     }
 }

@@ -952,15 +952,46 @@ struct PilCoeffs {
     taps: Vec<(usize, Vec<i32>)>,
 }
 
+/// The Pillow filters sdkit resamples with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PilFilter {
+    /// `Image.LANCZOS` (support 3).
+    Lanczos,
+    /// `Image.BILINEAR`: the triangle filter (support 1).
+    Bilinear,
+}
+
+impl PilFilter {
+    fn support(self) -> f64 {
+        match self {
+            PilFilter::Lanczos => 3.0,
+            PilFilter::Bilinear => 1.0,
+        }
+    }
+
+    fn weight(self, x: f64) -> f64 {
+        match self {
+            PilFilter::Lanczos => pil_lanczos(x),
+            PilFilter::Bilinear => {
+                let x = x.abs();
+                if x < 1.0 {
+                    1.0 - x
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
 /// Pillow `precompute_coeffs` + `normalize_coeffs_8bpc` for a box of
 /// `(0, in_size)` (floats) resampled to `out_size`.
-fn pil_coeffs(in_size: usize, out_size: usize) -> PilCoeffs {
-    const SUPPORT: f64 = 3.0;
+fn pil_coeffs(in_size: usize, out_size: usize, filter: PilFilter) -> PilCoeffs {
     let in0 = 0f32;
     let in1 = in_size as f32;
     let scale = (in1 - in0) as f64 / out_size as f64;
     let filterscale = if scale < 1.0 { 1.0 } else { scale };
-    let support = SUPPORT * filterscale;
+    let support = filter.support() * filterscale;
     let inv_filterscale = 1.0 / filterscale;
     let one = (1i64 << PIL_PRECISION_BITS) as f64;
     let taps = (0..out_size)
@@ -971,7 +1002,7 @@ fn pil_coeffs(in_size: usize, out_size: usize) -> PilCoeffs {
             let xmax = ((center + support + 0.5) as i64).min(in_size as i64);
             let count = (xmax - xmin).max(0) as usize;
             let mut k: Vec<f64> = (0..count)
-                .map(|x| pil_lanczos(((x as i64 + xmin) as f64 - center + 0.5) * inv_filterscale))
+                .map(|x| filter.weight(((x as i64 + xmin) as f64 - center + 0.5) * inv_filterscale))
                 .collect();
             let ww: f64 = k.iter().fold(0.0, |acc, &w| acc + w);
             if ww != 0.0 {
@@ -1080,11 +1111,11 @@ fn pil_pass_vertical(src: &U8Image, coeffs: &PilCoeffs, shift: usize) -> U8Image
 /// vertical pass runs first when the height shrinks and the width does not;
 /// otherwise horizontal first, over only the rows the vertical pass reads).
 /// For 2 and 4 channels the caller premultiplies alpha.
-fn pil_resample(src: &U8Image, out_w: usize, out_h: usize) -> U8Image {
+fn pil_resample(src: &U8Image, out_w: usize, out_h: usize, filter: PilFilter) -> U8Image {
     let need_h = out_w != src.w;
     let need_v = out_h != src.h;
     let horizontal_first = !(out_w >= src.w && out_h < src.h);
-    let vert = pil_coeffs(src.h, out_h);
+    let vert = pil_coeffs(src.h, out_h, filter);
     if horizontal_first {
         let (first, shift, rows) = if need_h {
             // Rows of the source that the vertical pass will read.
@@ -1095,7 +1126,7 @@ fn pil_resample(src: &U8Image, out_w: usize, out_h: usize) -> U8Image {
             (0, 0, src.h)
         };
         let tmp = if need_h {
-            pil_pass_horizontal(src, &pil_coeffs(src.w, out_w), first, rows)
+            pil_pass_horizontal(src, &pil_coeffs(src.w, out_w, filter), first, rows)
         } else {
             U8Image {
                 w: src.w,
@@ -1113,10 +1144,53 @@ fn pil_resample(src: &U8Image, out_w: usize, out_h: usize) -> U8Image {
         // Here need_v holds (the height shrinks).
         let tmp = pil_pass_vertical(src, &vert, 0);
         if need_h {
-            pil_pass_horizontal(&tmp, &pil_coeffs(src.w, out_w), 0, tmp.h)
+            pil_pass_horizontal(&tmp, &pil_coeffs(src.w, out_w, filter), 0, tmp.h)
         } else {
             tmp
         }
+    }
+}
+
+/// `Image.resize((out_w, out_h), filter)` of an 8-bit RGB image (rows of
+/// `w × 3` bytes), as Pillow computes it.
+pub fn pil_resize_rgb(
+    px: &[u8],
+    w: usize,
+    h: usize,
+    out_w: usize,
+    out_h: usize,
+    filter: PilFilter,
+) -> Vec<u8> {
+    let src = U8Image {
+        w,
+        h,
+        c: 3,
+        px: px.to_vec(),
+    };
+    pil_resample(&src, out_w, out_h, filter).px
+}
+
+/// `ImageOps.contain(image, (size, size))`'s output size for a `w × h`
+/// image: the largest that fits with the aspect kept, the other side
+/// rounded as Python's `round` does.
+pub fn pil_contain_size(w: usize, h: usize, size: usize) -> (usize, usize) {
+    let (wf, hf) = (w.max(1) as f64, h.max(1) as f64);
+    let round = |v: f64| -> usize {
+        let r = v.round();
+        let r = if (v - v.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+            r - v.signum()
+        } else {
+            r
+        };
+        r.max(0.0) as usize
+    };
+    let (im, dest) = (wf / hf, 1.0);
+    if im == dest {
+        (size, size)
+    } else if im > dest {
+        (size, round(hf / wf * size as f64))
+    } else {
+        (round(wf / hf * size as f64), size)
     }
 }
 
@@ -1162,7 +1236,7 @@ fn lanczos(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
                     *v = muldiv255(*v, a);
                 }
             }
-            let mut r = pil_resample(&pre, out_w, out_h);
+            let mut r = pil_resample(&pre, out_w, out_h, PilFilter::Lanczos);
             for p in r.px.chunks_exact_mut(c) {
                 let a = p[c - 1];
                 for v in &mut p[..c - 1] {
@@ -1171,7 +1245,7 @@ fn lanczos(win: &Window<'_>, out_w: usize, out_h: usize) -> Result<Tensor4> {
             }
             r
         } else {
-            pil_resample(&img, out_w, out_h)
+            pil_resample(&img, out_w, out_h, PilFilter::Lanczos)
         };
         let dst = &mut out.data[b * per_item..(b + 1) * per_item];
         for (d, &v) in dst.iter_mut().zip(&resized.px) {

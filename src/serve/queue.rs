@@ -363,23 +363,18 @@ impl Queue {
 /// ComfyUI's `--preview-size` default: previews are scaled to fit it.
 const PREVIEW_SIZE: u32 = 512;
 
-/// A preview as JPEG (quality 95), scaled (bilinear) to fit
-/// PREVIEW_SIZE² keeping its aspect ratio, as ComfyUI's ImageOps.contain.
+/// A preview as JPEG (quality 95), scaled to fit PREVIEW_SIZE² keeping
+/// its aspect ratio as ComfyUI's `ImageOps.contain(..., BILINEAR)` does
+/// (Pillow's resampling, bit for bit).
 fn preview_jpeg(p: &sdkit_engine::event::PreviewImage) -> Option<Vec<u8>> {
-    let img = image::RgbImage::from_raw(p.width, p.height, p.rgb.to_vec())?;
-    let (w, h) = (p.width.max(1) as f64, p.height.max(1) as f64);
-    let s = f64::from(PREVIEW_SIZE);
-    let (nw, nh) = if w >= h {
-        (s, (h / w * s).round().max(1.0))
-    } else {
-        ((w / h * s).round().max(1.0), s)
-    };
-    let img = image::imageops::resize(
-        &img,
-        nw as u32,
-        nh as u32,
-        image::imageops::FilterType::Triangle,
-    );
+    use sdkit_nodes::imageops::{pil_contain_size, pil_resize_rgb, PilFilter};
+    let (w, h) = (p.width as usize, p.height as usize);
+    if w == 0 || h == 0 || p.rgb.len() != w * h * 3 {
+        return None;
+    }
+    let (nw, nh) = pil_contain_size(w, h, PREVIEW_SIZE as usize);
+    let px = pil_resize_rgb(&p.rgb, w, h, nw.max(1), nh.max(1), PilFilter::Bilinear);
+    let img = image::RgbImage::from_raw(nw.max(1) as u32, nh.max(1) as u32, px)?;
     let mut out = Vec::new();
     image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 95)
         .encode_image(&img)
