@@ -27,6 +27,10 @@ pub const EXIT_INTERRUPTED: i32 = 130;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Threads for CPU work (kernels on the CPU backend, image ops).
+    /// Default: every core.
+    #[arg(long, global = true, value_name = "N")]
+    pub threads: Option<usize>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -271,6 +275,12 @@ pub fn make_executor(
 }
 
 pub fn main(cli: Cli) -> Result<i32> {
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            anyhow::bail!("--threads must be at least 1");
+        }
+        sdkit_compute::backend::cpu::set_threads(n).map_err(anyhow::Error::msg)?;
+    }
     match cli.command {
         Command::Run(args) => run_command(args),
         Command::Watch(args) => crate::watch::watch(args),
@@ -383,7 +393,7 @@ fn probe_command(out: &mut impl Write, adapter: Option<String>) -> Result<()> {
 }
 
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    sdkit_compute::backend::cpu::threads()
 }
 
 fn plan_command(

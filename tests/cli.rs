@@ -462,3 +462,28 @@ fn outputs_with_errors_are_skipped_unless_strict() {
         ["good_00001_.png"]
     );
 }
+
+/// `--threads N` sizes the CPU pool (every core by default); 0 is refused.
+#[test]
+fn threads_flag_sizes_the_cpu_pool() {
+    let o = sdkit()
+        .args(["--threads", "1", "devices"])
+        .output()
+        .expect("runs");
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("cpu: 1 threads"),
+        "{}",
+        text(&o)
+    );
+    let o = sdkit()
+        .args(["devices", "--threads", "0"])
+        .output()
+        .expect("runs");
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--threads"),
+        "{}",
+        text(&o)
+    );
+}
