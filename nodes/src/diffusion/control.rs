@@ -535,13 +535,18 @@ pub struct Batch<'a> {
 type Key = (usize, usize, usize, usize, usize, usize);
 
 /// The control programs a sampling needs, planned before it starts, and
-/// the hints resized per control and area.
+/// the hints resized per control and area, and broadcast per batch shape
+/// (`(control, rows, entries, h, w)`), so a step copies none.
 #[derive(Default)]
 pub struct Plans {
     progs: Vec<(Program, Bindings)>,
     index: HashMap<Key, usize>,
     hints: HashMap<(usize, usize, usize), Arc<Vec<f32>>>,
+    fed: HashMap<(usize, usize, usize, usize, usize), FedHint>,
 }
+
+/// A hint as a batch takes it, and its batch size.
+type FedHint = (Arc<Vec<f32>>, usize);
 
 /// A batch's shape as [`Plans::add`] needs it.
 pub struct Shape {
@@ -613,29 +618,38 @@ impl Plans {
         &mut self,
         c: &Arc<Control>,
         shape: &Shape,
-    ) -> Result<(Vec<f32>, usize), NodeError> {
+    ) -> Result<(Arc<Vec<f32>>, usize), NodeError> {
         let (h, w) = shape.hw;
-        self.hint(c, h, w)?;
-        self.cached_hint(c, shape)
-    }
-
-    /// [`Plans::hint_for`] of a hint already resized.
-    fn cached_hint(&self, c: &Arc<Control>, shape: &Shape) -> Result<(Vec<f32>, usize), NodeError> {
-        let (h, w) = shape.hw;
-        let hint = self
-            .hints
-            .get(&(Arc::as_ptr(c) as usize, h, w))
-            .ok_or_else(|| NodeError::invalid("a control hint was not planned"))?;
+        let key = (Arc::as_ptr(c) as usize, shape.rows, shape.entries, h, w);
+        if let Some((v, hb)) = self.fed.get(&key) {
+            return Ok((Arc::clone(v), *hb));
+        }
+        let hint = self.hint(c, h, w)?;
         let (ph, pw) = c.net.hint_size(h, w);
         let per = c.net.hint_channels() * ph * pw;
         let n = hint.len() / per.max(1);
         let v = if n == shape.rows {
-            hint.to_vec()
+            hint
         } else {
-            broadcast(hint, n, shape.rows, shape.entries)
+            Arc::new(broadcast(&hint, n, shape.rows, shape.entries))
         };
         let hb = v.len() / per.max(1);
+        self.fed.insert(key, (Arc::clone(&v), hb));
         Ok((v, hb))
+    }
+
+    /// [`Plans::hint_for`] of a batch shape planned already.
+    fn cached_hint(
+        &self,
+        c: &Arc<Control>,
+        shape: &Shape,
+    ) -> Result<(Arc<Vec<f32>>, usize), NodeError> {
+        let (h, w) = shape.hw;
+        let key = (Arc::as_ptr(c) as usize, shape.rows, shape.entries, h, w);
+        self.fed
+            .get(&key)
+            .map(|(v, hb)| (Arc::clone(v), *hb))
+            .ok_or_else(|| NodeError::invalid("a control hint was not planned"))
     }
 
     /// The control's hint for a latent of `h`×`w`, NCHW: resized with the
@@ -867,7 +881,7 @@ impl<'p> Runner<'p> {
                     let mut feed = b.fixed.clone();
                     feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
                     feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
-                    feed.insert("hint".to_string(), Arc::new(hint));
+                    feed.insert("hint".to_string(), hint);
                     if let ControlKind::Net {
                         cfg:
                             ControlNetConfig {
@@ -903,7 +917,7 @@ impl<'p> Runner<'p> {
                         Some(f) => Arc::clone(f),
                         None => {
                             let mut feed = HashMap::new();
-                            feed.insert("hint".to_string(), Arc::new(hint));
+                            feed.insert("hint".to_string(), hint);
                             let outs = self.sessions[i]
                                 .run(feed)
                                 .map_err(|e| run_error("T2I-Adapter", e))?;

@@ -89,7 +89,7 @@ fn resize_to_batch(data: &[f32], per: usize, b: usize) -> Vec<f32> {
             i
         } else if b < n {
             let scale = (n - 1) as f64 / (b - 1) as f64;
-            (round_half_even(i as f64 * scale) as usize).min(n - 1)
+            ((i as f64 * scale).round_ties_even() as usize).min(n - 1)
         } else {
             let scale = n as f64 / b as f64;
             (((i as f64 + 0.5) * scale).floor() as usize).min(n - 1)
@@ -101,15 +101,6 @@ fn resize_to_batch(data: &[f32], per: usize, b: usize) -> Vec<f32> {
             data[j * per..(j + 1) * per].iter().copied()
         })
         .collect()
-}
-
-fn round_half_even(v: f64) -> f64 {
-    let r = v.round();
-    if (v - v.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-        r - v.signum()
-    } else {
-        r
-    }
 }
 
 /// `comfy.utils.reshape_mask` for a latent `[b, c, h, w]`: bilinear to
@@ -226,12 +217,7 @@ pub fn concat_cond(
         (None, None) => None,
     };
     let (mask, image) = match mask {
-        Some(m) => (
-            m.iter()
-                .map(|&v| round_half_even(f64::from(v)) as f32)
-                .collect(),
-            image,
-        ),
+        Some(m) => (m.iter().map(|&v| v.round_ties_even()).collect(), image),
         None => {
             // No mask anywhere: all of it is to be painted, over the latent
             // of a blank image.
@@ -311,7 +297,7 @@ fn mask_and_grey(
         let mi = if mb == 1 { 0 } else { i };
         for y in 0..h {
             for x in 0..w {
-                let keep = 1.0 - round_half_even(f64::from(m[(mi * h + y) * w + x])) as f32;
+                let keep = 1.0 - m[(mi * h + y) * w + x].round_ties_even();
                 let at = ((i * ph + y + y0) * pw + x + x0) * pc;
                 for ch in 0..pc {
                     let v = pixels.data[at + ch];
@@ -348,7 +334,7 @@ fn grow_mask(mask: &[f32], n: usize, h: usize, w: usize, g: usize) -> Vec<f32> {
                 let (x0, x1) = (x.saturating_sub(pad), (x + g - pad).min(w));
                 let s = sat[y1 * (w + 1) + x1] - sat[y0 * (w + 1) + x1] - sat[y1 * (w + 1) + x0]
                     + sat[y0 * (w + 1) + x0];
-                out.push(round_half_even(s.clamp(0.0, 1.0)) as f32);
+                out.push(s.clamp(0.0, 1.0).round_ties_even() as f32);
             }
         }
     }
@@ -373,10 +359,7 @@ impl NodeImpl for VaeEncodeForInpaint {
         // The rounded mask grown by a g×g box (conv2d with padding
         // ceil((g − 1)/2), cut to the image: for even g the window is
         // rows y − g/2 .. y + g/2 − 1), clamped to 1 and rounded.
-        let rounded: Vec<f32> = m
-            .iter()
-            .map(|&v| round_half_even(f64::from(v)) as f32)
-            .collect();
+        let rounded: Vec<f32> = m.iter().map(|&v| v.round_ties_even()).collect();
         let grown = if grow == 0 {
             rounded
         } else {

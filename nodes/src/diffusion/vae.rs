@@ -9,14 +9,6 @@ use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
 
 type R<'a> = Result<T<'a>, ShapeError>;
 
-/// `Ok` in method position, to end a builder chain.
-trait PipeOk: Sized {
-    fn pipe_ok(self) -> Result<Self, ShapeError> {
-        Ok(self)
-    }
-}
-
-impl PipeOk for T<'_> {}
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use std::sync::Arc;
 
@@ -51,10 +43,8 @@ impl Vae {
                 shift,
             } => {
                 let z = z.add_scalar(-shift).mul_scalar(*scale);
-                taesd::decoder(g, "taesd_decoder.", z, *latent_channels)?
-                    .add_scalar(-0.5)
-                    .mul_scalar(2.0)
-                    .pipe_ok()
+                let x = taesd::decoder(g, "taesd_decoder.", z, *latent_channels)?;
+                Ok(x.add_scalar(-0.5).mul_scalar(2.0))
             }
         }
     }
@@ -75,10 +65,8 @@ impl Vae {
                     .add_scalar(-1.0)
                     .mul_scalar(0.5)
                     .add_scalar(0.5);
-                taesd::encoder(g, "taesd_encoder.", x, *latent_channels)?
-                    .div(g.constant(*scale))?
-                    .add_scalar(*shift)
-                    .pipe_ok()
+                let z = taesd::encoder(g, "taesd_encoder.", x, *latent_channels)?;
+                Ok(z.div(g.constant(*scale))?.add_scalar(*shift))
             }
         }
     }

@@ -252,22 +252,13 @@ pub fn pil_resize_rgb(
 /// rounded as Python's `round` does.
 pub fn pil_contain_size(w: usize, h: usize, size: usize) -> (usize, usize) {
     let (wf, hf) = (w.max(1) as f64, h.max(1) as f64);
-    let round = |v: f64| -> usize {
-        let r = v.round();
-        let r = if (v - v.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-            r - v.signum()
-        } else {
-            r
-        };
-        r.max(0.0) as usize
-    };
     let (im, dest) = (wf / hf, 1.0);
     if im == dest {
         (size, size)
     } else if im > dest {
-        (size, round(hf / wf * size as f64))
+        (size, py_round_usize(hf / wf * size as f64))
     } else {
-        (round(wf / hf * size as f64), size)
+        (py_round_usize(wf / hf * size as f64), size)
     }
 }
 
