@@ -699,11 +699,7 @@ def main():
             print(json.dumps(out["workflows"]))
             return
         out["workflows"][CANNY] = canny_run(node_ns, torch)
-        dst = os.path.join(ROOT, "tests", "reference", "controlnet")
-        os.makedirs(dst, exist_ok=True)
-        with open(os.path.join(dst, "expected.json"), "w") as f:
-            json.dump(out, f, indent=0)
-            f.write("\n")
+        sd1.write_expected("controlnet", out)
     finally:
         root.setLevel(level)
         root.removeHandler(log)

@@ -436,11 +436,7 @@ def main():
         if sub:
             print(json.dumps(out["workflows"]))
             return
-        dst = os.path.join(ROOT, "tests", "reference", "embeddings")
-        os.makedirs(dst, exist_ok=True)
-        with open(os.path.join(dst, "expected.json"), "w") as f:
-            json.dump(out, f, indent=0)
-            f.write("\n")
+        sd1.write_expected("embeddings", out)
     finally:
         logging.getLogger().removeHandler(log)
         shutil.rmtree(tmp, ignore_errors=True)

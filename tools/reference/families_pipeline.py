@@ -460,11 +460,7 @@ def main():
         if sub:
             print(json.dumps(out["workflows"]))
             return
-        dst = os.path.join(ROOT, "tests", "reference", "families")
-        os.makedirs(dst, exist_ok=True)
-        with open(os.path.join(dst, "expected.json"), "w") as f:
-            json.dump(out, f, indent=0)
-            f.write("\n")
+        sd1.write_expected("families", out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

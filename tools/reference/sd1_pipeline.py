@@ -283,6 +283,16 @@ def run_workflow(prompt, nodes, torch):
     return saved, latents
 
 
+def write_expected(name, out):
+    """Writes `out` as tests/reference/NAME/expected.json (the layout every
+    reference script shares)."""
+    dst = os.path.join(ROOT, "tests", "reference", name)
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(dst, "expected.json"), "w") as f:
+        json.dump(out, f, indent=0)
+        f.write("\n")
+
+
 def spread_runs(script):
     """The workflows' latents of `script` run again in fresh processes with
     the UNet in f64 (`--fp64-unet`) and perturbed (`--perturb-unet`): the
@@ -372,11 +382,7 @@ def main():
         if sub:
             print(json.dumps(out["workflows"]))
             return
-        dst = os.path.join(ROOT, "tests", "reference", "sd1")
-        os.makedirs(dst, exist_ok=True)
-        with open(os.path.join(dst, "expected.json"), "w") as f:
-            json.dump(out, f, indent=0)
-            f.write("\n")
+        write_expected("sd1", out)
         print("keys", len(keys), "checksum", digest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
