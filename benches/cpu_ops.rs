@@ -18,7 +18,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
-use sdkit_compute::backend::cpu::kernels::{attention, conv2d, matmul, MatView};
+use sdkit_compute::backend::cpu::kernels::{attention, conv2d, matmul, MatView, Products};
 
 /// Each side runs each case in this many blocks, the two sides' blocks
 /// alternating ...
@@ -55,7 +55,14 @@ fn random(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-fn gemm_case(name: &'static str, m: usize, n: usize, k: usize, b_transposed: bool) -> Case {
+fn gemm_case(
+    name: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    b_transposed: bool,
+    products: Products,
+) -> Case {
     let a = random(1, m * k);
     let b = random(2, k * n);
     let mut c = vec![0.0f32; m * n];
@@ -73,21 +80,32 @@ fn gemm_case(name: &'static str, m: usize, n: usize, k: usize, b_transposed: boo
         ),
         flops: 2.0 * (m * n * k) as f64,
         run: Box::new(move || {
-            if let Err(e) = matmul(&a, MatView::row_major(m, k), &b, bv, &mut c, 1, m, n, k) {
+            if let Err(e) = matmul(
+                &a,
+                MatView::row_major(m, k),
+                &b,
+                bv,
+                &mut c,
+                1,
+                m,
+                n,
+                k,
+                products,
+            ) {
                 panic!("{e}");
             }
         }),
     }
 }
 
-fn conv_case() -> Case {
+fn conv_case(name: &'static str, products: Products) -> Case {
     let (n, c, h, w, o) = (2, 320, 64, 64, 320);
     let x = random(3, n * c * h * w);
     let wt = random(4, o * c * 9);
     let bias = random(5, o);
     let mut out = vec![0.0f32; n * o * h * w];
     Case {
-        name: "conv",
+        name,
         what: format!("conv2d {n}x{c}x{h}x{w} -> {o}, 3x3 pad 1"),
         flops: 2.0 * (n * o * h * w * c * 9) as f64,
         run: Box::new(move || {
@@ -103,6 +121,7 @@ fn conv_case() -> Case {
                 [1, 1],
                 1,
                 &mut out,
+                products,
             ) {
                 panic!("{e}");
             }
@@ -110,7 +129,7 @@ fn conv_case() -> Case {
     }
 }
 
-fn attention_case() -> Case {
+fn attention_case(name: &'static str, products: Products) -> Case {
     let (heads, s, d) = (8, 4096, 40);
     let q = random(6, heads * s * d);
     let k = random(7, heads * s * d);
@@ -118,11 +137,13 @@ fn attention_case() -> Case {
     let mut out = vec![0.0f32; heads * s * d];
     let scale = 1.0 / (d as f32).sqrt();
     Case {
-        name: "attention",
+        name,
         what: format!("attention {heads} heads x {s} tokens x {d}"),
         flops: 4.0 * (heads * s * s * d) as f64,
         run: Box::new(move || {
-            if let Err(e) = attention(&q, &k, &v, None, heads, s, s, d, d, scale, &mut out) {
+            if let Err(e) = attention(
+                &q, &k, &v, None, heads, s, s, d, d, scale, &mut out, products,
+            ) {
                 panic!("{e}");
             }
         }),
@@ -144,20 +165,20 @@ except Exception as e:
 torch.set_num_threads(int(sys.argv[1]))
 torch.set_grad_enabled(False)
 
-def gemm_1024():
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+def gemm_1024(dt):
+    a, b = torch.randn(1024, 1024, dtype=dt), torch.randn(1024, 1024, dtype=dt)
     return lambda: torch.matmul(a, b)
 
-def gemm_sd():
-    a, w = torch.randn(4096, 320), torch.randn(1280, 320)
+def gemm_sd(dt):
+    a, w = torch.randn(4096, 320, dtype=dt), torch.randn(1280, 320, dtype=dt)
     return lambda: torch.matmul(a, w.t())
 
-def conv():
-    x, w, b = torch.randn(2, 320, 64, 64), torch.randn(320, 320, 3, 3), torch.randn(320)
+def conv(dt):
+    x, w, b = (torch.randn(*s, dtype=dt) for s in ((2, 320, 64, 64), (320, 320, 3, 3), (320,)))
     return lambda: F.conv2d(x, w, b, padding=1)
 
-def attention():
-    q, k, v = (torch.randn(1, 8, 4096, 40) for _ in range(3))
+def attention(dt):
+    q, k, v = (torch.randn(1, 8, 4096, 40, dtype=dt) for _ in range(3))
     return lambda: F.scaled_dot_product_attention(q, k, v)
 
 makers = {"gemm_1024": gemm_1024, "gemm_sd": gemm_sd, "conv": conv, "attention": attention}
@@ -165,11 +186,12 @@ built = {}
 print("ready", torch.__version__, torch.get_num_threads(), flush=True)
 for line in sys.stdin:
     name, runs = line.split()
-    if name not in makers:
+    base, dt = (name[:-5], torch.bfloat16) if name.endswith("_bf16") else (name, torch.float32)
+    if base not in makers:
         print("none", flush=True)
         continue
     if name not in built:
-        built[name] = makers[name]()
+        built[name] = makers[base](dt)
     f = built[name]
     f()
     times = []
@@ -285,12 +307,22 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let cases = [
-        gemm_case("gemm_1024", 1024, 1024, 1024, false),
-        gemm_case("gemm_sd", 4096, 1280, 320, true),
-        conv_case(),
-        attention_case(),
+    let mut cases = vec![
+        gemm_case("gemm_1024", 1024, 1024, 1024, false, Products::F32),
+        gemm_case("gemm_sd", 4096, 1280, 320, true, Products::F32),
+        conv_case("conv", Products::F32),
+        attention_case("attention", Products::F32),
     ];
+    // bf16 rows where the CPU has AMX tiles (PyTorch's side: its bf16 path).
+    if sdkit_compute::backend::cpu::amx::available() {
+        let b = Products::Bf16;
+        cases.extend([
+            gemm_case("gemm_1024_bf16", 1024, 1024, 1024, false, b),
+            gemm_case("gemm_sd_bf16", 4096, 1280, 320, true, b),
+            conv_case("conv_bf16", b),
+            attention_case("attention_bf16", b),
+        ]);
+    }
     let gflops = |flops: f64, secs: f64| flops / secs / 1e9;
     for mut case in cases {
         if !filters.is_empty() && !filters.iter().any(|f| case.name.contains(f.as_str())) {

@@ -5,7 +5,8 @@
 //!
 //! `cargo bench --bench unet_step` (best adapter, or `SDKIT_ADAPTER=name`);
 //! `SDKIT_BENCH_DEVICE=cpu` runs it on the CPU backend in f32 beside
-//! PyTorch's CPU f32 (both on all cores, or `RAYON_NUM_THREADS`).
+//! PyTorch's CPU f32, then (on CPUs with AMX) with bf16 products beside
+//! PyTorch in bf16 (both on all cores, or `RAYON_NUM_THREADS`).
 //! `SDKIT_BENCH_BUDGETS=1` runs it under device budgets of 100%, 50% and
 //! 25% of the UNet's weights: time and bytes moved per step beside the
 //! residency planner's lower bound and its predicted time (the resident
@@ -126,6 +127,10 @@ fn bindings(g: &TensorGraph) -> Bindings {
 }
 
 fn torch_time(py: &str, small: bool, cpu: bool) -> Result<f64, String> {
+    torch_time_args(py, small, cpu, &[])
+}
+
+fn torch_time_args(py: &str, small: bool, cpu: bool, extra: &[&str]) -> Result<f64, String> {
     // From the working directory first: the bench binary may run on another
     // machine than the one it was built on (benches/gpu/device.sh).
     let rel = "benches/gpu/unet_torch.py";
@@ -142,6 +147,7 @@ fn torch_time(py: &str, small: bool, cpu: bool) -> Result<f64, String> {
     if cpu {
         cmd.arg("--cpu");
     }
+    cmd.args(extra);
     let out = cmd.output().map_err(|e| format!("{py}: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
     text.lines()
@@ -410,33 +416,41 @@ fn print_profile(
     }
 }
 
-/// The step on the CPU backend (f32), beside PyTorch on the CPU.
+/// The step on the CPU backend, f32 and (where the CPU has AMX) bf16
+/// products, each beside PyTorch on the CPU in the same dtype.
 fn cpu_step(prog: &sdkit_compute::plan::Program, bind: &Bindings, py: &str, small: bool) {
+    use sdkit_compute::backend::cpu::{amx, run_with, Products};
     let threads = rayon_threads();
-    let _ = sdkit_compute::backend::cpu::run(prog, bind);
-    let runs = if small { 5 } else { 3 };
-    let mut times = Vec::new();
-    for _ in 0..runs {
-        let t = Instant::now();
-        if let Err(e) = sdkit_compute::backend::cpu::run(prog, bind) {
-            println!("unet_step [cpu]: failed: {e}");
-            return;
-        }
-        times.push(t.elapsed().as_secs_f64());
+    let mut rows = vec![(Products::F32, "f32", vec![])];
+    if amx::available() {
+        rows.push((Products::Bf16, "bf16", vec!["--bf16"]));
     }
-    times.sort_by(f64::total_cmp);
-    let secs = times[times.len() / 2];
-    println!(
-        "unet_step [cpu f32, {threads} threads]: {:.1} ms/step (median of {runs})",
-        secs * 1e3
-    );
-    match torch_time(py, small, true) {
-        Ok(tt) => println!(
-            "unet_step: torch cpu f32 {:.1} ms/step, sdkit/torch time {:.2}x",
-            tt * 1e3,
-            secs / tt
-        ),
-        Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+    for (products, name, extra) in rows {
+        let _ = run_with(prog, bind, products);
+        let runs = if small { 5 } else { 3 };
+        let mut times = Vec::new();
+        for _ in 0..runs {
+            let t = Instant::now();
+            if let Err(e) = run_with(prog, bind, products) {
+                println!("unet_step [cpu {name}]: failed: {e}");
+                return;
+            }
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        let secs = times[times.len() / 2];
+        println!(
+            "unet_step [cpu {name}, {threads} threads]: {:.1} ms/step (median of {runs})",
+            secs * 1e3
+        );
+        match torch_time_args(py, small, true, &extra) {
+            Ok(tt) => println!(
+                "unet_step: torch cpu {name} {:.1} ms/step, sdkit/torch time {:.2}x",
+                tt * 1e3,
+                secs / tt
+            ),
+            Err(e) => println!("unet_step: torch peer unavailable: {e}"),
+        }
     }
 }
 

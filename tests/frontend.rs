@@ -66,7 +66,16 @@ fn comfyui_front_end_runs_a_workflow() {
     )
     .expect("settings");
     let mut server = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(["serve", "--port", "0", "--device", "cpu", "--base-dir"])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--precision",
+            "f32",
+            "--base-dir",
+        ])
         .arg(base.path())
         .arg("--front-end")
         .arg(&fe)

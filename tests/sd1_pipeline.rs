@@ -278,7 +278,7 @@ fn standalone_vae_file_decodes_the_same() {
     let graph = base.path().join("vae_loader.json");
     std::fs::write(&graph, g.to_string()).expect("write graph");
     let o = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(["run", "-q", "--device", "cpu"])
+        .args(["run", "-q", "--precision", "f32", "--device", "cpu"])
         .arg(&graph)
         .arg("--base-dir")
         .arg(base.path())
@@ -864,7 +864,16 @@ fn server_sends_sampler_previews() {
     use std::net::TcpStream;
     let (base, _) = setup();
     let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(["serve", "--port", "0", "--device", "cpu", "--base-dir"])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--precision",
+            "f32",
+            "--base-dir",
+        ])
         .arg(base.path())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())

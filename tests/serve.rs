@@ -24,7 +24,16 @@ impl Drop for Server {
 fn start(extra: &[&str]) -> Server {
     let base = tempfile::tempdir().expect("tempdir");
     let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(["serve", "--port", "0", "--device", "cpu", "--base-dir"])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--precision",
+            "f32",
+            "--base-dir",
+        ])
         .arg(base.path())
         .args(extra)
         .stdout(Stdio::piped())

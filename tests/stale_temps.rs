@@ -126,7 +126,16 @@ fn run_removes_the_temporary_files_of_dead_writers_only() {
 fn serve_removes_them_before_it_listens() {
     let l = layout();
     let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(["serve", "--port", "0", "--device", "cpu", "--base-dir"])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--precision",
+            "f32",
+            "--base-dir",
+        ])
         .arg(l.base.path())
         .env("SDKIT_CACHE_DIR", l.cache.path())
         .stdout(Stdio::piped())

@@ -138,7 +138,8 @@ def main():
     small = "--small" in sys.argv
     cpu = "--cpu" in sys.argv
     if cpu:
-        dev, dt = "cpu", torch.float32
+        # --bf16: PyTorch's bf16 CPU path (oneDNN; AMX where the CPU has it).
+        dev, dt = "cpu", (torch.bfloat16 if "--bf16" in sys.argv else torch.float32)
         threads = os.environ.get("RAYON_NUM_THREADS")
         if threads:
             torch.set_num_threads(int(threads))

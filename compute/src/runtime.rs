@@ -51,7 +51,7 @@ impl RuntimeError {
 
 #[derive(Clone)]
 enum Device {
-    Cpu,
+    Cpu(cpu::Products),
     Wgpu(Arc<WgpuBackend>),
 }
 
@@ -74,9 +74,16 @@ impl std::fmt::Debug for Runtime {
 }
 
 impl Runtime {
+    /// The CPU backend with f32 products (the reference results).
     pub fn cpu() -> Self {
+        Self::cpu_with(cpu::Products::F32)
+    }
+
+    /// The CPU backend, its matrix products in `products` (bf16 runs only
+    /// where the CPU has AMX tiles; elsewhere it is f32).
+    pub fn cpu_with(products: cpu::Products) -> Self {
         Runtime {
-            device: Device::Cpu,
+            device: Device::Cpu(products),
         }
     }
 
@@ -120,21 +127,29 @@ impl Runtime {
             choice: choice.to_string(),
             message,
         };
+        // `tensor_cores` is the CPU's AMX tiles there: bf16 products.
+        let cpu = || {
+            Runtime::cpu_with(if tensor_cores {
+                cpu::Products::Bf16
+            } else {
+                cpu::Products::F32
+            })
+        };
         match choice.trim().to_ascii_lowercase().as_str() {
-            "cpu" => Ok(Runtime::cpu()),
+            "cpu" => Ok(cpu()),
             "auto" => {
                 if !gpu_device_nodes() {
-                    return Ok(Runtime::cpu());
+                    return Ok(cpu());
                 }
                 let hardware = crate::backend::wgpu::adapters()
                     .into_iter()
                     .any(|a| a.device_type != "Cpu");
                 if !hardware {
-                    return Ok(Runtime::cpu());
+                    return Ok(cpu());
                 }
                 match WgpuBackend::with_options(&gpu_options(None)) {
                     Ok(b) if b.adapter.device_type != "Cpu" => Ok(Runtime::wgpu(b)),
-                    _ => Ok(Runtime::cpu()),
+                    _ => Ok(cpu()),
                 }
             }
             "wgpu" | "gpu" => WgpuBackend::with_options(&gpu_options(None))
@@ -155,7 +170,12 @@ impl Runtime {
     /// "cpu" or the adapter's name and API.
     pub fn describe(&self) -> String {
         match &self.device {
-            Device::Cpu => "cpu".to_string(),
+            Device::Cpu(p) => match p {
+                cpu::Products::Bf16 if cpu::amx::available() => {
+                    "cpu (bf16 products on AMX tiles)".to_string()
+                }
+                _ => "cpu (f32 products)".to_string(),
+            },
             Device::Wgpu(b) => {
                 let products = match b.coop {
                     Some(c) => format!("tensor cores {0}x{0}", c.tile),
@@ -167,13 +187,13 @@ impl Runtime {
     }
 
     pub fn is_cpu(&self) -> bool {
-        matches!(self.device, Device::Cpu)
+        matches!(self.device, Device::Cpu(_))
     }
 
     /// Weight bytes uploaded to the device so far (0 on the CPU).
     pub fn bytes_uploaded(&self) -> u64 {
         match &self.device {
-            Device::Cpu => 0,
+            Device::Cpu(_) => 0,
             Device::Wgpu(b) => b.bytes_uploaded(),
         }
     }
@@ -181,7 +201,7 @@ impl Runtime {
     /// The device memory budget, if one is set (GPU only).
     pub fn budget(&self) -> Option<u64> {
         match &self.device {
-            Device::Cpu => None,
+            Device::Cpu(_) => None,
             Device::Wgpu(b) => b.budget(),
         }
     }
@@ -189,7 +209,7 @@ impl Runtime {
     /// Weight bytes kept resident on the device between runs (0 on the CPU).
     pub fn resident_bytes(&self) -> u64 {
         match &self.device {
-            Device::Cpu => 0,
+            Device::Cpu(_) => 0,
             Device::Wgpu(b) => b.resident_bytes(),
         }
     }
@@ -220,7 +240,7 @@ impl Runtime {
     /// Runs a program once.
     pub fn run(&self, prog: &Program, bind: &Bindings) -> Result<Vec<Array>, RuntimeError> {
         match &self.device {
-            Device::Cpu => Ok(cpu::run(prog, bind)?),
+            Device::Cpu(p) => Ok(cpu::run_with(prog, bind, *p)?),
             Device::Wgpu(b) => Ok(b.run(prog, bind)?),
         }
     }
@@ -234,7 +254,7 @@ impl Runtime {
         f: impl FnOnce() -> R,
     ) -> R {
         match &self.device {
-            Device::Cpu => f(),
+            Device::Cpu(_) => f(),
             Device::Wgpu(b) => {
                 b.observe_tuning(Some(progress));
                 let r = f();
@@ -283,8 +303,9 @@ impl Runtime {
         reserve: u64,
     ) -> Result<Session<'a>, RuntimeError> {
         match &self.device {
-            Device::Cpu => Ok(Session::Cpu {
+            Device::Cpu(products) => Ok(Session::Cpu {
                 prog,
+                products: *products,
                 bind: Bindings {
                     weights: weights.weights.clone(),
                     stored: weights.stored.clone(),
@@ -349,6 +370,7 @@ pub enum Session<'a> {
     Cpu {
         prog: &'a Program,
         bind: Bindings,
+        products: cpu::Products,
     },
     Wgpu {
         prepared: Box<Prepared<'a>>,
@@ -366,9 +388,13 @@ impl Session<'_> {
         inputs: HashMap<String, Arc<Vec<f32>>>,
     ) -> Result<Vec<Array>, RuntimeError> {
         match self {
-            Session::Cpu { prog, bind } => {
+            Session::Cpu {
+                prog,
+                bind,
+                products,
+            } => {
                 bind.inputs = inputs;
-                Ok(cpu::run(prog, bind)?)
+                Ok(cpu::run_with(prog, bind, *products)?)
             }
             Session::Wgpu { prepared: p, .. } => Ok(p.run(&Bindings {
                 weights: HashMap::new(),

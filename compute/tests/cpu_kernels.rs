@@ -14,10 +14,51 @@
 //! Observed maxima when written were 3-7× below each bound.
 
 use proptest::prelude::*;
+use sdkit_compute::backend::cpu::amx;
 use sdkit_compute::backend::cpu::kernels::{
     attention, bf16_to_f32, conv2d, f16_to_f32, group_norm, layer_norm, matmul, rms_norm,
-    softmax_rows, upsample_bilinear2d, upsample_nearest2d, KernelError, MatView,
+    softmax_rows, upsample_bilinear2d, upsample_nearest2d, KernelError, MatView, Products,
 };
+
+/// Whether the bf16 (AMX) cases can run here. Where CI's CPU has AMX it
+/// sets SDKIT_REQUIRE_AMX, and then a CPU or kernel that refuses fails.
+fn amx_here() -> bool {
+    if amx::available() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("SDKIT_REQUIRE_AMX").is_none(),
+        "SDKIT_REQUIRE_AMX is set but AMX tiles are not available"
+    );
+    eprintln!("skipping bf16 cases: this CPU (or OS) has no AMX tiles");
+    false
+}
+
+/// The values as the AMX kernels read them: rounded to bf16 (nearest
+/// even). Products of two bf16 values are exact in f32, so a reference on
+/// rounded inputs leaves only f32 accumulation error.
+fn rounded(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| amx::bf16_to_f32(amx::bf16(v))).collect()
+}
+
+/// Σ(got - want)² / Σ want²: the bf16 paths' whole-output bound against
+/// the unrounded f32 reference.
+fn nmse(got: &[f32], want: &[f64]) -> f64 {
+    let (mut e, mut w) = (0.0f64, 0.0f64);
+    for (&g, &r) in got.iter().zip(want) {
+        if r.is_nan() {
+            continue;
+        }
+        e += (f64::from(g) - r).powi(2);
+        w += r * r;
+    }
+    e / w.max(1e-300)
+}
+
+/// bf16 operands round each value by at most 2⁻⁹ relative, so on random
+/// data the output's NMSE against f32 is ~1e-5; layout or rounding bugs
+/// give ~1.
+const BF16_NMSE: f64 = 1e-4;
 
 /// Deterministic values in [-1, 1) from a seed (splitmix64), so proptest only
 /// has to shrink shapes and a seed.
@@ -137,6 +178,7 @@ fn check_matmul(
     k: usize,
     views: [(bool, bool, usize, usize); 2],
     seed: u64,
+    products: Products,
 ) {
     let [(ta, ba, pa, oa), (tb, bb, pb, ob)] = views;
     let (av, alen) = make_view(batch, m, k, ta, ba, pa, oa);
@@ -144,8 +186,15 @@ fn check_matmul(
     let a = random(seed, alen);
     let b = random(seed ^ 0x55, blen);
     let mut c = vec![f32::NAN; batch * m * n];
-    matmul(&a, av, &b, bv, &mut c, batch, m, n, k).expect("matmul");
-    let (want, mag) = matmul_ref(&a, av, &b, bv, batch, m, n, k);
+    matmul(&a, av, &b, bv, &mut c, batch, m, n, k, products).expect("matmul");
+    let (want, mag) = if products.uses_amx(m, n, k) {
+        let (full, _) = matmul_ref(&a, av, &b, bv, batch, m, n, k);
+        let e = nmse(&c, &full);
+        assert!(e <= BF16_NMSE, "bf16 matmul nmse {e:e}");
+        matmul_ref(&rounded(&a), av, &rounded(&b), bv, batch, m, n, k)
+    } else {
+        matmul_ref(&a, av, &b, bv, batch, m, n, k)
+    };
     let err = max_err(&c, &want, |i| mag[i].max(1e-30));
     assert!(
         err <= 2e-6,
@@ -163,7 +212,20 @@ proptest! {
         pa in 0usize..3, pb in 0usize..3, oa in 0usize..5, ob in 0usize..5,
         seed: u64,
     ) {
-        check_matmul(batch, m, n, k, [(ta, ba, pa, oa), (tb, bb, pb, ob)], seed);
+        check_matmul(batch, m, n, k, [(ta, ba, pa, oa), (tb, bb, pb, ob)], seed, Products::F32);
+    }
+
+    /// bf16 on AMX: exact products of the rounded inputs, f32 sums.
+    #[test]
+    fn matmul_bf16_matches_reference_on_rounded_inputs(
+        batch in 1usize..4, m in 1usize..100, n in 1usize..100, k in 8usize..200,
+        ta: bool, tb: bool, ba: bool, bb: bool,
+        pa in 0usize..3, pb in 0usize..3, oa in 0usize..5, ob in 0usize..5,
+        seed: u64,
+    ) {
+        if amx_here() {
+            check_matmul(batch, m, n, k, [(ta, ba, pa, oa), (tb, bb, pb, ob)], seed, Products::Bf16);
+        }
     }
 }
 
@@ -177,6 +239,7 @@ fn matmul_large_products_use_threads_correctly() {
         301,
         [(false, false, 0, 0), (true, false, 3, 1)],
         1,
+        Products::F32,
     );
     // ... and a batch of mid-size ones with a broadcast operand.
     check_matmul(
@@ -186,7 +249,88 @@ fn matmul_large_products_use_threads_correctly() {
         70,
         [(true, false, 1, 2), (false, true, 0, 0)],
         2,
+        Products::F32,
     );
+}
+
+/// f32 → bf16 rounds to nearest, ties to even, as PyTorch's `.bfloat16()`.
+#[test]
+fn bf16_rounding_is_nearest_even() {
+    for (x, bits) in [
+        (1.0f32, 0x3f80u16),
+        (1.0 + 2f32.powi(-8), 0x3f80),       // tie: down to even
+        (1.0 + 3.0 * 2f32.powi(-8), 0x3f82), // tie: up to even
+        (1.0 + 2f32.powi(-8) + 2f32.powi(-20), 0x3f81),
+        (-2.5, 0xc020),
+        (f32::INFINITY, 0x7f80),
+        (f32::MAX, 0x7f80), // rounds past the largest bf16
+    ] {
+        assert_eq!(amx::bf16(x), bits, "{x}");
+    }
+    assert!(amx::bf16_to_f32(amx::bf16(f32::NAN)).is_nan());
+}
+
+/// The bf16 paths on SD-like shapes: bands over threads, a weight shared
+/// across the batch, pointwise and 3×3 convolutions over several tiles,
+/// groups, and attention over several key blocks.
+#[test]
+fn bf16_products_on_large_shapes() {
+    if !amx_here() {
+        return;
+    }
+    let b = Products::Bf16;
+    check_matmul(
+        1,
+        257,
+        190,
+        301,
+        [(false, false, 0, 0), (true, false, 3, 1)],
+        1,
+        b,
+    );
+    check_matmul(
+        3,
+        130,
+        129,
+        70,
+        [(true, false, 1, 2), (false, true, 0, 0)],
+        2,
+        b,
+    );
+    check_matmul(
+        5,
+        77,
+        64,
+        96,
+        [(false, false, 0, 0), (false, false, 0, 0)],
+        3,
+        b,
+    );
+    for (o, c, k, groups, stride, padding) in [
+        (64, 96, 1, 1, 1, 0),
+        (70, 40, 3, 1, 1, 1),
+        (48, 32, 3, 2, 2, 1),
+        (33, 17, 3, 1, 1, 0),
+    ] {
+        let t = ConvCase {
+            n: 2,
+            c,
+            h: 37,
+            w: 29,
+            o,
+            kh: k,
+            kw: k,
+            stride: [stride; 2],
+            padding: [padding; 2],
+            dilation: [1, 1],
+            groups,
+            bias: o % 2 == 0,
+        };
+        check_conv(t, 4, b);
+    }
+    let mask = make_mask(70, 1300, 5);
+    check_attention(2, 70, 1300, 40, 40, Some(&mask), 6, b);
+    check_attention(3, 200, 77, 64, 64, None, 7, b);
 }
 
 #[test]
@@ -202,6 +346,7 @@ fn matmul_zero_depth_gives_zeros_and_row_broadcast_works() {
         2,
         3,
         0,
+        Products::F32,
     )
     .expect("k = 0");
     assert_eq!(c, vec![0.0; 6]);
@@ -215,7 +360,19 @@ fn matmul_zero_depth_gives_zeros_and_row_broadcast_works() {
     };
     let b = [1.0, 0.0, 3.0, 4.0];
     let mut c = vec![0.0; 6];
-    matmul(&a, av, &b, MatView::row_major(2, 2), &mut c, 1, 3, 2, 2).expect("broadcast rows");
+    matmul(
+        &a,
+        av,
+        &b,
+        MatView::row_major(2, 2),
+        &mut c,
+        1,
+        3,
+        2,
+        2,
+        Products::F32,
+    )
+    .expect("broadcast rows");
     assert_eq!(c, vec![7.0, 8.0, 7.0, 8.0, 7.0, 8.0]);
 }
 
@@ -234,6 +391,7 @@ fn matmul_rejects_inconsistent_sizes() {
         2,
         2,
         3,
+        Products::F32,
     );
     assert_eq!(err, Ok(()));
     let err = matmul(
@@ -246,6 +404,7 @@ fn matmul_rejects_inconsistent_sizes() {
         2,
         2,
         3,
+        Products::F32,
     );
     assert!(
         matches!(err, Err(KernelError::Length { operand: "c", .. })),
@@ -262,6 +421,7 @@ fn matmul_rejects_inconsistent_sizes() {
         2,
         2,
         3,
+        Products::F32,
     );
     assert!(
         matches!(err, Err(KernelError::OutOfBounds { operand: "a", .. })),
@@ -273,7 +433,18 @@ fn matmul_rejects_inconsistent_sizes() {
         row_stride: 1,
         col_stride: 1,
     };
-    let err = matmul(&a, huge, &b, MatView::row_major(3, 2), &mut c, 1, 2, 2, 3);
+    let err = matmul(
+        &a,
+        huge,
+        &b,
+        MatView::row_major(3, 2),
+        &mut c,
+        1,
+        2,
+        2,
+        3,
+        Products::F32,
+    );
     assert!(matches!(err, Err(KernelError::Invalid { .. })), "{err:?}");
 }
 
@@ -351,7 +522,7 @@ fn conv_ref(t: &ConvCase, x: &[f32], wt: &[f32], bias: Option<&[f32]>) -> (Vec<f
     (out, mag)
 }
 
-fn check_conv(t: ConvCase, seed: u64) {
+fn check_conv(t: ConvCase, seed: u64, products: Products) {
     let (oh, ow) = t.out_hw().expect("valid case");
     let x = random(seed, t.n * t.c * t.h * t.w);
     let wt = random(seed ^ 1, t.o * (t.c / t.groups) * t.kh * t.kw);
@@ -368,9 +539,18 @@ fn check_conv(t: ConvCase, seed: u64) {
         t.dilation,
         t.groups,
         &mut out,
+        products,
     )
     .expect("conv2d");
-    let (want, mag) = conv_ref(&t, &x, &wt, bias.as_deref());
+    let og = t.o / t.groups;
+    let (want, mag) = if products.uses_amx(og, oh * ow, t.c / t.groups * t.kh * t.kw) {
+        let (full, _) = conv_ref(&t, &x, &wt, bias.as_deref());
+        let e = nmse(&out, &full);
+        assert!(e <= BF16_NMSE, "bf16 conv2d nmse {e:e} for {t:?}");
+        conv_ref(&t, &rounded(&x), &rounded(&wt), bias.as_deref())
+    } else {
+        conv_ref(&t, &x, &wt, bias.as_deref())
+    };
     let err = max_err(&out, &want, |i| mag[i].max(1e-30));
     assert!(err <= 2e-6, "conv2d err {err:e} for {t:?}");
 }
@@ -425,7 +605,15 @@ proptest! {
 
     #[test]
     fn conv2d_matches_reference(t in conv_case(), seed: u64) {
-        check_conv(t, seed);
+        check_conv(t, seed, Products::F32);
+    }
+
+    /// bf16 on AMX (the cases big enough to take it).
+    #[test]
+    fn conv2d_bf16_matches_reference_on_rounded_inputs(t in conv_case(), seed: u64) {
+        if amx_here() {
+            check_conv(t, seed, Products::Bf16);
+        }
     }
 }
 
@@ -449,6 +637,7 @@ fn conv2d_tap_entirely_in_padding() {
             bias: false,
         },
         0,
+        Products::F32,
     );
 }
 
@@ -469,7 +658,7 @@ fn conv2d_tiles_pointwise_and_strided_cases() {
         bias: true,
     };
     // Several im2col tiles per image, their edges falling mid-row.
-    check_conv(base, 3);
+    check_conv(base, 3, Products::F32);
     check_conv(
         ConvCase {
             stride: [2, 3],
@@ -479,6 +668,7 @@ fn conv2d_tiles_pointwise_and_strided_cases() {
             ..base
         },
         4,
+        Products::F32,
     );
     // Pointwise: straight to gemm, with and without groups.
     check_conv(
@@ -489,6 +679,7 @@ fn conv2d_tiles_pointwise_and_strided_cases() {
             ..base
         },
         5,
+        Products::F32,
     );
     check_conv(
         ConvCase {
@@ -501,6 +692,7 @@ fn conv2d_tiles_pointwise_and_strided_cases() {
             ..base
         },
         6,
+        Products::F32,
     );
     // One image, one group, few positions: im2col and gemm run parallel inside.
     check_conv(
@@ -513,6 +705,7 @@ fn conv2d_tiles_pointwise_and_strided_cases() {
             ..base
         },
         7,
+        Products::F32,
     );
 }
 
@@ -532,6 +725,7 @@ fn conv2d_rejects_inconsistent_sizes() {
         [1, 1],
         1,
         &mut out,
+        Products::F32,
     );
     assert_eq!(ok, Ok(()));
     let bad_groups = conv2d(
@@ -545,6 +739,7 @@ fn conv2d_rejects_inconsistent_sizes() {
         [1, 1],
         2,
         &mut out,
+        Products::F32,
     );
     assert!(
         matches!(bad_groups, Err(KernelError::Invalid { .. })),
@@ -561,6 +756,7 @@ fn conv2d_rejects_inconsistent_sizes() {
         [1, 1],
         1,
         &mut out,
+        Products::F32,
     );
     assert!(
         matches!(bad_out, Err(KernelError::Length { operand: "out", .. })),
@@ -577,6 +773,7 @@ fn conv2d_rejects_inconsistent_sizes() {
         [1, 1],
         1,
         &mut out,
+        Products::F32,
     );
     assert!(
         matches!(
@@ -599,6 +796,7 @@ fn conv2d_rejects_inconsistent_sizes() {
         [3, 3],
         1,
         &mut out,
+        Products::F32,
     );
     assert!(
         matches!(too_big, Err(KernelError::Invalid { .. })),
@@ -615,6 +813,7 @@ fn conv2d_rejects_inconsistent_sizes() {
         [1, 1],
         1,
         &mut out,
+        Products::F32,
     );
     assert!(
         matches!(zero_stride, Err(KernelError::Invalid { .. })),
@@ -691,6 +890,7 @@ fn check_attention(
     dv: usize,
     mask: Option<&[f32]>,
     seed: u64,
+    products: Products,
 ) {
     let q = random(seed, bh * sq * d)
         .iter()
@@ -700,8 +900,24 @@ fn check_attention(
     let v = random(seed ^ 2, bh * skv * dv);
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![f32::NAN; bh * sq * dv];
-    attention(&q, &k, &v, mask, bh, sq, skv, d, dv, scale, &mut out).expect("attention");
-    let want = attention_ref(&q, &k, &v, mask, bh, sq, skv, d, dv, scale);
+    attention(
+        &q, &k, &v, mask, bh, sq, skv, d, dv, scale, &mut out, products,
+    )
+    .expect("attention");
+    // On AMX the scores are exact products of rounded q and k; the softmax
+    // weights are then rounded too, which moves the output by at most
+    // 2⁻⁹ of the largest value.
+    let (want, bound) = if products.attention_uses_amx(sq, skv, d) {
+        let full = attention_ref(&q, &k, &v, mask, bh, sq, skv, d, dv, scale);
+        let e = nmse(&out, &full);
+        assert!(e <= BF16_NMSE, "bf16 attention nmse {e:e}");
+        let (q, k, v) = (rounded(&q), rounded(&k), rounded(&v));
+        let want = attention_ref(&q, &k, &v, mask, bh, sq, skv, d, dv, scale);
+        (want, 2.5e-3)
+    } else {
+        let want = attention_ref(&q, &k, &v, mask, bh, sq, skv, d, dv, scale);
+        (want, 2e-6)
+    };
     let vmax: Vec<f64> = (0..bh)
         .map(|h| {
             v[h * skv * dv..(h + 1) * skv * dv]
@@ -711,7 +927,7 @@ fn check_attention(
         .collect();
     let err = max_err(&out, &want, |i| vmax[i / (sq * dv)].max(1e-30));
     assert!(
-        err <= 2e-6,
+        err <= bound,
         "attention err {err:e} bh={bh} sq={sq} skv={skv} d={d} dv={dv} mask={}",
         mask.is_some()
     );
@@ -726,7 +942,19 @@ proptest! {
         masked: bool, seed: u64,
     ) {
         let mask = masked.then(|| make_mask(sq, skv, seed ^ 3));
-        check_attention(bh, sq, skv, d, dv, mask.as_deref(), seed);
+        check_attention(bh, sq, skv, d, dv, mask.as_deref(), seed, Products::F32);
+    }
+
+    /// bf16 on AMX, sizes that take it (d ≥ 8, enough work).
+    #[test]
+    fn attention_bf16_matches_reference_on_rounded_inputs(
+        bh in 1usize..3, sq in 16usize..150, skv in 32usize..1100, d in 8usize..80, dv in 1usize..48,
+        masked: bool, seed: u64,
+    ) {
+        if amx_here() {
+            let mask = masked.then(|| make_mask(sq, skv, seed ^ 3));
+            check_attention(bh, sq, skv, d, dv, mask.as_deref(), seed, Products::Bf16);
+        }
     }
 }
 
@@ -736,14 +964,28 @@ fn attention_edge_cases() {
     let (sq, skv) = (3, 1100);
     let mut mask = vec![0.0f32; sq * skv];
     mask[skv..skv + 1000].fill(f32::NEG_INFINITY);
-    check_attention(2, sq, skv, 8, 5, Some(&mask), 9);
+    check_attention(2, sq, skv, 8, 5, Some(&mask), 9, Products::F32);
 
     // A fully masked row is NaN, like the plain softmax; other rows are not.
     let mut mask = vec![0.0f32; 2 * 4];
     mask[4..].fill(f32::NEG_INFINITY);
     let (q, k, v) = (random(1, 2 * 3), random(2, 4 * 3), random(3, 4 * 2));
     let mut out = vec![0.0; 2 * 2];
-    attention(&q, &k, &v, Some(&mask), 1, 2, 4, 3, 2, 0.5, &mut out).expect("attention");
+    attention(
+        &q,
+        &k,
+        &v,
+        Some(&mask),
+        1,
+        2,
+        4,
+        3,
+        2,
+        0.5,
+        &mut out,
+        Products::F32,
+    )
+    .expect("attention");
     assert!(
         out[..2].iter().all(|x| x.is_finite()) && out[2..].iter().all(|x| x.is_nan()),
         "{out:?}"
@@ -763,6 +1005,7 @@ fn attention_edge_cases() {
         3,
         0.5,
         &mut out,
+        Products::F32,
     )
     .expect("skv = 0");
     assert_eq!(out, vec![0.0; 6]);
@@ -779,6 +1022,7 @@ fn attention_edge_cases() {
         2,
         0.5,
         &mut [0.0; 4],
+        Products::F32,
     );
     assert!(
         matches!(

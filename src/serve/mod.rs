@@ -52,7 +52,8 @@ pub struct ServeArgs {
     /// GPU memory the runs may use (e.g. 6G); `auto`: 4 GiB.
     #[arg(long, value_name = "BYTES|auto")]
     pub vram_budget: Option<String>,
-    /// GPU matrix products: `auto` (tensor cores where present) or `f32`.
+    /// Matrix products: `auto` (GPU tensor cores, CPU AMX tiles, where
+    /// present) or `f32`.
     #[arg(long, value_name = "auto|f32", default_value = "auto")]
     pub precision: crate::cli::Precision,
     /// Tune tensor-core kernels on first use (see `sdkit run --tune`).

@@ -15,6 +15,7 @@
 //! * The only `unsafe` is the call into the `gemm` crate, inside
 //!   `gemm_into`, which first checks every index the product can touch.
 
+use super::amx;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -57,6 +58,48 @@ const PAR_WORK: usize = 1 << 20;
 /// Element-wise and row-wise kernels hand rayon pieces of at least this many
 /// elements, so small tensors run on one thread.
 const PAR_ELEMS: usize = 1 << 15;
+
+/// The arithmetic of matrix products (matmul, convolution, attention).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Products {
+    /// f32 operands and accumulation: the reference results.
+    #[default]
+    F32,
+    /// bf16 operands, f32 accumulation, on CPUs with AMX tiles (see
+    /// [`super::amx`]); f32 on the others.
+    Bf16,
+}
+
+impl Products {
+    /// Whether an `m × k` by `k × n` product runs on AMX tiles. Tiny ones
+    /// stay f32: padding to 32 × 32 blocks would cost more than it saves.
+    pub fn uses_amx(self, m: usize, n: usize, k: usize) -> bool {
+        self == Products::Bf16
+            && k >= 8
+            && m.saturating_mul(n).saturating_mul(k) >= 1 << 15
+            && super::amx::available()
+    }
+
+    /// Whether [`attention`] with these sizes runs on AMX tiles.
+    pub fn attention_uses_amx(self, sq: usize, skv: usize, d: usize) -> bool {
+        self.uses_amx(ATTN_QB.min(sq), ATTN_KB.min(skv), d)
+    }
+}
+
+/// Rows per band when an AMX product is split across threads: whole
+/// 32-row blocks, about two bands per thread.
+fn amx_band(m: usize) -> usize {
+    let blocks = m.div_ceil(super::amx::BLOCK);
+    let bands = (BANDS_PER_THREAD * rayon::current_num_threads()).clamp(1, blocks.max(1));
+    blocks.div_ceil(bands) * super::amx::BLOCK
+}
+
+fn amx_error<'s>(
+    op: &'static str,
+    shape: &'s (dyn Fn() -> String + Sync),
+) -> impl Fn(super::amx::AmxError) -> KernelError + 's {
+    move |e| invalid(op, e.to_string(), shape)
+}
 
 fn length(
     op: &'static str,
@@ -408,6 +451,7 @@ pub fn matmul(
     m: usize,
     n: usize,
     k: usize,
+    products: Products,
 ) -> Result {
     const OP: &str = "matmul";
     let shape = || format!("batch={batch} m={m} n={n} k={k} a={av:?} b={bv:?}");
@@ -442,6 +486,9 @@ pub fn matmul(
     if mn == 0 || batch == 0 {
         return Ok(());
     }
+    if products.uses_amx(m, n, k) {
+        return matmul_amx(a, av, b, bv, c, batch, m, n, k);
+    }
     let work = mn.saturating_mul(k);
     // Each batch offset was covered by check_view, so these cannot overflow.
     let one = |i: usize, ci: &mut [f32], outer: bool| {
@@ -469,6 +516,72 @@ pub fn matmul(
             .enumerate()
             .try_for_each(|(i, ci)| one(i, ci, false))
     }
+}
+
+/// [`matmul`] on AMX tiles; the views are already checked. B is packed
+/// once per distinct matrix (once for a weight shared across the batch);
+/// A is packed 32 rows at a time as the bands reach it.
+#[allow(clippy::too_many_arguments)]
+fn matmul_amx(
+    a: &[f32],
+    av: MatView,
+    b: &[f32],
+    bv: MatView,
+    c: &mut [f32],
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result {
+    use super::amx::{gemm, Lhs, PackedB, Src};
+    const OP: &str = "matmul";
+    let shape = || format!("batch={batch} m={m} n={n} k={k}");
+    let pack_b = |i: usize, parallel: bool| {
+        let src = Src {
+            data: b,
+            offset: bv.offset + i * bv.batch_stride,
+            rs: bv.row_stride,
+            cs: bv.col_stride,
+        };
+        PackedB::pack(src, k, n, parallel)
+    };
+    let a_rows = |i: usize, r0: usize, rows: usize| {
+        let src = Src {
+            data: a,
+            offset: av.offset + i * av.batch_stride + r0 * av.row_stride,
+            rs: av.row_stride,
+            cs: av.col_stride,
+        };
+        Lhs::Rows(src, rows, k)
+    };
+    let mn = m * n;
+    let shared = bv.batch_stride == 0 || batch == 1;
+    if !shared && batch >= rayon::current_num_threads() {
+        // Many distinct products (batched attention scores): one per task.
+        return c.par_chunks_mut(mn).enumerate().try_for_each(|(i, ci)| {
+            let pb = pack_b(i, false);
+            gemm(a_rows(i, 0, m), &pb, ci, n, false, 1.0).map_err(amx_error(OP, &shape))
+        });
+    }
+    let shared_b = shared.then(|| pack_b(0, true));
+    let band = amx_band(m);
+    for (i, ci) in c.chunks_mut(mn).enumerate() {
+        let own;
+        let pb = match &shared_b {
+            Some(pb) => pb,
+            None => {
+                own = pack_b(i, true);
+                &own
+            }
+        };
+        ci.par_chunks_mut(band * n)
+            .enumerate()
+            .try_for_each(|(t, d)| {
+                let rows = d.len() / n;
+                gemm(a_rows(i, t * band, rows), pb, d, n, false, 1.0).map_err(amx_error(OP, &shape))
+            })?;
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------
@@ -609,6 +722,7 @@ pub fn conv2d(
     dilation: [usize; 2],
     groups: usize,
     out: &mut [f32],
+    products: Products,
 ) -> Result {
     const OP: &str = "conv2d";
     let [n, c, h, w] = x_shape;
@@ -689,7 +803,49 @@ pub fn conv2d(
         cs: 1,
     };
 
+    // On AMX the weight is packed once per call, shared by every tile.
+    let packed = products.uses_amx(og, p, kk).then(|| {
+        (0..groups)
+            .map(|g| {
+                let src = amx::Src {
+                    data: weight,
+                    offset: g * og * kk,
+                    rs: kk,
+                    cs: 1,
+                };
+                amx::PackedA::pack(src, og, kk, true)
+            })
+            .collect::<Vec<_>>()
+    });
+    let amx_err = amx_error(OP, &shape);
+
     if kh == 1 && kw == 1 && stride == [1, 1] && padding == [0, 0] {
+        if let Some(packed) = &packed {
+            // Pointwise on tiles: pack each image's input once, then bands
+            // of output channels (whole 32-row blocks) in parallel.
+            let mut input = amx::PackedB::empty();
+            for (j, dst) in out.chunks_mut(og * p).enumerate() {
+                let (b, g) = (j / groups, j % groups);
+                let src = amx::Src {
+                    data: x,
+                    offset: (b * c + g * cg) * plane,
+                    rs: plane,
+                    cs: 1,
+                };
+                input.repack(src, cg, p, true);
+                let a = &packed[g];
+                let band = amx_band(og) / amx::BLOCK;
+                dst.par_chunks_mut(band * amx::BLOCK * p)
+                    .enumerate()
+                    .try_for_each(|(t, d)| {
+                        let accumulate = fill_bias(d, bias, g * og + t * band * amx::BLOCK, p);
+                        let blocks = t * band..((t + 1) * band).min(a.blocks());
+                        amx::gemm(amx::Lhs::Packed(a, blocks), &input, d, p, accumulate, 1.0)
+                            .map_err(&amx_err)
+                    })?;
+            }
+            return Ok(());
+        }
         // Pointwise: the group's input [cg, h*w] already is the im2col matrix,
         // and each job's output [og, h*w] is one contiguous block.
         let outer = jobs >= 2 * threads;
@@ -767,8 +923,8 @@ pub fn conv2d(
     // With fewer tiles than threads, each tile's im2col and gemm go parallel.
     let outer = tiles.len() >= threads;
     tiles.into_par_iter().try_for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(col, prod): &mut (Vec<f32>, Vec<f32>), tile| {
+        || (Vec::new(), Vec::new(), amx::PackedB::empty()),
+        |(col, prod, packed_col): &mut (Vec<f32>, Vec<f32>, amx::PackedB), tile| {
             let (b, g) = (tile.job / groups, tile.job % groups);
             let cols = tile.cols;
             col.resize(kk * cols, 0.0);
@@ -782,18 +938,38 @@ pub fn conv2d(
                 cs: 1,
             };
             let prod = &mut prod[..og * cols];
-            gemm_auto(
-                OP,
-                og,
-                cols,
-                kk,
-                prod,
-                false,
-                weight_of(g),
-                patches,
-                1.0,
-                outer,
-            )?;
+            if let Some(packed) = &packed {
+                let src = amx::Src {
+                    data: patches.data,
+                    offset: 0,
+                    rs: cols,
+                    cs: 1,
+                };
+                packed_col.repack(src, kk, cols, !outer);
+                let a = &packed[g];
+                amx::gemm(
+                    amx::Lhs::Packed(a, 0..a.blocks()),
+                    packed_col,
+                    prod,
+                    cols,
+                    false,
+                    1.0,
+                )
+                .map_err(&amx_err)?;
+            } else {
+                gemm_auto(
+                    OP,
+                    og,
+                    cols,
+                    kk,
+                    prod,
+                    false,
+                    weight_of(g),
+                    patches,
+                    1.0,
+                    outer,
+                )?;
+            }
             for (r, (seg, src)) in tile.rows.into_iter().zip(prod.chunks(cols)).enumerate() {
                 match bias {
                     Some(bias) => {
@@ -856,6 +1032,7 @@ pub fn attention(
     dv: usize,
     scale: f32,
     out: &mut [f32],
+    products: Products,
 ) -> Result {
     const OP: &str = "attention";
     let shape = || format!("bh={bh} sq={sq} skv={skv} d={d} dv={dv}");
@@ -911,6 +1088,9 @@ pub fn attention(
         .collect();
     let kb_max = ATTN_KB.min(skv);
     let arch = pulp::Arch::new();
+    if products.attention_uses_amx(sq, skv, d) {
+        return attention_amx(q, k, v, mask, (bh, sq, skv, d, dv), scale, tasks);
+    }
     tasks.into_par_iter().try_for_each_init(
         || OnlineSoftmax {
             scores: vec![0.0; ATTN_QB * kb_max],
@@ -989,6 +1169,100 @@ pub fn attention(
                     1.0,
                     Parallelism::None,
                 )?;
+            }
+            for (arow, &l) in acc.chunks_mut(dv).zip(state.row_sum.iter()) {
+                let inv = 1.0 / l;
+                arow.iter_mut().for_each(|a| *a *= inv);
+            }
+            Ok(())
+        },
+    )
+}
+
+/// [`attention`] on AMX tiles: the same blocked online softmax, with both
+/// products in bf16. Keys and values are packed once per (head, key
+/// block) up front, shared by every query block of the head.
+fn attention_amx(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: Option<&[f32]>,
+    (bh, sq, skv, d, dv): (usize, usize, usize, usize, usize),
+    scale: f32,
+    tasks: Vec<(usize, usize, &mut [f32])>,
+) -> Result {
+    use amx::{gemm, Lhs, PackedA, PackedB, Src};
+    const OP: &str = "attention";
+    let shape = || format!("bh={bh} sq={sq} skv={skv} d={d} dv={dv}");
+    let err = amx_error(OP, &shape);
+    let kb_max = ATTN_KB.min(skv);
+    let per_head = skv.div_ceil(kb_max);
+    // Block (head, j) of keys as B = kᵀ ([d, kb]) and of values ([kb, dv]).
+    let packed: Vec<(PackedB, PackedB)> = (0..bh * per_head)
+        .into_par_iter()
+        .map(|i| {
+            let (head, j0) = (i / per_head, (i % per_head) * kb_max);
+            let kb = kb_max.min(skv - j0);
+            let keys = Src {
+                data: k,
+                offset: (head * skv + j0) * d,
+                rs: 1,
+                cs: d,
+            };
+            let values = Src {
+                data: v,
+                offset: (head * skv + j0) * dv,
+                rs: dv,
+                cs: 1,
+            };
+            (
+                PackedB::pack(keys, d, kb, false),
+                PackedB::pack(values, kb, dv, false),
+            )
+        })
+        .collect();
+    tasks.into_par_iter().try_for_each_init(
+        || OnlineSoftmax {
+            scores: vec![0.0; ATTN_QB * kb_max],
+            row_max: [0.0; ATTN_QB],
+            row_sum: [0.0; ATTN_QB],
+        },
+        |state, (head, q0, acc)| {
+            let rows = acc.len() / dv;
+            acc.fill(0.0);
+            state.row_max[..rows].fill(f32::NEG_INFINITY);
+            state.row_sum[..rows].fill(0.0);
+            let queries = Src {
+                data: q,
+                offset: (head * sq + q0) * d,
+                rs: d,
+                cs: 1,
+            };
+            let qa = PackedA::pack(queries, rows, d, false);
+            for (jb, (keys, values)) in packed[head * per_head..(head + 1) * per_head]
+                .iter()
+                .enumerate()
+            {
+                let (j0, kb) = (jb * kb_max, keys.cols());
+                let s = &mut state.scores[..rows * kb];
+                gemm(Lhs::Packed(&qa, 0..qa.blocks()), keys, s, kb, false, scale).map_err(&err)?;
+                let (row_max, row_sum) = (&mut state.row_max[..rows], &mut state.row_sum[..rows]);
+                pulp::Arch::new().dispatch(SoftmaxStep {
+                    s,
+                    kb,
+                    mask: mask.map(|m| (m, q0 * skv + j0, skv)),
+                    row_max,
+                    row_sum,
+                    acc,
+                    dv,
+                });
+                let weights = Src {
+                    data: s,
+                    offset: 0,
+                    rs: kb,
+                    cs: 1,
+                };
+                gemm(Lhs::Rows(weights, rows, kb), values, acc, dv, true, 1.0).map_err(&err)?;
             }
             for (arow, &l) in acc.chunks_mut(dv).zip(state.row_sum.iter()) {
                 let inv = 1.0 / l;

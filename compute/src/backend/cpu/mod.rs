@@ -1,7 +1,11 @@
+// The one module of the CPU backend with `unsafe`: AMX tile instructions.
+#[allow(unsafe_code)]
+pub mod amx;
 pub mod kernels;
 mod run;
 
-pub use run::{run, Bindings, CpuError};
+pub use kernels::Products;
+pub use run::{run, run_with, Bindings, CpuError};
 
 /// Sets how many threads the CPU backend's kernels use (the process-wide
 /// pool; every core by default). Call once, before anything runs: the

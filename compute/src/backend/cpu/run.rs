@@ -6,7 +6,7 @@
 //! `unsafe`: the planner guarantees that buffers live at the same kernel
 //! never overlap.
 
-use super::kernels::{self, MatView};
+use super::kernels::{self, MatView, Products};
 use crate::backend::BindError;
 use crate::plan::{BufferKind, Command, Expr, Kernel, KernelKind, Program, View};
 use crate::tensor::reference::{binary, unary, Array};
@@ -63,8 +63,17 @@ impl Bindings {
 /// amortise scheduling, small enough to stay in L1/L2.
 const CHUNK: usize = 4096;
 
-/// Runs a program; returns the graph outputs.
+/// Runs a program with f32 products; returns the graph outputs.
 pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
+    run_with(prog, bind, Products::F32)
+}
+
+/// Runs a program, its matrix products in `products` arithmetic.
+pub fn run_with(
+    prog: &Program,
+    bind: &Bindings,
+    products: Products,
+) -> Result<Vec<Array>, CpuError> {
     // SDKIT_PROFILE=1: time per kernel kind, printed to stderr after the run.
     let profile = std::env::var_os("SDKIT_PROFILE").is_some();
     let mut times: Vec<(&'static str, f64, usize)> = Vec::new();
@@ -124,7 +133,7 @@ pub fn run(prog: &Program, bind: &Bindings) -> Result<Vec<Array>, CpuError> {
                     }
                 }
                 let t = profile.then(std::time::Instant::now);
-                dispatch(prog, k, kernel.0 as usize, &mut arena, &external)?;
+                dispatch(prog, k, kernel.0 as usize, &mut arena, &external, products)?;
                 for v in &k.inputs {
                     let b = v.buffer.0;
                     if stored.contains_key(&b) && last_read.get(&b) == Some(&(kernel.0 as usize)) {
@@ -380,6 +389,7 @@ fn dispatch(
     index: usize,
     arena: &mut [f32],
     external: &HashMap<u32, Arc<Vec<f32>>>,
+    products: Products,
 ) -> Result<(), CpuError> {
     let ob = prog.buffer(k.output.buffer);
     let (out_start, out_len) = (ob.offset, ob.len);
@@ -438,6 +448,7 @@ fn dispatch(
                 *m,
                 *n,
                 *kk,
+                products,
             )
             .map_err(|e| fail(e.to_string()))?;
         }
@@ -466,6 +477,7 @@ fn dispatch(
                 params.dilation,
                 params.groups,
                 out,
+                products,
             )
             .map_err(|e| fail(e.to_string()))?;
         }
@@ -555,6 +567,7 @@ fn dispatch(
                 *dv,
                 *scale,
                 out,
+                products,
             )
             .map_err(|e| fail(e.to_string()))?;
         }

@@ -1,0 +1,645 @@
+//! bf16 matrix products on Intel AMX tiles (Sapphire Rapids and later):
+//! bf16 operands, f32 accumulation, as PyTorch's bf16 CPU path.
+//!
+//! Why this module exists and allows `unsafe`: on the CPUs that have AMX a
+//! tile multiply (`tdpbf16ps`) does 16 384 flops, and one core reaches
+//! ~3 TFLOP/s against ~0.23 TFLOP/s for AVX-512 f32 FMAs; AVX512-BF16's
+//! `vdpbf16ps` issues at half the FMA rate there, so it is no faster than
+//! f32. No crate offers AMX on stable Rust (the intrinsics are unstable),
+//! so the few instructions are written as inline assembly. Everything
+//! unsafe is here and small:
+//! * [`available`] asks CPUID and, on Linux, the kernel (which hands out
+//!   the 8 KiB of tile state per process only on request);
+//! * [`gemm`] runs the tile instructions on buffers this module packed, and
+//!   checks every size before the first instruction.
+//!
+//! Layouts (what the tile loads read, 64 bytes per tile row):
+//! * [`PackedA`], the left operand `[m, k]`: tiles of 16 rows × 32 k,
+//!   stored `[m/16][k/32][16 rows][32]`.
+//! * [`PackedB`], the right operand `[k, n]`: tiles of 16 k-pairs × 16
+//!   columns, a row holding `(b[2r, j], b[2r+1, j])` for 16 columns `j`
+//!   ("VNNI" order), stored `[n/16][k/32][16][16 × 2]`.
+//!
+//! Both are zero-padded to whole 32 × 32 blocks, so the kernel has no edge
+//! cases; the padding adds zeros to the products and is never written out.
+
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Rows (or k-pairs) per tile.
+const TR: usize = 16;
+/// bf16 values per 64-byte tile row.
+const TK: usize = 32;
+/// The kernel computes 32 × 32 blocks of the output: 2 × 2 tiles.
+pub const BLOCK: usize = 32;
+/// Bytes of one tile in the packed layouts.
+const TILE_BYTES: usize = TR * 64;
+/// Bytes of packed B worth keeping in L2 while 32-row blocks of A stream
+/// past it.
+const B_PANEL_BYTES: usize = 1 << 20;
+
+/// One 64-byte tile row, aligned so tile loads never split cache lines.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u16; TK]);
+
+const ZERO_LINE: Line = Line([0; TK]);
+
+/// Whether this CPU (and OS) runs AMX bf16 tile products. Checked once.
+pub fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(detect)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // Leaf 7 exists only when leaf 0 says so; EDX bits 22 and 24 are
+    // AMX-BF16 and AMX-TILE.
+    #[allow(unused_unsafe)]
+    let (max_leaf, edx) = unsafe {
+        let max = __cpuid(0).eax;
+        (max, if max >= 7 { __cpuid_count(7, 0).edx } else { 0 })
+    };
+    if max_leaf < 7 || edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+        return false;
+    }
+    // Linux enables the tile data state per process on request
+    // (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without it the
+    // first tile instruction faults. A kernel too old to know AMX says no.
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with this request only changes which register
+    // state the kernel lets this process use; it reads no user memory.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
+    r == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// f32 → bf16, rounding to nearest even, as `torch.Tensor.bfloat16()`;
+/// NaN stays NaN.
+#[inline(always)]
+pub fn bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        // Cannot overflow: the largest finite pattern plus 0x8000 fits u32.
+        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+}
+
+/// bf16 → f32 (exact).
+#[inline(always)]
+pub fn bf16_to_f32(x: u16) -> f32 {
+    f32::from_bits(u32::from(x) << 16)
+}
+
+/// `dst[i] = bf16(src[i])`.
+#[inline]
+fn convert(src: &[f32], dst: &mut [u16]) {
+    if vector_ok() {
+        // SAFETY: the CPU has AVX-512 F and BW (`vector_ok`).
+        unsafe { convert_avx512(src, dst) }
+    } else {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = bf16(s));
+    }
+}
+
+/// `dst[2i] = bf16(even[i])`, `dst[2i + 1] = bf16(odd[i])`: two rows of B
+/// in VNNI order.
+#[inline]
+fn interleave(even: &[f32], odd: &[f32], dst: &mut [u16]) {
+    if vector_ok() {
+        // SAFETY: the CPU has AVX-512 F and BW (`vector_ok`).
+        unsafe { interleave_avx512(even, odd, dst) }
+    } else {
+        for ((d, &e), &o) in dst.chunks_exact_mut(2).zip(even).zip(odd) {
+            d[0] = bf16(e);
+            d[1] = bf16(o);
+        }
+    }
+}
+
+// The same loops compiled for AVX-512, which the compiler vectorises (the
+// baseline x86-64 target has only SSE2). Every AMX CPU has AVX-512; the
+// check keeps the module sound if it is ever called without AMX.
+fn vector_ok() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn convert_avx512(src: &[f32], dst: &mut [u16]) {
+    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = bf16(s));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn interleave_avx512(even: &[f32], odd: &[f32], dst: &mut [u16]) {
+    // As u32 words (little-endian): the even row's bf16 low, the odd high.
+    let n = dst.len() / 2;
+    for ((d, &e), &o) in dst[..2 * n]
+        .chunks_exact_mut(2)
+        .zip(&even[..n])
+        .zip(&odd[..n])
+    {
+        d[0] = bf16(e);
+        d[1] = bf16(o);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn convert_avx512(src: &[f32], dst: &mut [u16]) {
+    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = bf16(s));
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn interleave_avx512(even: &[f32], odd: &[f32], dst: &mut [u16]) {
+    for ((d, &e), &o) in dst.chunks_exact_mut(2).zip(even).zip(odd) {
+        d[0] = bf16(e);
+        d[1] = bf16(o);
+    }
+}
+
+/// A strided f32 matrix: element `(i, j)` is `data[offset + i*rs + j*cs]`.
+/// The caller guarantees every element of the `rows × cols` view is in
+/// `data` (the kernels' `check_view` does).
+#[derive(Clone, Copy)]
+pub struct Src<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl Src<'_> {
+    #[inline(always)]
+    fn at(&self, i: usize, j: usize) -> f32 {
+        self.data[self.offset + i * self.rs + j * self.cs]
+    }
+}
+
+/// The left operand `[m, k]` in tile order (see the module docs).
+pub struct PackedA {
+    m: usize,
+    k: usize,
+    /// 16-row tiles, always even (whole 32-row blocks).
+    mt: usize,
+    lines: Vec<Line>,
+}
+
+/// The right operand `[k, n]` in tile order (see the module docs).
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    nt: usize,
+    kt: usize,
+    lines: Vec<Line>,
+}
+
+fn tiles(len: usize, per: usize) -> usize {
+    len.div_ceil(per).div_ceil(2) * 2
+}
+
+/// Fills one 16-row tile of A across all of k (`band`: kt tiles of 16
+/// lines, zeroed beforehand) with rows `i0..i0 + 16` of the `m × k` source;
+/// rows past `m` stay zero.
+fn fill_a_tile(src: Src<'_>, i0: usize, m: usize, k: usize, band: &mut [Line]) {
+    for r in 0..TR.min(m.saturating_sub(i0)) {
+        let i = i0 + r;
+        if src.cs == 1 {
+            let row = &src.data[src.offset + i * src.rs..][..k];
+            for (kb, chunk) in row.chunks(TK).enumerate() {
+                convert(chunk, &mut band[kb * TR + r].0);
+            }
+        } else {
+            for p in 0..k {
+                band[(p / TK) * TR + r].0[p % TK] = bf16(src.at(i, p));
+            }
+        }
+    }
+}
+
+impl PackedA {
+    /// Packs `src` as an `m × k` matrix, in parallel when `parallel`.
+    pub fn pack(src: Src<'_>, m: usize, k: usize, parallel: bool) -> PackedA {
+        let (mt, kt) = (tiles(m, TR), k.div_ceil(TK).max(1));
+        let mut lines = vec![ZERO_LINE; mt * kt * TR];
+        // One 16-row tile of A, across all of k, per piece of work.
+        let fill = |ti: usize, band: &mut [Line]| fill_a_tile(src, ti * TR, m, k, band);
+        let band = kt * TR;
+        if parallel {
+            lines
+                .par_chunks_mut(band)
+                .enumerate()
+                .for_each(|(ti, b)| fill(ti, b));
+        } else {
+            lines
+                .chunks_mut(band)
+                .enumerate()
+                .for_each(|(ti, b)| fill(ti, b));
+        }
+        PackedA { m, k, mt, lines }
+    }
+
+    /// Rows of the matrix.
+    pub fn rows(&self) -> usize {
+        self.m
+    }
+
+    /// 32-row blocks (the unit [`gemm`] splits rows by).
+    pub fn blocks(&self) -> usize {
+        self.mt / 2
+    }
+}
+
+impl PackedB {
+    /// Packs `src` as a `k × n` matrix, in parallel when `parallel`.
+    pub fn pack(src: Src<'_>, k: usize, n: usize, parallel: bool) -> PackedB {
+        let mut b = PackedB::empty();
+        b.repack(src, k, n, parallel);
+        b
+    }
+
+    /// An empty matrix, to [`PackedB::repack`] into.
+    pub fn empty() -> PackedB {
+        PackedB {
+            k: 0,
+            n: 0,
+            nt: 0,
+            kt: 0,
+            lines: Vec::new(),
+        }
+    }
+
+    /// [`PackedB::pack`] into this buffer, reusing its memory (fresh pages
+    /// cost a fault each; a convolution packs one tile after another).
+    pub fn repack(&mut self, src: Src<'_>, k: usize, n: usize, parallel: bool) {
+        let (nt, kt) = (tiles(n, TR), k.div_ceil(TK).max(1));
+        let mut lines = std::mem::take(&mut self.lines);
+        lines.clear();
+        lines.resize(nt * kt * TR, ZERO_LINE);
+        // One 16-column tile of B, across all of k, per piece of work.
+        let fill = |tj: usize, band: &mut [Line]| {
+            let cols = TR.min(n.saturating_sub(tj * TR));
+            if cols == 0 {
+                return; // a padding tile
+            }
+            if src.rs == 1 {
+                // Columns are contiguous along k (a transposed weight, or
+                // keys for q·kᵀ): each pair is two neighbours.
+                // Converted a column at a time, then transposed into lines.
+                let mut col = [0u16; TK];
+                for c in 0..cols {
+                    let j = tj * TR + c;
+                    let whole = &src.data[src.offset + j * src.cs..][..k];
+                    for (kb, chunk) in whole.chunks(TK).enumerate() {
+                        col.fill(0);
+                        convert(chunk, &mut col[..chunk.len()]);
+                        let tile = &mut band[kb * TR..(kb + 1) * TR];
+                        for (line, pair) in tile.iter_mut().zip(col.chunks_exact(2)) {
+                            line.0[2 * c..2 * c + 2].copy_from_slice(pair);
+                        }
+                    }
+                }
+            } else if src.cs == 1 {
+                // Rows are contiguous along n (im2col patches, values):
+                // interleave two rows at a time.
+                let row = |p: usize| &src.data[src.offset + p * src.rs + tj * TR..][..cols];
+                const NONE: [f32; TR] = [0.0; TR];
+                for p in (0..k).step_by(2) {
+                    let odd = if p + 1 < k { row(p + 1) } else { &NONE[..cols] };
+                    let line = &mut band[(p / TK) * TR + (p % TK) / 2].0;
+                    interleave(row(p), odd, &mut line[..2 * cols]);
+                }
+            } else {
+                for p in 0..k {
+                    let line = &mut band[(p / TK) * TR + (p % TK) / 2].0;
+                    for c in 0..cols {
+                        line[2 * c + p % 2] = bf16(src.at(p, tj * TR + c));
+                    }
+                }
+            }
+        };
+        let band = kt * TR;
+        if parallel {
+            lines
+                .par_chunks_mut(band)
+                .enumerate()
+                .for_each(|(tj, b)| fill(tj, b));
+        } else {
+            lines
+                .chunks_mut(band)
+                .enumerate()
+                .for_each(|(tj, b)| fill(tj, b));
+        }
+        *self = PackedB {
+            k,
+            n,
+            nt,
+            kt,
+            lines,
+        };
+    }
+
+    /// Columns of the matrix.
+    pub fn cols(&self) -> usize {
+        self.n
+    }
+}
+
+/// Why [`gemm`] refused its operands.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AmxError {
+    #[error("AMX is not available on this CPU")]
+    Unavailable,
+    #[error("operands disagree: A is {m}×{ka}, B is {kb}×{n}")]
+    Shapes {
+        m: usize,
+        ka: usize,
+        kb: usize,
+        n: usize,
+    },
+    #[error("blocks {start}..{end} of A's {blocks}")]
+    Blocks {
+        start: usize,
+        end: usize,
+        blocks: usize,
+    },
+    #[error(
+        "destination of {len} elements cannot hold {rows} rows of {cols} with row stride {rs}"
+    )]
+    Destination {
+        len: usize,
+        rows: usize,
+        cols: usize,
+        rs: usize,
+    },
+}
+
+/// The tile configuration: palette 1, all eight tiles 16 rows × 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+impl TileConfig {
+    fn full() -> TileConfig {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        for t in 0..8 {
+            c[16 + 2 * t] = 64; // bytes per row (u16, little-endian)
+            c[48 + t] = TR as u8; // rows
+        }
+        TileConfig(c)
+    }
+}
+
+/// The left operand of [`gemm`].
+#[derive(Clone)]
+pub enum Lhs<'a> {
+    /// Packed beforehand (a weight used many times); only its 32-row
+    /// blocks in the range take part.
+    Packed(&'a PackedA, std::ops::Range<usize>),
+    /// An `m × k` f32 matrix, packed 32 rows at a time into a small
+    /// per-thread buffer as the product reaches them (activations: one
+    /// pass over them, no large allocation).
+    Rows(Src<'a>, usize, usize),
+}
+
+thread_local! {
+    /// A's current 32-row block for [`Lhs::Rows`], kept between calls so
+    /// the pages are not faulted in again.
+    static A_BLOCK: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `dst[i*dst_rs + j] = scale · (A·B)[i, j]` (with `accumulate`, added to
+/// what `dst` holds) for the rows of `lhs` and every column of B; `dst`
+/// starts at the first row `lhs` covers. Runs on the calling thread.
+pub fn gemm(
+    lhs: Lhs<'_>,
+    b: &PackedB,
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    scale: f32,
+) -> Result<(), AmxError> {
+    if !available() {
+        return Err(AmxError::Unavailable);
+    }
+    let (m, k, blocks) = match &lhs {
+        Lhs::Packed(a, blocks) => {
+            if blocks.start > blocks.end || blocks.end > a.blocks() {
+                return Err(AmxError::Blocks {
+                    start: blocks.start,
+                    end: blocks.end,
+                    blocks: a.blocks(),
+                });
+            }
+            (a.m, a.k, blocks.clone())
+        }
+        Lhs::Rows(_, m, k) => (*m, *k, 0..m.div_ceil(BLOCK)),
+    };
+    if k != b.k {
+        return Err(AmxError::Shapes {
+            m,
+            ka: k,
+            kb: b.k,
+            n: b.n,
+        });
+    }
+    let first = blocks.start * BLOCK;
+    let rows = m.min(blocks.end * BLOCK).saturating_sub(first);
+    let n = b.n;
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let needed = (rows - 1)
+        .checked_mul(dst_rs)
+        .and_then(|x| x.checked_add(n));
+    if (rows > 1 && dst_rs < n) || needed.is_none_or(|x| x > dst.len()) {
+        return Err(AmxError::Destination {
+            len: dst.len(),
+            rows,
+            cols: n,
+            rs: dst_rs,
+        });
+    }
+    let kt = b.kt;
+    A_BLOCK.with_borrow_mut(|scratch| {
+        // Columns of B per panel: as many 32-column blocks as fit the L2
+        // budget. (Rows packed on the fly would be packed once per panel:
+        // they take all of B at once.)
+        let panel = match lhs {
+            Lhs::Packed(..) => (B_PANEL_BYTES / (2 * kt * TILE_BYTES)).max(1) * 2,
+            Lhs::Rows(..) => b.nt,
+        };
+        let mut c = [0f32; BLOCK * BLOCK];
+        let cfg = TileConfig::full();
+        // SAFETY: the CPU has AMX and the process may use it
+        // (`available`); the configuration is a valid palette-1 layout.
+        unsafe { load_config(&cfg) };
+        for nt0 in (0..b.nt).step_by(panel) {
+            for mb in blocks.clone() {
+                // A's two row tiles of this block, kt tiles each.
+                let a_block: &[Line] = match &lhs {
+                    Lhs::Packed(a, _) => &a.lines[2 * mb * kt * TR..2 * (mb + 1) * kt * TR],
+                    Lhs::Rows(src, ..) => {
+                        scratch.clear();
+                        scratch.resize(2 * kt * TR, ZERO_LINE);
+                        let (t0, t1) = scratch.split_at_mut(kt * TR);
+                        fill_a_tile(*src, mb * BLOCK, m, k, t0);
+                        fill_a_tile(*src, mb * BLOCK + TR, m, k, t1);
+                        scratch
+                    }
+                };
+                let i0 = mb * BLOCK - first;
+                let bi = BLOCK.min(rows - i0);
+                for tj in (nt0..(nt0 + panel).min(b.nt)).step_by(2) {
+                    let b_block = &b.lines[tj * kt * TR..(tj + 2) * kt * TR];
+                    // SAFETY: both slices hold two runs of kt tiles (A's by
+                    // construction; B's by the slicing above, nt being
+                    // even); `c` holds 32 × 32 f32.
+                    unsafe { block(a_block.as_ptr(), b_block.as_ptr(), kt, c.as_mut_ptr()) };
+                    let j0 = tj * TR;
+                    let bj = BLOCK.min(n - j0);
+                    for (r, crow) in c.chunks(BLOCK).take(bi).enumerate() {
+                        let d = &mut dst[(i0 + r) * dst_rs + j0..][..bj];
+                        store_row(d, &crow[..bj], accumulate, scale);
+                    }
+                }
+            }
+        }
+        // SAFETY: releases the tile state loaded above.
+        unsafe { release() };
+    });
+    Ok(())
+}
+
+/// `d = scale·c` or `d += scale·c`, vectorised where AVX-512 is.
+#[inline]
+fn store_row(d: &mut [f32], c: &[f32], accumulate: bool, scale: f32) {
+    if vector_ok() {
+        // SAFETY: the CPU has AVX-512 F and BW (`vector_ok`).
+        unsafe { store_row_avx512(d, c, accumulate, scale) }
+    } else {
+        store_row_plain(d, c, accumulate, scale)
+    }
+}
+
+#[inline(always)]
+fn store_row_plain(d: &mut [f32], c: &[f32], accumulate: bool, scale: f32) {
+    if accumulate {
+        d.iter_mut().zip(c).for_each(|(d, &s)| *d += scale * s);
+    } else {
+        d.iter_mut().zip(c).for_each(|(d, &s)| *d = scale * s);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn store_row_avx512(d: &mut [f32], c: &[f32], accumulate: bool, scale: f32) {
+    store_row_plain(d, c, accumulate, scale)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn store_row_avx512(d: &mut [f32], c: &[f32], accumulate: bool, scale: f32) {
+    store_row_plain(d, c, accumulate, scale)
+}
+
+/// # Safety
+/// AMX must be available and enabled for the process.
+#[cfg(target_arch = "x86_64")]
+unsafe fn load_config(cfg: &TileConfig) {
+    std::arch::asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+}
+
+/// # Safety
+/// AMX must be available and enabled for the process.
+#[cfg(target_arch = "x86_64")]
+unsafe fn release() {
+    std::arch::asm!("tilerelease", options(nostack, nomem));
+}
+
+/// One 32 × 32 block: `c = Σ_kb A(0..2, kb) · B(kb, 0..2)`.
+///
+/// # Safety
+/// The tile configuration of [`TileConfig::full`] is loaded; `a` and `b`
+/// each point at `2 * kt` tiles (two runs of `kt` consecutive 1 KiB tiles),
+/// `kt >= 1`; `c` points at 32 × 32 f32 (row stride 128 bytes).
+#[cfg(target_arch = "x86_64")]
+unsafe fn block(a: *const Line, b: *const Line, kt: usize, c: *mut f32) {
+    // The second row tile of A (column tile of B) is kt tiles further.
+    let run = kt * TR;
+    // In a tile load `[base + index]`, the index register is the row
+    // stride (64 bytes here), not an offset.
+    std::arch::asm!(
+        "tilezero tmm0",
+        "tilezero tmm1",
+        "tilezero tmm2",
+        "tilezero tmm3",
+        "2:",
+        "tileloadd tmm4, [{a0} + {s}*1]",
+        "tileloadd tmm6, [{b0} + {s}*1]",
+        "tileloadd tmm5, [{a1} + {s}*1]",
+        "tdpbf16ps tmm0, tmm4, tmm6",
+        "tileloadd tmm7, [{b1} + {s}*1]",
+        "tdpbf16ps tmm2, tmm5, tmm6",
+        "tdpbf16ps tmm1, tmm4, tmm7",
+        "tdpbf16ps tmm3, tmm5, tmm7",
+        "add {a0}, {t}",
+        "add {a1}, {t}",
+        "add {b0}, {t}",
+        "add {b1}, {t}",
+        "dec {kt}",
+        "jnz 2b",
+        a0 = inout(reg) a => _,
+        a1 = inout(reg) a.add(run) => _,
+        b0 = inout(reg) b => _,
+        b1 = inout(reg) b.add(run) => _,
+        kt = inout(reg) kt => _,
+        s = in(reg) 64usize,
+        t = in(reg) TILE_BYTES,
+        options(nostack, readonly),
+    );
+    // The accumulators stay in the tile registers between the two blocks
+    // (the compiler never allocates tiles).
+    std::arch::asm!(
+        "tilestored [{c0} + {cs}*1], tmm0",
+        "tilestored [{c1} + {cs}*1], tmm1",
+        "tilestored [{c2} + {cs}*1], tmm2",
+        "tilestored [{c3} + {cs}*1], tmm3",
+        c0 = in(reg) c,
+        c1 = in(reg) c.add(TR),
+        c2 = in(reg) c.add(TR * BLOCK),
+        c3 = in(reg) c.add(TR * BLOCK + TR),
+        cs = in(reg) BLOCK * 4,
+        options(nostack),
+    );
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn load_config(_: &TileConfig) {}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn release() {}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn block(_: *const Line, _: *const Line, _: usize, _: *mut f32) {}
