@@ -22,6 +22,9 @@ pub struct Bindings {
     pub weights: HashMap<String, Arc<Vec<f32>>>,
     pub stored: HashMap<String, crate::weights::StoredWeight>,
     pub inputs: HashMap<String, Arc<Vec<f32>>>,
+    /// CPU, bf16 products: weights packed for the AMX kernels, kept for
+    /// the life of these bindings and their clones (a session).
+    pub packed: cpu::PackedWeights,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -310,6 +313,7 @@ impl Runtime {
                     weights: weights.weights.clone(),
                     stored: weights.stored.clone(),
                     inputs: HashMap::new(),
+                    packed: weights.packed.clone(),
                 },
             }),
             Device::Wgpu(b) => {
@@ -397,9 +401,8 @@ impl Session<'_> {
                 Ok(cpu::run_with(prog, bind, *products)?)
             }
             Session::Wgpu { prepared: p, .. } => Ok(p.run(&Bindings {
-                weights: HashMap::new(),
-                stored: HashMap::new(),
                 inputs,
+                ..Bindings::default()
             })?),
         }
     }

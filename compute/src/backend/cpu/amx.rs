@@ -182,6 +182,137 @@ unsafe fn interleave_avx512(even: &[f32], odd: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// Adds `mask` (when given, as long as `row`) to `row` and returns the
+/// row's largest value (NaNs ignored; `-inf` for an empty or all-`-inf`
+/// row): the first half of an online-softmax step on the bf16 attention
+/// path, vectorised with AVX-512 (the compiler does not vectorise it).
+pub fn add_max(row: &mut [f32], mask: Option<&[f32]>) -> f32 {
+    if let Some(m) = mask {
+        row.iter_mut().zip(m).for_each(|(s, m)| *s += m);
+    }
+    if vector_ok() {
+        // SAFETY: the CPU has AVX-512 F (`vector_ok`).
+        unsafe { max_avx512(row) }
+    } else {
+        row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    }
+}
+
+/// `row[i] = e^(row[i] - shift)` in place; returns Σ of the new values.
+/// The same approximation as the kernels' `exp_approx` (Cephes' minimax
+/// polynomial, within ~2 ulp; 0 below -86; NaN stays NaN), evaluated with
+/// FMAs, 16 lanes at a time.
+pub fn exp_sum(row: &mut [f32], shift: f32) -> f32 {
+    if vector_ok() {
+        // SAFETY: the CPU has AVX-512 F (`vector_ok`).
+        unsafe { exp_sum_avx512(row, shift) }
+    } else {
+        row.iter_mut()
+            .map(|v| {
+                *v = super::kernels::exp_approx(*v - shift);
+                *v
+            })
+            .sum()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn max_avx512(row: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        // SAFETY: `c` holds 16 f32; unaligned loads are allowed.
+        let v = _mm512_loadu_ps(c.as_ptr());
+        // max(v, acc) returns acc where v is NaN: NaNs are skipped.
+        acc = _mm512_max_ps(v, acc);
+    }
+    chunks
+        .remainder()
+        .iter()
+        .fold(_mm512_reduce_max_ps(acc), |a, &b| a.max(b))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let s = _mm512_set1_ps;
+    let xc = _mm512_min_ps(_mm512_max_ps(x, s(-86.0)), s(88.0));
+    // Round x·log2(e) to the integer n (kept in t's low mantissa bits).
+    let t = _mm512_fmadd_ps(xc, s(std::f32::consts::LOG2_E), s(12_582_912.0));
+    let n = _mm512_sub_ps(t, s(12_582_912.0));
+    let r = _mm512_fnmadd_ps(n, s(0.693_359_4), xc);
+    let r = _mm512_fnmadd_ps(n, s(-2.121_944_4e-4), r);
+    let mut p = s(1.987_569_2e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, s(c));
+    }
+    let er = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), s(1.0));
+    let ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B40_0000));
+    let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        ni,
+        _mm512_set1_epi32(127),
+    )));
+    let e = _mm512_mul_ps(er, pow2);
+    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, s(-86.0));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+    let e = _mm512_mask_blend_ps(under, e, _mm512_setzero_ps());
+    _mm512_mask_blend_ps(nan, e, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sum_avx512(row: &mut [f32], shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let sh = _mm512_set1_ps(shift);
+    let mut acc = _mm512_setzero_ps();
+    let mut chunks = row.chunks_exact_mut(16);
+    for c in &mut chunks {
+        // SAFETY: `c` holds 16 f32; unaligned loads and stores are allowed.
+        let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), sh));
+        _mm512_storeu_ps(c.as_mut_ptr(), e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    let rest = chunks.into_remainder();
+    let mut tail = 0.0;
+    if !rest.is_empty() {
+        let mut buf = [0f32; 16];
+        buf[..rest.len()].copy_from_slice(rest);
+        let mut e = [0f32; 16];
+        // SAFETY: both buffers hold 16 f32.
+        _mm512_storeu_ps(
+            e.as_mut_ptr(),
+            exp16(_mm512_sub_ps(_mm512_loadu_ps(buf.as_ptr()), sh)),
+        );
+        rest.copy_from_slice(&e[..rest.len()]);
+        tail = e[..rest.len()].iter().sum();
+    }
+    _mm512_reduce_add_ps(acc) + tail
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn max_avx512(row: &[f32]) -> f32 {
+    row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn exp_sum_avx512(row: &mut [f32], shift: f32) -> f32 {
+    row.iter_mut()
+        .map(|v| {
+            *v = super::kernels::exp_approx(*v - shift);
+            *v
+        })
+        .sum()
+}
+
 /// A strided f32 matrix: element `(i, j)` is `data[offset + i*rs + j*cs]`.
 /// The caller guarantees every element of the `rows × cols` view is in
 /// `data` (the kernels' `check_view` does).
@@ -266,6 +397,11 @@ impl PackedA {
     /// Rows of the matrix.
     pub fn rows(&self) -> usize {
         self.m
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val(&self.lines[..])
     }
 
     /// 32-row blocks (the unit [`gemm`] splits rows by).
@@ -366,6 +502,16 @@ impl PackedB {
     /// Columns of the matrix.
     pub fn cols(&self) -> usize {
         self.n
+    }
+
+    /// Depth (rows) of the matrix.
+    pub fn depth(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val(&self.lines[..])
     }
 }
 

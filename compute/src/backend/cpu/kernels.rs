@@ -487,7 +487,7 @@ pub fn matmul(
         return Ok(());
     }
     if products.uses_amx(m, n, k) {
-        return matmul_amx(a, av, b, bv, c, batch, m, n, k);
+        return matmul_amx(a, av, Rhs::View(b, bv), c, batch, m, n, k);
     }
     let work = mn.saturating_mul(k);
     // Each batch offset was covered by check_view, so these cannot overflow.
@@ -518,15 +518,98 @@ pub fn matmul(
     }
 }
 
+/// The right operand of a matmul shared by the whole batch (a Linear
+/// layer's weight), in the AMX kernels' tile order ([`pack_matmul_rhs`]),
+/// packed once and used by every call ([`matmul_packed`]).
+pub struct PackedRhs(amx::PackedB);
+
+impl PackedRhs {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
+}
+
+/// Packs the `[k, n]` matrix `b` (read through `bv`; its batch stride is
+/// ignored) for [`matmul_packed`]; an error where AMX is not available.
+pub fn pack_matmul_rhs(b: &[f32], bv: MatView, k: usize, n: usize) -> Result<PackedRhs> {
+    const OP: &str = "matmul";
+    let shape = || format!("k={k} n={n} b={bv:?}");
+    if !amx::available() {
+        return Err(invalid(OP, "AMX tiles are not available", &shape));
+    }
+    check_view(
+        OP,
+        "b",
+        b.len(),
+        bv.offset,
+        1,
+        0,
+        k,
+        bv.row_stride,
+        n,
+        bv.col_stride,
+        &shape,
+    )?;
+    let src = amx::Src {
+        data: b,
+        offset: bv.offset,
+        rs: bv.row_stride,
+        cs: bv.col_stride,
+    };
+    Ok(PackedRhs(amx::PackedB::pack(src, k, n, true)))
+}
+
+/// [`matmul`] with B packed by [`pack_matmul_rhs`] (bf16 products), the
+/// same B for every batch entry.
+pub fn matmul_packed(
+    a: &[f32],
+    av: MatView,
+    b: &PackedRhs,
+    c: &mut [f32],
+    batch: usize,
+    m: usize,
+) -> Result {
+    const OP: &str = "matmul";
+    let (k, n) = (b.0.depth(), b.0.cols());
+    let shape = || format!("batch={batch} m={m} n={n} k={k} a={av:?} (B packed)");
+    let mn = product(OP, &[m, n], &shape)?;
+    length(OP, "c", c.len(), product(OP, &[batch, mn], &shape)?, &shape)?;
+    check_view(
+        OP,
+        "a",
+        a.len(),
+        av.offset,
+        batch,
+        av.batch_stride,
+        m,
+        av.row_stride,
+        k,
+        av.col_stride,
+        &shape,
+    )?;
+    if mn == 0 || batch == 0 {
+        return Ok(());
+    }
+    matmul_amx(a, av, Rhs::Packed(&b.0), c, batch, m, n, k)
+}
+
+/// B of [`matmul_amx`].
+#[derive(Clone, Copy)]
+enum Rhs<'a> {
+    View(&'a [f32], MatView),
+    Packed(&'a amx::PackedB),
+}
+
 /// [`matmul`] on AMX tiles; the views are already checked. B is packed
-/// once per distinct matrix (once for a weight shared across the batch);
-/// A is packed 32 rows at a time as the bands reach it.
+/// once per distinct matrix (once for a weight shared across the batch)
+/// unless it comes packed; A is packed 32 rows at a time as the bands
+/// reach it.
 #[allow(clippy::too_many_arguments)]
 fn matmul_amx(
     a: &[f32],
     av: MatView,
-    b: &[f32],
-    bv: MatView,
+    rhs: Rhs<'_>,
     c: &mut [f32],
     batch: usize,
     m: usize,
@@ -536,6 +619,10 @@ fn matmul_amx(
     use super::amx::{gemm, Lhs, PackedB, Src};
     const OP: &str = "matmul";
     let shape = || format!("batch={batch} m={m} n={n} k={k}");
+    let (b, bv) = match rhs {
+        Rhs::View(b, bv) => (b, bv),
+        Rhs::Packed(_) => (&[][..], MatView::row_major(k, n)),
+    };
     let pack_b = |i: usize, parallel: bool| {
         let src = Src {
             data: b,
@@ -555,7 +642,11 @@ fn matmul_amx(
         Lhs::Rows(src, rows, k)
     };
     let mn = m * n;
-    let shared = bv.batch_stride == 0 || batch == 1;
+    let prepacked = match rhs {
+        Rhs::Packed(pb) => Some(pb),
+        Rhs::View(..) => None,
+    };
+    let shared = prepacked.is_some() || bv.batch_stride == 0 || batch == 1;
     if !shared && batch >= rayon::current_num_threads() {
         // Many distinct products (batched attention scores): one per task.
         return c.par_chunks_mut(mn).enumerate().try_for_each(|(i, ci)| {
@@ -563,13 +654,13 @@ fn matmul_amx(
             gemm(a_rows(i, 0, m), &pb, ci, n, false, 1.0).map_err(amx_error(OP, &shape))
         });
     }
-    let shared_b = shared.then(|| pack_b(0, true));
+    let shared_b = (shared && prepacked.is_none()).then(|| pack_b(0, true));
     let band = amx_band(m);
     for (i, ci) in c.chunks_mut(mn).enumerate() {
         let own;
-        let pb = match &shared_b {
-            Some(pb) => pb,
-            None => {
+        let pb = match (prepacked, &shared_b) {
+            (Some(pb), _) | (None, Some(pb)) => pb,
+            (None, None) => {
                 own = pack_b(i, true);
                 &own
             }
@@ -724,6 +815,128 @@ pub fn conv2d(
     out: &mut [f32],
     products: Products,
 ) -> Result {
+    conv2d_with(
+        x,
+        x_shape,
+        ConvWeight::Plain(weight, products),
+        w_shape,
+        bias,
+        stride,
+        padding,
+        dilation,
+        groups,
+        out,
+    )
+}
+
+/// A convolution weight in the AMX kernels' tile order ([`pack_conv_weight`]),
+/// packed once and used by every call ([`conv2d_packed`]).
+pub struct PackedConvWeight {
+    w_shape: [usize; 4],
+    groups: usize,
+    per_group: Vec<amx::PackedA>,
+}
+
+impl PackedConvWeight {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.per_group.iter().map(amx::PackedA::bytes).sum()
+    }
+}
+
+/// Packs a `[o, c / groups, kh, kw]` weight for [`conv2d_packed`]; an
+/// error where AMX is not available.
+pub fn pack_conv_weight(
+    weight: &[f32],
+    w_shape: [usize; 4],
+    groups: usize,
+) -> Result<PackedConvWeight> {
+    const OP: &str = "conv2d";
+    let shape = || format!("weight={w_shape:?} groups={groups}");
+    if !amx::available() {
+        return Err(invalid(OP, "AMX tiles are not available", &shape));
+    }
+    let [o, cg, kh, kw] = w_shape;
+    if groups == 0 || !o.is_multiple_of(groups) {
+        return Err(invalid(
+            OP,
+            "output channels must split into groups",
+            &shape,
+        ));
+    }
+    length(
+        OP,
+        "weight",
+        weight.len(),
+        product(OP, &w_shape, &shape)?,
+        &shape,
+    )?;
+    let (og, kk) = (o / groups, cg * kh * kw);
+    let per_group = (0..groups)
+        .map(|g| {
+            let src = amx::Src {
+                data: weight,
+                offset: g * og * kk,
+                rs: kk,
+                cs: 1,
+            };
+            amx::PackedA::pack(src, og, kk, true)
+        })
+        .collect();
+    Ok(PackedConvWeight {
+        w_shape,
+        groups,
+        per_group,
+    })
+}
+
+/// [`conv2d`] with a weight packed by [`pack_conv_weight`] (bf16 products).
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_packed(
+    x: &[f32],
+    x_shape: [usize; 4],
+    weight: &PackedConvWeight,
+    bias: Option<&[f32]>,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    out: &mut [f32],
+) -> Result {
+    conv2d_with(
+        x,
+        x_shape,
+        ConvWeight::Packed(&weight.per_group),
+        weight.w_shape,
+        bias,
+        stride,
+        padding,
+        dilation,
+        weight.groups,
+        out,
+    )
+}
+
+/// Where [`conv2d_with`] takes its weight from.
+enum ConvWeight<'a> {
+    /// f32 values, multiplied in this arithmetic.
+    Plain(&'a [f32], Products),
+    /// Packed for AMX, one matrix per group.
+    Packed(&'a [amx::PackedA]),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn conv2d_with(
+    x: &[f32],
+    x_shape: [usize; 4],
+    src: ConvWeight<'_>,
+    w_shape: [usize; 4],
+    bias: Option<&[f32]>,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    groups: usize,
+    out: &mut [f32],
+) -> Result {
     const OP: &str = "conv2d";
     let [n, c, h, w] = x_shape;
     let [o, cg, kh, kw] = w_shape;
@@ -769,13 +982,20 @@ pub fn conv2d(
     };
     let (oh, ow) = (out_dim(h, kh, 0)?, out_dim(w, kw, 1)?);
     length(OP, "x", x.len(), product(OP, &x_shape, &shape)?, &shape)?;
-    length(
-        OP,
-        "weight",
-        weight.len(),
-        product(OP, &w_shape, &shape)?,
-        &shape,
-    )?;
+    let (weight, products, prepacked) = match src {
+        ConvWeight::Plain(weight, products) => {
+            length(
+                OP,
+                "weight",
+                weight.len(),
+                product(OP, &w_shape, &shape)?,
+                &shape,
+            )?;
+            (weight, products, None)
+        }
+        // Packed and checked by pack_conv_weight; the f32 path is not taken.
+        ConvWeight::Packed(groups) => (&[][..], Products::Bf16, Some(groups)),
+    };
     if let Some(bias) = bias {
         length(OP, "bias", bias.len(), o, &shape)?;
     }
@@ -803,24 +1023,21 @@ pub fn conv2d(
         cs: 1,
     };
 
-    // On AMX the weight is packed once per call, shared by every tile.
-    let packed = products.uses_amx(og, p, kk).then(|| {
-        (0..groups)
-            .map(|g| {
-                let src = amx::Src {
-                    data: weight,
-                    offset: g * og * kk,
-                    rs: kk,
-                    cs: 1,
-                };
-                amx::PackedA::pack(src, og, kk, true)
-            })
-            .collect::<Vec<_>>()
-    });
+    // On AMX the weight is packed (once per call unless the caller packed
+    // it for good), shared by every tile.
+    let owned;
+    let packed: Option<&[amx::PackedA]> = match prepacked {
+        Some(p) => Some(p),
+        None if products.uses_amx(og, p, kk) => {
+            owned = pack_conv_weight(weight, w_shape, groups)?;
+            Some(&owned.per_group)
+        }
+        None => None,
+    };
     let amx_err = amx_error(OP, &shape);
 
     if kh == 1 && kw == 1 && stride == [1, 1] && padding == [0, 0] {
-        if let Some(packed) = &packed {
+        if let Some(packed) = packed {
             // Pointwise on tiles: pack each image's input once, then bands
             // of output channels (whole 32-row blocks) in parallel.
             let mut input = amx::PackedB::empty();
@@ -1246,16 +1463,24 @@ fn attention_amx(
                 let (j0, kb) = (jb * kb_max, keys.cols());
                 let s = &mut state.scores[..rows * kb];
                 gemm(Lhs::Packed(&qa, 0..qa.blocks()), keys, s, kb, false, scale).map_err(&err)?;
-                let (row_max, row_sum) = (&mut state.row_max[..rows], &mut state.row_sum[..rows]);
-                pulp::Arch::new().dispatch(SoftmaxStep {
-                    s,
-                    kb,
-                    mask: mask.map(|m| (m, q0 * skv + j0, skv)),
-                    row_max,
-                    row_sum,
-                    acc,
-                    dv,
-                });
+                // The online-softmax step of `online_softmax_step`, its
+                // loops in AVX-512 (amx::add_max, amx::exp_sum).
+                for (i, srow) in s.chunks_mut(kb).enumerate() {
+                    let mrow = mask.map(|m| &m[(q0 + i) * skv + j0..][..kb]);
+                    let new_max = state.row_max[i].max(amx::add_max(srow, mrow));
+                    if new_max == f32::NEG_INFINITY {
+                        srow.fill(0.0); // every key so far is masked
+                        continue;
+                    }
+                    let rescale = exp_approx(state.row_max[i] - new_max);
+                    state.row_sum[i] = state.row_sum[i] * rescale + amx::exp_sum(srow, new_max);
+                    state.row_max[i] = new_max;
+                    if rescale != 1.0 {
+                        acc[i * dv..(i + 1) * dv]
+                            .iter_mut()
+                            .for_each(|a| *a *= rescale);
+                    }
+                }
                 let weights = Src {
                     data: s,
                     offset: 0,

@@ -5,7 +5,7 @@ pub mod kernels;
 mod run;
 
 pub use kernels::Products;
-pub use run::{run, run_with, Bindings, CpuError};
+pub use run::{run, run_with, Bindings, CpuError, PackedWeight, PackedWeights};
 
 /// Sets how many threads the CPU backend's kernels use (the process-wide
 /// pool; every core by default). Call once, before anything runs: the

@@ -14,7 +14,7 @@ use crate::tensor::{contiguous_strides, BinaryOp, ReduceOp, UnaryOp, UpsampleMod
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CpuError {
@@ -59,6 +59,86 @@ impl Bindings {
     }
 }
 
+/// A weight packed for the bf16 (AMX) kernels.
+pub enum PackedWeight {
+    Conv(kernels::PackedConvWeight),
+    Rhs(kernels::PackedRhs),
+}
+
+/// Weights packed for the bf16 kernels, by weight name and use. Clones
+/// share it, so a sampler's session packs each weight at its first step
+/// and every later step reads the packed copy (no conversion from the
+/// file, no packing); it is dropped with the last clone.
+#[derive(Clone, Default)]
+pub struct PackedWeights(Arc<Mutex<HashMap<String, Arc<PackedWeight>>>>);
+
+impl PackedWeights {
+    fn get(&self, key: &str) -> Option<Arc<PackedWeight>> {
+        self.0.lock().ok()?.get(key).cloned()
+    }
+
+    fn insert(&self, key: &str, w: PackedWeight) -> Arc<PackedWeight> {
+        let w = Arc::new(w);
+        if let Ok(mut map) = self.0.lock() {
+            map.insert(key.to_string(), w.clone());
+        }
+        w
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.0.lock().map_or(0, |m| {
+            m.values()
+                .map(|w| match &**w {
+                    PackedWeight::Conv(c) => c.bytes(),
+                    PackedWeight::Rhs(r) => r.bytes(),
+                })
+                .sum()
+        })
+    }
+}
+
+/// The cache key of the weight that kernel `k` can take packed, if any:
+/// a convolution's weight, or a weight that is B of a matrix product
+/// shared by its whole batch, when the product runs on AMX tiles.
+fn packed_key(k: &Kernel, names: &HashMap<u32, &str>, products: Products) -> Option<String> {
+    if products != Products::Bf16 {
+        return None;
+    }
+    let w = k.inputs.get(1)?;
+    let name = names.get(&w.buffer.0)?;
+    match &k.kind {
+        KernelKind::Conv2d {
+            c,
+            o,
+            kh,
+            kw,
+            params,
+            ..
+        } => {
+            let groups = params.groups.max(1);
+            let og = o / groups;
+            let p: usize = k.output.shape.iter().skip(2).product();
+            let dense = w.offset == 0 && w.is_contiguous();
+            (dense && products.uses_amx(og, p, c / groups * kh * kw))
+                .then(|| format!("{name}#conv/{groups}"))
+        }
+        KernelKind::MatMul { batch, m, n, k: kk } => {
+            let r = w.shape.len();
+            let shared = *batch == 1 || w.batch_stride(r - 2) == Some(0);
+            (r >= 2 && shared && products.uses_amx(*m, *n, *kk)).then(|| {
+                format!(
+                    "{name}#rhs/{}/{}/{}/{kk}/{n}",
+                    w.offset,
+                    w.strides[r - 2],
+                    w.strides[r - 1]
+                )
+            })
+        }
+        _ => None,
+    }
+}
+
 /// Elements per unit of parallel elementwise work: large enough to
 /// amortise scheduling, small enough to stay in L1/L2.
 const CHUNK: usize = 4096;
@@ -82,6 +162,14 @@ pub fn run_with(
     // Stored weights by buffer, and the last dispatch that reads each.
     let mut stored: HashMap<u32, (&str, &crate::weights::StoredWeight)> = HashMap::new();
     let mut last_read: HashMap<u32, usize> = HashMap::new();
+    let names: HashMap<u32, &str> = prog
+        .commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Upload { buffer, name } => Some((buffer.0, name.as_str())),
+            _ => None,
+        })
+        .collect();
     for c in &prog.commands {
         match c {
             Command::Upload { buffer, name } => {
@@ -114,9 +202,14 @@ pub fn run_with(
             }
             Command::Dispatch { kernel } => {
                 let k = &prog.kernels[kernel.0 as usize];
+                let key = packed_key(k, &names, products);
+                let packed = key.as_deref().and_then(|key| bind.packed.get(key));
                 let convert = profile.then(std::time::Instant::now);
-                for v in &k.inputs {
+                for (i, v) in k.inputs.iter().enumerate() {
                     let b = v.buffer.0;
+                    if i == 1 && packed.is_some() {
+                        continue; // read packed: no conversion from the file
+                    }
                     if let (Some((name, w)), false) = (stored.get(&b), external.contains_key(&b)) {
                         let data = w.to_f32().map_err(|e| CpuError::Weight {
                             name: name.to_string(),
@@ -133,7 +226,16 @@ pub fn run_with(
                     }
                 }
                 let t = profile.then(std::time::Instant::now);
-                dispatch(prog, k, kernel.0 as usize, &mut arena, &external, products)?;
+                let pack = key.as_deref().map(|key| (key, &bind.packed, packed));
+                dispatch(
+                    prog,
+                    k,
+                    kernel.0 as usize,
+                    &mut arena,
+                    &external,
+                    products,
+                    pack,
+                )?;
                 for v in &k.inputs {
                     let b = v.buffer.0;
                     if stored.contains_key(&b) && last_read.get(&b) == Some(&(kernel.0 as usize)) {
@@ -390,6 +492,7 @@ fn dispatch(
     arena: &mut [f32],
     external: &HashMap<u32, Arc<Vec<f32>>>,
     products: Products,
+    pack: Option<(&str, &PackedWeights, Option<Arc<PackedWeight>>)>,
 ) -> Result<(), CpuError> {
     let ob = prog.buffer(k.output.buffer);
     let (out_start, out_len) = (ob.offset, ob.len);
@@ -438,19 +541,37 @@ fn dispatch(
             let (Some(av), Some(bv)) = (mv(ins[0].0), mv(ins[1].0)) else {
                 return Err(fail("operand batch dims are not uniformly strided".into()));
             };
-            kernels::matmul(
-                ins[0].1,
-                av,
-                ins[1].1,
-                bv,
-                &mut out[..],
-                *batch,
-                *m,
-                *n,
-                *kk,
-                products,
-            )
-            .map_err(|e| fail(e.to_string()))?;
+            if let Some((key, cache, found)) = pack {
+                let w = match found {
+                    Some(w) => w,
+                    None => {
+                        let w = kernels::pack_matmul_rhs(ins[1].1, bv, *kk, *n)
+                            .map_err(|e| fail(e.to_string()))?;
+                        cache.insert(key, PackedWeight::Rhs(w))
+                    }
+                };
+                let PackedWeight::Rhs(w) = &*w else {
+                    return Err(fail(format!(
+                        "weight cache entry {key} is not a matmul operand"
+                    )));
+                };
+                kernels::matmul_packed(ins[0].1, av, w, &mut out[..], *batch, *m)
+                    .map_err(|e| fail(e.to_string()))?;
+            } else {
+                kernels::matmul(
+                    ins[0].1,
+                    av,
+                    ins[1].1,
+                    bv,
+                    &mut out[..],
+                    *batch,
+                    *m,
+                    *n,
+                    *kk,
+                    products,
+                )
+                .map_err(|e| fail(e.to_string()))?;
+            }
         }
         KernelKind::Conv2d {
             n,
@@ -464,8 +585,36 @@ fn dispatch(
             bias,
         } => {
             let x = dense(0);
-            let wt = dense(1);
             let b = bias.then(|| dense(2));
+            let w_shape = [*o, c / params.groups, *kh, *kw];
+            if let Some((key, cache, found)) = pack {
+                let entry = match found {
+                    Some(entry) => entry,
+                    None => {
+                        let packed = kernels::pack_conv_weight(&dense(1), w_shape, params.groups)
+                            .map_err(|e| fail(e.to_string()))?;
+                        cache.insert(key, PackedWeight::Conv(packed))
+                    }
+                };
+                let PackedWeight::Conv(packed) = &*entry else {
+                    return Err(fail(format!(
+                        "weight cache entry {key} is not a conv weight"
+                    )));
+                };
+                kernels::conv2d_packed(
+                    &x,
+                    [*n, *c, *h, *w],
+                    packed,
+                    b.as_deref(),
+                    params.stride,
+                    params.padding,
+                    params.dilation,
+                    out,
+                )
+                .map_err(|e| fail(e.to_string()))?;
+                return finish(k, &ins, out);
+            }
+            let wt = dense(1);
             kernels::conv2d(
                 &x,
                 [*n, *c, *h, *w],
@@ -627,9 +776,14 @@ fn dispatch(
             pad(&x, &ins[0].0.shape, pads, *value, &k.output.shape, out);
         }
     }
+    finish(k, &ins, out)
+}
+
+/// Runs a kernel's epilogue (or a whole elementwise kernel) over `out`.
+fn finish(k: &Kernel, ins: &[(&View, &[f32])], out: &mut [f32]) -> Result<(), CpuError> {
     if let Some(e) = &k.epilogue {
         let has_acc = !matches!(k.kind, KernelKind::Elementwise);
-        apply_expr(e, &ins, out, has_acc);
+        apply_expr(e, ins, out, has_acc);
     }
     Ok(())
 }
