@@ -499,6 +499,38 @@ impl PackedB {
         };
     }
 
+    /// [`PackedB::repack`] from a matrix given row by row: `row(p, dst)`
+    /// fills row `p` (`n` values). Two rows at a time are made and
+    /// interleaved straight into tile order, so a convolution's im2col
+    /// patches never exist as a whole f32 matrix.
+    pub fn repack_rows(&mut self, k: usize, n: usize, mut row: impl FnMut(usize, &mut [f32])) {
+        let (nt, kt) = (tiles(n, TR), k.div_ceil(TK).max(1));
+        let mut lines = std::mem::take(&mut self.lines);
+        lines.clear();
+        lines.resize(nt * kt * TR, ZERO_LINE);
+        let (mut even, mut odd) = (vec![0f32; n], vec![0f32; n]);
+        for p in (0..k).step_by(2) {
+            row(p, &mut even);
+            if p + 1 < k {
+                row(p + 1, &mut odd);
+            } else {
+                odd.fill(0.0);
+            }
+            let (kb, r) = (p / TK, (p % TK) / 2);
+            for (tj, (e, o)) in even.chunks(TR).zip(odd.chunks(TR)).enumerate() {
+                let line = &mut lines[(tj * kt + kb) * TR + r].0;
+                interleave(e, o, &mut line[..2 * e.len()]);
+            }
+        }
+        *self = PackedB {
+            k,
+            n,
+            nt,
+            kt,
+            lines,
+        };
+    }
+
     /// Columns of the matrix.
     pub fn cols(&self) -> usize {
         self.n

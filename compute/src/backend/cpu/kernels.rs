@@ -1144,25 +1144,12 @@ fn conv2d_with(
         |(col, prod, packed_col): &mut (Vec<f32>, Vec<f32>, amx::PackedB), tile| {
             let (b, g) = (tile.job / groups, tile.job % groups);
             let cols = tile.cols;
-            col.resize(kk * cols, 0.0);
             prod.resize(og * cols, 0.0);
             let xg = &x[(b * c + g * cg) * plane..(b * c + (g + 1) * cg) * plane];
-            geom.im2col(xg, tile.p0, cols, &mut col[..kk * cols], !outer);
-            let patches = Operand {
-                data: &col[..kk * cols],
-                offset: 0,
-                rs: cols,
-                cs: 1,
-            };
             let prod = &mut prod[..og * cols];
             if let Some(packed) = &packed {
-                let src = amx::Src {
-                    data: patches.data,
-                    offset: 0,
-                    rs: cols,
-                    cs: 1,
-                };
-                packed_col.repack(src, kk, cols, !outer);
+                // im2col rows straight into tile order, two at a time.
+                packed_col.repack_rows(kk, cols, |r, dst| geom.im2col_row(xg, r, tile.p0, dst));
                 let a = &packed[g];
                 amx::gemm(
                     amx::Lhs::Packed(a, 0..a.blocks()),
@@ -1174,6 +1161,14 @@ fn conv2d_with(
                 )
                 .map_err(&amx_err)?;
             } else {
+                col.resize(kk * cols, 0.0);
+                geom.im2col(xg, tile.p0, cols, &mut col[..kk * cols], !outer);
+                let patches = Operand {
+                    data: &col[..kk * cols],
+                    offset: 0,
+                    rs: cols,
+                    cs: 1,
+                };
                 gemm_auto(
                     OP,
                     og,
