@@ -268,6 +268,29 @@ fn bf16_rounding_is_nearest_even() {
         assert_eq!(amx::bf16(x), bits, "{x}");
     }
     assert!(amx::bf16_to_f32(amx::bf16(f32::NAN)).is_nan());
+    // The vectorised conversion the packing uses agrees bit for bit, on
+    // ties, infinities, NaNs, subnormals and a ragged tail.
+    let mut values = vec![
+        1.0 + 2f32.powi(-8),
+        1.0 + 3.0 * 2f32.powi(-8),
+        -(1.0 + 2f32.powi(-8)),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::MAX,
+        f32::MIN_POSITIVE / 3.0,
+        -0.0,
+    ];
+    values.extend(random(11, 40).iter().map(|v| v * 1e3));
+    let mut got = vec![0u16; values.len()];
+    amx::to_bf16(&values, &mut got);
+    for (v, g) in values.iter().zip(&got) {
+        let want = amx::bf16(*v);
+        assert!(
+            *g == want || (v.is_nan() && amx::bf16_to_f32(*g).is_nan()),
+            "{v}: {g:#06x} vs {want:#06x}"
+        );
+    }
 }
 
 /// The bf16 paths on SD-like shapes: bands over threads, a weight shared

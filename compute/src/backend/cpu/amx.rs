@@ -105,6 +105,12 @@ pub fn bf16_to_f32(x: u16) -> f32 {
     f32::from_bits(u32::from(x) << 16)
 }
 
+/// `dst[i] = bf16(src[i])` for the common length, vectorised where the
+/// packing code is (what tests compare against [`bf16`]).
+pub fn to_bf16(src: &[f32], dst: &mut [u16]) {
+    convert(src, dst)
+}
+
 /// `dst[i] = bf16(src[i])`.
 #[inline]
 fn convert(src: &[f32], dst: &mut [u16]) {
@@ -148,24 +154,74 @@ fn vector_ok() -> bool {
     }
 }
 
+/// 16 f32 → their bf16 patterns (nearest even, NaN quieted) in the high
+/// halves of 32-bit lanes, low halves zero: [`bf16`] on 16 lanes.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn convert_avx512(src: &[f32], dst: &mut [u16]) {
-    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = bf16(s));
+#[target_feature(enable = "avx512f")]
+unsafe fn bf16_high(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let b = _mm512_castps_si512(x);
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+    let quiet = _mm512_or_si512(b, _mm512_set1_epi32(0x0040_0000));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+    let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+    _mm512_and_si512(r, _mm512_set1_epi32(0xffff_0000_u32 as i32))
+}
+
+/// Loads up to 16 f32 (zeros past the end of `x`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn load16(x: &[f32]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let n = x.len().min(16);
+    let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+    // SAFETY: the mask limits the load to the first n elements, all in x.
+    _mm512_maskz_loadu_ps(mask, x.as_ptr())
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f")]
+unsafe fn convert_avx512(src: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    for (s, d) in src.chunks(16).zip(dst.chunks_mut(16)) {
+        // The high halves shifted down, narrowed to 16 bits per lane.
+        let v = _mm512_srli_epi32::<16>(bf16_high(load16(s)));
+        let packed = _mm512_cvtepi32_epi16(v);
+        if d.len() == 16 {
+            // SAFETY: d holds 16 u16 (32 bytes).
+            _mm256_storeu_si256(d.as_mut_ptr().cast(), packed);
+        } else {
+            let mut buf = [0u16; 16];
+            // SAFETY: buf holds 16 u16.
+            _mm256_storeu_si256(buf.as_mut_ptr().cast(), packed);
+            d.copy_from_slice(&buf[..d.len()]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
 unsafe fn interleave_avx512(even: &[f32], odd: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
     // As u32 words (little-endian): the even row's bf16 low, the odd high.
-    let n = dst.len() / 2;
-    for ((d, &e), &o) in dst[..2 * n]
-        .chunks_exact_mut(2)
-        .zip(&even[..n])
-        .zip(&odd[..n])
-    {
-        d[0] = bf16(e);
-        d[1] = bf16(o);
+    let n = (dst.len() / 2).min(even.len()).min(odd.len());
+    for (i, d) in dst[..2 * n].chunks_mut(32).enumerate() {
+        let cols = d.len() / 2;
+        let (e, o) = (&even[16 * i..][..cols], &odd[16 * i..][..cols]);
+        let lo = _mm512_srli_epi32::<16>(bf16_high(load16(e)));
+        let words = _mm512_or_si512(lo, bf16_high(load16(o)));
+        if cols == 16 {
+            // SAFETY: d holds 32 u16 (64 bytes).
+            _mm512_storeu_si512(d.as_mut_ptr().cast(), words);
+        } else {
+            let mut buf = [0u16; 32];
+            // SAFETY: buf holds 32 u16.
+            _mm512_storeu_si512(buf.as_mut_ptr().cast(), words);
+            d.copy_from_slice(&buf[..d.len()]);
+        }
     }
 }
 
@@ -605,6 +661,8 @@ pub enum Lhs<'a> {
 }
 
 thread_local! {
+    /// Whether this thread has loaded the tile configuration.
+    static TILES_CONFIGURED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// A's current 32-row block for [`Lhs::Rows`], kept between calls so
     /// the pages are not faulted in again.
     static A_BLOCK: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -672,10 +730,17 @@ pub fn gemm(
             Lhs::Rows(..) => b.nt,
         };
         let mut c = [0f32; BLOCK * BLOCK];
-        let cfg = TileConfig::full();
-        // SAFETY: the CPU has AMX and the process may use it
-        // (`available`); the configuration is a valid palette-1 layout.
-        unsafe { load_config(&cfg) };
+        // The tile configuration is per thread and loading it (and
+        // releasing the tiles after) costs microseconds, which small
+        // products (attention's blocks) would pay on every call; so each
+        // thread loads it once and keeps it. Nothing else in the process
+        // uses the tile registers.
+        if !TILES_CONFIGURED.get() {
+            // SAFETY: the CPU has AMX and the process may use it
+            // (`available`); the configuration is a valid palette-1 layout.
+            unsafe { load_config(&TileConfig::full()) };
+            TILES_CONFIGURED.set(true);
+        }
         for nt0 in (0..b.nt).step_by(panel) {
             for mb in blocks.clone() {
                 // A's two row tiles of this block, kt tiles each.
@@ -707,8 +772,6 @@ pub fn gemm(
                 }
             }
         }
-        // SAFETY: releases the tile state loaded above.
-        unsafe { release() };
     });
     Ok(())
 }
@@ -749,13 +812,6 @@ unsafe fn store_row_avx512(d: &mut [f32], c: &[f32], accumulate: bool, scale: f3
 #[cfg(target_arch = "x86_64")]
 unsafe fn load_config(cfg: &TileConfig) {
     std::arch::asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
-}
-
-/// # Safety
-/// AMX must be available and enabled for the process.
-#[cfg(target_arch = "x86_64")]
-unsafe fn release() {
-    std::arch::asm!("tilerelease", options(nostack, nomem));
 }
 
 /// One 32 × 32 block: `c = Σ_kb A(0..2, kb) · B(kb, 0..2)`.
@@ -817,7 +873,5 @@ unsafe fn block(a: *const Line, b: *const Line, kt: usize, c: *mut f32) {
 
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn load_config(_: &TileConfig) {}
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn release() {}
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn block(_: *const Line, _: *const Line, _: usize, _: *mut f32) {}
