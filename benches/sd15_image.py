@@ -1,9 +1,11 @@
 """Whole-image benchmark: SD1.5 txt2img, 512x512, 20 euler steps, CFG, on
-the CPU — sdkit (`sdkit run --device cpu`, release build) beside ComfyUI's
-own nodes on the same workflow and the same random-weight checkpoint, in
-the same run. Prints both wall times, the ratio, and how far the two images
-are apart (they should be equal up to float rounding: the same seed gives
-the same image).
+the CPU — sdkit (`sdkit run --device cpu`, release build, with
+`--precision f32` and with `--precision auto`: bf16 products where the CPU
+has AMX) beside ComfyUI's own nodes on the same workflow and the same
+random-weight checkpoint, in the same run, each in its own process. Prints
+wall times (process start to image), peak RSS, the ratios, and how far the
+images are apart (f32 should equal ComfyUI's up to float rounding: the same
+seed gives the same image; bf16 is compared with both).
 
 The checkpoint is full-size SD1.5 in the real single-file layout (keys and
 shapes from ComfyUI's UNetModel / AutoencoderKL / CLIPTextModel with SD1.5's
@@ -69,10 +71,20 @@ def sd15_keys(torch):
     return keys
 
 
+def wait_rss(proc):
+    """Waits for a child; its peak RSS in GiB."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"{proc.args} failed: {proc.returncode}")
+    return usage.ru_maxrss / 2**20
+
+
 def main():
     steps = 20
     if "--steps" in sys.argv:
         steps = int(sys.argv[sys.argv.index("--steps") + 1])
+    argv = list(sys.argv)
     ref = reference_module()
     sys.meta_path.insert(0, ref._StubFinder())
     sys.path.insert(0, ref.COMFY)
@@ -108,24 +120,45 @@ def main():
     for f in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
         if f.startswith("bench_"):
             os.remove(os.path.join(out_dir, f))
-    exe = os.path.join(ROOT, "target", "release", "sdkit")
-    t = time.perf_counter()
-    subprocess.run([exe, "run", "-q", "--device", "cpu", graph, "--base-dir", BENCH], check=True)
-    t_sdkit = time.perf_counter() - t
-
-    t = time.perf_counter()
-    saved, _ = ref.run_workflow(prompt, nodes, torch)
-    t_comfy = time.perf_counter() - t
+    if "--comfy-child" in argv:
+        saved, _ = ref.run_workflow(prompt, nodes, torch)
+        np.save(os.path.join(BENCH, "comfy.npy"), saved[0][0].float().numpy())
+        return
 
     from PIL import Image
-    ours = np.asarray(Image.open(os.path.join(out_dir, "bench_00001_.png")).convert("RGB"))
-    theirs = np.clip(255.0 * saved[0][0].float().numpy(), 0, 255).astype(np.uint8)
-    diff = np.abs(ours.astype(int) - theirs.astype(int))
-    print(f"SD1.5 txt2img 512x512, {steps} euler steps, CFG 8, CPU ({torch.get_num_threads()} threads)")
-    print(f"sdkit   {t_sdkit:8.1f} s (process start to PNG written, weights loaded from disk)")
-    print(f"ComfyUI {t_comfy:8.1f} s (its nodes in-process: load, encode, sample, decode)")
-    print(f"sdkit/ComfyUI time {t_sdkit / t_comfy:.2f}x; image max diff {diff.max()}/255, "
-          f"mean {diff.mean():.4f}, {np.count_nonzero(diff)} of {diff.size} values differ")
+
+    exe = os.path.join(ROOT, "target", "release", "sdkit")
+    runs = {}
+    for precision in ("f32", "auto"):
+        t = time.perf_counter()
+        proc = subprocess.Popen([exe, "run", "-q", "--device", "cpu", "--precision", precision,
+                                 graph, "--base-dir", BENCH])
+        rss = wait_rss(proc)
+        secs = time.perf_counter() - t
+        img = np.asarray(Image.open(os.path.join(out_dir, "bench_00001_.png")).convert("RGB"))
+        os.remove(os.path.join(out_dir, "bench_00001_.png"))
+        runs[precision] = (secs, rss, img)
+
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--steps", str(steps),
+                             "--comfy-child"])
+    rss_comfy = wait_rss(proc)
+    t_comfy = time.perf_counter() - t
+    theirs = np.clip(255.0 * np.load(os.path.join(BENCH, "comfy.npy")), 0, 255).astype(np.uint8)
+    size = os.path.getsize(ckpt) / 2**30
+
+    def diff(a, b):
+        d = np.abs(a.astype(int) - b.astype(int))
+        return f"max {d.max()}/255, mean {d.mean():.4f}, {np.count_nonzero(d)} of {d.size} differ"
+
+    print(f"SD1.5 txt2img 512x512, {steps} euler steps, CFG 8, CPU ({torch.get_num_threads()} threads), "
+          f"checkpoint {size:.2f} GiB")
+    print(f"ComfyUI      {t_comfy:8.1f} s, peak RSS {rss_comfy:5.2f} GiB "
+          f"(its nodes in a fresh process: load, encode, sample, decode)")
+    for precision, (secs, rss, img) in runs.items():
+        print(f"sdkit {precision:<6} {secs:8.1f} s, peak RSS {rss:5.2f} GiB ({rss / size:.2f}x the file); "
+              f"{secs / t_comfy:.2f}x ComfyUI's time; vs ComfyUI's image: {diff(img, theirs)}")
+    print(f"sdkit auto vs f32 image: {diff(runs['auto'][2], runs['f32'][2])}")
 
 
 if __name__ == "__main__":
