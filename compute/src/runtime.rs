@@ -243,7 +243,11 @@ impl Runtime {
     /// Runs a program once.
     pub fn run(&self, prog: &Program, bind: &Bindings) -> Result<Vec<Array>, RuntimeError> {
         match &self.device {
-            Device::Cpu(p) => Ok(cpu::run_with(prog, bind, *p)?),
+            Device::Cpu(p) => {
+                let out = cpu::run_with(prog, bind, *p);
+                bind.release_pages();
+                Ok(out?)
+            }
             Device::Wgpu(b) => Ok(b.run(prog, bind)?),
         }
     }
@@ -369,6 +373,17 @@ fn gpu_device_nodes() -> bool {
         || std::path::Path::new("/dev/kfd").exists()
 }
 
+impl Bindings {
+    /// Lets the OS drop the file pages of the weights left in their file
+    /// (see [`crate::weights::SafeTensors::release_pages`]): a model use
+    /// calls it when done, so memory holds one model's pages at a time.
+    pub fn release_pages(&self) {
+        for w in self.stored.values() {
+            w.release_pages();
+        }
+    }
+}
+
 /// A program with its weights bound, run with fresh inputs each time.
 pub enum Session<'a> {
     Cpu {
@@ -384,6 +399,16 @@ pub enum Session<'a> {
         /// Times the device ran out of memory and the use was re-planned.
         replans: u32,
     },
+}
+
+/// A CPU session's weights are read from the mapped file every step; when
+/// it ends, their pages are let go.
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        if let Session::Cpu { bind, .. } = self {
+            bind.release_pages();
+        }
+    }
 }
 
 impl Session<'_> {

@@ -573,6 +573,38 @@ impl SafeTensors {
         Ok(decode_f32(info.dtype, self.raw_of(info)?))
     }
 
+    /// Lets the OS drop this tensor's pages of the mapped file from the
+    /// process (whole pages inside its byte range): they stay in the page
+    /// cache and are read back on the next access. A model use calls it when
+    /// done with a weight, so a workflow's peak memory is its largest use,
+    /// not the sum of every model it touched. Does nothing for files held
+    /// in memory, or where the OS refuses.
+    pub fn release_pages(&self, name: &str) {
+        let (Backing::Mapped(map), Some(info)) = (&self.backing, self.get(name)) else {
+            return;
+        };
+        const PAGE: usize = 4096;
+        let r = &info.byte_range;
+        let (start, end) = (r.start.next_multiple_of(PAGE), r.end / PAGE * PAGE);
+        if end <= start || end > map.len() {
+            return;
+        }
+        // SAFETY: MADV_DONTNEED is unsafe in general because on private or
+        // writable mappings it discards data (pages come back zeroed or
+        // re-read). This mapping is read-only and shared with the file
+        // (`Mmap::map`), so dropped pages hold nothing but the file's
+        // contents and are faulted back in from it unchanged; no reference
+        // into them can observe a difference (the soundness argument of
+        // mapping the file at all, above, covers outside changes).
+        #[allow(unsafe_code)]
+        let result = unsafe {
+            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
+        if let Err(e) = result {
+            tracing::debug!("{}: releasing pages of {name}: {e}", self.path.display());
+        }
+    }
+
     /// Size estimate for planning: see [`Memory`].
     pub fn memory(&self) -> Memory {
         Memory::of(self.tensors.values())

@@ -94,6 +94,12 @@ impl StoredWeight {
         Ok(self.finish(self.file.to_f32(&self.key)?))
     }
 
+    /// Drops this tensor's file pages from the process (see
+    /// [`SafeTensors::release_pages`]).
+    pub fn release_pages(&self) {
+        self.file.release_pages(&self.key)
+    }
+
     /// Elements `[start, start + len)` in f32, the rest left unread.
     pub fn range_f32(&self, start: usize, len: usize) -> Result<Vec<f32>, WeightError> {
         let size = self.dtype.size_bytes();

@@ -226,6 +226,7 @@ pub fn run_with(
                     }
                 }
                 let t = profile.then(std::time::Instant::now);
+                let newly_packed = key.is_some() && packed.is_none();
                 let pack = key.as_deref().map(|key| (key, &bind.packed, packed));
                 dispatch(
                     prog,
@@ -236,6 +237,12 @@ pub fn run_with(
                     products,
                     pack,
                 )?;
+                if newly_packed {
+                    // The packed copy stands in for the file from now on.
+                    if let Some((_, w)) = stored.get(&k.inputs[1].buffer.0) {
+                        w.release_pages();
+                    }
+                }
                 for v in &k.inputs {
                     let b = v.buffer.0;
                     if stored.contains_key(&b) && last_read.get(&b) == Some(&(kernel.0 as usize)) {
