@@ -121,20 +121,30 @@ def main():
         if f.startswith("bench_"):
             os.remove(os.path.join(out_dir, f))
     if "--comfy-child" in argv:
-        saved, _ = ref.run_workflow(prompt, nodes, torch)
+        times = {}
+        saved, _ = ref.run_workflow(prompt, nodes, torch, times)
         np.save(os.path.join(BENCH, "comfy.npy"), saved[0][0].float().numpy())
+        with open(os.path.join(BENCH, "comfy_times.json"), "w") as f:
+            json.dump(times, f)
         return
 
     from PIL import Image
 
     exe = os.path.join(ROOT, "target", "release", "sdkit")
-    runs = {}
+    runs, stages = {}, {}
     for precision in ("f32", "auto"):
         t = time.perf_counter()
-        proc = subprocess.Popen([exe, "run", "-q", "--device", "cpu", "--precision", precision,
-                                 graph, "--base-dir", BENCH])
+        # Without -q it names each node as it starts: stage times.
+        proc = subprocess.Popen([exe, "run", "--device", "cpu", "--precision", precision,
+                                 graph, "--base-dir", BENCH], stderr=subprocess.PIPE, text=True)
+        starts = []
+        for line in proc.stderr:
+            if line.startswith("executing "):
+                starts.append((line.split()[1], time.perf_counter()))
         rss = wait_rss(proc)
         secs = time.perf_counter() - t
+        ends = [s for _, s in starts[1:]] + [time.perf_counter()]
+        stages[precision] = {n: e - s for (n, s), e in zip(starts, ends)}
         img = np.asarray(Image.open(os.path.join(out_dir, "bench_00001_.png")).convert("RGB"))
         os.remove(os.path.join(out_dir, "bench_00001_.png"))
         runs[precision] = (secs, rss, img)
@@ -159,6 +169,14 @@ def main():
         print(f"sdkit {precision:<6} {secs:8.1f} s, peak RSS {rss:5.2f} GiB ({rss / size:.2f}x the file); "
               f"{secs / t_comfy:.2f}x ComfyUI's time; vs ComfyUI's image: {diff(img, theirs)}")
     print(f"sdkit auto vs f32 image: {diff(runs['auto'][2], runs['f32'][2])}")
+    with open(os.path.join(BENCH, "comfy_times.json")) as f:
+        comfy_stages = json.load(f)
+    for nid, name in (("3", "KSampler"), ("8", "VAEDecode")):
+        row = f"{name:<10} ComfyUI {comfy_stages.get(nid, float('nan')):6.1f} s"
+        for precision in ("f32", "auto"):
+            ours = stages[precision].get(nid, float("nan"))
+            row += f", sdkit {precision} {ours:6.1f} s ({ours / comfy_stages.get(nid, float('nan')):.2f}x)"
+        print(row)
 
 
 if __name__ == "__main__":

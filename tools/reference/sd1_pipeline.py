@@ -245,10 +245,12 @@ def install_perturbation(torch):
     comfy.sample.prepare_noise = perturbed_noise
 
 
-def run_workflow(prompt, nodes, torch):
+def run_workflow(prompt, nodes, torch, times=None):
     """ComfyUI's execution, reduced to what these graphs need: inputs
     resolved depth-first, each node's FUNCTION called once, SaveImage
-    SaveLatent captured instead of written."""
+    SaveLatent captured instead of written. `times`, if given, receives
+    each node's own seconds (its inputs are computed before it starts)."""
+    import time
     results, saved, latents = {}, [], []
     import comfy_extras.nodes_custom_sampler as custom
     import comfy_extras.nodes_model_advanced as advanced
@@ -274,8 +276,11 @@ def run_workflow(prompt, nodes, torch):
                 obj = cls()
                 # ComfyUI's executor runs nodes in inference mode (the tiled
                 # VAE code updates inference tensors in place).
+                start = time.perf_counter()
                 with torch.inference_mode():
                     results[nid] = getattr(obj, cls.FUNCTION)(**kwargs)
+                if times is not None:
+                    times[nid] = time.perf_counter() - start
         return results[nid]
 
     for nid in prompt:
