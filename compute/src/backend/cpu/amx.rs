@@ -354,6 +354,73 @@ unsafe fn exp_sum_avx512(row: &mut [f32], shift: f32) -> f32 {
     _mm512_reduce_add_ps(acc) + tail
 }
 
+/// `x = 0.5·x·(1 + erf(x/√2))` (GELU, erf form) in place where AVX-512
+/// is, returning whether it did; otherwise the caller runs its own loop.
+///
+/// 1 + erf(x/√2) is 2 − erfc(z) or erfc(z), z = |x|/√2, with erfc from
+/// Numerical Recipes' fit `t·e^(−z² + P(t))`, t = 1/(1 + z/2), whose
+/// relative error is below 1.2e-7 everywhere (so also where GELU's value is
+/// tiny, for x ≪ 0). The reference erf sums an f64 series per value, about
+/// 100 ns each; GEGLU layers spent ~0.5 s of a UNet step in it.
+pub fn gelu_erf(x: &mut [f32]) -> bool {
+    if !vector_ok() {
+        return false;
+    }
+    // SAFETY: the CPU has AVX-512 F (`vector_ok`).
+    unsafe { gelu_erf_avx512(x) };
+    true
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gelu16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let s = _mm512_set1_ps;
+    let z = _mm512_mul_ps(_mm512_abs_ps(x), s(std::f32::consts::FRAC_1_SQRT_2));
+    let t = _mm512_div_ps(s(1.0), _mm512_fmadd_ps(z, s(0.5), s(1.0)));
+    let mut p = s(0.170_872_77);
+    for c in [
+        -0.822_152_23,
+        1.488_515_9,
+        -1.135_204,
+        0.278_868_07,
+        -0.186_288_06,
+        0.096_784_18,
+        0.374_091_96,
+        1.000_023_7,
+        -1.265_512_2,
+    ] {
+        p = _mm512_fmadd_ps(p, t, s(c));
+    }
+    // erfc(z) = t·e^(p − z²)
+    let c = _mm512_mul_ps(t, exp16(_mm512_fnmadd_ps(z, z, p)));
+    let neg = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_setzero_ps());
+    let one_plus_erf = _mm512_mask_blend_ps(neg, _mm512_sub_ps(s(2.0), c), c);
+    _mm512_mul_ps(_mm512_mul_ps(s(0.5), x), one_plus_erf)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gelu_erf_avx512(x: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut chunks = x.chunks_exact_mut(16);
+    for c in &mut chunks {
+        // SAFETY: `c` holds 16 f32; unaligned loads and stores are allowed.
+        _mm512_storeu_ps(c.as_mut_ptr(), gelu16(_mm512_loadu_ps(c.as_ptr())));
+    }
+    let rest = chunks.into_remainder();
+    if !rest.is_empty() {
+        let mut buf = [0f32; 16];
+        buf[..rest.len()].copy_from_slice(rest);
+        // SAFETY: buf holds 16 f32.
+        _mm512_storeu_ps(buf.as_mut_ptr(), gelu16(_mm512_loadu_ps(buf.as_ptr())));
+        rest.copy_from_slice(&buf[..rest.len()]);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn gelu_erf_avx512(_: &mut [f32]) {}
+
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn max_avx512(row: &[f32]) -> f32 {
     row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))

@@ -421,6 +421,7 @@ fn unary_slice(op: UnaryOp, x: &mut [f32]) {
         UnaryOp::Recip => each!(|v: f32| 1.0 / v),
         UnaryOp::Sqrt => each!(f32::sqrt),
         UnaryOp::Silu => each!(|v: f32| v / (1.0 + (-v).exp())),
+        UnaryOp::GeluErf if super::amx::gelu_erf(x) => {}
         op => each!(|v| unary(op, v)),
     }
 }
