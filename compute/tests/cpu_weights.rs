@@ -90,6 +90,35 @@ fn resblock_runs_on_bf16_checkpoint_weights() {
     let again = cpu::run(&prog, &lazy).expect("runs from the file");
     assert_eq!(again[0].data, got[0].data);
 
+    // Letting the file's pages go loses nothing: they are read back.
+    lazy.release_pages();
+    let after = cpu::run(&prog, &lazy).expect("runs after releasing pages");
+    assert_eq!(after[0].data, got[0].data);
+
+    // bf16 products (AMX): the first run packs the convolution weights
+    // into the bindings' cache (and lets their pages go), the next reads
+    // the packed copies: the same result bit for bit, near the f32 one.
+    if cpu::amx::available() {
+        let first = cpu::run_with(&prog, &lazy, cpu::Products::Bf16).expect("bf16 run");
+        assert!(lazy.packed.bytes() > 0, "no weight was packed");
+        let second = cpu::run_with(&prog, &lazy, cpu::Products::Bf16).expect("bf16 again");
+        assert_eq!(first[0].data, second[0].data);
+        let (a, b) = (&first[0].data, &got[0].data);
+        let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+        let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+        assert!(num / den < 1e-4, "bf16 nmse {}", num / den);
+        assert!(
+            num > 0.0,
+            "bf16 run gave the f32 result: products stayed f32"
+        );
+    } else {
+        assert!(
+            std::env::var_os("SDKIT_REQUIRE_AMX").is_none(),
+            "SDKIT_REQUIRE_AMX is set but AMX tiles are not available"
+        );
+        eprintln!("skipping the bf16 part: no AMX tiles here");
+    }
+
     // A missing weight is a clear error naming it.
     let empty = WeightStore::new();
     let err = cpu::Bindings::default()
