@@ -238,26 +238,40 @@ unsafe fn interleave_avx512(even: &[f32], odd: &[f32], dst: &mut [u16]) {
     }
 }
 
-/// Adds `mask` (when given, as long as `row`) to `row` and returns the
-/// row's largest value (NaNs ignored; `-inf` for an empty or all-`-inf`
-/// row): the first half of an online-softmax step on the bf16 attention
-/// path, vectorised with AVX-512 (the compiler does not vectorise it).
-pub fn add_max(row: &mut [f32], mask: Option<&[f32]>) -> f32 {
-    if let Some(m) = mask {
-        row.iter_mut().zip(m).for_each(|(s, m)| *s += m);
+/// The first half of an online-softmax step on the bf16 attention path,
+/// for raw scores `row` that are to be `row·scale + mask`: returns the
+/// largest of those (NaNs ignored; `-inf` for an empty or all-`-inf` row)
+/// and the factor [`exp_sum_into`] must still apply to `row`. Without a
+/// mask and with `scale > 0` the row is left raw (max(row)·scale is the
+/// max of the scaled row; the exponentials fold the scale in for free);
+/// otherwise it is scaled and masked in place and the factor is 1. The max
+/// is vectorised with AVX-512 (the compiler does not vectorise it).
+pub fn scaled_max(row: &mut [f32], scale: f32, mask: Option<&[f32]>) -> (f32, f32) {
+    let fold = mask.is_none() && scale > 0.0;
+    if !fold {
+        match mask {
+            Some(m) => row.iter_mut().zip(m).for_each(|(s, m)| *s = *s * scale + m),
+            None => row.iter_mut().for_each(|s| *s *= scale),
+        }
     }
-    if vector_ok() {
+    let max = if vector_ok() {
         // SAFETY: the CPU has AVX-512 F (`vector_ok`).
         unsafe { max_avx512(row) }
     } else {
         row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    };
+    if fold {
+        (max * scale, scale)
+    } else {
+        (max, 1.0)
     }
 }
 
 /// `row[i] = e^(row[i] - shift)` in place; returns Σ of the new values.
 /// The same approximation as the kernels' `exp_approx` (Cephes' minimax
-/// polynomial, within ~2 ulp; 0 below -86; NaN stays NaN), evaluated with
-/// FMAs, 16 lanes at a time.
+/// polynomial, within ~2 ulp; NaN stays NaN), evaluated with FMAs, 16
+/// lanes at a time, where AVX-512 is; below -86 it gives e^-86 (~4e-38)
+/// there rather than 0.
 pub fn exp_sum(row: &mut [f32], shift: f32) -> f32 {
     if vector_ok() {
         // SAFETY: the CPU has AVX-512 F (`vector_ok`).
@@ -270,6 +284,64 @@ pub fn exp_sum(row: &mut [f32], shift: f32) -> f32 {
             })
             .sum()
     }
+}
+
+/// `e^(row·scale − shift)` (as [`exp_sum`]) rounded to bf16 into row `i`
+/// of `p` (a [`PackedA::reset`] matrix as wide as `row`): the softmax
+/// numerators of the bf16 attention, ready to multiply the values without
+/// another pass. Returns Σ of the f32 values.
+pub fn exp_sum_into(row: &[f32], scale: f32, shift: f32, p: &mut PackedA, i: usize) -> f32 {
+    if vector_ok() {
+        // SAFETY: the CPU has AVX-512 F (`vector_ok`).
+        return unsafe { exp_sum_into_avx512(row, scale, shift, p.row_lines(i)) };
+    }
+    let mut sum = 0.0;
+    let mut buf = [0f32; TK];
+    for (chunk, line) in row.chunks(TK).zip(p.row_lines(i)) {
+        for (b, &v) in buf.iter_mut().zip(chunk) {
+            *b = super::kernels::exp_approx(v * scale - shift);
+            sum += *b;
+        }
+        convert(&buf[..chunk.len()], &mut line.0[..chunk.len()]);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sum_into_avx512<'a>(
+    row: &[f32],
+    scale: f32,
+    shift: f32,
+    lines: impl Iterator<Item = &'a mut Line>,
+) -> f32 {
+    use std::arch::x86_64::*;
+    let (sc, sh) = (_mm512_set1_ps(scale), _mm512_set1_ps(shift));
+    let mut acc = _mm512_setzero_ps();
+    for (chunk, line) in row.chunks(TK).zip(lines) {
+        for (h, part) in chunk.chunks(16).enumerate() {
+            let n = part.len();
+            let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+            // Lanes past the row's end are zero and stay out of the sum.
+            let e = _mm512_maskz_mov_ps(mask, exp16(_mm512_fmsub_ps(load16(part), sc, sh)));
+            acc = _mm512_add_ps(acc, e);
+            let bf = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(bf16_high(e)));
+            // SAFETY: the line half holds 16 u16 (32 bytes); zero lanes
+            // past the row's end keep the padding zero.
+            _mm256_storeu_si256(line.0[16 * h..].as_mut_ptr().cast(), bf);
+        }
+    }
+    _mm512_reduce_add_ps(acc)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn exp_sum_into_avx512<'a>(
+    _: &[f32],
+    _: f32,
+    _: f32,
+    _: impl Iterator<Item = &'a mut Line>,
+) -> f32 {
+    0.0
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -290,12 +362,16 @@ unsafe fn max_avx512(row: &[f32]) -> f32 {
         .fold(_mm512_reduce_max_ps(acc), |a, &b| a.max(b))
 }
 
+/// e^x on 16 lanes, for x ≤ 88 (every caller passes x ≤ 0): the kernels'
+/// `exp_approx` with FMAs, except that below -86 it gives e^-86 (~4e-38)
+/// rather than 0, a weight too small to count; NaN stays NaN.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     let s = _mm512_set1_ps;
-    let xc = _mm512_min_ps(_mm512_max_ps(x, s(-86.0)), s(88.0));
+    // max(-86, x) returns x where x is NaN, so NaN flows through.
+    let xc = _mm512_max_ps(s(-86.0), x);
     // Round x·log2(e) to the integer n (kept in t's low mantissa bits).
     let t = _mm512_fmadd_ps(xc, s(std::f32::consts::LOG2_E), s(12_582_912.0));
     let n = _mm512_sub_ps(t, s(12_582_912.0));
@@ -317,11 +393,7 @@ unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
         ni,
         _mm512_set1_epi32(127),
     )));
-    let e = _mm512_mul_ps(er, pow2);
-    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, s(-86.0));
-    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
-    let e = _mm512_mask_blend_ps(under, e, _mm512_setzero_ps());
-    _mm512_mask_blend_ps(nan, e, x)
+    _mm512_mul_ps(er, pow2)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -515,6 +587,36 @@ impl PackedA {
                 .for_each(|(ti, b)| fill(ti, b));
         }
         PackedA { m, k, mt, lines }
+    }
+
+    /// An empty matrix, to [`PackedA::reset`].
+    pub fn empty() -> PackedA {
+        PackedA {
+            m: 0,
+            k: 0,
+            mt: 0,
+            lines: Vec::new(),
+        }
+    }
+
+    /// An `m × k` matrix of zeros, to fill row by row
+    /// ([`exp_sum_into`]); reuses this one's memory.
+    pub fn reset(&mut self, m: usize, k: usize) {
+        let (mt, kt) = (tiles(m, TR), k.div_ceil(TK).max(1));
+        self.lines.clear();
+        self.lines.resize(mt * kt * TR, ZERO_LINE);
+        (self.m, self.k, self.mt) = (m, k, mt);
+    }
+
+    /// Row `i` (< rows) as its k-chunks of 32: chunk `kb` is line
+    /// `(i/16 · kt + kb)·16 + i%16`.
+    fn row_lines(&mut self, i: usize) -> impl Iterator<Item = &mut Line> {
+        let kt = self.k.div_ceil(TK).max(1);
+        let (ti, r) = (i / TR, i % TR);
+        self.lines[ti * kt * TR..(ti + 1) * kt * TR]
+            .iter_mut()
+            .skip(r)
+            .step_by(TR)
     }
 
     /// Rows of the matrix.
@@ -826,12 +928,22 @@ pub fn gemm(
                 let bi = BLOCK.min(rows - i0);
                 for tj in (nt0..(nt0 + panel).min(b.nt)).step_by(2) {
                     let b_block = &b.lines[tj * kt * TR..(tj + 2) * kt * TR];
+                    let (a_ptr, b_ptr) = (a_block.as_ptr(), b_block.as_ptr());
+                    let j0 = tj * TR;
+                    let bj = BLOCK.min(n - j0);
+                    if !accumulate && scale == 1.0 && bi == BLOCK && bj == BLOCK {
+                        // A whole block that needs no epilogue: the tiles
+                        // go straight to the destination.
+                        let d = &mut dst[i0 * dst_rs + j0..(i0 + BLOCK - 1) * dst_rs + j0 + BLOCK];
+                        // SAFETY: as below, and `d` holds rows r < 32 of
+                        // 32 f32 at stride dst_rs (the slicing checked it).
+                        unsafe { block(a_ptr, b_ptr, kt, d.as_mut_ptr(), dst_rs) };
+                        continue;
+                    }
                     // SAFETY: both slices hold two runs of kt tiles (A's by
                     // construction; B's by the slicing above, nt being
                     // even); `c` holds 32 × 32 f32.
-                    unsafe { block(a_block.as_ptr(), b_block.as_ptr(), kt, c.as_mut_ptr()) };
-                    let j0 = tj * TR;
-                    let bj = BLOCK.min(n - j0);
+                    unsafe { block(a_ptr, b_ptr, kt, c.as_mut_ptr(), BLOCK) };
                     for (r, crow) in c.chunks(BLOCK).take(bi).enumerate() {
                         let d = &mut dst[(i0 + r) * dst_rs + j0..][..bj];
                         store_row(d, &crow[..bj], accumulate, scale);
@@ -881,14 +993,15 @@ unsafe fn load_config(cfg: &TileConfig) {
     std::arch::asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
 }
 
-/// One 32 × 32 block: `c = Σ_kb A(0..2, kb) · B(kb, 0..2)`.
+/// One 32 × 32 block: `c = Σ_kb A(0..2, kb) · B(kb, 0..2)`, row `r` of the
+/// block at `c + r·cs`.
 ///
 /// # Safety
 /// The tile configuration of [`TileConfig::full`] is loaded; `a` and `b`
 /// each point at `2 * kt` tiles (two runs of `kt` consecutive 1 KiB tiles),
-/// `kt >= 1`; `c` points at 32 × 32 f32 (row stride 128 bytes).
+/// `kt >= 1`; `c + r·cs .. c + r·cs + 32` is writable f32 for r < 32.
 #[cfg(target_arch = "x86_64")]
-unsafe fn block(a: *const Line, b: *const Line, kt: usize, c: *mut f32) {
+unsafe fn block(a: *const Line, b: *const Line, kt: usize, c: *mut f32, cs: usize) {
     // The second row tile of A (column tile of B) is kt tiles further.
     let run = kt * TR;
     // In a tile load `[base + index]`, the index register is the row
@@ -931,9 +1044,9 @@ unsafe fn block(a: *const Line, b: *const Line, kt: usize, c: *mut f32) {
         "tilestored [{c3} + {cs}*1], tmm3",
         c0 = in(reg) c,
         c1 = in(reg) c.add(TR),
-        c2 = in(reg) c.add(TR * BLOCK),
-        c3 = in(reg) c.add(TR * BLOCK + TR),
-        cs = in(reg) BLOCK * 4,
+        c2 = in(reg) c.add(TR * cs),
+        c3 = in(reg) c.add(TR * cs + TR),
+        cs = in(reg) cs * 4,
         options(nostack),
     );
 }
@@ -941,4 +1054,4 @@ unsafe fn block(a: *const Line, b: *const Line, kt: usize, c: *mut f32) {
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn load_config(_: &TileConfig) {}
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn block(_: *const Line, _: *const Line, _: usize, _: *mut f32) {}
+unsafe fn block(_: *const Line, _: *const Line, _: usize, _: *mut f32, _: usize) {}

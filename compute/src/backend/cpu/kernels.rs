@@ -1434,12 +1434,15 @@ fn attention_amx(
         })
         .collect();
     tasks.into_par_iter().try_for_each_init(
-        || OnlineSoftmax {
-            scores: vec![0.0; ATTN_QB * kb_max],
-            row_max: [0.0; ATTN_QB],
-            row_sum: [0.0; ATTN_QB],
+        || {
+            let state = OnlineSoftmax {
+                scores: vec![0.0; ATTN_QB * kb_max],
+                row_max: [0.0; ATTN_QB],
+                row_sum: [0.0; ATTN_QB],
+            };
+            (state, PackedA::empty())
         },
-        |state, (head, q0, acc)| {
+        |(state, p), (head, q0, acc)| {
             let rows = acc.len() / dv;
             acc.fill(0.0);
             state.row_max[..rows].fill(f32::NEG_INFINITY);
@@ -1457,18 +1460,22 @@ fn attention_amx(
             {
                 let (j0, kb) = (jb * kb_max, keys.cols());
                 let s = &mut state.scores[..rows * kb];
-                gemm(Lhs::Packed(&qa, 0..qa.blocks()), keys, s, kb, false, scale).map_err(&err)?;
+                // Raw scores: the scale is folded into the exponentials.
+                gemm(Lhs::Packed(&qa, 0..qa.blocks()), keys, s, kb, false, 1.0).map_err(&err)?;
                 // The online-softmax step of `online_softmax_step`, its
-                // loops in AVX-512 (amx::add_max, amx::exp_sum).
+                // loops in AVX-512 (amx::scaled_max, amx::exp_sum_into), the
+                // numerators going straight into bf16 tiles `p`.
+                p.reset(rows, kb);
                 for (i, srow) in s.chunks_mut(kb).enumerate() {
                     let mrow = mask.map(|m| &m[(q0 + i) * skv + j0..][..kb]);
-                    let new_max = state.row_max[i].max(amx::add_max(srow, mrow));
+                    let (max, row_scale) = amx::scaled_max(srow, scale, mrow);
+                    let new_max = state.row_max[i].max(max);
                     if new_max == f32::NEG_INFINITY {
-                        srow.fill(0.0); // every key so far is masked
-                        continue;
+                        continue; // every key so far is masked: p's row stays 0
                     }
                     let rescale = exp_approx(state.row_max[i] - new_max);
-                    state.row_sum[i] = state.row_sum[i] * rescale + amx::exp_sum(srow, new_max);
+                    let sum = amx::exp_sum_into(srow, row_scale, new_max, p, i);
+                    state.row_sum[i] = state.row_sum[i] * rescale + sum;
                     state.row_max[i] = new_max;
                     if rescale != 1.0 {
                         acc[i * dv..(i + 1) * dv]
@@ -1476,13 +1483,7 @@ fn attention_amx(
                             .for_each(|a| *a *= rescale);
                     }
                 }
-                let weights = Src {
-                    data: s,
-                    offset: 0,
-                    rs: kb,
-                    cs: 1,
-                };
-                gemm(Lhs::Rows(weights, rows, kb), values, acc, dv, true, 1.0).map_err(&err)?;
+                gemm(Lhs::Packed(p, 0..p.blocks()), values, acc, dv, true, 1.0).map_err(&err)?;
             }
             for (arow, &l) in acc.chunks_mut(dv).zip(state.row_sum.iter()) {
                 let inv = 1.0 / l;
