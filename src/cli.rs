@@ -311,7 +311,16 @@ pub fn main(cli: Cli) -> Result<i32> {
 fn devices_command(probe: Option<String>) -> Result<i32> {
     let list = sdkit_compute::backend::wgpu::adapters_with_tuning();
     let mut out = std::io::stdout().lock();
-    writeln!(out, "cpu: {} threads (always available)", rayon_threads())?;
+    let products = if sdkit_compute::backend::cpu::amx::available() {
+        "bf16 products on AMX tiles with --precision auto"
+    } else {
+        "f32 products"
+    };
+    writeln!(
+        out,
+        "cpu: {} threads, {products} (always available)",
+        rayon_threads()
+    )?;
     if list.is_empty() {
         writeln!(
             out,
