@@ -37,6 +37,8 @@ const TILE_BYTES: usize = TR * 64;
 /// Bytes of packed B worth keeping in L2 while 32-row blocks of A stream
 /// past it.
 const B_PANEL_BYTES: usize = 1 << 20;
+/// Packed A up to this size stays in L1 while B streams past it.
+const A_L1_BYTES: usize = 32 << 10;
 
 /// One 64-byte tile row, aligned so tile loads never split cache lines.
 #[derive(Clone, Copy)]
@@ -910,9 +912,46 @@ pub fn gemm(
             unsafe { load_config(&TileConfig::full()) };
             TILES_CONFIGURED.set(true);
         }
+        // One 32 × 32 block of the output from A's block `mb` (its two row
+        // tiles, kt tiles each) and B's column tiles `tj`, `tj + 1`.
+        let mut one = |mb: usize, tj: usize, a_block: &[Line]| {
+            let i0 = mb * BLOCK - first;
+            let bi = BLOCK.min(rows - i0);
+            let b_block = &b.lines[tj * kt * TR..(tj + 2) * kt * TR];
+            let (a_ptr, b_ptr) = (a_block.as_ptr(), b_block.as_ptr());
+            let j0 = tj * TR;
+            let bj = BLOCK.min(n - j0);
+            if !accumulate && scale == 1.0 && bi == BLOCK && bj == BLOCK {
+                // A whole block that needs no epilogue: the tiles go
+                // straight to the destination.
+                let d = &mut dst[i0 * dst_rs + j0..(i0 + BLOCK - 1) * dst_rs + j0 + BLOCK];
+                // SAFETY: as below, and `d` holds rows r < 32 of 32 f32 at
+                // stride dst_rs (the slicing checked it).
+                unsafe { block(a_ptr, b_ptr, kt, d.as_mut_ptr(), dst_rs) };
+                return;
+            }
+            // SAFETY: both slices hold two runs of kt tiles (A's by
+            // construction; B's by the slicing above, nt being even); `c`
+            // holds 32 × 32 f32.
+            unsafe { block(a_ptr, b_ptr, kt, c.as_mut_ptr(), BLOCK) };
+            for (r, crow) in c.chunks(BLOCK).take(bi).enumerate() {
+                let d = &mut dst[(i0 + r) * dst_rs + j0..][..bj];
+                store_row(d, &crow[..bj], accumulate, scale);
+            }
+        };
+        if let (Lhs::Packed(a, _), true) = (&lhs, blocks.len() * 2 * kt * TILE_BYTES <= A_L1_BYTES)
+        {
+            // A fits L1 (attention's query blocks): walk B once, each of
+            // its blocks meeting every row block while it is in L1.
+            for tj in (0..b.nt).step_by(2) {
+                for mb in blocks.clone() {
+                    one(mb, tj, &a.lines[2 * mb * kt * TR..2 * (mb + 1) * kt * TR]);
+                }
+            }
+            return;
+        }
         for nt0 in (0..b.nt).step_by(panel) {
             for mb in blocks.clone() {
-                // A's two row tiles of this block, kt tiles each.
                 let a_block: &[Line] = match &lhs {
                     Lhs::Packed(a, _) => &a.lines[2 * mb * kt * TR..2 * (mb + 1) * kt * TR],
                     Lhs::Rows(src, ..) => {
@@ -924,30 +963,8 @@ pub fn gemm(
                         scratch
                     }
                 };
-                let i0 = mb * BLOCK - first;
-                let bi = BLOCK.min(rows - i0);
                 for tj in (nt0..(nt0 + panel).min(b.nt)).step_by(2) {
-                    let b_block = &b.lines[tj * kt * TR..(tj + 2) * kt * TR];
-                    let (a_ptr, b_ptr) = (a_block.as_ptr(), b_block.as_ptr());
-                    let j0 = tj * TR;
-                    let bj = BLOCK.min(n - j0);
-                    if !accumulate && scale == 1.0 && bi == BLOCK && bj == BLOCK {
-                        // A whole block that needs no epilogue: the tiles
-                        // go straight to the destination.
-                        let d = &mut dst[i0 * dst_rs + j0..(i0 + BLOCK - 1) * dst_rs + j0 + BLOCK];
-                        // SAFETY: as below, and `d` holds rows r < 32 of
-                        // 32 f32 at stride dst_rs (the slicing checked it).
-                        unsafe { block(a_ptr, b_ptr, kt, d.as_mut_ptr(), dst_rs) };
-                        continue;
-                    }
-                    // SAFETY: both slices hold two runs of kt tiles (A's by
-                    // construction; B's by the slicing above, nt being
-                    // even); `c` holds 32 × 32 f32.
-                    unsafe { block(a_ptr, b_ptr, kt, c.as_mut_ptr(), BLOCK) };
-                    for (r, crow) in c.chunks(BLOCK).take(bi).enumerate() {
-                        let d = &mut dst[(i0 + r) * dst_rs + j0..][..bj];
-                        store_row(d, &crow[..bj], accumulate, scale);
-                    }
+                    one(mb, tj, a_block);
                 }
             }
         }
