@@ -228,7 +228,7 @@ fn attention_amx(
     tasks.into_par_iter().try_for_each_init(
         || {
             let state = OnlineSoftmax {
-                scores: vec![0.0; ATTN_QB * kb_max],
+                scores: vec![0.0; ATTN_QB * (kb_max + SCORE_PAD)],
                 row_max: [0.0; ATTN_QB],
                 row_sum: [0.0; ATTN_QB],
             };
@@ -251,14 +251,26 @@ fn attention_amx(
                 .enumerate()
             {
                 let (j0, kb) = (jb * kb_max, keys.cols());
-                let s = &mut state.scores[..rows * kb];
+                // Rows of scores `kb + SCORE_PAD` apart: a power-of-two
+                // stride would map a tile's 16 rows to the same few L1 sets.
+                let stride = kb + SCORE_PAD;
+                let s = &mut state.scores[..rows * stride];
                 // Raw scores: the scale is folded into the exponentials.
-                gemm(Lhs::Packed(&qa, 0..qa.blocks()), keys, s, kb, false, 1.0).map_err(&err)?;
+                gemm(
+                    Lhs::Packed(&qa, 0..qa.blocks()),
+                    keys,
+                    s,
+                    stride,
+                    false,
+                    1.0,
+                )
+                .map_err(&err)?;
                 // The online-softmax step of `online_softmax_step`, its
                 // loops in AVX-512 (amx::scaled_max, amx::exp_sum_into), the
                 // numerators going straight into bf16 tiles `p`.
                 p.reset(rows, kb);
-                for (i, srow) in s.chunks_mut(kb).enumerate() {
+                for (i, srow) in s.chunks_mut(stride).enumerate() {
+                    let srow = &mut srow[..kb];
                     let mrow = mask.map(|m| &m[(q0 + i) * skv + j0..][..kb]);
                     let (max, row_scale) = amx::scaled_max(srow, scale, mrow);
                     let new_max = state.row_max[i].max(max);
@@ -285,6 +297,9 @@ fn attention_amx(
         },
     )
 }
+
+/// Extra floats per row of the bf16 attention's score block.
+const SCORE_PAD: usize = 16;
 
 /// Per-thread scratch of [`attention`].
 struct OnlineSoftmax {
