@@ -101,11 +101,8 @@ pub fn bf16(x: f32) -> u16 {
     }
 }
 
-/// bf16 → f32 (exact).
-#[inline(always)]
-pub fn bf16_to_f32(x: u16) -> f32 {
-    f32::from_bits(u32::from(x) << 16)
-}
+/// bf16 → f32 (exact): the weight loader's conversion.
+pub use crate::weights::bf16_to_f32;
 
 /// `dst[i] = bf16(src[i])` for the common length, vectorised where the
 /// packing code is (what tests compare against [`bf16`]).
@@ -269,27 +266,8 @@ pub fn scaled_max(row: &mut [f32], scale: f32, mask: Option<&[f32]>) -> (f32, f3
     }
 }
 
-/// `row[i] = e^(row[i] - shift)` in place; returns Σ of the new values.
-/// The same approximation as the kernels' `exp_approx` (Cephes' minimax
-/// polynomial, within ~2 ulp; NaN stays NaN), evaluated with FMAs, 16
-/// lanes at a time, where AVX-512 is; below -86 it gives e^-86 (~4e-38)
-/// there rather than 0.
-pub fn exp_sum(row: &mut [f32], shift: f32) -> f32 {
-    if vector_ok() {
-        // SAFETY: the CPU has AVX-512 F (`vector_ok`).
-        unsafe { exp_sum_avx512(row, shift) }
-    } else {
-        row.iter_mut()
-            .map(|v| {
-                *v = super::kernels::exp_approx(*v - shift);
-                *v
-            })
-            .sum()
-    }
-}
-
-/// `e^(row·scale − shift)` (as [`exp_sum`]) rounded to bf16 into row `i`
-/// of `p` (a [`PackedA::reset`] matrix as wide as `row`): the softmax
+/// `e^(row·scale − shift)` rounded to bf16 into row `i` of `p` (a
+/// [`PackedA::reset`] matrix as wide as `row`): the softmax
 /// numerators of the bf16 attention, ready to multiply the values without
 /// another pass. Returns Σ of the f32 values.
 pub fn exp_sum_into(row: &[f32], scale: f32, shift: f32, p: &mut PackedA, i: usize) -> f32 {
@@ -398,36 +376,6 @@ unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     _mm512_mul_ps(er, pow2)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn exp_sum_avx512(row: &mut [f32], shift: f32) -> f32 {
-    use std::arch::x86_64::*;
-    let sh = _mm512_set1_ps(shift);
-    let mut acc = _mm512_setzero_ps();
-    let mut chunks = row.chunks_exact_mut(16);
-    for c in &mut chunks {
-        // SAFETY: `c` holds 16 f32; unaligned loads and stores are allowed.
-        let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), sh));
-        _mm512_storeu_ps(c.as_mut_ptr(), e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    let rest = chunks.into_remainder();
-    let mut tail = 0.0;
-    if !rest.is_empty() {
-        let mut buf = [0f32; 16];
-        buf[..rest.len()].copy_from_slice(rest);
-        let mut e = [0f32; 16];
-        // SAFETY: both buffers hold 16 f32.
-        _mm512_storeu_ps(
-            e.as_mut_ptr(),
-            exp16(_mm512_sub_ps(_mm512_loadu_ps(buf.as_ptr()), sh)),
-        );
-        rest.copy_from_slice(&e[..rest.len()]);
-        tail = e[..rest.len()].iter().sum();
-    }
-    _mm512_reduce_add_ps(acc) + tail
-}
-
 /// `x = 0.5·x·(1 + erf(x/√2))` (GELU, erf form) in place where AVX-512
 /// is, returning whether it did; otherwise the caller runs its own loop.
 ///
@@ -498,16 +446,6 @@ unsafe fn gelu_erf_avx512(_: &mut [f32]) {}
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn max_avx512(row: &[f32]) -> f32 {
     row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn exp_sum_avx512(row: &mut [f32], shift: f32) -> f32 {
-    row.iter_mut()
-        .map(|v| {
-            *v = super::kernels::exp_approx(*v - shift);
-            *v
-        })
-        .sum()
 }
 
 /// A strided f32 matrix: element `(i, j)` is `data[offset + i*rs + j*cs]`.
