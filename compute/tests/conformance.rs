@@ -367,7 +367,9 @@ fn check_inputs(
                 .join("\n");
             prop_assert!(
                 err <= tol && err.is_finite(),
-                "{name}: output {o} nmse {err:e} > {tol:e}\n{listing}"
+                "{name}: output {o} nmse {err:e} > {tol:e} got {:?} want {:?}\n{listing}",
+                &a.data[..a.data.len().min(4)],
+                &b.data[..b.data.len().min(4)]
             );
         }
     }
