@@ -335,16 +335,7 @@ impl ClipTokenizer {
     /// chunk's end token (OpenCLIP's tokenizers in SD 2.x and SDXL pad with
     /// 0: `pad_with_end=False`).
     pub fn tokenize_with_weights_padded(&self, text: &str, pad: u32) -> Vec<Vec<(u32, f32)>> {
-        let escaped = escape_important(text);
-        let mut groups: Vec<(Vec<u32>, f64)> = Vec::new();
-        for (segment, weight) in token_weights(&escaped) {
-            let segment = unescape_important(&segment);
-            for word in split_embeddings(&segment) {
-                if !word.is_empty() {
-                    groups.push((self.encode(word), weight));
-                }
-            }
-        }
+        let (groups, _) = weighted_groups(text, &|w| self.encode(w), None);
         self.chunk(groups, pad)
     }
 
@@ -363,90 +354,147 @@ impl ClipTokenizer {
         pad: u32,
         resolve: &mut dyn FnMut(&str) -> Option<Vec<Vec<f32>>>,
     ) -> (Vec<WeightedChunk>, Vec<Vec<f32>>) {
-        const ID: &str = "embedding:";
-        let escaped = escape_important(text);
-        let mut groups: Vec<(Vec<u32>, f64)> = Vec::new();
-        let mut table: Vec<Vec<f32>> = Vec::new();
-        for (segment, weight) in token_weights(&escaped) {
-            let segment = unescape_important(&segment);
-            for word in split_embeddings(&segment) {
-                if word.is_empty() {
-                    continue;
-                }
-                let mut word = word.to_string();
-                if let Some(rest) = word.strip_prefix(ID) {
-                    let rest = rest.trim_matches('\n');
-                    let mut parts = rest.split_whitespace();
-                    let name = parts.next().unwrap_or("").to_string();
-                    let mut leftover = parts.collect::<Vec<_>>().join(" ");
-                    let mut found = resolve(&name);
-                    if found.is_none() {
-                        let stripped = name.trim_matches(',');
-                        if stripped.len() < name.len() {
-                            found = resolve(stripped);
-                            // Python's name[len(stripped):], in characters.
-                            let tail: String =
-                                name.chars().skip(stripped.chars().count()).collect();
-                            leftover = format!("{tail} {leftover}");
-                        }
-                    }
-                    if let Some(vectors) = found {
-                        let ids = vectors
-                            .into_iter()
-                            .map(|v| {
-                                table.push(v);
-                                EMBED_BASE + (table.len() - 1) as u32
-                            })
-                            .collect();
-                        groups.push((ids, weight));
-                    }
-                    if leftover.is_empty() {
-                        continue;
-                    }
-                    word = leftover;
-                }
-                groups.push((self.encode(&word), weight));
-            }
-        }
+        let (groups, table) = weighted_groups(text, &|w| self.encode(w), Some(resolve));
         (self.chunk(groups, pad), table)
     }
 
     /// Packs weighted token groups into 77-token chunks (the second half of
     /// `tokenize_with_weights`).
     fn chunk(&self, groups: Vec<(Vec<u32>, f64)>, pad: u32) -> Vec<Vec<(u32, f32)>> {
-        let has_end = 1;
-        let mut chunks: Vec<Vec<(u32, f32)>> = Vec::new();
-        let mut batch: Vec<(u32, f32)> = vec![(BOS, 1.0)];
-        for (ids, weight) in groups {
-            let w = weight as f32;
-            let is_large = ids.len() >= MAX_WORD_LENGTH;
-            let mut group: &[u32] = &ids;
-            while !group.is_empty() {
-                if group.len() + batch.len() > MAX_LENGTH - has_end {
-                    let remaining = (MAX_LENGTH - has_end).saturating_sub(batch.len());
-                    if is_large {
-                        let take = remaining.min(group.len());
-                        batch.extend(group[..take].iter().map(|&t| (t, w)));
-                        batch.push((EOS, 1.0));
-                        group = &group[take..];
-                    } else {
-                        batch.push((EOS, 1.0));
-                        batch.extend(std::iter::repeat_n((pad, 1.0), remaining));
+        let rules = ChunkRules {
+            max_length: MAX_LENGTH,
+            start: Some(BOS),
+            end: Some(EOS),
+            pad,
+            pad_to_max: true,
+            min_length: None,
+        };
+        chunk_with(groups, &rules)
+    }
+}
+
+/// The first half of ComfyUI's `SDTokenizer.tokenize_with_weights`, for
+/// any word tokenizer: the prompt's weighted segments, each split before
+/// ` embedding:` / `\nembedding:`, as token groups. A word
+/// `embedding:NAME…` asks `resolve` for NAME's vectors (the name is the
+/// first whitespace-separated part; failing that, the same without
+/// trailing commas, which go back into the text). Found vectors take one
+/// token position each, as ids [`EMBED_BASE`] + their index in the returned
+/// table; a missing embedding is dropped (`resolve` warns); what follows
+/// the name is tokenized as text. Without `resolve` (ComfyUI without an
+/// embedding folder) such words stay text. `encode` gives a word's ids
+/// without start or end tokens.
+pub(crate) fn weighted_groups(
+    text: &str,
+    encode: &dyn Fn(&str) -> Vec<u32>,
+    mut resolve: Option<&mut dyn FnMut(&str) -> Option<Vec<Vec<f32>>>>,
+) -> (Vec<(Vec<u32>, f64)>, Vec<Vec<f32>>) {
+    const ID: &str = "embedding:";
+    let escaped = escape_important(text);
+    let mut groups: Vec<(Vec<u32>, f64)> = Vec::new();
+    let mut table: Vec<Vec<f32>> = Vec::new();
+    for (segment, weight) in token_weights(&escaped) {
+        let segment = unescape_important(&segment);
+        for word in split_embeddings(&segment) {
+            if word.is_empty() {
+                continue;
+            }
+            let mut word = word.to_string();
+            if let (Some(rest), Some(resolve)) = (word.strip_prefix(ID), resolve.as_mut()) {
+                let rest = rest.trim_matches('\n');
+                let mut parts = rest.split_whitespace();
+                let name = parts.next().unwrap_or("").to_string();
+                let mut leftover = parts.collect::<Vec<_>>().join(" ");
+                let mut found = resolve(&name);
+                if found.is_none() {
+                    let stripped = name.trim_matches(',');
+                    if stripped.len() < name.len() {
+                        found = resolve(stripped);
+                        // Python's name[len(stripped):], in characters.
+                        let tail: String = name.chars().skip(stripped.chars().count()).collect();
+                        leftover = format!("{tail} {leftover}");
                     }
-                    chunks.push(std::mem::replace(&mut batch, vec![(BOS, 1.0)]));
-                } else {
-                    batch.extend(group.iter().map(|&t| (t, w)));
-                    group = &[];
                 }
+                if let Some(vectors) = found {
+                    let ids = vectors
+                        .into_iter()
+                        .map(|v| {
+                            table.push(v);
+                            EMBED_BASE + (table.len() - 1) as u32
+                        })
+                        .collect();
+                    groups.push((ids, weight));
+                }
+                if leftover.is_empty() {
+                    continue;
+                }
+                word = leftover;
+            }
+            groups.push((encode(&word), weight));
+        }
+    }
+    (groups, table)
+}
+
+/// How a tokenizer lays out its batches (`SDTokenizer`'s arguments).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ChunkRules {
+    /// Tokens per batch, start and end included.
+    pub max_length: usize,
+    pub start: Option<u32>,
+    pub end: Option<u32>,
+    pub pad: u32,
+    /// Pad every batch to `max_length` (CLIP); T5 pads only the last to
+    /// `min_length`.
+    pub pad_to_max: bool,
+    pub min_length: Option<usize>,
+}
+
+/// The second half of `tokenize_with_weights`: packs weighted token
+/// groups into batches. A group of [`MAX_WORD_LENGTH`] or more tokens may
+/// be cut across batches, a shorter one moves whole to the next batch.
+/// There is always at least one batch.
+pub(crate) fn chunk_with(groups: Vec<(Vec<u32>, f64)>, r: &ChunkRules) -> Vec<WeightedChunk> {
+    let has_end = usize::from(r.end.is_some());
+    let fresh = || -> WeightedChunk { r.start.map(|s| (s, 1.0)).into_iter().collect() };
+    let mut chunks: Vec<WeightedChunk> = Vec::new();
+    let mut batch = fresh();
+    for (ids, weight) in groups {
+        let w = weight as f32;
+        let is_large = ids.len() >= MAX_WORD_LENGTH;
+        let mut group: &[u32] = &ids;
+        while !group.is_empty() {
+            if group.len() + batch.len() > r.max_length - has_end {
+                let remaining = (r.max_length - has_end).saturating_sub(batch.len());
+                if is_large {
+                    let take = remaining.min(group.len());
+                    batch.extend(group[..take].iter().map(|&t| (t, w)));
+                    batch.extend(r.end.map(|e| (e, 1.0)));
+                    group = &group[take..];
+                } else {
+                    batch.extend(r.end.map(|e| (e, 1.0)));
+                    if r.pad_to_max {
+                        batch.extend(std::iter::repeat_n((r.pad, 1.0), remaining));
+                    }
+                }
+                chunks.push(std::mem::replace(&mut batch, fresh()));
+            } else {
+                batch.extend(group.iter().map(|&t| (t, w)));
+                group = &[];
             }
         }
-        batch.push((EOS, 1.0));
-        if batch.len() < MAX_LENGTH {
-            batch.resize(MAX_LENGTH, (pad, 1.0));
-        }
-        chunks.push(batch);
-        chunks
     }
+    batch.extend(r.end.map(|e| (e, 1.0)));
+    if r.pad_to_max && batch.len() < r.max_length {
+        batch.resize(r.max_length, (r.pad, 1.0));
+    }
+    if let Some(min) = r.min_length {
+        if batch.len() < min {
+            batch.resize(min, (r.pad, 1.0));
+        }
+    }
+    chunks.push(batch);
+    chunks
 }
 
 /// The normalizer: runs of white space become one space, then lowercase.

@@ -17,6 +17,7 @@ pub mod models;
 pub mod noise;
 pub mod sampling;
 pub mod specs;
+pub mod t5_tokenizer;
 
 use sdkit_engine::NodeLibrary;
 use sdkit_schema::Registry;
