@@ -444,7 +444,7 @@ fn tiny_unet_program(
         let c = g.input("context", &[batch, 77, 64])?;
         sdkit_nodes::models::unet::unet(
             &g,
-            &d.unet,
+            d.net.unet().expect("a UNet"),
             d.heads,
             "model.diffusion_model.",
             x,

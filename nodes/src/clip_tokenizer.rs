@@ -387,8 +387,8 @@ impl ClipTokenizer {
 pub(crate) fn weighted_groups(
     text: &str,
     encode: &dyn Fn(&str) -> Vec<u32>,
-    mut resolve: Option<&mut dyn FnMut(&str) -> Option<Vec<Vec<f32>>>>,
-) -> (Vec<(Vec<u32>, f64)>, Vec<Vec<f32>>) {
+    mut resolve: Option<&mut Resolver<'_>>,
+) -> (Vec<TokenGroup>, Vec<Vec<f32>>) {
     const ID: &str = "embedding:";
     let escaped = escape_important(text);
     let mut groups: Vec<(Vec<u32>, f64)> = Vec::new();
@@ -435,6 +435,12 @@ pub(crate) fn weighted_groups(
     }
     (groups, table)
 }
+
+/// Looks up an embedding's vectors by name.
+pub(crate) type Resolver<'a> = dyn FnMut(&str) -> Option<Vec<Vec<f32>>> + 'a;
+
+/// A word's token ids and its prompt weight.
+pub(crate) type TokenGroup = (Vec<u32>, f64);
 
 /// How a tokenizer lays out its batches (`SDTokenizer`'s arguments).
 #[derive(Clone, Copy, Debug)]

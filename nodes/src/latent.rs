@@ -27,10 +27,32 @@ impl NodeImpl for EmptyLatentImage {
 }
 
 fn empty_latent_shape(inputs: &Inputs) -> Result<Vec<usize>, NodeError> {
+    latent_shape(inputs, 4)
+}
+
+fn latent_shape(inputs: &Inputs, channels: usize) -> Result<Vec<usize>, NodeError> {
     let w = inputs.usize("width")?;
     let h = inputs.usize("height")?;
     let b = inputs.usize("batch_size")?;
-    Ok(vec![b, 4, h / 8, w / 8])
+    Ok(vec![b, channels, h / 8, w / 8])
+}
+
+/// ComfyUI's EmptySD3LatentImage: 16-channel zeros (SD3, Flux).
+pub struct EmptySd3LatentImage;
+
+impl NodeImpl for EmptySd3LatentImage {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let samples = Tensor::try_zeros_until(latent_shape(inputs, 16)?, "latent", &ctx.cancel)?;
+        Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
+            samples,
+            batch_index: None,
+            noise_mask: None,
+        }))]))
+    }
+
+    fn estimate_bytes(&self, _ctx: &NodeContext, inputs: &Inputs) -> Option<u64> {
+        Some(memory::f32_bytes(&latent_shape(inputs, 16).ok()?))
+    }
 }
 
 /// ComfyUI's SaveLatent: `{prefix}_{counter:05}_.latent` in the output

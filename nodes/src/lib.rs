@@ -63,8 +63,14 @@ pub fn library() -> NodeLibrary {
         lib.implement("ConditioningSetAreaStrength", ConditioningSetAreaStrength);
         lib.implement("ConditioningSetMask", ConditioningSetMask);
         lib.implement("ConditioningZeroOut", ConditioningZeroOut);
+        lib.implement("FluxGuidance", FluxGuidance);
         lib.implement("ConditioningSetTimestepRange", ConditioningSetTimestepRange);
     }
+    lib.implement(
+        "CLIPTextEncodeFlux",
+        diffusion::conditioning::ClipTextEncodeFlux,
+    );
+    lib.implement("EmptySD3LatentImage", latent::EmptySd3LatentImage);
     lib.implement(
         "CLIPTextEncodeSDXL",
         diffusion::conditioning::ClipTextEncodeSdxl,

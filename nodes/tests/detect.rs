@@ -173,7 +173,7 @@ fn sd15_full_size() {
     add_clip_vae(&mut s, 768, 12, 128);
     let d = detect_checkpoint(&s).expect("detects");
     assert_eq!(d.family, Family::Sd1);
-    let u = &d.unet;
+    let u = d.net.unet().expect("a UNet");
     assert_eq!(u.model_channels, 320);
     assert_eq!(u.channel_mult, [1, 2, 4, 4]);
     assert_eq!(u.num_res_blocks, [2, 2, 2, 2]);
@@ -207,7 +207,7 @@ fn tiny_sd1_infers_every_size_from_shapes() {
     let mut s = sd_unet(32, &[1, 2], &[true, false], 768, false, 2);
     add_clip_vae(&mut s, 768, 2, 8);
     let d = detect_checkpoint(&s).expect("detects");
-    let u = &d.unet;
+    let u = d.net.unet().expect("a UNet");
     assert_eq!(u.model_channels, 32);
     assert_eq!(u.channel_mult, [1, 2]);
     assert_eq!(u.num_res_blocks, [2, 2]);
@@ -239,7 +239,10 @@ fn unet_families_by_structure_at_any_width() {
             vec![4 * mc, adm],
         );
         let d = detect_checkpoint(&xl).expect("SDXL detects");
-        assert_eq!((d.family, d.unet.adm_in_channels), (family, Some(adm)));
+        assert_eq!(
+            (d.family, d.net.unet().expect("a UNet").adm_in_channels),
+            (family, Some(adm))
+        );
     }
     // An ADM input of neither form (SD 2.x unCLIP) is not guessed.
     let mut unclip = sd_unet(
@@ -268,9 +271,12 @@ fn other_families_are_named_and_refused() {
         vec![128],
     );
     flux.insert("model.diffusion_model.img_in.weight".into(), vec![3072, 64]);
+    // Flux is built: a file missing its keys names the one it lacks.
     assert_eq!(
-        detect_checkpoint(&flux),
-        Err(DetectError::Unsupported(Family::Flux))
+        detect_checkpoint(&flux).map(|d| d.family),
+        Err(DetectError::Missing {
+            name: "model.diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale".into()
+        })
     );
     flux.insert(
         "model.diffusion_model.distilled_guidance_layer.in_proj.weight".into(),
@@ -321,4 +327,56 @@ fn heads_by_count_or_by_width() {
     assert_eq!(Heads::Width(64).at(1280), 20);
     // A tiny model narrower than one head still has one.
     assert_eq!(Heads::Width(64).at(32), 1);
+}
+
+/// flux1-dev's and flux1-schnell's real shapes give their real config:
+/// every size from shapes, the RoPE axes from the head width.
+#[test]
+fn flux_sizes_from_shapes() {
+    use sdkit_nodes::models::detect::{detect_unet, Net};
+    let mut s = Shapes::new();
+    let mut put = |k: String, v: &[usize]| {
+        s.insert(k, v.to_vec());
+    };
+    put("img_in.weight".into(), &[3072, 64]);
+    put("txt_in.weight".into(), &[3072, 4096]);
+    put("vector_in.in_layer.weight".into(), &[3072, 768]);
+    put("guidance_in.in_layer.weight".into(), &[3072, 256]);
+    put("final_layer.linear.weight".into(), &[64, 3072]);
+    for i in 0..19 {
+        let p = format!("double_blocks.{i}.");
+        put(format!("{p}img_attn.norm.query_norm.scale"), &[128]);
+        put(format!("{p}img_attn.norm.key_norm.scale"), &[128]);
+        put(format!("{p}img_attn.qkv.weight"), &[9216, 3072]);
+        put(format!("{p}img_attn.qkv.bias"), &[9216]);
+        put(format!("{p}img_mlp.0.weight"), &[12288, 3072]);
+    }
+    for i in 0..38 {
+        put(format!("single_blocks.{i}.linear1.weight"), &[21504, 3072]);
+    }
+    let (family, net, _, prefix) = detect_unet(&s).expect("detects");
+    assert_eq!((family, prefix), (Family::Flux, ""));
+    let Net::Flux(f) = net else {
+        panic!("not a Flux config")
+    };
+    assert_eq!(
+        (
+            f.hidden,
+            f.heads,
+            f.head_dim,
+            f.mlp,
+            f.depth,
+            f.depth_single
+        ),
+        (3072, 24, 128, 12288, 19, 38)
+    );
+    assert_eq!(
+        (f.in_channels, f.out_channels, f.vec_in, f.context_in),
+        (16, 16, 768, 4096)
+    );
+    assert_eq!(f.axes_dim, [16, 56, 56]);
+    assert!(f.guidance && f.qkv_bias);
+    s.remove("guidance_in.in_layer.weight");
+    let (_, net, _, _) = detect_unet(&s).expect("detects schnell");
+    assert!(matches!(net, Net::Flux(f) if !f.guidance));
 }

@@ -60,6 +60,7 @@ fn matches_comfyui_decoder() {
         num_res_blocks: c["num_res_blocks"].as_u64().expect("nrb") as usize,
         z_channels: c["z_channels"].as_u64().expect("z") as usize,
         in_channels: c["out_ch"].as_u64().expect("out") as usize,
+        quant_conv: true,
     };
     let g = GraphBuilder::new();
     let latent = g.input("latent", &[1, 4, 4, 4]).expect("input");

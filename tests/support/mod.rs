@@ -141,6 +141,89 @@ pub fn write_tensors_with(
     write_safetensors(path, &tensors, &BTreeMap::new()).expect("writes tensors");
 }
 
+/// Writes the fixture file `f` (an entry of an expected.json `files`
+/// list) under `models`: f16 as [`write_tensors_with`], or with `"dtype":
+/// "F8_E4M3"` every 2-D tensor cast from its f16 value to float8_e4m3fn
+/// (round to nearest even, as torch) and the rest f16, checked by
+/// `checksum_raw` over the stored bytes (one unit per byte).
+pub fn write_fixture_entry(models: &Path, f: &serde_json::Value) {
+    let path = models
+        .join(f["folder"].as_str().expect("folder"))
+        .join(f["name"].as_str().expect("name"));
+    if f.get("dtype").and_then(serde_json::Value::as_str) != Some("F8_E4M3") {
+        write_tensors_with(
+            &path,
+            &f["keys"],
+            f.get("scaled"),
+            f.get("alphas"),
+            f["checksum_f16"].as_str().expect("checksum"),
+            None,
+        );
+        return;
+    }
+    // Every e4m3 code by its value, to encode the rounded values.
+    let codes: std::collections::HashMap<u32, u8> = (0..=255u8)
+        .filter(|&b| !sdkit_compute::weights::f8_e4m3_to_f32(b).is_nan())
+        .map(|b| (sdkit_compute::weights::f8_e4m3_to_f32(b).to_bits(), b))
+        .collect();
+    let mut blobs: Vec<(String, Vec<usize>, DType, Vec<u8>)> = Vec::new();
+    let mut total = 0u64;
+    for (i, k) in f["keys"].as_array().expect("keys").iter().enumerate() {
+        let name = k[0].as_str().expect("name").to_string();
+        let shape: Vec<usize> = k[1]
+            .as_array()
+            .expect("shape")
+            .iter()
+            .map(|d| d.as_u64().expect("dim") as usize)
+            .collect();
+        let half: Vec<u16> = values(&name, &shape)
+            .into_iter()
+            .map(f32_to_f16_bits)
+            .collect();
+        if shape.len() == 2 {
+            let bytes: Vec<u8> = half
+                .iter()
+                .map(|&h| {
+                    let v = sdkit_compute::weights::f16_to_f32(h);
+                    let r = sdkit_compute::weights::round_f8_e4m3(v);
+                    // −0 and +0 share a value but not a code.
+                    if r == 0.0 {
+                        if r.is_sign_negative() {
+                            0x80
+                        } else {
+                            0
+                        }
+                    } else {
+                        codes[&r.to_bits()]
+                    }
+                })
+                .collect();
+            let units: Vec<u16> = bytes.iter().map(|&b| u16::from(b)).collect();
+            total = total.wrapping_add(checksum(&units, i));
+            blobs.push((name, shape, DType::F8E4M3, bytes));
+        } else {
+            let bytes: Vec<u8> = half.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let units: Vec<u16> = bytes.iter().map(|&b| u16::from(b)).collect();
+            total = total.wrapping_add(checksum(&units, i));
+            blobs.push((name, shape, DType::F16, bytes));
+        }
+    }
+    assert_eq!(
+        total.to_string(),
+        f["checksum_raw"].as_str().expect("checksum_raw"),
+        "{}: the fp8 weights differ from the reference script's",
+        path.display()
+    );
+    let tensors: Vec<TensorData<'_>> = blobs
+        .iter()
+        .map(|(n, s, d, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).expect("mkdir");
+    }
+    write_safetensors(&path, &tensors, &BTreeMap::new()).expect("writes tensors");
+}
+
 pub fn b64(s: &str) -> Vec<u8> {
     let val = |c: u8| -> u32 {
         match c {

@@ -192,7 +192,11 @@ fn model_patches(file: &SafeTensors, model: &Model, strength: f64) -> Result<Loa
         .into_iter()
         .map(|(n, _)| n)
         .collect();
-    let map = keys::unet_keys(&model.unet, &model.prefix, names.iter().map(String::as_str));
+    let map = keys::unet_keys(
+        model.unet("LoRA")?,
+        &model.prefix,
+        names.iter().map(String::as_str),
+    );
     patches_from(file, &map, strength)
 }
 

@@ -331,9 +331,11 @@ pub(crate) struct Group {
 /// Groups items: the same area size, sigma range and ControlNet chain
 /// (the identical object), and contexts within
 /// 4× of the group's first (ComfyUI's `can_concat`), repeated to the least
-/// common multiple of the group's lengths. Within a group ComfyUI adds the
-/// outputs last-first, so the items are listed that way.
-pub(crate) fn groups(items: &[Item<'_>]) -> Vec<Group> {
+/// common multiple of the group's lengths. Without `repeat_context` (Flux:
+/// its context is a `CONDRegular`, which joins only equal shapes) contexts
+/// must be the same length. Within a group ComfyUI adds the outputs
+/// last-first, so the items are listed that way.
+pub(crate) fn groups(items: &[Item<'_>], repeat_context: bool) -> Vec<Group> {
     let mut left: Vec<usize> = (0..items.len()).collect();
     let mut out = Vec::new();
     while let Some(&first) = left.first() {
@@ -347,6 +349,7 @@ pub(crate) fn groups(items: &[Item<'_>]) -> Vec<Group> {
                 && i.sigma_end == f.sigma_end
                 && super::control::same(&i.control, &f.control)
                 && l / ft.min(t) <= 4
+                && (repeat_context || t == ft)
         };
         let (mut take, rest): (Vec<usize>, Vec<usize>) =
             left.iter().partition(|&&i| fits(&items[i]));

@@ -263,6 +263,19 @@ impl NodeImpl for ConditioningZeroOut {
     }
 }
 
+/// FluxGuidance: the distilled guidance a Flux dev model gets.
+pub struct FluxGuidance;
+
+impl NodeImpl for FluxGuidance {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let g = inputs.float("guidance")?;
+        each(inputs, "conditioning", |e| {
+            e.guidance = Some(g);
+            Ok(())
+        })
+    }
+}
+
 /// ConditioningSetTimestepRange: the entry applies from `start` to `end`
 /// (fractions of sampling).
 pub struct ConditioningSetTimestepRange;

@@ -6,9 +6,11 @@ use super::{
 };
 use crate::clip_tokenizer::EMBED_BASE;
 use crate::models::clip::{causal_mask, text_encoder_embedded, ClipLayer};
-use crate::models::detect::EncoderArch;
-use crate::models::family::TextEncoder;
+use crate::models::detect::{EncoderArch, Family};
+use crate::models::family::{Pooled, TextEncoder};
 use crate::models::open_clip::{self, end_token_one_hot};
+use crate::models::t5;
+use crate::t5_tokenizer::T5Tokenizer;
 use sdkit_compute::plan::plan;
 use sdkit_compute::tensor::GraphBuilder;
 use sdkit_compute::weights::DType;
@@ -73,19 +75,28 @@ impl TextEncoderModel {
     }
 
     /// Whether the family reads this encoder's pooled output (SD 2.x's H,
-    /// SDXL's G; CLIP-L's is unused by every UNet family).
+    /// SDXL's G, Flux's CLIP-L; OpenCLIP's graph always makes it).
     fn pools(&self) -> bool {
-        matches!(
-            self.rule.encoder,
-            TextEncoder::OpenClipG | TextEncoder::OpenClipH
-        ) || matches!(self.arch, EncoderArch::OpenClip(_))
+        self.rule.pooled != Pooled::No || matches!(self.arch, EncoderArch::OpenClip(_))
     }
 
     fn table_name(&self) -> String {
-        match self.arch {
+        match &self.arch {
             EncoderArch::Clip(_) => format!("{}embeddings.token_embedding.weight", self.prefix),
             EncoderArch::OpenClip(_) => format!("{}token_embedding.weight", self.prefix),
+            EncoderArch::T5(c) => format!("{}{}", self.prefix, c.table),
         }
+    }
+
+    /// ComfyUI's `gen_empty_tokens`: start (CLIP), end, then padding.
+    fn empty_tokens(&self, len: usize) -> Vec<u32> {
+        let mut empty = match self.arch {
+            EncoderArch::T5(_) => vec![crate::t5_tokenizer::END],
+            _ => vec![crate::clip_tokenizer::BOS, crate::clip_tokenizer::EOS],
+        };
+        let min = empty.len();
+        empty.resize(len.max(min), self.rule.pad);
+        empty
     }
 
     /// Runs the encoder on token rows of equal length; returns the hidden
@@ -101,6 +112,8 @@ impl TextEncoderModel {
         let (vocab, width, positions) = match &self.arch {
             EncoderArch::Clip(c) => (c.vocab, c.width, c.max_positions),
             EncoderArch::OpenClip(c) => (c.vocab, c.width, c.max_positions),
+            // Relative positions: any length.
+            EncoderArch::T5(c) => (c.vocab, c.width, usize::MAX),
         };
         if len > positions {
             return Err(NodeError::invalid(format!(
@@ -112,6 +125,11 @@ impl TextEncoderModel {
         let g = GraphBuilder::new();
         let outs = (|| {
             let e = g.input("embeddings", &[rows.len(), len, width])?;
+            if let EncoderArch::T5(c) = &self.arch {
+                let buckets = g.input("mask", &[len * len])?;
+                let h = t5::encoder(&g, c, &self.prefix, e, buckets, None, layer, norm)?;
+                return Ok((h, None));
+            }
             let m = g.input("mask", &[len, len])?;
             let eot = if pools {
                 Some(g.input("eot", &[rows.len(), 1, len])?)
@@ -120,6 +138,7 @@ impl TextEncoderModel {
             };
             match &self.arch {
                 EncoderArch::Clip(c) => {
+                    let eot = eot.map(|t| (t, self.rule.pooled != Pooled::Raw));
                     let o = text_encoder_embedded(&g, c, &self.prefix, e, m, eot, layer, norm)?;
                     Ok::<_, sdkit_compute::tensor::ShapeError>((o.hidden, o.pooled))
                 }
@@ -131,6 +150,7 @@ impl TextEncoderModel {
                     let o = open_clip::text_encoder(&g, c, &self.prefix, e, m, eot, layer, norm)?;
                     Ok((o.hidden, Some(o.pooled)))
                 }
+                EncoderArch::T5(_) => unreachable!("T5 returned above"),
             }
         })()
         .map_err(|e| graph_error("text encoder", e))?;
@@ -170,8 +190,12 @@ impl TextEncoderModel {
             )?);
         }
         bind.inputs.insert("embeddings".into(), Arc::new(embeds));
-        bind.inputs
-            .insert("mask".into(), Arc::new(causal_mask(len)));
+        // T5's "mask" input is its relative-position buckets.
+        let mask = match &self.arch {
+            EncoderArch::T5(c) => t5::bucket_ids(len, c),
+            _ => causal_mask(len),
+        };
+        bind.inputs.insert("mask".into(), Arc::new(mask));
         if pools {
             bind.inputs.insert(
                 "eot".into(),
@@ -231,11 +255,7 @@ impl TextEncoderModel {
             return Err(NodeError::invalid("token chunks differ in length"));
         }
         if has_weights || rows.is_empty() {
-            // gen_empty_tokens: start, end, then the encoder's padding.
-            let (start, end) = (crate::clip_tokenizer::BOS, crate::clip_tokenizer::EOS);
-            let mut empty = vec![start, end];
-            empty.resize(len.max(2), self.rule.pad);
-            rows.push(empty);
+            rows.push(self.empty_tokens(len));
         }
         let (out, pooled) = self.encode_rows(ctx, &rows, &tokens.embeds, layer)?;
         let pooled = match pooled {
@@ -280,6 +300,25 @@ impl Clip {
         let tok = sd1_tokenizer()?;
         let mut out = Vec::with_capacity(self.encoders.len());
         for e in &self.encoders {
+            if e.rule.encoder == TextEncoder::T5Xxl {
+                let t5 = T5Tokenizer::shared().map_err(NodeError::invalid)?;
+                let mut failure = None;
+                let mut resolve =
+                    |name: &str| match super::embeddings::load(ctx, name, e.rule.encoder) {
+                        Ok(found) => found,
+                        Err(err) => {
+                            failure.get_or_insert(err);
+                            None
+                        }
+                    };
+                let (chunks, embeds) =
+                    t5.tokenize_with_embeddings(text, self.family.t5_min_length(), &mut resolve);
+                if let Some(err) = failure {
+                    return Err(err);
+                }
+                out.push(Chunks { chunks, embeds });
+                continue;
+            }
             let mut failure = None;
             let mut resolve = |name: &str| match super::embeddings::load(ctx, name, e.rule.encoder)
             {
@@ -311,6 +350,14 @@ impl Clip {
             outs.push(e.encode_weighted(ctx, chunks, self.layer_idx)?);
         }
         let pooled = outs.iter().rev().find_map(|o| o.pooled.clone());
+        if self.family == Family::Flux {
+            // ComfyUI's FluxClipModel: T5's states, CLIP-L's pooled.
+            let t5 = self
+                .position(TextEncoder::T5Xxl)
+                .ok_or_else(|| NodeError::invalid("this Flux CLIP has no T5 text encoder"))?;
+            let hidden = outs.swap_remove(t5).hidden;
+            return Ok(CondEntry::text(hidden, pooled));
+        }
         let cross_attn = match outs.len() {
             0 => return Err(NodeError::invalid("this CLIP has no text encoder")),
             1 => outs.swap_remove(0).hidden,
@@ -356,6 +403,31 @@ impl NodeImpl for ClipTextEncode {
         let text = inputs.string("text")?;
         let tokens = clip.tokenize(ctx, text)?;
         Ok(conditioning(clip.encode_tokens(ctx, &tokens)?))
+    }
+}
+
+/// ComfyUI's CLIPTextEncodeFlux: `clip_l` for CLIP-L, `t5xxl` for T5,
+/// and the guidance.
+pub struct ClipTextEncodeFlux;
+
+impl NodeImpl for ClipTextEncodeFlux {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["clip"]
+    }
+
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
+        let Some(t5) = clip.position(TextEncoder::T5Xxl) else {
+            return Err(NodeError::invalid(format!(
+                "CLIPTextEncodeFlux needs Flux's T5 text encoder; this CLIP is {}'s",
+                clip.family.name()
+            )));
+        };
+        let mut tokens = clip.tokenize(ctx, inputs.string("clip_l")?)?;
+        tokens[t5] = clip.tokenize(ctx, inputs.string("t5xxl")?)?.swap_remove(t5);
+        let mut entry = clip.encode_tokens(ctx, &tokens)?;
+        entry.guidance = Some(inputs.float("guidance")?);
+        Ok(conditioning(entry))
     }
 }
 

@@ -84,7 +84,7 @@ impl ControlNetModel {
             ControlKind::Net { cfg, heads } => Some((cfg.clone(), *heads)),
             ControlKind::Lora { hint_convs } => Some((
                 ControlNetConfig {
-                    unet: model.unet.clone(),
+                    unet: model.unet("a control-LoRA").ok()?.clone(),
                     hint_convs: hint_convs.clone(),
                     union_types: None,
                 },
@@ -567,7 +567,7 @@ impl Plans {
         shape: &Shape,
     ) -> Result<Slots, NodeError> {
         let (h, w) = shape.hw;
-        let (skips, _) = skip_shapes(&model.unet, shape.rows, h, w);
+        let (skips, _) = skip_shapes(model.unet("ControlNet")?, shape.rows, h, w);
         let mut slots = Slots::default();
         for c in chain.chain() {
             let (_, hb) = self.hint_for(&c, shape)?;

@@ -10,8 +10,9 @@
 use super::control::{ControlNetModel, Slots};
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
-use crate::models::detect::{Family, ADM_EMBED};
-use crate::models::unet::{skip_shapes, timestep_embedding, unet, ControlResiduals};
+use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
+use crate::models::flux::{flux, grid, rope_table, FluxConfig, FluxInputs};
+use crate::models::unet::{skip_shapes, timestep_embedding, ControlResiduals};
 use sdkit_compute::plan::{plan, Program};
 use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
 use sdkit_engine::NodeError;
@@ -42,7 +43,10 @@ impl Adm {
 impl Model {
     /// The model's ADM rule, if its UNet takes one.
     pub fn adm(&self) -> Option<Adm> {
-        self.unet.adm_in_channels?;
+        let Net::Unet(u) = &self.net else {
+            return None;
+        };
+        u.adm_in_channels?;
         match self.family {
             Family::SdxlRefiner => Some(Adm::SdxlRefiner),
             _ => Some(Adm::Sdxl),
@@ -51,8 +55,10 @@ impl Model {
 
     /// The pooled width the ADM input expects.
     fn pooled_width(&self, adm: Adm) -> usize {
-        self.unet
-            .adm_in_channels
+        let Net::Unet(u) = &self.net else {
+            return 0;
+        };
+        u.adm_in_channels
             .unwrap_or(0)
             .saturating_sub(adm.values() * ADM_EMBED)
     }
@@ -70,15 +76,26 @@ impl Model {
         dim: usize,
         control: Option<&Slots>,
     ) -> Result<Program, NodeError> {
+        let unet = match &self.net {
+            Net::Unet(u) => u,
+            Net::Flux(f) => {
+                if control.is_some() {
+                    return Err(NodeError::invalid(
+                        "ControlNet with a Flux model is not supported yet",
+                    ));
+                }
+                return self.flux_program(f, batch, (h, w), (tokens, dim));
+            }
+        };
         let g = GraphBuilder::new();
         let out = (|| {
-            let x = g.input("x", &[batch, self.unet.in_channels, h, w])?;
+            let x = g.input("x", &[batch, unet.in_channels, h, w])?;
             let t = g.input("t", &[batch])?;
             let c = g.input("context", &[batch, tokens, dim])?;
             let y = self.adm_vector(&g, batch)?;
             let residuals = match control {
                 Some(slots) => {
-                    let (skips, mid) = skip_shapes(&self.unet, batch, h, w);
+                    let (skips, mid) = skip_shapes(unet, batch, h, w);
                     let mut r = ControlResiduals {
                         input: vec![None; skips.len()],
                         ..Default::default()
@@ -98,20 +115,41 @@ impl Model {
                 }
                 None => None,
             };
-            unet(
-                &g,
-                &self.unet,
-                self.heads,
-                &self.prefix,
-                x,
-                t,
-                c,
-                y,
-                residuals,
-            )
+            crate::models::unet::unet(&g, unet, self.heads, &self.prefix, x, t, c, y, residuals)
         })()
         .map_err(|e| graph_error("UNet", e))?;
         plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))
+    }
+
+    /// The Flux program: inputs `x`, `t` (σ), `context`, `pooled`
+    /// `[batch, vec_in]`, `guidance` `[batch]` (dev models) and `pe` (the
+    /// RoPE table of [`rope_table`] for these token and patch counts).
+    fn flux_program(
+        &self,
+        cfg: &FluxConfig,
+        batch: usize,
+        (h, w): (usize, usize),
+        (tokens, dim): (usize, usize),
+    ) -> Result<Program, NodeError> {
+        let g = GraphBuilder::new();
+        let (gh, gw) = grid(h, w);
+        let out = (|| {
+            let x = g.input("x", &[batch, cfg.in_channels, h, w])?;
+            let inputs = FluxInputs {
+                t: g.input("t", &[batch])?,
+                context: g.input("context", &[batch, tokens, dim])?,
+                y: g.input("pooled", &[batch, cfg.vec_in])?,
+                guidance: if cfg.guidance {
+                    Some(g.input("guidance", &[batch])?)
+                } else {
+                    None
+                },
+                pe: g.input("pe", &[1, tokens + gh * gw, cfg.head_dim / 2, 2, 2])?,
+            };
+            flux(&g, cfg, &self.prefix, x, inputs)
+        })()
+        .map_err(|e| graph_error("Flux", e))?;
+        plan(&g.finish(&[out])).map_err(|e| graph_error("Flux", e))
     }
 
     /// The ADM vector `y`, built in the graph from the inputs `pooled` and
@@ -144,6 +182,7 @@ impl Model {
         hint_batch: usize,
     ) -> Result<Program, NodeError> {
         let what = format!("ControlNet {}", net.file.name);
+        let unet: &UnetConfig = self.unet(&what)?;
         let Some((cfg, heads)) = net.net_config(self) else {
             return Err(NodeError::invalid(format!("{what} is not a ControlNet")));
         };
@@ -156,9 +195,9 @@ impl Model {
                 )));
             }
         }
-        if cfg.unet.adm_in_channels != self.unet.adm_in_channels
+        if cfg.unet.adm_in_channels != unet.adm_in_channels
             || cfg.unet.context_dim.is_some_and(|d| d != dim)
-            || skip_shapes(&cfg.unet, batch, h, w) != skip_shapes(&self.unet, batch, h, w)
+            || skip_shapes(&cfg.unet, batch, h, w) != skip_shapes(unet, batch, h, w)
         {
             return Err(NodeError::invalid(format!(
                 "{what} does not fit this model: its blocks ({} channels × {:?}, context {:?}, \
@@ -168,10 +207,10 @@ impl Model {
                 cfg.unet.channel_mult,
                 cfg.unet.context_dim,
                 cfg.unet.adm_in_channels,
-                self.unet.model_channels,
-                self.unet.channel_mult,
-                self.unet.context_dim,
-                self.unet.adm_in_channels,
+                unet.model_channels,
+                unet.channel_mult,
+                unet.context_dim,
+                unet.adm_in_channels,
             )));
         }
         let g = GraphBuilder::new();
@@ -212,8 +251,12 @@ impl Model {
         entries: &[(&CondEntry, bool)],
         per_entry: usize,
         (height, width): (f64, f64),
+        (tokens, ah, aw): (usize, usize, usize),
     ) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
         let mut out = HashMap::new();
+        if let Net::Flux(cfg) = &self.net {
+            return flux_inputs(cfg, entries, per_entry, (tokens, ah, aw));
+        }
         let Some(adm) = self.adm() else {
             return Ok(out);
         };
@@ -266,4 +309,43 @@ impl Model {
         out.insert("adm_values".to_string(), Arc::new(values));
         Ok(out)
     }
+}
+
+/// Flux's per-row inputs: the pooled CLIP-L vector (zeros where an entry
+/// has none, as ComfyUI's `y = None`), the guidance (the entry's, else
+/// ComfyUI's default 3.5; dev models only) and the RoPE table.
+fn flux_inputs(
+    cfg: &FluxConfig,
+    entries: &[(&CondEntry, bool)],
+    per_entry: usize,
+    (tokens, ah, aw): (usize, usize, usize),
+) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
+    let mut pooled = Vec::with_capacity(entries.len() * per_entry * cfg.vec_in);
+    let mut guidance = Vec::with_capacity(entries.len() * per_entry);
+    for &(e, _) in entries {
+        let row = match &e.pooled {
+            Some(p) if p.numel() == cfg.vec_in => p.data.clone(),
+            Some(p) => {
+                return Err(NodeError::invalid(format!(
+                    "the conditioning's pooled output is {} wide; this Flux model's vector input takes {} (text encoder and model do not belong together)",
+                    p.numel(),
+                    cfg.vec_in
+                )))
+            }
+            None => vec![0.0; cfg.vec_in],
+        };
+        for _ in 0..per_entry {
+            pooled.extend_from_slice(&row);
+            // torch.FloatTensor([guidance]).
+            guidance.push(e.guidance.unwrap_or(3.5) as f32);
+        }
+    }
+    let (gh, gw) = grid(ah, aw);
+    let mut out = HashMap::new();
+    out.insert("pooled".to_string(), Arc::new(pooled));
+    if cfg.guidance {
+        out.insert("guidance".to_string(), Arc::new(guidance));
+    }
+    out.insert("pe".to_string(), Arc::new(rope_table(cfg, tokens, gh, gw)));
+    Ok(out)
 }

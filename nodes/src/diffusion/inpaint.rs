@@ -165,7 +165,7 @@ pub fn concat_cond(
     latent_in: &[f32],
     [b, c, h, w]: [usize; 4],
 ) -> Result<Option<Vec<f32>>, NodeError> {
-    let extra = model.unet.in_channels.saturating_sub(c);
+    let extra = model.in_channels().saturating_sub(c);
     if extra == 0 {
         return Ok(None);
     }
@@ -173,7 +173,7 @@ pub fn concat_cond(
         return Err(NodeError::invalid(format!(
             "the model takes {} input channels; sdkit knows {c}-channel latents plus a mask and \
              a masked image ({}) for inpainting models",
-            model.unet.in_channels,
+            model.in_channels(),
             1 + 2 * c
         )));
     }

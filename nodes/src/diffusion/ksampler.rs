@@ -23,6 +23,7 @@
 use super::cond_batch::{self, Item};
 use super::{control, inpaint};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
+use crate::models::detect::Net;
 use crate::models::unet::skip_shapes;
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
@@ -335,17 +336,17 @@ pub fn sample(
             }
         }
     }
-    if model.unet.context_dim.is_some_and(|d| d != dim) {
+    if model.context_dim().is_some_and(|d| d != dim) {
         return Err(NodeError::invalid(format!(
             "the conditioning is {dim} wide but the model expects {:?} (text encoder and model do not belong together)",
-            model.unet.context_dim
+            model.context_dim()
         )));
     }
     let items: Vec<Item<'_>> = cond_batch::items(model, &conds, (b, shape[1], h, w))?
         .into_iter()
         .filter(|i| i.cond < slots)
         .collect();
-    let groups = cond_batch::groups(&items);
+    let groups = cond_batch::groups(&items, !matches!(model.net, Net::Flux(_)));
     // The control programs, and per group the UNet inputs its chain
     // feeds and their shapes (zeros where no model of it is active).
     let mut plans = control::Plans::default();
@@ -371,7 +372,12 @@ pub fn sample(
         .iter()
         .map(|g| {
             let [ah, aw, ..] = items[g.items[0]].area;
-            skip_shapes(&model.unet, g.items.len() * b, ah, aw)
+            // Control residual shapes: only UNets take them (Plans::add
+            // refuses a ControlNet on anything else).
+            match &model.net {
+                Net::Unet(u) => skip_shapes(u, g.items.len() * b, ah, aw),
+                _ => Default::default(),
+            }
         })
         .collect();
     let progs: Vec<Program> = groups
@@ -407,7 +413,8 @@ pub fn sample(
                 .iter()
                 .map(|&i| (items[i].model, items[i].model_negative))
                 .collect();
-            let mut feed = model.cond_inputs(&entries, b, pixels)?;
+            let [ah, aw, ..] = items[g.items[0]].area;
+            let mut feed = model.cond_inputs(&entries, b, pixels, (g.tokens, ah, aw))?;
             feed.insert("context".to_string(), Arc::new(v));
             Ok(feed)
         })

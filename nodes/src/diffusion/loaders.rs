@@ -3,7 +3,7 @@
 use super::{opaque, Clip, Model, ModelFile, Prediction, TextEncoderModel, Vae, VaeKind};
 use crate::models::detect::{
     detect_checkpoint, detect_text_encoder, detect_unet, vae_config, EncoderArch, Family, Heads,
-    Shapes, TextPart, UnetConfig,
+    Net, Shapes, TextPart, UnetConfig,
 };
 use crate::models::family::{DefaultSampling, TextEncoder};
 use crate::sampling::discrete::DiscreteSchedule;
@@ -104,11 +104,39 @@ fn build_model(
     file: &Arc<ModelFile>,
     shapes: &Shapes,
     family: Family,
-    unet: UnetConfig,
+    net: Net,
     heads: Heads,
     prefix: &str,
 ) -> Result<Model, String> {
     let spec = family.spec();
+    let unet = match net {
+        Net::Unet(u) => u,
+        Net::Flux(f) => {
+            // Dev samples with Flux's resolution-dependent shift (1.15 at
+            // the default size, the value ComfyUI uses without
+            // ModelSamplingFlux); schnell, told apart by having no
+            // guidance embedding, as plain rectified flow.
+            let schedule = if f.guidance {
+                match spec.sampling {
+                    DefaultSampling::FluxShift { shift } => DiscreteSchedule::flux(shift),
+                    _ => DiscreteSchedule::flux(1.15),
+                }
+            } else {
+                DiscreteSchedule::flow(1.0, 1.0)
+            };
+            return Ok(Model {
+                family,
+                file: Arc::clone(file),
+                patches: Arc::default(),
+                prefix: prefix.to_string(),
+                net: Net::Flux(f),
+                heads,
+                schedule,
+                latent: spec.latent,
+                prediction: Prediction::Flow,
+            });
+        }
+    };
     if shapes.contains_key("edm_mean") || shapes.contains_key("edm_vpred.sigma_max") {
         return Err(format!(
             "this {} checkpoint uses EDM sampling (Playground 2.5 or an EDM v-prediction model), which sdkit does not support yet",
@@ -132,7 +160,7 @@ fn build_model(
         file: Arc::clone(file),
         patches: Arc::default(),
         prefix: prefix.to_string(),
-        unet,
+        net: Net::Unet(unet),
         heads,
         schedule,
         latent: spec.latent,
@@ -206,7 +234,7 @@ impl NodeImpl for CheckpointLoaderSimple {
         }
         let d = detect_checkpoint(&s).map_err(|e| NodeError::file(&path, e))?;
         let shared = Arc::new(ModelFile::new(name, store));
-        let model = build_model(&shared, &s, d.family, d.unet, d.heads, UNET_PREFIX)
+        let model = build_model(&shared, &s, d.family, d.net, d.heads, UNET_PREFIX)
             .map_err(|e| NodeError::file(&path, e))?;
         let clip = if d.text.is_empty() {
             opaque(
@@ -237,7 +265,7 @@ impl NodeImpl for CheckpointLoaderSimple {
                 SocketType::Vae,
                 Vae {
                     file: Arc::clone(&shared),
-                    prefix: VAE_PREFIX.to_string(),
+                    prefix: crate::models::detect::vae_prefix(&s).to_string(),
                     kind: VaeKind::Kl(cfg),
                 },
             ),
@@ -417,7 +445,7 @@ fn open_encoder(ctx: &NodeContext, name: &str) -> Result<EncoderFile, NodeError>
         .ok_or_else(|| {
             NodeError::file(
                 &path,
-                "no CLIP text encoder found (text_model.embeddings.token_embedding.weight or token_embedding.weight)",
+                "no text encoder found (CLIP's text_model.embeddings.token_embedding.weight or token_embedding.weight, T5's encoder.block.0.layer.1.DenseReluDense.wi_1.weight)",
             )
         })?;
     let mut store = WeightStore::new();
@@ -477,21 +505,32 @@ impl NodeImpl for ClipLoader {
     }
 }
 
-/// ComfyUI's DualCLIPLoader, type `sdxl`: CLIP-L and OpenCLIP-G in either
-/// order. Where the layer counts do not tell them apart (models with fewer
-/// layers than the real ones), the wider encoder is G, as it is in SDXL.
+/// ComfyUI's DualCLIPLoader: type `sdxl`, CLIP-L and OpenCLIP-G in either
+/// order (where the layer counts do not tell them apart, in models with
+/// fewer layers than the real ones, the wider encoder is G, as it is in
+/// SDXL); type `flux`, CLIP-L and T5 in either order.
 pub struct DualClipLoader;
 
 impl NodeImpl for DualClipLoader {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let ty = inputs.string("type")?;
-        if ty != "sdxl" {
+        if ty != "sdxl" && ty != "flux" {
             return Err(NodeError::invalid(format!(
-                "DualCLIPLoader type {ty:?} is not supported yet: sdkit loads type \"sdxl\" (CLIP-L + OpenCLIP-G)"
+                "DualCLIPLoader type {ty:?} is not supported yet: sdkit loads types \"sdxl\" (CLIP-L + OpenCLIP-G) and \"flux\" (CLIP-L + T5)"
             )));
         }
         let mut a = open_encoder(ctx, inputs.string("clip_name1")?)?;
         let mut b = open_encoder(ctx, inputs.string("clip_name2")?)?;
+        if ty == "flux" {
+            let roles = [a.part.role, b.part.role];
+            if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::T5Xxl) {
+                return Err(NodeError::invalid(format!(
+                    "DualCLIPLoader flux needs CLIP-L and T5; these files are {:?} and {:?}",
+                    roles[0], roles[1]
+                )));
+            }
+            return clip_output(Family::Flux, vec![a, b]);
+        }
         if a.part.role == b.part.role {
             let wider_a = a.part.arch.width() > b.part.arch.width();
             let (l, g) = if wider_a {

@@ -22,7 +22,7 @@ pub mod tiling;
 pub mod vae;
 
 use crate::clip_tokenizer::ClipTokenizer;
-use crate::models::detect::{EncoderArch, Family, Heads, UnetConfig, VaeConfig};
+use crate::models::detect::{EncoderArch, Family, Heads, Net, UnetConfig, VaeConfig};
 use crate::models::family::{LatentFormat, TextRule};
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_compute::backend::cpu::Bindings;
@@ -199,20 +199,53 @@ impl Prediction {
     }
 }
 
-/// MODEL: a denoiser (a UNet of SD 1.x, 2.x or XL) and its noise schedule.
+/// MODEL: a denoiser (a UNet of SD 1.x, 2.x or XL, or a Flux
+/// transformer) and its noise schedule.
 #[derive(Debug, Clone)]
 pub struct Model {
     pub family: Family,
     pub file: Arc<ModelFile>,
-    /// LoRA patches on the UNet's tensors.
+    /// LoRA patches on the model's tensors.
     pub patches: Arc<crate::adapters::Patches>,
     pub prefix: String,
-    pub unet: UnetConfig,
+    pub net: Net,
     pub heads: Heads,
     pub schedule: DiscreteSchedule,
     /// The family's latent format (SD1: scale 0.18215, no shift).
     pub latent: &'static LatentFormat,
     pub prediction: Prediction,
+}
+
+impl Model {
+    /// The UNet's config, or a clear error naming `what` needs it where
+    /// the model is a transformer that sdkit cannot use for it yet.
+    pub fn unet(&self, what: &str) -> Result<&UnetConfig, NodeError> {
+        match &self.net {
+            Net::Unet(u) => Ok(u),
+            Net::Flux(_) => Err(NodeError::invalid(format!(
+                "{what} with a {} model is not supported yet (sdkit builds it for UNet models)",
+                self.family.name()
+            ))),
+        }
+    }
+
+    /// Channels the model takes (the latent's, plus an inpainting
+    /// model's mask and masked image).
+    pub fn in_channels(&self) -> usize {
+        match &self.net {
+            Net::Unet(u) => u.in_channels,
+            Net::Flux(f) => f.in_channels,
+        }
+    }
+
+    /// The context width the model attends to (None: a UNet without
+    /// cross-attention).
+    pub fn context_dim(&self) -> Option<usize> {
+        match &self.net {
+            Net::Unet(u) => u.context_dim,
+            Net::Flux(f) => Some(f.context_in),
+        }
+    }
 }
 
 /// One text encoder of a CLIP: where its tensors are, their layout, and
@@ -296,6 +329,9 @@ pub struct CondEntry {
     /// Set by ControlNetApply: the sampler gives this entry's control to
     /// the negative entries too ([`control::fill_uncond`]).
     pub control_apply_to_uncond: bool,
+    /// FluxGuidance / CLIPTextEncodeFlux: the distilled guidance a Flux
+    /// dev model is given (ComfyUI's default 3.5 where unset).
+    pub guidance: Option<f64>,
 }
 
 /// An entry's `area`, as ComfyUI stores it: `(height, width, y, x)`.
@@ -338,6 +374,7 @@ impl CondEntry {
             concat_mask: None,
             control: None,
             control_apply_to_uncond: false,
+            guidance: None,
         }
     }
 }

@@ -79,7 +79,8 @@ pub fn text_encoder<'a>(
 /// caller: a 77-row lookup needs no device, and the table is the largest
 /// tensor of a text encoder). `eot` `[batch, 1, len]` (a one-hot at each
 /// sequence's first end token, [`super::open_clip::end_token_one_hot`])
-/// asks for the pooled output. `norm_hidden`: whether an earlier layer's
+/// asks for the pooled output, through the text projection when `eot`
+/// says so (and the file has one), else as it is. `norm_hidden`: whether an earlier layer's
 /// state goes through the final LayerNorm (SD1 yes, SDXL no).
 #[allow(clippy::too_many_arguments)]
 pub fn text_encoder_embedded<'a>(
@@ -88,7 +89,7 @@ pub fn text_encoder_embedded<'a>(
     prefix: &str,
     tok: T<'a>,
     mask: T<'a>,
-    eot: Option<T<'a>>,
+    eot: Option<(T<'a>, bool)>,
     layer: ClipLayer,
     norm_hidden: bool,
 ) -> Result<ClipOut<'a>, ShapeError> {
@@ -138,15 +139,16 @@ pub fn text_encoder_embedded<'a>(
         (ClipLayer::FromEnd(_), Some(h)) => h,
         _ => last,
     };
+    let b = tok.shape()[0];
     let pooled = match (eot, cfg.projection) {
-        (Some(eot), Some(p)) => {
-            let b = tok.shape()[0];
+        (Some((eot, true)), Some(p)) => {
             let row = eot.matmul(last)?.reshape(&[b, w])?;
             // A Linear without bias, `[projection, width]`, beside (not
             // inside) the `text_model.` tensors.
             let outer = Scope::new(g, projection_prefix(prefix));
             Some(outer.pp("text_projection").linear_no_bias(row, w, p)?)
         }
+        (Some((eot, false)), _) => Some(eot.matmul(last)?.reshape(&[b, w])?),
         _ => None,
     };
     Ok(ClipOut { hidden, pooled })

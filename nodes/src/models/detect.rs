@@ -82,6 +82,23 @@ pub struct UnetConfig {
     pub adm_in_channels: Option<usize>,
 }
 
+/// A diffusion model's network and its sizes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Net {
+    Unet(UnetConfig),
+    Flux(super::flux::FluxConfig),
+}
+
+impl Net {
+    /// The UNet's config, if this is one.
+    pub fn unet(&self) -> Option<&UnetConfig> {
+        match self {
+            Net::Unet(u) => Some(u),
+            _ => None,
+        }
+    }
+}
+
 /// How a UNet splits a transformer's channels into attention heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Heads {
@@ -145,6 +162,9 @@ pub struct VaeConfig {
     pub num_res_blocks: usize,
     pub z_channels: usize,
     pub in_channels: usize,
+    /// SD's VAEs have `quant_conv`/`post_quant_conv` 1×1 convolutions
+    /// around the latent; Flux's and SD3's have none.
+    pub quant_conv: bool,
 }
 
 /// The key layout a text encoder's weights use.
@@ -155,6 +175,8 @@ pub enum EncoderArch {
     Clip(ClipConfig),
     /// OpenCLIP names (`token_embedding`, `transformer.resblocks.N.attn.in_proj_weight`, ...).
     OpenClip(OpenClipConfig),
+    /// T5 v1.1's encoder (`shared`, `encoder.block.N.layer.0.SelfAttention.q`, ...).
+    T5(super::t5::T5Config),
 }
 
 impl EncoderArch {
@@ -162,6 +184,7 @@ impl EncoderArch {
         match self {
             EncoderArch::Clip(c) => c.layers,
             EncoderArch::OpenClip(c) => c.layers,
+            EncoderArch::T5(c) => c.layers,
         }
     }
 
@@ -169,6 +192,7 @@ impl EncoderArch {
         match self {
             EncoderArch::Clip(c) => c.width,
             EncoderArch::OpenClip(c) => c.width,
+            EncoderArch::T5(c) => c.width,
         }
     }
 }
@@ -186,7 +210,7 @@ pub struct TextPart {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Detected {
     pub family: Family,
-    pub unet: UnetConfig,
+    pub net: Net,
     /// UNet attention heads (not visible in shapes: SD1's convention is
     /// 8 heads, SD2's and SDXL's 64-channel heads).
     pub heads: Heads,
@@ -519,6 +543,7 @@ pub fn vae_config(s: &Shapes, prefix: &str) -> Result<Option<VaeConfig>, DetectE
         num_res_blocks,
         z_channels,
         in_channels,
+        quant_conv: s.contains_key(&format!("{prefix}post_quant_conv.weight")),
     }))
 }
 
@@ -541,6 +566,14 @@ fn open_clip_part(
         role,
         prefix: prefix.to_string(),
         arch: EncoderArch::OpenClip(c),
+    }))
+}
+
+fn t5_part(s: &Shapes, prefix: &str) -> Result<Option<TextPart>, DetectError> {
+    Ok(super::t5::t5_config(s, prefix)?.map(|c| TextPart {
+        role: TextEncoder::T5Xxl,
+        prefix: prefix.to_string(),
+        arch: EncoderArch::T5(c),
     }))
 }
 
@@ -572,6 +605,15 @@ fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> 
             TextEncoder::OpenClipG,
             "conditioner.embedders.0.model.",
         )?],
+        // ComfyUI's saves: `text_encoders.{clip_l,t5xxl}.transformer.`.
+        Family::Flux => vec![
+            clip_part(
+                s,
+                TextEncoder::ClipL,
+                "text_encoders.clip_l.transformer.text_model.",
+            )?,
+            t5_part(s, "text_encoders.t5xxl.transformer.")?,
+        ],
         _ => vec![],
     };
     match (
@@ -586,37 +628,62 @@ fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> 
 
 /// The diffusion model under `prefix`: its family (refused by name when
 /// sdkit cannot build it) and config.
-fn diffusion_model(s: &Shapes, prefix: &str) -> Result<(Family, UnetConfig), DetectError> {
-    if let Some(f) = dit_family(s, prefix) {
-        return Err(DetectError::Unsupported(f));
+fn diffusion_model(s: &Shapes, prefix: &str) -> Result<(Family, Net), DetectError> {
+    match dit_family(s, prefix) {
+        Some(Family::Flux) => {
+            return Ok((
+                Family::Flux,
+                Net::Flux(super::flux::flux_config(s, prefix)?),
+            ));
+        }
+        Some(f) => return Err(DetectError::Unsupported(f)),
+        None => {}
     }
     let unet = unet_config(s, prefix)?;
     let family = unet_family(&unet)?;
     if !family.supported() {
         return Err(DetectError::Unsupported(family));
     }
-    Ok((family, unet))
+    Ok((family, Net::Unet(unet)))
 }
 
 /// Detects a single-file checkpoint in the original (ldm) layout.
 ///
 /// Unsupported families are recognised and refused by name.
 pub fn detect_checkpoint(s: &Shapes) -> Result<Detected, DetectError> {
-    let (family, unet) = diffusion_model(s, "model.diffusion_model.")?;
+    let (family, net) = diffusion_model(s, "model.diffusion_model.")?;
     Ok(Detected {
         family,
         heads: family.spec().heads,
         text: text_parts(s, family)?,
-        vae: vae_config(s, "first_stage_model.")?,
-        unet,
+        vae: match vae_config(s, VAE_PREFIXES[0])? {
+            Some(v) => Some(v),
+            None => vae_config(s, VAE_PREFIXES[1])?,
+        },
+        net,
     })
+}
+
+/// Where single-file checkpoints keep the VAE: SD's `first_stage_model.`,
+/// or `vae.` (ComfyUI's saves of Flux, SD3 and later families).
+pub const VAE_PREFIXES: [&str; 2] = ["first_stage_model.", "vae."];
+
+/// The prefix the VAE of a checkpoint with these shapes is under.
+pub fn vae_prefix(s: &Shapes) -> &'static str {
+    if has_prefix(s, VAE_PREFIXES[0]) {
+        VAE_PREFIXES[0]
+    } else if has_prefix(s, VAE_PREFIXES[1]) {
+        VAE_PREFIXES[1]
+    } else {
+        VAE_PREFIXES[0]
+    }
 }
 
 /// Detects a diffusion-model-only file (UNETLoader): the UNet's keys with
 /// no prefix, or under `model.diffusion_model.` as some tools save them.
 /// Returns the prefix found.
-pub fn detect_unet(s: &Shapes) -> Result<(Family, UnetConfig, Heads, &'static str), DetectError> {
-    let prefix = if s.contains_key("model.diffusion_model.input_blocks.0.0.weight") {
+pub fn detect_unet(s: &Shapes) -> Result<(Family, Net, Heads, &'static str), DetectError> {
+    let prefix = if has_prefix(s, "model.diffusion_model.") {
         "model.diffusion_model."
     } else {
         ""
@@ -626,10 +693,18 @@ pub fn detect_unet(s: &Shapes) -> Result<(Family, UnetConfig, Heads, &'static st
 }
 
 /// The one text encoder of a standalone file: HF layout under
-/// `text_model.` (with `text_projection.weight` beside it) or OpenCLIP's
-/// at the top level. The role is ComfyUI's `detect_te_model` rule: 31 or
+/// `text_model.` (with `text_projection.weight` beside it), OpenCLIP's
+/// at the top level, or T5's (by its gated feed-forward's `wi_1`, whatever
+/// its width). The CLIP role is ComfyUI's `detect_te_model` rule: 31 or
 /// more layers is OpenCLIP-G, 23 or more OpenCLIP-H, fewer CLIP-L.
 pub fn detect_text_encoder(s: &Shapes) -> Result<Option<TextPart>, DetectError> {
+    if let Some(c) = super::t5::t5_config(s, "")? {
+        return Ok(Some(TextPart {
+            role: TextEncoder::T5Xxl,
+            prefix: String::new(),
+            arch: EncoderArch::T5(c),
+        }));
+    }
     let role = |layers: usize| match layers {
         31.. => TextEncoder::OpenClipG,
         23.. => TextEncoder::OpenClipH,

@@ -177,6 +177,20 @@ pub struct TextRule {
     pub norm_hidden: bool,
     /// The padding token (`pad_with_end`: the end token 49407, else 0).
     pub pad: u32,
+    /// Whether the family reads this encoder's pooled output, and how.
+    pub pooled: Pooled,
+}
+
+/// How a family reads an encoder's pooled output (the final-normed state
+/// at the end token).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooled {
+    /// Unused (SD1's and SDXL's CLIP-L, T5).
+    No,
+    /// Through the encoder's text projection (OpenCLIP-G/H).
+    Projected,
+    /// As it is (Flux's CLIP-L: `return_projected_pooled=False`).
+    Raw,
 }
 
 const END: u32 = 49407;
@@ -186,26 +200,34 @@ const fn rule(
     default_layer: Option<i64>,
     norm_hidden: bool,
     pad: u32,
+    pooled: Pooled,
 ) -> TextRule {
     TextRule {
         encoder,
         default_layer,
         norm_hidden,
         pad,
+        pooled,
     }
 }
 
 /// SD1's CLIP-L: the last layer, final-normed; padded with the end token.
-const SD1_L: TextRule = rule(TextEncoder::ClipL, None, true, END);
+const SD1_L: TextRule = rule(TextEncoder::ClipL, None, true, END, Pooled::No);
 /// SD 2.x's OpenCLIP-H: the penultimate layer, final-normed; padded with 0.
-const SD2_H: TextRule = rule(TextEncoder::OpenClipH, Some(-2), true, 0);
+const SD2_H: TextRule = rule(TextEncoder::OpenClipH, Some(-2), true, 0, Pooled::Projected);
 /// SDXL's CLIP-L and OpenCLIP-G (also SD3's): the penultimate layer as it
 /// is, no final norm; L pads with the end token, G with 0.
-const XL_L: TextRule = rule(TextEncoder::ClipL, Some(-2), false, END);
-const XL_G: TextRule = rule(TextEncoder::OpenClipG, Some(-2), false, 0);
+const XL_L: TextRule = rule(TextEncoder::ClipL, Some(-2), false, END, Pooled::No);
+const XL_G: TextRule = rule(
+    TextEncoder::OpenClipG,
+    Some(-2),
+    false,
+    0,
+    Pooled::Projected,
+);
 /// Flux's CLIP-L (pooled only) and T5 (last layer; its pad is T5's own).
-const FLUX_L: TextRule = rule(TextEncoder::ClipL, None, true, END);
-const T5: TextRule = rule(TextEncoder::T5Xxl, None, true, 0);
+const FLUX_L: TextRule = rule(TextEncoder::ClipL, None, true, END, Pooled::Raw);
+const T5: TextRule = rule(TextEncoder::T5Xxl, None, true, 0, Pooled::No);
 
 /// One family's row.
 #[derive(Debug)]
@@ -287,7 +309,7 @@ pub static FAMILIES: [FamilySpec; 7] = [
         text_encoders: &[FLUX_L, T5],
         default_size: 1024,
         heads: Heads::Width(64),
-        supported: false,
+        supported: true,
     },
     FamilySpec {
         family: Family::Chroma,
@@ -315,6 +337,16 @@ impl FamilySpec {
 }
 
 impl Family {
+    /// The length T5 prompts are padded to (ComfyUI's `min_length` of the
+    /// family's T5 tokenizer: Flux 256, SD3 77, Chroma 1).
+    pub fn t5_min_length(self) -> usize {
+        match self {
+            Family::Flux => 256,
+            Family::Chroma => 1,
+            _ => 77,
+        }
+    }
+
     /// This family's row of [`FAMILIES`].
     pub fn spec(self) -> &'static FamilySpec {
         // Every variant has exactly one row (checked by a test), so the

@@ -128,9 +128,13 @@ pub fn encode_pixels<'a>(
     let x = pixels.mul_scalar(2.0).add_scalar(-1.0);
     let moments = encoder(g, cfg, &format!("{prefix}encoder."), x)?;
     let zc = 2 * cfg.z_channels;
-    let moments = Scope::new(g, prefix)
-        .pp("quant_conv")
-        .conv2d(moments, zc, zc, 1, 1)?;
+    let moments = if cfg.quant_conv {
+        Scope::new(g, prefix)
+            .pp("quant_conv")
+            .conv2d(moments, zc, zc, 1, 1)?
+    } else {
+        moments
+    };
     moments.slice(1, 0, cfg.z_channels)
 }
 
@@ -154,8 +158,12 @@ pub fn decode_image<'a>(
 /// `process_output`): what tiled decoding blends.
 pub fn decode_raw<'a>(g: &'a GraphBuilder, cfg: &VaeConfig, prefix: &str, latent: T<'a>) -> R<'a> {
     let zc = cfg.z_channels;
-    let z = Scope::new(g, prefix)
-        .pp("post_quant_conv")
-        .conv2d(latent, zc, zc, 1, 1)?;
+    let z = if cfg.quant_conv {
+        Scope::new(g, prefix)
+            .pp("post_quant_conv")
+            .conv2d(latent, zc, zc, 1, 1)?
+    } else {
+        latent
+    };
     decoder(g, cfg, &format!("{prefix}decoder."), z)
 }

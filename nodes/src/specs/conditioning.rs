@@ -11,6 +11,22 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
         .returns(T::Conditioning).build()
         .out_tips(&["A conditioning containing the embedded text used to guide the diffusion model."]));
     v.push(
+        node("CLIPTextEncodeFlux", "advanced/conditioning/flux")
+            .socket("clip", T::Clip)
+            .text("clip_l")
+            .text("t5xxl")
+            .float("guidance", 3.5, 0.0, 100.0, 0.1)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node("FluxGuidance", "advanced/conditioning/flux")
+            .socket("conditioning", T::Conditioning)
+            .float("guidance", 3.5, 0.0, 100.0, 0.1)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
         node("CLIPSetLastLayer", "conditioning")
             .display("CLIP Set Last Layer")
             .socket("clip", T::Clip)

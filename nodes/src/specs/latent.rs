@@ -19,6 +19,14 @@ pub(super) fn latent(v: &mut Vec<NodeSpec>) {
             .out_tips(&["The decoded image."]),
     );
     v.push(
+        node("EmptySD3LatentImage", "latent/sd3")
+            .int("width", 1024, 16, MAX_RES, 16)
+            .int("height", 1024, 16, MAX_RES, 16)
+            .int("batch_size", 1, 1, 4096, 1)
+            .returns(T::Latent)
+            .build(),
+    );
+    v.push(
         node("VAEEncode", "latent")
             .display("VAE Encode")
             .socket("pixels", T::Image)

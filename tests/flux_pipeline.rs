@@ -1,0 +1,286 @@
+//! Flux (dev, schnell) end to end gives ComfyUI's latents and images for
+//! the same seed, and its parts give ComfyUI's values: tiny models in the
+//! real layouts (`flux1-dev` transformer files for UNETLoader, an fp8
+//! one, `t5xxl` and `clip_l` text encoder files for DualCLIPLoader type
+//! flux, the `ae` VAE without quant convs, and an all-in-one checkpoint as
+//! ComfyUI saves it), run by `sdkit run` and compared with ComfyUI's nodes
+//! on the same graphs (tools/reference/flux_pipeline.py →
+//! tests/reference/flux/expected.json). Covers CLIPTextEncode with
+//! weights, FluxGuidance, ConditioningZeroOut, EmptySD3LatentImage,
+//! KSampler, SamplerCustomAdvanced with BasicGuider and ModelSamplingFlux,
+//! CLIPTextEncodeFlux, img2img on a latent with an odd patch count, a T5
+//! prompt longer than 256 tokens, schnell without guidance, fp8 weights.
+
+mod support;
+
+use sdkit_compute::backend::cpu;
+use sdkit_compute::plan::plan;
+use sdkit_compute::tensor::{GraphBuilder, InputKind};
+use sdkit_compute::weights::SafeTensors;
+use sdkit_nodes::models::flux::{flux, flux_config, grid, rope_table, FluxInputs};
+use sdkit_nodes::models::t5::{bucket_ids, encoder, t5_config};
+use sdkit_nodes::t5_tokenizer::T5Tokenizer;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+use support::{check_graph, copy_input, f32s, rel_diff, run, write_fixture_entry};
+
+fn fixture() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("flux/expected.json"))
+}
+
+/// A base folder with every tiny model file of the fixture and the input
+/// image.
+fn setup() -> tempfile::TempDir {
+    let base = tempfile::tempdir().expect("tempdir");
+    for f in fixture()["files"].as_array().expect("files") {
+        write_fixture_entry(&base.path().join("models"), f);
+    }
+    copy_input(base.path());
+    base
+}
+
+/// One fixture file written alone; returns its path.
+fn write_one(dir: &Path, name: &str) -> std::path::PathBuf {
+    let f = fixture()["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .find(|f| f["name"] == name)
+        .unwrap_or_else(|| panic!("{name} in the fixture"));
+    write_fixture_entry(dir, f);
+    dir.join(f["folder"].as_str().expect("folder")).join(name)
+}
+
+fn shapes(file: &SafeTensors) -> BTreeMap<String, Vec<usize>> {
+    file.tensors()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect()
+}
+
+fn weights(file: &SafeTensors, graph: &sdkit_compute::tensor::TensorGraph) -> cpu::Bindings {
+    let mut bind = cpu::Bindings::default();
+    for (_, name, _) in graph.inputs(InputKind::Weight) {
+        let v = file.to_f32(name).expect("weight");
+        bind.weights.insert(name.to_string(), Arc::new(v));
+    }
+    bind
+}
+
+fn matches_on(graph: &str, device: &str) {
+    let base = setup();
+    run(base.path(), graph, device);
+    check_graph(base.path(), fixture(), graph, None);
+}
+
+#[test]
+fn t5_tokens_match_comfyui() {
+    let tok = T5Tokenizer::shared().expect("tokenizer");
+    let t = &fixture()["components"]["t5_tokens"];
+    for p in t["prompts"].as_array().expect("prompts") {
+        let text = p["text"].as_str().expect("text");
+        for (family, min) in [("flux", 256), ("sd3", 77)] {
+            assert_eq!(t["min_length"][family], min);
+            // ComfyUI ran with an empty embedding folder: a missing
+            // `embedding:` name is dropped.
+            let (got, _) = tok.tokenize_with_embeddings(text, min, &mut |_| None);
+            let want: Vec<Vec<(u32, f32)>> = p[family]
+                .as_array()
+                .expect("batches")
+                .iter()
+                .map(|b| {
+                    b.as_array()
+                        .expect("batch")
+                        .iter()
+                        .map(|tw| {
+                            (
+                                tw[0].as_u64().expect("id") as u32,
+                                tw[1].as_f64().expect("w") as f32,
+                            )
+                        })
+                        .collect()
+                })
+                .collect();
+            assert_eq!(got, want, "{} ({family}): {text:?}", p["label"]);
+        }
+    }
+}
+
+#[test]
+fn t5_encoder_matches_comfyui() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = SafeTensors::open(&write_one(dir.path(), "tiny_t5xxl.safetensors")).expect("opens");
+    let cfg = t5_config(&shapes(&file), "")
+        .expect("detects")
+        .expect("a T5");
+    assert_eq!(
+        (cfg.width, cfg.layers, cfg.heads, cfg.head_dim),
+        (32, 2, 4, 8)
+    );
+    let tok = T5Tokenizer::shared().expect("tokenizer");
+    let table = file.to_f32("shared.weight").expect("table");
+    let mut checked = 0;
+    for h in fixture()["components"]["t5_hidden"]
+        .as_array()
+        .expect("t5_hidden")
+    {
+        let text = h["text"].as_str().expect("text");
+        let (batches, _) = tok.tokenize_with_embeddings(text, 256, &mut |_| None);
+        // Weighted prompts also encode the empty prompt (the pipeline
+        // tests cover them); the plain ones compare the encoder itself.
+        if batches[0].iter().any(|&(_, w)| w != 1.0) {
+            continue;
+        }
+        let ids: Vec<usize> = batches[0].iter().map(|&(t, _)| t as usize).collect();
+        let len = ids.len();
+        let g = GraphBuilder::new();
+        let x = g.input("x", &[1, len, cfg.width]).expect("input");
+        let b = g.input("buckets", &[len * len]).expect("input");
+        let y = encoder(
+            &g,
+            &cfg,
+            "",
+            x,
+            b,
+            None,
+            sdkit_nodes::models::clip::ClipLayer::Last,
+            true,
+        )
+        .expect("builds");
+        let graph = g.finish(&[y]);
+        let prog = plan(&graph).expect("plans");
+        let mut bind = weights(&file, &graph);
+        let emb: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| table[i * cfg.width..(i + 1) * cfg.width].iter().copied())
+            .collect();
+        bind.inputs.insert("x".into(), Arc::new(emb));
+        bind.inputs
+            .insert("buckets".into(), Arc::new(bucket_ids(len, &cfg)));
+        let got = cpu::run(&prog, &bind).expect("runs");
+        let want = f32s(h["cond_f32"].as_str().expect("cond"));
+        let d = rel_diff(&got[0].data, &want);
+        eprintln!("t5 {text:?}: rel diff {d:e}");
+        assert!(d < 1e-4, "{text:?}: {d}");
+        checked += 1;
+    }
+    assert!(checked > 0, "no unweighted prompt to check");
+}
+
+#[test]
+fn flux_forward_matches_comfyui() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file =
+        SafeTensors::open(&write_one(dir.path(), "tiny_flux_dev.safetensors")).expect("opens");
+    let cfg = flux_config(&shapes(&file), "").expect("detects");
+    assert_eq!(
+        (
+            cfg.hidden,
+            cfg.heads,
+            cfg.axes_dim,
+            cfg.depth,
+            cfg.depth_single,
+            cfg.guidance
+        ),
+        (64, 2, [4, 14, 14], 2, 2, true)
+    );
+    for case in fixture()["components"]["flux_forward"]
+        .as_array()
+        .expect("cases")
+    {
+        let dims = |k: &str| -> Vec<usize> {
+            case[k]
+                .as_array()
+                .expect("shape")
+                .iter()
+                .map(|v| v.as_u64().expect("dim") as usize)
+                .collect()
+        };
+        let (xs, cs) = (dims("x_shape"), dims("context_shape"));
+        let g = GraphBuilder::new();
+        let (gh, gw) = grid(xs[2], xs[3]);
+        let x = g.input("x", &xs).expect("input");
+        let inputs = FluxInputs {
+            t: g.input("t", &[1]).expect("input"),
+            context: g.input("context", &cs).expect("input"),
+            y: g.input("y", &[1, cfg.vec_in]).expect("input"),
+            guidance: Some(g.input("guidance", &[1]).expect("input")),
+            pe: g
+                .input("pe", &[1, cs[1] + gh * gw, cfg.head_dim / 2, 2, 2])
+                .expect("input"),
+        };
+        let out = flux(&g, &cfg, "", x, inputs).expect("builds");
+        assert_eq!(out.shape(), xs);
+        let graph = g.finish(&[out]);
+        let prog = plan(&graph).expect("plans");
+        let mut bind = weights(&file, &graph);
+        let f = |k: &str| Arc::new(f32s(case[k].as_str().expect("input")));
+        bind.inputs.insert("x".into(), f("x_f32"));
+        bind.inputs.insert("context".into(), f("context_f32"));
+        bind.inputs.insert("y".into(), f("y_f32"));
+        let scalar = |k: &str| Arc::new(vec![case[k].as_f64().expect("scalar") as f32]);
+        bind.inputs.insert("t".into(), scalar("timestep"));
+        bind.inputs.insert("guidance".into(), scalar("guidance"));
+        bind.inputs
+            .insert("pe".into(), Arc::new(rope_table(&cfg, cs[1], gh, gw)));
+        let got = cpu::run(&prog, &bind).expect("runs");
+        let want = f32s(case["out_f32"].as_str().expect("out"));
+        let d = rel_diff(&got[0].data, &want);
+        eprintln!("flux forward {xs:?}: rel diff {d:e}");
+        assert!(d < 1e-4, "{xs:?}: {d}");
+    }
+}
+
+#[test]
+fn txt2img_matches_comfyui() {
+    matches_on("tiny_flux_txt2img", "cpu");
+}
+
+#[test]
+fn custom_sampling_with_clip_text_encode_flux_matches_comfyui() {
+    matches_on("tiny_flux_custom", "cpu");
+}
+
+#[test]
+fn img2img_matches_comfyui() {
+    matches_on("tiny_flux_img2img", "cpu");
+}
+
+#[test]
+fn schnell_matches_comfyui() {
+    matches_on("tiny_flux_schnell", "cpu");
+}
+
+#[test]
+fn long_t5_prompt_matches_comfyui() {
+    matches_on("tiny_flux_long_prompt", "cpu");
+}
+
+#[test]
+fn fp8_file_matches_comfyui() {
+    matches_on("tiny_flux_fp8", "cpu");
+}
+
+#[test]
+fn all_in_one_checkpoint_matches_comfyui() {
+    matches_on("tiny_flux_aio", "cpu");
+}
+
+#[test]
+fn txt2img_on_wgpu_matches_comfyui() {
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("Flux txt2img on wgpu", e);
+        return;
+    }
+    matches_on("tiny_flux_txt2img", "wgpu");
+}
+
+#[test]
+fn custom_sampling_on_wgpu_matches_comfyui() {
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("Flux custom sampling on wgpu", e);
+        return;
+    }
+    matches_on("tiny_flux_custom", "wgpu");
+}
