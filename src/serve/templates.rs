@@ -73,6 +73,12 @@ const TEMPLATES: &[Template] = &[
         "Text to image (SDXL base + refiner)",
         "ComfyUI's SDXL example: 20 of 25 steps on the base, the rest on the refiner. Needs sd_xl_base_1.0.safetensors and sd_xl_refiner_1.0.safetensors in models/checkpoints."
     ),
+    template!(
+        "sdkit_flux_dev_txt2img",
+        "flux_dev_txt2img.json",
+        "Text to image (Flux dev)",
+        "ComfyUI's Flux dev example: SamplerCustomAdvanced with FluxGuidance and ModelSamplingFlux. Needs flux1-dev.safetensors in models/diffusion_models, clip_l.safetensors and t5xxl_fp16.safetensors in models/text_encoders, ae.safetensors in models/vae."
+    ),
     template!("sdkit_tiny_sd1_txt2img", "tiny_sd1_txt2img.json", "Tiny SD1: text to image", "KSampler on the tiny test checkpoint (tiny_sd1.safetensors)."),
     template!("sdkit_tiny_sd1_img2img", "tiny_sd1_img2img.json", "Tiny SD1: image to image", "VAEEncode and a partial denoise on the tiny test checkpoint."),
     template!("sdkit_tiny_sd1_hires", "tiny_sd1_hires.json", "Tiny SD1: hires fix", "Two samplers with a latent upscale between, on the tiny test checkpoint."),
