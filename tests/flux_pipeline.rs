@@ -17,9 +17,11 @@ use sdkit_compute::backend::cpu;
 use sdkit_compute::plan::plan;
 use sdkit_compute::tensor::{GraphBuilder, InputKind};
 use sdkit_compute::weights::SafeTensors;
-use sdkit_nodes::models::flux::{flux, flux_config, grid, rope_table, FluxInputs};
+use sdkit_nodes::models::flux::{
+    chroma_index_table, flux, flux_config, grid, rope_table, FluxInputs, CHROMA_MODULATIONS,
+};
 use sdkit_nodes::models::t5::{bucket_ids, encoder, t5_config};
-use sdkit_nodes::t5_tokenizer::T5Tokenizer;
+use sdkit_nodes::t5_tokenizer::{Padding, T5Tokenizer};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -30,20 +32,24 @@ fn fixture() -> &'static serde_json::Value {
     FX.get_or_init(|| support::fixture("flux/expected.json"))
 }
 
-/// A base folder with every tiny model file of the fixture and the input
-/// image.
-fn setup() -> tempfile::TempDir {
+fn chroma() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("chroma/expected.json"))
+}
+
+/// A base folder with every tiny model file of `fx` and the input image.
+fn setup_with(fx: &serde_json::Value) -> tempfile::TempDir {
     let base = tempfile::tempdir().expect("tempdir");
-    for f in fixture()["files"].as_array().expect("files") {
+    for f in fx["files"].as_array().expect("files") {
         write_fixture_entry(&base.path().join("models"), f);
     }
     copy_input(base.path());
     base
 }
 
-/// One fixture file written alone; returns its path.
-fn write_one(dir: &Path, name: &str) -> std::path::PathBuf {
-    let f = fixture()["files"]
+/// One file of `fx` written alone under `dir`; returns its path.
+fn write_one(fx: &serde_json::Value, dir: &Path, name: &str) -> std::path::PathBuf {
+    let f = fx["files"]
         .as_array()
         .expect("files")
         .iter()
@@ -69,9 +75,94 @@ fn weights(file: &SafeTensors, graph: &sdkit_compute::tensor::TensorGraph) -> cp
 }
 
 fn matches_on(graph: &str, device: &str) {
-    let base = setup();
+    matches_in(fixture(), graph, device);
+}
+
+fn matches_in(fx: &serde_json::Value, graph: &str, device: &str) {
+    let base = setup_with(fx);
     run(base.path(), graph, device);
-    check_graph(base.path(), fixture(), graph, None);
+    check_graph(base.path(), fx, graph, None);
+}
+
+/// Runs one case of a `*_forward` component: inputs `x`, `context` (its
+/// first `tokens` rows), `y` (where the model takes one), `timestep`,
+/// `guidance`; returns the output and the reference's.
+fn forward_case(
+    cfg: &sdkit_nodes::models::flux::FluxConfig,
+    file: &SafeTensors,
+    case: &serde_json::Value,
+    tokens: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let dims = |k: &str| -> Vec<usize> {
+        case[k]
+            .as_array()
+            .expect("shape")
+            .iter()
+            .map(|v| v.as_u64().expect("dim") as usize)
+            .collect()
+    };
+    let (xs, mut cs) = (dims("x_shape"), dims("context_shape"));
+    cs[1] = tokens.unwrap_or(cs[1]);
+    let g = GraphBuilder::new();
+    let (gh, gw) = grid(xs[2], xs[3]);
+    let x = g.input("x", &xs).expect("input");
+    let inputs = FluxInputs {
+        t: g.input("t", &[1]).expect("input"),
+        context: g.input("context", &cs).expect("input"),
+        y: (cfg.vec_in > 0).then(|| g.input("y", &[1, cfg.vec_in]).expect("input")),
+        guidance: Some(g.input("guidance", &[1]).expect("input")),
+        pe: g
+            .input("pe", &[1, cs[1] + gh * gw, cfg.head_dim / 2, 2, 2])
+            .expect("input"),
+        chroma_index: cfg.approximator.is_some().then(|| {
+            g.input("chroma_index", &[CHROMA_MODULATIONS, 32])
+                .expect("input")
+        }),
+    };
+    let out = flux(&g, cfg, "", x, inputs).expect("builds");
+    assert_eq!(out.shape(), xs);
+    let graph = g.finish(&[out]);
+    let prog = plan(&graph).expect("plans");
+    let mut bind = weights(file, &graph);
+    let f = |k: &str| f32s(case[k].as_str().expect("input"));
+    bind.inputs.insert("x".into(), Arc::new(f("x_f32")));
+    let context = f("context_f32");
+    bind.inputs.insert(
+        "context".into(),
+        Arc::new(context[..cs[1] * cs[2]].to_vec()),
+    );
+    if cfg.vec_in > 0 {
+        bind.inputs.insert("y".into(), Arc::new(f("y_f32")));
+    }
+    let scalar = |k: &str| Arc::new(vec![case[k].as_f64().expect("scalar") as f32]);
+    bind.inputs.insert("t".into(), scalar("timestep"));
+    bind.inputs.insert("guidance".into(), scalar("guidance"));
+    bind.inputs
+        .insert("pe".into(), Arc::new(rope_table(cfg, cs[1], gh, gw)));
+    bind.inputs
+        .insert("chroma_index".into(), Arc::new(chroma_index_table()));
+    let got = cpu::run(&prog, &bind).expect("runs");
+    (got[0].data.clone(), f("out_f32"))
+}
+
+/// `[[[id, weight], ...], ...]` as (id, weight) batches.
+fn batches(v: &serde_json::Value) -> Vec<Vec<(u32, f32)>> {
+    v.as_array()
+        .expect("batches")
+        .iter()
+        .map(|b| {
+            b.as_array()
+                .expect("batch")
+                .iter()
+                .map(|tw| {
+                    (
+                        tw[0].as_u64().expect("id") as u32,
+                        tw[1].as_f64().expect("w") as f32,
+                    )
+                })
+                .collect()
+        })
+        .collect()
 }
 
 #[test]
@@ -84,25 +175,14 @@ fn t5_tokens_match_comfyui() {
             assert_eq!(t["min_length"][family], min);
             // ComfyUI ran with an empty embedding folder: a missing
             // `embedding:` name is dropped.
-            let (got, _) = tok.tokenize_with_embeddings(text, min, &mut |_| None);
-            let want: Vec<Vec<(u32, f32)>> = p[family]
-                .as_array()
-                .expect("batches")
-                .iter()
-                .map(|b| {
-                    b.as_array()
-                        .expect("batch")
-                        .iter()
-                        .map(|tw| {
-                            (
-                                tw[0].as_u64().expect("id") as u32,
-                                tw[1].as_f64().expect("w") as f32,
-                            )
-                        })
-                        .collect()
-                })
-                .collect();
-            assert_eq!(got, want, "{} ({family}): {text:?}", p["label"]);
+            let padding = Padding::min_length(min);
+            let (got, _) = tok.tokenize_with_embeddings(text, padding, &mut |_| None);
+            assert_eq!(
+                got,
+                batches(&p[family]),
+                "{} ({family}): {text:?}",
+                p["label"]
+            );
         }
     }
 }
@@ -110,7 +190,8 @@ fn t5_tokens_match_comfyui() {
 #[test]
 fn t5_encoder_matches_comfyui() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let file = SafeTensors::open(&write_one(dir.path(), "tiny_t5xxl.safetensors")).expect("opens");
+    let file = SafeTensors::open(&write_one(fixture(), dir.path(), "tiny_t5xxl.safetensors"))
+        .expect("opens");
     let cfg = t5_config(&shapes(&file), "")
         .expect("detects")
         .expect("a T5");
@@ -126,7 +207,8 @@ fn t5_encoder_matches_comfyui() {
         .expect("t5_hidden")
     {
         let text = h["text"].as_str().expect("text");
-        let (batches, _) = tok.tokenize_with_embeddings(text, 256, &mut |_| None);
+        let padding = Padding::min_length(256);
+        let (batches, _) = tok.tokenize_with_embeddings(text, padding, &mut |_| None);
         // Weighted prompts also encode the empty prompt (the pipeline
         // tests cover them); the plain ones compare the encoder itself.
         if batches[0].iter().any(|&(_, w)| w != 1.0) {
@@ -171,8 +253,8 @@ fn t5_encoder_matches_comfyui() {
 #[test]
 fn flux_forward_matches_comfyui() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let file =
-        SafeTensors::open(&write_one(dir.path(), "tiny_flux_dev.safetensors")).expect("opens");
+    let path = write_one(fixture(), dir.path(), "tiny_flux_dev.safetensors");
+    let file = SafeTensors::open(&path).expect("opens");
     let cfg = flux_config(&shapes(&file), "").expect("detects");
     assert_eq!(
         (
@@ -189,47 +271,80 @@ fn flux_forward_matches_comfyui() {
         .as_array()
         .expect("cases")
     {
-        let dims = |k: &str| -> Vec<usize> {
-            case[k]
-                .as_array()
-                .expect("shape")
-                .iter()
-                .map(|v| v.as_u64().expect("dim") as usize)
-                .collect()
-        };
-        let (xs, cs) = (dims("x_shape"), dims("context_shape"));
-        let g = GraphBuilder::new();
-        let (gh, gw) = grid(xs[2], xs[3]);
-        let x = g.input("x", &xs).expect("input");
-        let inputs = FluxInputs {
-            t: g.input("t", &[1]).expect("input"),
-            context: g.input("context", &cs).expect("input"),
-            y: g.input("y", &[1, cfg.vec_in]).expect("input"),
-            guidance: Some(g.input("guidance", &[1]).expect("input")),
-            pe: g
-                .input("pe", &[1, cs[1] + gh * gw, cfg.head_dim / 2, 2, 2])
-                .expect("input"),
-        };
-        let out = flux(&g, &cfg, "", x, inputs).expect("builds");
-        assert_eq!(out.shape(), xs);
-        let graph = g.finish(&[out]);
-        let prog = plan(&graph).expect("plans");
-        let mut bind = weights(&file, &graph);
-        let f = |k: &str| Arc::new(f32s(case[k].as_str().expect("input")));
-        bind.inputs.insert("x".into(), f("x_f32"));
-        bind.inputs.insert("context".into(), f("context_f32"));
-        bind.inputs.insert("y".into(), f("y_f32"));
-        let scalar = |k: &str| Arc::new(vec![case[k].as_f64().expect("scalar") as f32]);
-        bind.inputs.insert("t".into(), scalar("timestep"));
-        bind.inputs.insert("guidance".into(), scalar("guidance"));
-        bind.inputs
-            .insert("pe".into(), Arc::new(rope_table(&cfg, cs[1], gh, gw)));
-        let got = cpu::run(&prog, &bind).expect("runs");
-        let want = f32s(case["out_f32"].as_str().expect("out"));
-        let d = rel_diff(&got[0].data, &want);
-        eprintln!("flux forward {xs:?}: rel diff {d:e}");
-        assert!(d < 1e-4, "{xs:?}: {d}");
+        let (got, want) = forward_case(&cfg, &file, case, None);
+        let d = rel_diff(&got, &want);
+        eprintln!("flux forward {}: rel diff {d:e}", case["x_shape"]);
+        assert!(d < 1e-4, "{}: {d}", case["x_shape"]);
     }
+}
+
+/// Chroma's forward: the approximator's modulation table sliced per block.
+/// ComfyUI's masked case (padding tokens masked out of the joint
+/// attention) equals the unmasked run on the unpadded context, which is
+/// what sdkit runs (ComfyUI passes no mask in its Chroma workflows).
+#[test]
+fn chroma_forward_matches_comfyui() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write_one(chroma(), dir.path(), "tiny_chroma.safetensors");
+    let file = SafeTensors::open(&path).expect("opens");
+    let cfg = flux_config(&shapes(&file), "").expect("detects");
+    let a = cfg.approximator.as_ref().expect("an approximator");
+    assert_eq!((a.in_dim, a.hidden, a.layers, cfg.vec_in), (64, 48, 2, 0));
+    for case in chroma()["components"]["chroma_forward"]
+        .as_array()
+        .expect("cases")
+    {
+        let tokens = case
+            .get("txt_mask")
+            .and_then(|m| m.as_array())
+            .map(|m| m.iter().filter(|v| v.as_u64() == Some(1)).count());
+        let (got, want) = forward_case(&cfg, &file, case, tokens);
+        let d = rel_diff(&got, &want);
+        eprintln!(
+            "chroma forward {} ({tokens:?} tokens): rel diff {d:e}",
+            case["x_shape"]
+        );
+        assert!(d < 1e-4, "{}: {d}", case["x_shape"]);
+    }
+}
+
+#[test]
+fn chroma_tokens_match_comfyui() {
+    let tok = T5Tokenizer::shared().expect("tokenizer");
+    let t = &chroma()["components"]["chroma_tokens"];
+    let padded = Padding {
+        min_padding: Some(1),
+        min_length: 0,
+    };
+    for p in t["prompts"].as_array().expect("prompts") {
+        let text = p["text"].as_str().expect("text");
+        for (key, padding) in [
+            ("default", Padding::min_length(1)),
+            ("min_padding_1", padded),
+        ] {
+            let (got, _) = tok.tokenize_with_embeddings(text, padding, &mut |_| None);
+            assert_eq!(got, batches(&p[key]), "{} ({key}): {text:?}", p["label"]);
+        }
+    }
+}
+
+#[test]
+fn chroma_txt2img_matches_comfyui() {
+    matches_in(chroma(), "tiny_chroma_txt2img", "cpu");
+}
+
+#[test]
+fn chroma_tokenizer_options_match_comfyui() {
+    matches_in(chroma(), "tiny_chroma_t5opts", "cpu");
+}
+
+#[test]
+fn chroma_long_prompt_on_wgpu_matches_comfyui() {
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("Chroma on wgpu", e);
+        return;
+    }
+    matches_in(chroma(), "tiny_chroma_long", "wgpu");
 }
 
 #[test]

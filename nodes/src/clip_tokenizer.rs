@@ -367,6 +367,7 @@ impl ClipTokenizer {
             end: Some(EOS),
             pad,
             pad_to_max: true,
+            min_padding: None,
             min_length: None,
         };
         chunk_with(groups, &rules)
@@ -453,6 +454,8 @@ pub(crate) struct ChunkRules {
     /// Pad every batch to `max_length` (CLIP); T5 pads only the last to
     /// `min_length`.
     pub pad_to_max: bool,
+    /// Padding tokens always appended after the end token.
+    pub min_padding: Option<usize>,
     pub min_length: Option<usize>,
 }
 
@@ -491,6 +494,9 @@ pub(crate) fn chunk_with(groups: Vec<(Vec<u32>, f64)>, r: &ChunkRules) -> Vec<We
         }
     }
     batch.extend(r.end.map(|e| (e, 1.0)));
+    if let Some(n) = r.min_padding {
+        batch.extend(std::iter::repeat_n((r.pad, 1.0), n));
+    }
     if r.pad_to_max && batch.len() < r.max_length {
         batch.resize(r.max_length, (r.pad, 1.0));
     }

@@ -72,6 +72,10 @@ pub fn library() -> NodeLibrary {
     );
     lib.implement("EmptySD3LatentImage", latent::EmptySd3LatentImage);
     lib.implement(
+        "T5TokenizerOptions",
+        diffusion::conditioning::T5TokenizerOptions,
+    );
+    lib.implement(
         "CLIPTextEncodeSDXL",
         diffusion::conditioning::ClipTextEncodeSdxl,
     );

@@ -70,7 +70,7 @@ impl T5Tokenizer {
         }
     }
 
-    fn rules(min_length: usize) -> ChunkRules {
+    fn rules(padding: Padding) -> ChunkRules {
         ChunkRules {
             // ComfyUI's max_length=99999999: one batch whatever the length.
             max_length: usize::MAX / 2,
@@ -78,7 +78,8 @@ impl T5Tokenizer {
             end: Some(END),
             pad: PAD,
             pad_to_max: false,
-            min_length: Some(min_length),
+            min_padding: padding.min_padding,
+            min_length: Some(padding.min_length),
         }
     }
 
@@ -86,7 +87,7 @@ impl T5Tokenizer {
     /// (id, weight), at least `min_length` long.
     pub fn tokenize_with_weights(&self, text: &str, min_length: usize) -> Vec<WeightedChunk> {
         let (groups, _) = weighted_groups(text, &|w| self.encode(w), None);
-        chunk_with(groups, &Self::rules(min_length))
+        chunk_with(groups, &Self::rules(Padding::min_length(min_length)))
     }
 
     /// The same with `embedding:NAME` words resolved (see
@@ -94,11 +95,28 @@ impl T5Tokenizer {
     pub fn tokenize_with_embeddings(
         &self,
         text: &str,
-        min_length: usize,
+        padding: Padding,
         resolve: &mut dyn FnMut(&str) -> Option<Vec<Vec<f32>>>,
     ) -> (Vec<WeightedChunk>, Vec<Vec<f32>>) {
         let (groups, table) = weighted_groups(text, &|w| self.encode(w), Some(resolve));
-        (chunk_with(groups, &Self::rules(min_length)), table)
+        (chunk_with(groups, &Self::rules(padding)), table)
+    }
+}
+
+/// How a T5 batch is padded: `min_padding` pad tokens after `</s>`
+/// (T5TokenizerOptions), then up to `min_length`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Padding {
+    pub min_padding: Option<usize>,
+    pub min_length: usize,
+}
+
+impl Padding {
+    pub fn min_length(min_length: usize) -> Self {
+        Padding {
+            min_padding: None,
+            min_length,
+        }
     }
 }
 

@@ -350,6 +350,11 @@ impl SpecBuilder {
         self
     }
 
+    pub fn experimental(mut self) -> Self {
+        self.spec.experimental = true;
+        self
+    }
+
     pub fn hidden(mut self, h: Hidden) -> Self {
         self.spec.hidden.push(h);
         self

@@ -10,7 +10,7 @@ use crate::models::detect::{EncoderArch, Family};
 use crate::models::family::{Pooled, TextEncoder};
 use crate::models::open_clip::{self, end_token_one_hot};
 use crate::models::t5;
-use crate::t5_tokenizer::T5Tokenizer;
+use crate::t5_tokenizer::{Padding, T5Tokenizer};
 use sdkit_compute::plan::plan;
 use sdkit_compute::tensor::GraphBuilder;
 use sdkit_compute::weights::DType;
@@ -88,9 +88,11 @@ impl TextEncoderModel {
         }
     }
 
-    /// ComfyUI's `gen_empty_tokens`: start (CLIP), end, then padding.
-    fn empty_tokens(&self, len: usize) -> Vec<u32> {
+    /// ComfyUI's `gen_empty_tokens`: start (CLIP), end, then padding;
+    /// Chroma's T5 (PixArt's) all padding.
+    fn empty_tokens(&self, len: usize, family: Family) -> Vec<u32> {
         let mut empty = match self.arch {
+            EncoderArch::T5(_) if family == Family::Chroma => Vec::new(),
             EncoderArch::T5(_) => vec![crate::t5_tokenizer::END],
             _ => vec![crate::clip_tokenizer::BOS, crate::clip_tokenizer::EOS],
         };
@@ -222,6 +224,7 @@ impl TextEncoderModel {
         ctx: &NodeContext,
         tokens: &Chunks,
         layer_idx: Option<i64>,
+        family: Family,
     ) -> Result<Encoded, NodeError> {
         let layer = clip_layer(layer_idx.or(self.rule.default_layer), self.layers());
         let width = self.arch.width();
@@ -255,7 +258,7 @@ impl TextEncoderModel {
             return Err(NodeError::invalid("token chunks differ in length"));
         }
         if has_weights || rows.is_empty() {
-            rows.push(self.empty_tokens(len));
+            rows.push(self.empty_tokens(len, family));
         }
         let (out, pooled) = self.encode_rows(ctx, &rows, &tokens.embeds, layer)?;
         let pooled = match pooled {
@@ -311,8 +314,15 @@ impl Clip {
                             None
                         }
                     };
-                let (chunks, embeds) =
-                    t5.tokenize_with_embeddings(text, self.family.t5_min_length(), &mut resolve);
+                // T5TokenizerOptions replaces the family's minimum.
+                let padding = match self.t5_options {
+                    Some((min_padding, min_length)) => Padding {
+                        min_padding: Some(min_padding),
+                        min_length,
+                    },
+                    None => Padding::min_length(self.family.t5_min_length()),
+                };
+                let (chunks, embeds) = t5.tokenize_with_embeddings(text, padding, &mut resolve);
                 if let Some(err) = failure {
                     return Err(err);
                 }
@@ -347,7 +357,7 @@ impl Clip {
     ) -> Result<CondEntry, NodeError> {
         let mut outs = Vec::with_capacity(self.encoders.len());
         for (e, chunks) in self.encoders.iter().zip(tokens) {
-            outs.push(e.encode_weighted(ctx, chunks, self.layer_idx)?);
+            outs.push(e.encode_weighted(ctx, chunks, self.layer_idx, self.family)?);
         }
         let pooled = outs.iter().rev().find_map(|o| o.pooled.clone());
         if self.family == Family::Flux {
@@ -403,6 +413,20 @@ impl NodeImpl for ClipTextEncode {
         let text = inputs.string("text")?;
         let tokens = clip.tokenize(ctx, text)?;
         Ok(conditioning(clip.encode_tokens(ctx, &tokens)?))
+    }
+}
+
+/// ComfyUI's T5TokenizerOptions: T5 prompts padded with `min_padding`
+/// tokens after the end token, then to `min_length` (replacing the
+/// family's minimum).
+pub struct T5TokenizerOptions;
+
+impl NodeImpl for T5TokenizerOptions {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
+        let mut c = (*clip).clone();
+        c.t5_options = Some((inputs.usize("min_padding")?, inputs.usize("min_length")?));
+        Ok(NodeOutput::values(vec![opaque(SocketType::Clip, c)]))
     }
 }
 

@@ -11,7 +11,9 @@ use super::control::{ControlNetModel, Slots};
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
-use crate::models::flux::{flux, grid, rope_table, FluxConfig, FluxInputs};
+use crate::models::flux::{
+    chroma_index_table, flux, grid, rope_table, FluxConfig, FluxInputs, CHROMA_MODULATIONS,
+};
 use crate::models::unet::{skip_shapes, timestep_embedding, ControlResiduals};
 use sdkit_compute::plan::{plan, Program};
 use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
@@ -138,13 +140,22 @@ impl Model {
             let inputs = FluxInputs {
                 t: g.input("t", &[batch])?,
                 context: g.input("context", &[batch, tokens, dim])?,
-                y: g.input("pooled", &[batch, cfg.vec_in])?,
+                y: if cfg.vec_in > 0 {
+                    Some(g.input("pooled", &[batch, cfg.vec_in])?)
+                } else {
+                    None
+                },
                 guidance: if cfg.guidance {
                     Some(g.input("guidance", &[batch])?)
                 } else {
                     None
                 },
                 pe: g.input("pe", &[1, tokens + gh * gw, cfg.head_dim / 2, 2, 2])?,
+                chroma_index: if cfg.approximator.is_some() {
+                    Some(g.input("chroma_index", &[CHROMA_MODULATIONS, 32])?)
+                } else {
+                    None
+                },
             };
             flux(&g, cfg, &self.prefix, x, inputs)
         })()
@@ -312,8 +323,9 @@ impl Model {
 }
 
 /// Flux's per-row inputs: the pooled CLIP-L vector (zeros where an entry
-/// has none, as ComfyUI's `y = None`), the guidance (the entry's, else
-/// ComfyUI's default 3.5; dev models only) and the RoPE table.
+/// has none, as ComfyUI's `y = None`; Chroma takes none), the guidance
+/// (the entry's, else ComfyUI's default: 3.5 for Flux, 0 for Chroma; dev
+/// models and Chroma only) and the RoPE table.
 fn flux_inputs(
     cfg: &FluxConfig,
     entries: &[(&CondEntry, bool)],
@@ -322,8 +334,10 @@ fn flux_inputs(
 ) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
     let mut pooled = Vec::with_capacity(entries.len() * per_entry * cfg.vec_in);
     let mut guidance = Vec::with_capacity(entries.len() * per_entry);
+    let default_guidance = if cfg.approximator.is_some() { 0.0 } else { 3.5 };
     for &(e, _) in entries {
         let row = match &e.pooled {
+            _ if cfg.vec_in == 0 => Vec::new(),
             Some(p) if p.numel() == cfg.vec_in => p.data.clone(),
             Some(p) => {
                 return Err(NodeError::invalid(format!(
@@ -337,14 +351,19 @@ fn flux_inputs(
         for _ in 0..per_entry {
             pooled.extend_from_slice(&row);
             // torch.FloatTensor([guidance]).
-            guidance.push(e.guidance.unwrap_or(3.5) as f32);
+            guidance.push(e.guidance.unwrap_or(default_guidance) as f32);
         }
     }
     let (gh, gw) = grid(ah, aw);
     let mut out = HashMap::new();
-    out.insert("pooled".to_string(), Arc::new(pooled));
+    if cfg.vec_in > 0 {
+        out.insert("pooled".to_string(), Arc::new(pooled));
+    }
     if cfg.guidance {
         out.insert("guidance".to_string(), Arc::new(guidance));
+    }
+    if cfg.approximator.is_some() {
+        out.insert("chroma_index".to_string(), Arc::new(chroma_index_table()));
     }
     out.insert("pe".to_string(), Arc::new(rope_table(cfg, tokens, gh, gw)));
     Ok(out)

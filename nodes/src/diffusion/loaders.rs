@@ -257,6 +257,7 @@ impl NodeImpl for CheckpointLoaderSimple {
                     family: d.family,
                     encoders,
                     layer_idx: None,
+                    t5_options: None,
                 },
             )
         };
@@ -473,6 +474,7 @@ fn clip_output(family: Family, files: Vec<EncoderFile>) -> Result<NodeOutput, No
             family,
             encoders,
             layer_idx: None,
+            t5_options: None,
         },
     )]))
 }
@@ -486,9 +488,22 @@ impl NodeImpl for ClipLoader {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let name = inputs.string("clip_name")?;
         let ty = inputs.string("type")?;
+        if ty == "chroma" {
+            let f = open_encoder(ctx, name)?;
+            if f.part.role != TextEncoder::T5Xxl {
+                return Err(NodeError::file(
+                    &f.path,
+                    format!(
+                        "CLIPLoader chroma needs a T5 text encoder; this file is {:?}",
+                        f.part.role
+                    ),
+                ));
+            }
+            return clip_output(Family::Chroma, vec![f]);
+        }
         if ty != "stable_diffusion" {
             return Err(NodeError::invalid(format!(
-                "CLIPLoader type {ty:?} is not supported yet: sdkit loads type \"stable_diffusion\" (CLIP-L, OpenCLIP-H, OpenCLIP-G)"
+                "CLIPLoader type {ty:?} is not supported yet: sdkit loads types \"stable_diffusion\" (CLIP-L, OpenCLIP-H, OpenCLIP-G) and \"chroma\" (T5)"
             )));
         }
         let f = open_encoder(ctx, name)?;

@@ -269,6 +269,9 @@ pub struct Clip {
     /// ComfyUI's `layer_idx` from CLIPSetLastLayer; None keeps each
     /// encoder's family default.
     pub layer_idx: Option<i64>,
+    /// T5TokenizerOptions: `(min_padding, min_length)` for T5 prompts,
+    /// replacing the family's minimum length.
+    pub t5_options: Option<(usize, usize)>,
 }
 
 /// VAE: the KL autoencoder.

@@ -630,11 +630,8 @@ fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> 
 /// sdkit cannot build it) and config.
 fn diffusion_model(s: &Shapes, prefix: &str) -> Result<(Family, Net), DetectError> {
     match dit_family(s, prefix) {
-        Some(Family::Flux) => {
-            return Ok((
-                Family::Flux,
-                Net::Flux(super::flux::flux_config(s, prefix)?),
-            ));
+        Some(f @ (Family::Flux | Family::Chroma)) => {
+            return Ok((f, Net::Flux(super::flux::flux_config(s, prefix)?)));
         }
         Some(f) => return Err(DetectError::Unsupported(f)),
         None => {}

@@ -315,14 +315,13 @@ pub static FAMILIES: [FamilySpec; 7] = [
         family: Family::Chroma,
         name: "Chroma",
         latent: &FLUX,
-        sampling: DefaultSampling::Flow {
-            shift: 1.0,
-            multiplier: 1.0,
-        },
+        // ComfyUI's model type FLUX: ModelSamplingFlux's default shift
+        // (its `multiplier` setting is unused by that sampling).
+        sampling: DefaultSampling::FluxShift { shift: 1.15 },
         text_encoders: &[T5],
         default_size: 1024,
         heads: Heads::Width(64),
-        supported: false,
+        supported: true,
     },
 ];
 

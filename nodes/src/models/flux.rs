@@ -10,6 +10,12 @@
 //! guidance's (dev) and the pooled CLIP-L output's embeddings summed.
 //! Queries and keys are RMS-normed per head and rotated by a 3-axis RoPE
 //! over (index, row, column) positions; text tokens sit at position 0.
+//!
+//! Chroma is the same network with the per-block modulation layers (and
+//! the time, guidance and pooled-vector embedders) replaced by one
+//! "distilled guidance" approximator: an MLP that maps (timestep,
+//! guidance, row index) embeddings to 344 modulation vectors, sliced per
+//! block as ComfyUI's `get_modulations` does.
 
 use super::detect::{DetectError, Shapes};
 use super::unet::timestep_embedding;
@@ -38,7 +44,22 @@ pub struct FluxConfig {
     /// 128-wide heads, scaled with the head width.
     pub axes_dim: [usize; 3],
     pub theta: u32,
+    /// Chroma's modulation approximator, where the file has one.
+    pub approximator: Option<Approximator>,
 }
+
+/// Chroma's `distilled_guidance_layer` sizes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Approximator {
+    /// 64: 16 + 16 + 32 embedding channels.
+    pub in_dim: usize,
+    pub hidden: usize,
+    pub layers: usize,
+}
+
+/// Rows of Chroma's modulation table (3 per single block, 12 per double
+/// block, 2 for the final layer, for the full model's 38 and 19).
+pub const CHROMA_MODULATIONS: usize = 344;
 
 /// Patch side.
 pub const PATCH: usize = 2;
@@ -105,7 +126,26 @@ pub fn flux_config(s: &Shapes, prefix: &str) -> Result<FluxConfig, DetectError> 
         "[channels × 4, hidden]",
     )?;
     let mlp = shape(s, k("double_blocks.0.img_mlp.0.weight"), 2, "[mlp, hidden]")?[0];
-    let vec_in = shape(s, k("vector_in.in_layer.weight"), 2, "[hidden, vec_in]")?[1];
+    let approximator = if s.contains_key(&k("distilled_guidance_layer.in_proj.weight")) {
+        let inp = shape(
+            s,
+            k("distilled_guidance_layer.in_proj.weight"),
+            2,
+            "[hidden, 64]",
+        )?;
+        Some(Approximator {
+            in_dim: inp[1],
+            hidden: inp[0],
+            layers: count(s, &k("distilled_guidance_layer.layers.")),
+        })
+    } else {
+        None
+    };
+    // Chroma has no pooled-vector input.
+    let vec_in = match approximator {
+        Some(_) => 0,
+        None => shape(s, k("vector_in.in_layer.weight"), 2, "[hidden, vec_in]")?[1],
+    };
     let context_in = shape(s, k("txt_in.weight"), 2, "[hidden, context]")?[1];
     let axes_dim = [
         16 * head_dim / 128,
@@ -123,10 +163,12 @@ pub fn flux_config(s: &Shapes, prefix: &str) -> Result<FluxConfig, DetectError> 
         depth_single: count(s, &k("single_blocks.")),
         vec_in,
         context_in,
-        guidance: s.contains_key(&k("guidance_in.in_layer.weight")),
+        // Chroma's approximator always takes a guidance (0 by default).
+        guidance: approximator.is_some() || s.contains_key(&k("guidance_in.in_layer.weight")),
         qkv_bias: s.contains_key(&k("double_blocks.0.img_attn.qkv.bias")),
         axes_dim,
         theta: 10000,
+        approximator,
     })
 }
 
@@ -267,18 +309,45 @@ fn stream_mlp<'a>(
     vb.pp(2).linear(h, mlp, hidden)
 }
 
+/// Where a block's (shift, scale, gate) chunks come from: Flux's own
+/// modulation layers over `vec`, or rows of Chroma's table `[b, 344, hidden]`.
+#[derive(Clone, Copy)]
+enum Mods<'a> {
+    Vec(T<'a>),
+    Table(T<'a>),
+}
+
+/// The `n` chunks `[b, 1, hidden]` of a block: from its `name` layer, or
+/// from table rows `row..row + n`.
+fn mods<'a>(
+    vb: &Scope<'a>,
+    m: Mods<'a>,
+    name: &str,
+    row: usize,
+    n: usize,
+    hidden: usize,
+) -> Result<Vec<T<'a>>, ShapeError> {
+    match m {
+        Mods::Vec(vec) => modulation(&vb.pp(name), vec, n, hidden),
+        Mods::Table(t) => (row..row + n).map(|r| t.slice(1, r, r + 1)).collect(),
+    }
+}
+
 fn double_block<'a>(
     vb: &Scope<'a>,
     cfg: &FluxConfig,
     img: T<'a>,
     txt: T<'a>,
-    vec: T<'a>,
+    m: Mods<'a>,
+    i: usize,
     pe: T<'a>,
 ) -> Result<(T<'a>, T<'a>), ShapeError> {
     let (hd, n) = (cfg.hidden, cfg.heads);
     let txt_len = txt.shape()[1];
-    let im = modulation(&vb.pp("img_mod"), vec, 6, hd)?;
-    let tm = modulation(&vb.pp("txt_mod"), vec, 6, hd)?;
+    // Chroma: singles first (3 rows each), then image (6 each), then text.
+    let img_row = 3 * cfg.depth_single + 6 * i;
+    let im = mods(vb, m, "img_mod", img_row, 6, hd)?;
+    let tm = mods(vb, m, "txt_mod", img_row + 6 * cfg.depth, 6, hd)?;
     let stream = |x: T<'a>, m: &[T<'a>], name: &str| {
         let a = vb.pp(format!("{name}_attn"));
         let h = modulate(x, m[0], m[1])?;
@@ -315,11 +384,12 @@ fn single_block<'a>(
     vb: &Scope<'a>,
     cfg: &FluxConfig,
     x: T<'a>,
-    vec: T<'a>,
+    md: Mods<'a>,
+    i: usize,
     pe: T<'a>,
 ) -> Result<T<'a>, ShapeError> {
     let hd = cfg.hidden;
-    let m = modulation(&vb.pp("modulation"), vec, 3, hd)?;
+    let m = mods(vb, md, "modulation", 3 * i, 3, hd)?;
     let h = modulate(x, m[0], m[1])?;
     let h = vb.pp("linear1").linear(h, hd, 3 * hd + cfg.mlp)?;
     let (q, k, v) = qkv(
@@ -335,18 +405,77 @@ fn single_block<'a>(
     x.add(out.mul(m[2])?)
 }
 
+/// Chroma's modulation table `[b, 344, hidden]`: each row's input is the
+/// timestep's and guidance's 16-wide embeddings and the row index's
+/// 32-wide one (Flux's `timestep_embedding`, ×1000), through `in_proj`,
+/// residual RMS-normed MLP layers and `out_proj`.
+fn approximate<'a>(
+    g: &'a GraphBuilder,
+    vb: &Scope<'a>,
+    a: &Approximator,
+    hidden: usize,
+    t: T<'a>,
+    guidance: Option<T<'a>>,
+    index: T<'a>,
+) -> Result<T<'a>, ShapeError> {
+    let b = t.shape()[0];
+    let n = CHROMA_MODULATIONS;
+    let guidance = match guidance {
+        Some(gd) => gd,
+        None => t.mul_scalar(0.0),
+    };
+    let te = timestep_embedding(g, t.mul_scalar(1000.0), 16)?;
+    let ge = timestep_embedding(g, guidance.mul_scalar(1000.0), 16)?;
+    let tg = g
+        .concat(&[te, ge], 1)?
+        .reshape(&[b, 1, 32])?
+        .expand(&[b, n, 32])?;
+    let idx = index.reshape(&[1, n, 32])?.expand(&[b, n, 32])?;
+    let x = g.concat(&[tg, idx], 2)?;
+    let d = vb.pp("distilled_guidance_layer");
+    let mut x = d.pp("in_proj").linear(x, a.in_dim, a.hidden)?;
+    for l in 0..a.layers {
+        let norm = d.pp("norms").pp(l).get("scale", &[a.hidden])?;
+        let h = x.rms_norm(Some(norm), 1e-6)?;
+        x = x.add(mlp_embedder(&d.pp("layers").pp(l), h, a.hidden, a.hidden)?)?;
+    }
+    d.pp("out_proj").linear(x, a.hidden, hidden)
+}
+
 /// The inputs of [`flux`] beside the latent.
 pub struct FluxInputs<'a> {
     /// ComfyUI's timestep (σ for Flux) `[b]`.
     pub t: T<'a>,
     /// T5 context `[b, txt, context_in]`.
     pub context: T<'a>,
-    /// Pooled CLIP-L `[b, vec_in]`.
-    pub y: T<'a>,
-    /// Guidance `[b]` (dev models).
+    /// Pooled CLIP-L `[b, vec_in]` (not Chroma).
+    pub y: Option<T<'a>>,
+    /// Guidance `[b]` (dev models and Chroma).
     pub guidance: Option<T<'a>>,
     /// [`rope_table`] as `[1, txt + patches, head_dim/2, 2, 2]`.
     pub pe: T<'a>,
+    /// Chroma: [`chroma_index_table`] as `[344, 32]`.
+    pub chroma_index: Option<T<'a>>,
+}
+
+/// The row-index embeddings of Chroma's approximator input, `[344, 32]`:
+/// Flux's `timestep_embedding(1000·k, 32)` computed on the host as torch
+/// does in f32 (argument rounded to f32, cos then sin). Arguments reach
+/// 343,000 radians, where GPU sin/cos lose their accuracy, so the table is
+/// an input rather than part of the graph.
+pub fn chroma_index_table() -> Vec<f32> {
+    let half = 16;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| (-(10000f64.ln() as f32) * i as f32 / half as f32).exp())
+        .collect();
+    let mut out = Vec::with_capacity(CHROMA_MODULATIONS * 2 * half);
+    for k in 0..CHROMA_MODULATIONS {
+        let t = (k * 1000) as f32;
+        let args: Vec<f64> = freqs.iter().map(|&f| f64::from(t * f)).collect();
+        out.extend(args.iter().map(|a| a.cos() as f32));
+        out.extend(args.iter().map(|a| a.sin() as f32));
+    }
+    out
 }
 
 /// The model: `x` `[b, in_channels, h, w]` → `[b, out_channels, h, w]`.
@@ -380,30 +509,55 @@ pub fn flux<'a>(
         .permute(&[0, 2, 1, 3])?
         .reshape(&[b, gh * gw, c * PATCH * PATCH])?;
     let mut img = vb.pp("img_in").linear(img, c * PATCH * PATCH, hd)?;
-    let temb = timestep_embedding(g, inp.t.mul_scalar(1000.0), 256)?;
-    let mut vec = mlp_embedder(&vb.pp("time_in"), temb, 256, hd)?;
-    if let (true, Some(gd)) = (cfg.guidance, inp.guidance) {
-        let gemb = timestep_embedding(g, gd.mul_scalar(1000.0), 256)?;
-        vec = vec.add(mlp_embedder(&vb.pp("guidance_in"), gemb, 256, hd)?)?;
-    }
-    vec = vec.add(mlp_embedder(&vb.pp("vector_in"), inp.y, cfg.vec_in, hd)?)?;
+    let m = match &cfg.approximator {
+        Some(a) => {
+            let index = inp.chroma_index.ok_or_else(|| ShapeError {
+                op: "flux",
+                message: "Chroma needs its modulation index table".into(),
+                shapes: Vec::new(),
+            })?;
+            Mods::Table(approximate(g, &vb, a, hd, inp.t, inp.guidance, index)?)
+        }
+        None => {
+            let temb = timestep_embedding(g, inp.t.mul_scalar(1000.0), 256)?;
+            let mut vec = mlp_embedder(&vb.pp("time_in"), temb, 256, hd)?;
+            if let (true, Some(gd)) = (cfg.guidance, inp.guidance) {
+                let gemb = timestep_embedding(g, gd.mul_scalar(1000.0), 256)?;
+                vec = vec.add(mlp_embedder(&vb.pp("guidance_in"), gemb, 256, hd)?)?;
+            }
+            if let Some(y) = inp.y {
+                vec = vec.add(mlp_embedder(&vb.pp("vector_in"), y, cfg.vec_in, hd)?)?;
+            }
+            Mods::Vec(vec)
+        }
+    };
     let mut txt = vb.pp("txt_in").linear(inp.context, cfg.context_in, hd)?;
     let txt_len = txt.shape()[1];
     for i in 0..cfg.depth {
-        (img, txt) = double_block(&vb.pp("double_blocks").pp(i), cfg, img, txt, vec, inp.pe)?;
+        (img, txt) = double_block(&vb.pp("double_blocks").pp(i), cfg, img, txt, m, i, inp.pe)?;
     }
     let mut joint = g.concat(&[txt, img], 1)?;
     for i in 0..cfg.depth_single {
-        joint = single_block(&vb.pp("single_blocks").pp(i), cfg, joint, vec, inp.pe)?;
+        joint = single_block(&vb.pp("single_blocks").pp(i), cfg, joint, m, i, inp.pe)?;
     }
     let img = joint.slice(1, txt_len, txt_len + gh * gw)?;
-    // Final layer: adaLN (shift, scale) from SiLU(vec), then the linear.
+    // Final layer: (shift, scale) from SiLU(vec) through adaLN, or
+    // Chroma's last two table rows; then the linear.
     let fl = vb.pp("final_layer");
-    let ada = fl
-        .pp("adaLN_modulation.1")
-        .linear(vec.silu(), hd, 2 * hd)?
-        .reshape(&[b, 1, 2 * hd])?;
-    let img = modulate(img, ada.slice(2, 0, hd)?, ada.slice(2, hd, 2 * hd)?)?;
+    let (shift, scale) = match m {
+        Mods::Vec(vec) => {
+            let ada = fl
+                .pp("adaLN_modulation.1")
+                .linear(vec.silu(), hd, 2 * hd)?
+                .reshape(&[b, 1, 2 * hd])?;
+            (ada.slice(2, 0, hd)?, ada.slice(2, hd, 2 * hd)?)
+        }
+        Mods::Table(t) => (
+            t.slice(1, CHROMA_MODULATIONS - 2, CHROMA_MODULATIONS - 1)?,
+            t.slice(1, CHROMA_MODULATIONS - 1, CHROMA_MODULATIONS)?,
+        ),
+    };
+    let img = modulate(img, shift, scale)?;
     let oc = cfg.out_channels;
     let out = fl.pp("linear").linear(img, hd, oc * PATCH * PATCH)?;
     // b (h w) (c ph pw) -> b c (h ph) (w pw), cropped to h × w.

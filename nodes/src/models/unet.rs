@@ -125,7 +125,7 @@ impl Ctx {
 /// `[0, 1, …, n-1]` as an f32 vector built from graph ops: there is no
 /// range op, so a `[1]` zero is doubled by concatenating `r` with `r + len`
 /// (exact in f32 for any realistic `n`) and then trimmed.
-fn range<'a>(g: &'a GraphBuilder, n: usize) -> R<'a> {
+pub(crate) fn range<'a>(g: &'a GraphBuilder, n: usize) -> R<'a> {
     let mut r = g.constant(0.0).reshape(&[1])?;
     let mut len = 1;
     while len < n {

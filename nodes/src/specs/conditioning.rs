@@ -20,6 +20,15 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("T5TokenizerOptions", "_for_testing/conditioning")
+            .socket("clip", T::Clip)
+            .int("min_padding", 0, 0, 10000, 1)
+            .int("min_length", 0, 0, 10000, 1)
+            .returns(T::Clip)
+            .experimental()
+            .build(),
+    );
+    v.push(
         node("FluxGuidance", "advanced/conditioning/flux")
             .socket("conditioning", T::Conditioning)
             .float("guidance", 3.5, 0.0, 100.0, 0.1)
