@@ -72,6 +72,11 @@ pub fn library() -> NodeLibrary {
     );
     lib.implement("EmptySD3LatentImage", latent::EmptySd3LatentImage);
     lib.implement(
+        "CLIPTextEncodeSD3",
+        diffusion::conditioning::ClipTextEncodeSd3,
+    );
+    lib.implement("TripleCLIPLoader", diffusion::loaders::TripleClipLoader);
+    lib.implement(
         "T5TokenizerOptions",
         diffusion::conditioning::T5TokenizerOptions,
     );

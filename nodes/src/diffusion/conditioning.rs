@@ -270,7 +270,9 @@ impl TextEncoderModel {
         };
         let row = len * width;
         if chunks.is_empty() {
-            let hidden = Tensor::new(vec![1, len, width], out[..row].to_vec())
+            // The empty prompt alone (its own length: T5's is `[</s>]`).
+            let n = rows[0].len();
+            let hidden = Tensor::new(vec![1, n, width], out[..n * width].to_vec())
                 .map_err(NodeError::invalid)?;
             return Ok(Encoded { hidden, pooled });
         }
@@ -359,6 +361,9 @@ impl Clip {
         for (e, chunks) in self.encoders.iter().zip(tokens) {
             outs.push(e.encode_weighted(ctx, chunks, self.layer_idx, self.family)?);
         }
+        if self.family == Family::Sd3 {
+            return self.sd3_conditioning(tokens, outs);
+        }
         let pooled = outs.iter().rev().find_map(|o| o.pooled.clone());
         if self.family == Family::Flux {
             // ComfyUI's FluxClipModel: T5's states, CLIP-L's pooled.
@@ -387,6 +392,102 @@ impl Clip {
         Ok(CondEntry::text(cross_attn, pooled))
     }
 
+    /// ComfyUI's `SD3ClipModel.encode_token_weights`: CLIP-L's and
+    /// OpenCLIP-G's states cut to the shorter and joined along the width
+    /// (a missing L as zeros on the left), zero-padded to T5's width and
+    /// followed by T5's states along the tokens; pooled L ‖ G (zeros for a
+    /// missing one). Without T5 the L ‖ G states stay their own width (the
+    /// sampler zero-pads them to the model's context width, as ComfyUI
+    /// pads them to 4096 here). CLIP-L and G run only where one of them was
+    /// given tokens (CLIPTextEncodeSD3 with `empty_padding` "none" may give
+    /// none); T5 always runs (no tokens: `[</s>]` alone).
+    fn sd3_conditioning(
+        &self,
+        tokens: &[Chunks],
+        outs: Vec<Encoded>,
+    ) -> Result<CondEntry, NodeError> {
+        // ComfyUI's zero widths for a missing encoder (the real ones').
+        const L_WIDTH: usize = 768;
+        const G_WIDTH: usize = 1280;
+        let lg_given = self.encoders.iter().zip(tokens).any(|(e, t)| {
+            matches!(e.rule.encoder, TextEncoder::ClipL | TextEncoder::OpenClipG)
+                && !t.chunks.is_empty()
+        });
+        let (mut l, mut g, mut t5) = (None, None, None);
+        for (e, o) in self.encoders.iter().zip(outs) {
+            match e.rule.encoder {
+                TextEncoder::ClipL => l = Some(o),
+                TextEncoder::OpenClipG => g = Some(o),
+                TextEncoder::T5Xxl => t5 = Some(o),
+                _ => {}
+            }
+        }
+        let any_clip = lg_given && (l.is_some() || g.is_some());
+        let zeros = |n: usize| Tensor::new(vec![1, n], vec![0.0; n]).map_err(NodeError::invalid);
+        let mut pooled = None;
+        let mut lg: Option<Tensor> = None;
+        if any_clip {
+            let lp = match &l {
+                Some(o) => o.pooled.clone().map_or_else(|| zeros(L_WIDTH), Ok)?,
+                None => zeros(L_WIDTH)?,
+            };
+            let gp = match &g {
+                Some(o) => o.pooled.clone().map_or_else(|| zeros(G_WIDTH), Ok)?,
+                None => zeros(G_WIDTH)?,
+            };
+            let mut p = lp.data;
+            p.extend_from_slice(&gp.data);
+            pooled = Some(Tensor::new(vec![1, p.len()], p).map_err(NodeError::invalid)?);
+            let (lh, gh) = (l.map(|o| o.hidden), g.map(|o| o.hidden));
+            let len = match (&lh, &gh) {
+                (Some(a), Some(b)) => a.dim(1).min(b.dim(1)),
+                (Some(a), None) => a.dim(1),
+                (None, Some(b)) => b.dim(1),
+                (None, None) => 0,
+            };
+            let lw = lh.as_ref().map_or(L_WIDTH, |t| t.dim(2));
+            let gw = gh.as_ref().map_or(0, |t| t.dim(2));
+            let mut data = Vec::with_capacity(len * (lw + gw));
+            for t in 0..len {
+                match &lh {
+                    Some(a) => data.extend_from_slice(&a.data[t * lw..(t + 1) * lw]),
+                    None => data.extend(std::iter::repeat_n(0.0, lw)),
+                }
+                if let Some(b) = &gh {
+                    data.extend_from_slice(&b.data[t * gw..(t + 1) * gw]);
+                }
+            }
+            lg = Some(Tensor::new(vec![1, len, lw + gw], data).map_err(NodeError::invalid)?);
+        }
+        let cross_attn = match (lg, t5) {
+            (Some(lg), Some(t5)) => {
+                let tw = t5.hidden.dim(2);
+                let w = lg.dim(2);
+                if w > tw {
+                    return Err(NodeError::invalid(format!(
+                        "CLIP-L and OpenCLIP-G give {w}-wide states, wider than T5's {tw}"
+                    )));
+                }
+                let mut data = Vec::with_capacity((lg.dim(1) + t5.hidden.dim(1)) * tw);
+                for row in lg.data.chunks(w) {
+                    data.extend_from_slice(row);
+                    data.extend(std::iter::repeat_n(0.0, tw - w));
+                }
+                data.extend_from_slice(&t5.hidden.data);
+                let n = data.len() / tw;
+                Tensor::new(vec![1, n, tw], data).map_err(NodeError::invalid)?
+            }
+            (Some(lg), _) => lg,
+            (None, Some(t5)) => t5.hidden,
+            (None, None) => {
+                return Err(NodeError::invalid("this SD3 CLIP has no text encoder"));
+            }
+        };
+        // No pooled output (no CLIP prompt): the sampler gives zeros of the
+        // model's width, as ComfyUI's zeros here.
+        Ok(CondEntry::text(cross_attn, pooled))
+    }
+
     /// The position of the encoder with `role`, if this CLIP has it.
     pub fn position(&self, role: TextEncoder) -> Option<usize> {
         self.encoders.iter().position(|e| e.rule.encoder == role)
@@ -412,6 +513,53 @@ impl NodeImpl for ClipTextEncode {
         let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
         let text = inputs.string("text")?;
         let tokens = clip.tokenize(ctx, text)?;
+        Ok(conditioning(clip.encode_tokens(ctx, &tokens)?))
+    }
+}
+
+/// ComfyUI's CLIPTextEncodeSD3: a prompt per encoder; with `empty_padding`
+/// "none" an empty prompt gives its encoder no tokens, and L and G are
+/// evened out with empty-prompt chunks.
+pub struct ClipTextEncodeSd3;
+
+impl NodeImpl for ClipTextEncodeSd3 {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["clip"]
+    }
+
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let clip: Arc<Clip> = input(inputs, "clip", "CLIP")?;
+        let no_padding = inputs.string("empty_padding")? == "none";
+        let mut tokens = clip.tokenize(ctx, inputs.string("clip_g")?)?;
+        for (role, name) in [
+            (TextEncoder::OpenClipG, "clip_g"),
+            (TextEncoder::ClipL, "clip_l"),
+            (TextEncoder::T5Xxl, "t5xxl"),
+        ] {
+            let Some(i) = clip.position(role) else {
+                continue;
+            };
+            let text = inputs.string(name)?;
+            if text.is_empty() && no_padding {
+                tokens[i] = Chunks::default();
+            } else if role != TextEncoder::OpenClipG {
+                tokens[i] = clip.tokenize(ctx, text)?.swap_remove(i);
+            }
+        }
+        if let (Some(l), Some(g)) = (
+            clip.position(TextEncoder::ClipL),
+            clip.position(TextEncoder::OpenClipG),
+        ) {
+            if tokens[l].chunks.len() != tokens[g].chunks.len() {
+                let empty = clip.tokenize(ctx, "")?;
+                while tokens[l].chunks.len() < tokens[g].chunks.len() {
+                    tokens[l].chunks.extend(empty[l].chunks.iter().cloned());
+                }
+                while tokens[g].chunks.len() < tokens[l].chunks.len() {
+                    tokens[g].chunks.extend(empty[g].chunks.iter().cloned());
+                }
+            }
+        }
         Ok(conditioning(clip.encode_tokens(ctx, &tokens)?))
     }
 }

@@ -14,6 +14,7 @@ use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
 use crate::models::flux::{
     chroma_index_table, flux, grid, rope_table, FluxConfig, FluxInputs, CHROMA_MODULATIONS,
 };
+use crate::models::mmdit::mmdit;
 use crate::models::unet::{skip_shapes, timestep_embedding, ControlResiduals};
 use sdkit_compute::plan::{plan, Program};
 use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
@@ -87,6 +88,26 @@ impl Model {
                     ));
                 }
                 return self.flux_program(f, batch, (h, w), (tokens, dim));
+            }
+            Net::Mmdit(m) => {
+                if control.is_some() {
+                    return Err(NodeError::invalid(
+                        "ControlNet with an SD3 model is not supported yet",
+                    ));
+                }
+                let g = GraphBuilder::new();
+                let out = (|| {
+                    let x = g.input("x", &[batch, m.in_channels, h, w])?;
+                    let t = g.input("t", &[batch])?;
+                    let c = g.input("context", &[batch, tokens, dim])?;
+                    let y = match m.adm_in {
+                        Some(a) => Some(g.input("pooled", &[batch, a])?),
+                        None => None,
+                    };
+                    mmdit(&g, m, &self.prefix, x, t, c, y)
+                })()
+                .map_err(|e| graph_error("MMDiT", e))?;
+                return plan(&g.finish(&[out])).map_err(|e| graph_error("MMDiT", e));
             }
         };
         let g = GraphBuilder::new();
@@ -265,8 +286,14 @@ impl Model {
         (tokens, ah, aw): (usize, usize, usize),
     ) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
         let mut out = HashMap::new();
-        if let Net::Flux(cfg) = &self.net {
-            return flux_inputs(cfg, entries, per_entry, (tokens, ah, aw));
+        match &self.net {
+            Net::Flux(cfg) => return flux_inputs(cfg, entries, per_entry, (tokens, ah, aw)),
+            Net::Mmdit(m) => {
+                return Ok(pooled_rows(m.adm_in, entries, per_entry)?
+                    .into_iter()
+                    .collect())
+            }
+            Net::Unet(_) => {}
         }
         let Some(adm) = self.adm() else {
             return Ok(out);
@@ -366,5 +393,36 @@ fn flux_inputs(
         out.insert("chroma_index".to_string(), Arc::new(chroma_index_table()));
     }
     out.insert("pe".to_string(), Arc::new(rope_table(cfg, tokens, gh, gw)));
+    Ok(out)
+}
+
+/// SD3's `pooled` input `[rows, width]`: each entry's pooled vector (L ‖
+/// G), zeros where it has none (ComfyUI's `encode_adm`).
+fn pooled_rows(
+    width: Option<usize>,
+    entries: &[(&CondEntry, bool)],
+    per_entry: usize,
+) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
+    let mut out = HashMap::new();
+    let Some(width) = width else {
+        return Ok(out);
+    };
+    let mut pooled = Vec::with_capacity(entries.len() * per_entry * width);
+    for &(e, _) in entries {
+        let row = match &e.pooled {
+            Some(p) if p.numel() == width => p.data.clone(),
+            Some(p) => {
+                return Err(NodeError::invalid(format!(
+                    "the conditioning's pooled output is {} wide; this model's vector input takes {width} (text encoder and model do not belong together)",
+                    p.numel()
+                )))
+            }
+            None => vec![0.0; width],
+        };
+        for _ in 0..per_entry {
+            pooled.extend_from_slice(&row);
+        }
+    }
+    out.insert("pooled".to_string(), Arc::new(pooled));
     Ok(out)
 }

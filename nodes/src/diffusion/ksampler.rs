@@ -320,6 +320,17 @@ pub fn sample(
     // Both lists take part in resolving areas (each area gets an opposite
     // entry in the other list) even where the negative does not run.
     // ControlNetApply's controls reach the negative entries here.
+    // SD3's CLIP-only contexts are narrower than its context embedder:
+    // zero-padded to it, as ComfyUI pads them to 4096 when encoding.
+    let (padded_pos, padded_neg);
+    let (positive, negative) = match &model.net {
+        Net::Mmdit(m) => {
+            padded_pos = pad_context(positive, m.context_in);
+            padded_neg = negative.map(|n| pad_context(n, m.context_in));
+            (&padded_pos, padded_neg.as_ref())
+        }
+        _ => (positive, negative),
+    };
     let filled = negative.and_then(|n| control::fill_uncond(positive, n));
     let conds: Vec<&Conditioning> = match negative {
         Some(n) => vec![positive, filled.as_ref().unwrap_or(n)],
@@ -346,7 +357,8 @@ pub fn sample(
         .into_iter()
         .filter(|i| i.cond < slots)
         .collect();
-    let groups = cond_batch::groups(&items, !matches!(model.net, Net::Flux(_)));
+    // The transformers' contexts are `CONDRegular`: only equal lengths batch.
+    let groups = cond_batch::groups(&items, matches!(model.net, Net::Unet(_)));
     // The control programs, and per group the UNet inputs its chain
     // feeds and their shapes (zeros where no model of it is active).
     let mut plans = control::Plans::default();
@@ -775,4 +787,26 @@ impl NodeImpl for ModelSamplingFlux {
         let shift = (w * h / (8.0 * 8.0 * 2.0 * 2.0)) * mm + b;
         patched(&model, Prediction::Flow, DiscreteSchedule::flux(shift))
     }
+}
+
+/// `cond` with every context narrower than `width` zero-padded on the
+/// right to it.
+fn pad_context(cond: &Conditioning, width: usize) -> Conditioning {
+    let mut out = cond.clone();
+    for e in &mut out.0 {
+        let t = &e.cross_attn;
+        if t.shape.len() != 3 || t.dim(2) >= width {
+            continue;
+        }
+        let w = t.dim(2);
+        let mut data = Vec::with_capacity(t.dim(0) * t.dim(1) * width);
+        for row in t.data.chunks(w) {
+            data.extend_from_slice(row);
+            data.extend(std::iter::repeat_n(0.0, width - w));
+        }
+        if let Ok(p) = Tensor::new(vec![t.dim(0), t.dim(1), width], data) {
+            e.cross_attn = p;
+        }
+    }
+    out
 }

@@ -111,6 +111,26 @@ fn build_model(
     let spec = family.spec();
     let unet = match net {
         Net::Unet(u) => u,
+        Net::Mmdit(m) => {
+            // SD3: rectified flow, shift 3, timesteps 1000·σ.
+            let schedule = match spec.sampling {
+                DefaultSampling::Flow { shift, multiplier } => {
+                    DiscreteSchedule::flow(shift, multiplier)
+                }
+                _ => DiscreteSchedule::flow(3.0, 1000.0),
+            };
+            return Ok(Model {
+                family,
+                file: Arc::clone(file),
+                patches: Arc::default(),
+                prefix: prefix.to_string(),
+                net: Net::Mmdit(m),
+                heads,
+                schedule,
+                latent: spec.latent,
+                prediction: Prediction::Flow,
+            });
+        }
         Net::Flux(f) => {
             // Dev samples with Flux's resolution-dependent shift (1.15 at
             // the default size, the value ComfyUI uses without
@@ -520,6 +540,65 @@ impl NodeImpl for ClipLoader {
     }
 }
 
+/// SD3's CLIP from two or three of CLIP-L, OpenCLIP-G and T5, each role
+/// at most once. Two CLIPs the layer counts do not tell apart (models with
+/// fewer layers than the real ones) are L and G by width, as in SDXL.
+fn sd3_clip(mut files: Vec<EncoderFile>) -> Result<NodeOutput, NodeError> {
+    let clips: Vec<usize> = (0..files.len())
+        .filter(|&i| files[i].part.role != TextEncoder::T5Xxl)
+        .collect();
+    if let [i, j] = clips[..] {
+        if files[i].part.role == files[j].part.role {
+            let (l, g) = if files[i].part.arch.width() > files[j].part.arch.width() {
+                (j, i)
+            } else {
+                (i, j)
+            };
+            files[l].part.role = TextEncoder::ClipL;
+            files[g].part.role = TextEncoder::OpenClipG;
+        }
+    }
+    let roles: Vec<TextEncoder> = files.iter().map(|f| f.part.role).collect();
+    for (i, r) in roles.iter().enumerate() {
+        let allowed = matches!(
+            r,
+            TextEncoder::ClipL | TextEncoder::OpenClipG | TextEncoder::T5Xxl
+        );
+        if !allowed || roles[..i].contains(r) {
+            return Err(NodeError::invalid(format!(
+                "SD3 takes one each of CLIP-L, OpenCLIP-G and T5; these files are {roles:?}"
+            )));
+        }
+    }
+    clip_output(Family::Sd3, files)
+}
+
+/// ComfyUI's TripleCLIPLoader (SD3: CLIP-L, OpenCLIP-G and T5, in any
+/// order).
+pub struct TripleClipLoader;
+
+impl NodeImpl for TripleClipLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let files = ["clip_name1", "clip_name2", "clip_name3"]
+            .iter()
+            .map(|k| open_encoder(ctx, inputs.string(k)?))
+            .collect::<Result<Vec<_>, _>>()?;
+        sd3_clip(files)
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        let mut parts = Vec::new();
+        for k in ["clip_name1", "clip_name2", "clip_name3"] {
+            parts.push(file_fingerprint(
+                ctx,
+                "text_encoders",
+                inputs.string(k).ok()?,
+            )?);
+        }
+        Some(parts.join("|"))
+    }
+}
+
 /// ComfyUI's DualCLIPLoader: type `sdxl`, CLIP-L and OpenCLIP-G in either
 /// order (where the layer counts do not tell them apart, in models with
 /// fewer layers than the real ones, the wider encoder is G, as it is in
@@ -529,13 +608,16 @@ pub struct DualClipLoader;
 impl NodeImpl for DualClipLoader {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
         let ty = inputs.string("type")?;
-        if ty != "sdxl" && ty != "flux" {
+        if !["sdxl", "sd3", "flux"].contains(&ty) {
             return Err(NodeError::invalid(format!(
-                "DualCLIPLoader type {ty:?} is not supported yet: sdkit loads types \"sdxl\" (CLIP-L + OpenCLIP-G) and \"flux\" (CLIP-L + T5)"
+                "DualCLIPLoader type {ty:?} is not supported yet: sdkit loads types \"sdxl\" (CLIP-L + OpenCLIP-G), \"sd3\" (two of CLIP-L, OpenCLIP-G, T5) and \"flux\" (CLIP-L + T5)"
             )));
         }
         let mut a = open_encoder(ctx, inputs.string("clip_name1")?)?;
         let mut b = open_encoder(ctx, inputs.string("clip_name2")?)?;
+        if ty == "sd3" {
+            return sd3_clip(vec![a, b]);
+        }
         if ty == "flux" {
             let roles = [a.part.role, b.part.role];
             if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::T5Xxl) {

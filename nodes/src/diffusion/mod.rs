@@ -222,7 +222,7 @@ impl Model {
     pub fn unet(&self, what: &str) -> Result<&UnetConfig, NodeError> {
         match &self.net {
             Net::Unet(u) => Ok(u),
-            Net::Flux(_) => Err(NodeError::invalid(format!(
+            Net::Flux(_) | Net::Mmdit(_) => Err(NodeError::invalid(format!(
                 "{what} with a {} model is not supported yet (sdkit builds it for UNet models)",
                 self.family.name()
             ))),
@@ -235,6 +235,7 @@ impl Model {
         match &self.net {
             Net::Unet(u) => u.in_channels,
             Net::Flux(f) => f.in_channels,
+            Net::Mmdit(m) => m.in_channels,
         }
     }
 
@@ -244,6 +245,7 @@ impl Model {
         match &self.net {
             Net::Unet(u) => u.context_dim,
             Net::Flux(f) => Some(f.context_in),
+            Net::Mmdit(m) => Some(m.context_in),
         }
     }
 }

@@ -87,6 +87,7 @@ pub struct UnetConfig {
 pub enum Net {
     Unet(UnetConfig),
     Flux(super::flux::FluxConfig),
+    Mmdit(super::mmdit::MmditConfig),
 }
 
 impl Net {
@@ -605,7 +606,24 @@ fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> 
             TextEncoder::OpenClipG,
             "conditioner.embedders.0.model.",
         )?],
-        // ComfyUI's saves: `text_encoders.{clip_l,t5xxl}.transformer.`.
+        // ComfyUI's saves: `text_encoders.{clip_l,clip_g,t5xxl}.transformer.`;
+        // SD3 files carry any of them (T5 is often left out).
+        Family::Sd3 => {
+            let parts = [
+                clip_part(
+                    s,
+                    TextEncoder::ClipL,
+                    "text_encoders.clip_l.transformer.text_model.",
+                )?,
+                clip_part(
+                    s,
+                    TextEncoder::OpenClipG,
+                    "text_encoders.clip_g.transformer.text_model.",
+                )?,
+                t5_part(s, "text_encoders.t5xxl.transformer.")?,
+            ];
+            return Ok(parts.into_iter().flatten().collect());
+        }
         Family::Flux => vec![
             clip_part(
                 s,
@@ -632,6 +650,12 @@ fn diffusion_model(s: &Shapes, prefix: &str) -> Result<(Family, Net), DetectErro
     match dit_family(s, prefix) {
         Some(f @ (Family::Flux | Family::Chroma)) => {
             return Ok((f, Net::Flux(super::flux::flux_config(s, prefix)?)));
+        }
+        Some(Family::Sd3) => {
+            return Ok((
+                Family::Sd3,
+                Net::Mmdit(super::mmdit::mmdit_config(s, prefix)?),
+            ));
         }
         Some(f) => return Err(DetectError::Unsupported(f)),
         None => {}

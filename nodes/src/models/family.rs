@@ -225,6 +225,8 @@ const XL_G: TextRule = rule(
     0,
     Pooled::Projected,
 );
+/// SD3's CLIP-L: as SDXL's, its unprojected pooled output read too.
+const SD3_L: TextRule = rule(TextEncoder::ClipL, Some(-2), false, END, Pooled::Raw);
 /// Flux's CLIP-L (pooled only) and T5 (last layer; its pad is T5's own).
 const FLUX_L: TextRule = rule(TextEncoder::ClipL, None, true, END, Pooled::Raw);
 const T5: TextRule = rule(TextEncoder::T5Xxl, None, true, 0, Pooled::No);
@@ -296,10 +298,10 @@ pub static FAMILIES: [FamilySpec; 7] = [
             shift: 3.0,
             multiplier: 1000.0,
         },
-        text_encoders: &[XL_L, XL_G, T5],
+        text_encoders: &[SD3_L, XL_G, T5],
         default_size: 1024,
         heads: Heads::Width(64),
-        supported: false,
+        supported: true,
     },
     FamilySpec {
         family: Family::Flux,

@@ -6,6 +6,7 @@ pub mod controlnet;
 pub mod detect;
 pub mod family;
 pub mod flux;
+pub mod mmdit;
 pub mod open_clip;
 pub mod t2i;
 pub mod t5;

@@ -20,6 +20,16 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("CLIPTextEncodeSD3", "advanced/conditioning")
+            .socket("clip", T::Clip)
+            .text("clip_l")
+            .text("clip_g")
+            .text("t5xxl")
+            .combo("empty_padding", &["none", "empty_prompt"])
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
         node("T5TokenizerOptions", "_for_testing/conditioning")
             .socket("clip", T::Clip)
             .int("min_padding", 0, 0, 10000, 1)

@@ -99,6 +99,15 @@ pub(super) fn loaders(v: &mut Vec<NodeSpec>) {
         .combo("device", &["default", "cpu"]).optional()
         .returns(T::Clip).build());
     v.push(
+        node("TripleCLIPLoader", "advanced/loaders")
+            .description("[Recipes]\n\nsd3: clip-l, clip-g, t5")
+            .models("clip_name1", "text_encoders")
+            .models("clip_name2", "text_encoders")
+            .models("clip_name3", "text_encoders")
+            .returns(T::Clip)
+            .build(),
+    );
+    v.push(
         node("UNETLoader", "advanced/loaders")
             .display("Load Diffusion Model")
             .models("unet_name", "diffusion_models")

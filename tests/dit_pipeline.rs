@@ -20,6 +20,7 @@ use sdkit_compute::weights::SafeTensors;
 use sdkit_nodes::models::flux::{
     chroma_index_table, flux, flux_config, grid, rope_table, FluxInputs, CHROMA_MODULATIONS,
 };
+use sdkit_nodes::models::mmdit::{mmdit, mmdit_config};
 use sdkit_nodes::models::t5::{bucket_ids, encoder, t5_config};
 use sdkit_nodes::t5_tokenizer::{Padding, T5Tokenizer};
 use std::collections::BTreeMap;
@@ -30,6 +31,11 @@ use support::{check_graph, copy_input, f32s, rel_diff, run, write_fixture_entry}
 fn fixture() -> &'static serde_json::Value {
     static FX: OnceLock<serde_json::Value> = OnceLock::new();
     FX.get_or_init(|| support::fixture("flux/expected.json"))
+}
+
+fn sd3() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("sd3/expected.json"))
 }
 
 fn chroma() -> &'static serde_json::Value {
@@ -398,4 +404,89 @@ fn custom_sampling_on_wgpu_matches_comfyui() {
         return;
     }
     matches_on("tiny_flux_custom", "wgpu");
+}
+
+/// The MMDiT of each SD3 layout: SD3 Medium, 3.5 Large's RMS-normed q/k,
+/// 3.5 Medium's second image attention; latents with odd patch counts
+/// (circular padding, the position table's centre crop).
+#[test]
+fn mmdit_forward_matches_comfyui() {
+    const PREFIX: &str = "model.diffusion_model.";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let forward = &sd3()["components"]["mmdit_forward"];
+    for (name, cases) in forward.as_object().expect("by file") {
+        let file = SafeTensors::open(&write_one(sd3(), dir.path(), name)).expect("opens");
+        let cfg = mmdit_config(&shapes(&file), PREFIX).expect("detects");
+        assert_eq!((cfg.hidden, cfg.heads, cfg.blocks), (128, 2, 2), "{name}");
+        for case in cases.as_array().expect("cases") {
+            let dims = |k: &str| -> Vec<usize> {
+                case[k]
+                    .as_array()
+                    .expect("shape")
+                    .iter()
+                    .map(|v| v.as_u64().expect("dim") as usize)
+                    .collect()
+            };
+            let (xs, cs, ys) = (dims("x_shape"), dims("context_shape"), dims("y_shape"));
+            let g = GraphBuilder::new();
+            let x = g.input("x", &xs).expect("input");
+            let t = g.input("t", &[1]).expect("input");
+            let c = g.input("context", &cs).expect("input");
+            let y = g.input("y", &ys).expect("input");
+            let out = mmdit(&g, &cfg, PREFIX, x, t, c, Some(y)).expect("builds");
+            assert_eq!(out.shape(), xs);
+            let graph = g.finish(&[out]);
+            let prog = plan(&graph).expect("plans");
+            let mut bind = weights(&file, &graph);
+            let f = |k: &str| Arc::new(f32s(case[k].as_str().expect("input")));
+            bind.inputs.insert("x".into(), f("x_f32"));
+            bind.inputs.insert("context".into(), f("context_f32"));
+            bind.inputs.insert("y".into(), f("y_f32"));
+            let ts = case["timestep"].as_f64().expect("timestep") as f32;
+            bind.inputs.insert("t".into(), Arc::new(vec![ts]));
+            let got = cpu::run(&prog, &bind).expect("runs");
+            let d = rel_diff(&got[0].data, &f32s(case["out_f32"].as_str().expect("out")));
+            eprintln!("mmdit {name} {xs:?}: rel diff {d:e}");
+            assert!(d < 1e-4, "{name} {xs:?}: {d}");
+        }
+    }
+}
+
+#[test]
+fn sd3_txt2img_matches_comfyui() {
+    matches_in(sd3(), "tiny_sd3_txt2img", "cpu");
+}
+
+#[test]
+fn sd3_triple_clip_loader_matches_comfyui() {
+    matches_in(sd3(), "tiny_sd3_triple", "cpu");
+}
+
+#[test]
+fn sd3_without_t5_matches_comfyui() {
+    matches_in(sd3(), "tiny_sd3_no_t5", "cpu");
+}
+
+#[test]
+fn sd3_img2img_matches_comfyui() {
+    matches_in(sd3(), "tiny_sd3_img2img", "cpu");
+}
+
+#[test]
+fn sd35_large_matches_comfyui() {
+    matches_in(sd3(), "tiny_sd35_large_txt2img", "cpu");
+}
+
+#[test]
+fn sd35_medium_on_wgpu_matches_comfyui() {
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("SD3.5 Medium on wgpu", e);
+        return;
+    }
+    matches_in(sd3(), "tiny_sd35_medium_txt2img", "wgpu");
+}
+
+#[test]
+fn sd35_medium_matches_comfyui() {
+    matches_in(sd3(), "tiny_sd35_medium_txt2img", "cpu");
 }
