@@ -264,7 +264,7 @@ fn unet_families_by_structure_at_any_width() {
 }
 
 #[test]
-fn other_families_are_named_and_refused() {
+fn transformer_files_missing_keys_name_them() {
     let mut flux = Shapes::new();
     flux.insert(
         "model.diffusion_model.double_blocks.0.img_attn.norm.key_norm.scale".into(),
@@ -283,8 +283,10 @@ fn other_families_are_named_and_refused() {
         vec![5120, 64],
     );
     assert_eq!(
-        detect_checkpoint(&flux),
-        Err(DetectError::Unsupported(Family::Chroma))
+        detect_checkpoint(&flux).map(|d| d.family),
+        Err(DetectError::Missing {
+            name: "model.diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale".into()
+        })
     );
 
     let mut sd3 = Shapes::new();
@@ -293,8 +295,10 @@ fn other_families_are_named_and_refused() {
         vec![4608, 1536],
     );
     assert_eq!(
-        detect_checkpoint(&sd3),
-        Err(DetectError::Unsupported(Family::Sd3))
+        detect_checkpoint(&sd3).map(|d| d.family),
+        Err(DetectError::Missing {
+            name: "model.diffusion_model.x_embedder.proj.weight".into()
+        })
     );
     let msg = DetectError::Unsupported(Family::Sd3).to_string();
     assert!(
@@ -379,4 +383,26 @@ fn flux_sizes_from_shapes() {
     s.remove("guidance_in.in_layer.weight");
     let (_, net, _, _) = detect_unet(&s).expect("detects schnell");
     assert!(matches!(net, Net::Flux(f) if !f.guidance));
+}
+
+/// "Scaled fp8" files (weights × a per-layer `scale_weight`) are refused
+/// by name, not loaded unscaled.
+#[test]
+fn scaled_fp8_files_are_refused() {
+    use sdkit_nodes::models::detect::{detect_text_encoder, detect_unet};
+    let mut t5 = Shapes::new();
+    t5.insert(
+        "encoder.block.0.layer.1.DenseReluDense.wi_1.weight".into(),
+        vec![64, 32],
+    );
+    t5.insert("scaled_fp8".into(), vec![]);
+    assert_eq!(detect_text_encoder(&t5), Err(DetectError::ScaledFp8));
+    let mut flux = Shapes::new();
+    flux.insert(
+        "double_blocks.0.img_attn.norm.key_norm.scale".into(),
+        vec![128],
+    );
+    flux.insert("img_in.weight".into(), vec![3072, 64]);
+    flux.insert("img_in.scale_weight".into(), vec![]);
+    assert!(matches!(detect_unet(&flux), Err(DetectError::ScaledFp8)));
 }
