@@ -60,6 +60,8 @@ fn encode(dtype: DType, v: f64) -> Vec<u8> {
         DType::I64 => (v as i64).to_le_bytes().to_vec(),
         DType::U64 => (v as u64).to_le_bytes().to_vec(),
         DType::F64 => v.to_le_bytes().to_vec(),
+        // Only safetensors dtypes (`DType::ALL`) are written here.
+        other => panic!("{other} is not a safetensors dtype"),
     }
 }
 
@@ -1016,4 +1018,103 @@ fn fp8_rounding_matches_torch() {
             round_f8_e5m2(x)
         );
     }
+}
+
+/// Little-endian f32s from base64.
+fn b64_f32(s: &str) -> Vec<f32> {
+    let val = |c: u8| -> u32 {
+        match c {
+            b'A'..=b'Z' => u32::from(c - b'A'),
+            b'a'..=b'z' => u32::from(c - b'a') + 26,
+            b'0'..=b'9' => u32::from(c - b'0') + 52,
+            b'+' => 62,
+            _ => 63,
+        }
+    };
+    let bytes: Vec<u8> = s.bytes().filter(|&c| c != b'=').collect();
+    let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
+    for chunk in bytes.chunks(4) {
+        let mut acc = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            acc |= val(c) << (18 - 6 * i);
+        }
+        for i in 0..chunk.len().saturating_sub(1) {
+            out.push((acc >> (16 - 8 * i)) as u8);
+        }
+    }
+    out.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A GGUF file with one tensor of every type sdkit reads (F32, F16, BF16,
+/// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K; a 3-D and a 1-D tensor, one
+/// flattened with ComfyUI-GGUF's `orig_shape`) decodes bit for bit as the
+/// `gguf` Python package's `dequantize` (tools/reference/gguf_fixtures.py;
+/// ±inf, −0 and subnormals included), and its metadata reads.
+#[test]
+fn gguf_tensors_decode_as_the_gguf_package() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/gguf/");
+    let file = SafeTensors::open(Path::new(&format!("{dir}quants.gguf"))).expect("opens");
+    let text = std::fs::read_to_string(format!("{dir}quants.json")).expect("fixture");
+    let fx: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(
+        file.metadata()
+            .get("general.architecture")
+            .map(String::as_str),
+        Some("flux")
+    );
+    assert_eq!(
+        file.metadata().get("test.string").map(String::as_str),
+        Some("café ✓ 東京")
+    );
+    let tensors = fx["tensors"].as_array().expect("tensors");
+    assert_eq!(file.len(), tensors.len());
+    for t in tensors {
+        let name = t["name"].as_str().expect("name");
+        let info = file.get(name).expect("tensor");
+        let shape: Vec<usize> = t
+            .get("comfy_shape")
+            .unwrap_or(&t["shape"])
+            .as_array()
+            .expect("shape")
+            .iter()
+            .map(|v| v.as_u64().expect("dim") as usize)
+            .collect();
+        assert_eq!(info.shape, shape, "{name}");
+        assert_eq!(
+            info.dtype.name(),
+            t["type"].as_str().expect("type"),
+            "{name}"
+        );
+        let got = file.to_f32(name).expect("decodes");
+        let want = b64_f32(t["values_f32"].as_str().expect("values"));
+        assert_eq!(got.len(), want.len(), "{name}");
+        let differ = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan()))
+            .count();
+        assert_eq!(differ, 0, "{name}: {differ} values differ from gguf's");
+    }
+}
+
+/// A truncated or malformed GGUF file is a clear error, never a panic.
+#[test]
+fn broken_gguf_files_are_errors() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/gguf/");
+    let bytes = std::fs::read(format!("{dir}quants.gguf")).expect("read");
+    // The last tensor ends 16 bytes before the end (alignment padding).
+    for cut in [4, 12, 24, 100, 1000, 1661, 20000, bytes.len() - 17] {
+        let e = SafeTensors::from_bytes("cut.gguf", bytes[..cut].to_vec())
+            .err()
+            .unwrap_or_else(|| panic!("a file cut at {cut} bytes parsed"));
+        assert!(e.to_string().contains("cut.gguf"), "{e}");
+    }
+    let mut bad = bytes.clone();
+    bad[4] = 9; // version 9
+    let e = SafeTensors::from_bytes("v9.gguf", bad)
+        .map(|_| ())
+        .expect_err("refused");
+    assert!(e.to_string().contains("version 9"), "{e}");
 }

@@ -152,6 +152,16 @@ pub(super) fn decode_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
         DType::I64 => decode_with(bytes, |b| i64::from_le_bytes(b) as f32),
         DType::U64 => decode_with(bytes, |b| u64::from_le_bytes(b) as f32),
         DType::F64 => decode_with(bytes, |b| f64::from_le_bytes(b) as f32),
+        DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2K
+        | DType::Q3K
+        | DType::Q4K
+        | DType::Q5K
+        | DType::Q6K => super::gguf::decode_blocks(dtype, bytes),
     }
 }
 

@@ -45,6 +45,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 mod convert;
+mod gguf;
 mod pickle;
 mod store;
 mod torch_file;
@@ -130,6 +131,8 @@ pub enum WeightError {
         source: serde_json::Error,
     },
     /// The header names the same tensor (or `__metadata__`) twice.
+    #[error("{}: not a valid GGUF file: {reason}", .path.display())]
+    InvalidGguf { path: PathBuf, reason: String },
     #[error("{}: header lists {tensor:?} more than once", .path.display())]
     DuplicateTensor { path: PathBuf, tensor: String },
     /// A tensor entry lacks `dtype`, `shape` or `data_offsets`, or one of
@@ -229,10 +232,23 @@ pub enum DType {
     I64,
     U64,
     F64,
+    /// GGUF's block-quantized types (never in safetensors headers): each
+    /// block holds [`DType::block`] elements as f16 scales and packed
+    /// integers.
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl DType {
-    /// Every dtype, in the order declared.
+    /// Every safetensors dtype, in the order declared.
     pub const ALL: [DType; 15] = [
         DType::Bool,
         DType::U8,
@@ -251,14 +267,24 @@ impl DType {
         DType::F64,
     ];
 
-    /// Bytes per element.
+    /// Bytes per element; for a block-quantized type, per block.
     pub fn size_bytes(self) -> usize {
+        if let Some((_, bytes)) = gguf::block(self) {
+            return bytes;
+        }
         match self {
             DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::U32 | DType::F32 => 4,
             DType::I64 | DType::U64 | DType::F64 => 8,
+            _ => 0,
         }
+    }
+
+    /// `(elements, bytes)` of the smallest unit of storage: one element,
+    /// or one block of a quantized type.
+    pub fn block(self) -> (usize, usize) {
+        gguf::block(self).unwrap_or((1, self.size_bytes()))
     }
 
     /// The name used in safetensors headers (`"F16"`, `"BF16"`, ...).
@@ -279,6 +305,16 @@ impl DType {
             DType::I64 => "I64",
             DType::U64 => "U64",
             DType::F64 => "F64",
+            DType::Q8_0 => "Q8_0",
+            DType::Q4_0 => "Q4_0",
+            DType::Q4_1 => "Q4_1",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::Q2K => "Q2_K",
+            DType::Q3K => "Q3_K",
+            DType::Q4K => "Q4_K",
+            DType::Q5K => "Q5_K",
+            DType::Q6K => "Q6_K",
         }
     }
 
@@ -292,7 +328,7 @@ impl DType {
         matches!(
             self,
             DType::F8E4M3 | DType::F8E5M2 | DType::F16 | DType::BF16 | DType::F32 | DType::F64
-        )
+        ) || gguf::block(self).is_some()
     }
 }
 
@@ -426,6 +462,17 @@ impl SafeTensors {
         // A pickle name is read as torch.save unless the bytes are valid
         // safetensors (protocol 0/1 pickles have no magic bytes); any other
         // name only when it is not safetensors and starts like a pickle.
+        if gguf::is_gguf(bytes) {
+            let parsed = gguf::parse(&path, bytes)?;
+            return Ok(SafeTensors {
+                path,
+                header_len: parsed.header_len,
+                tensors: parsed.tensors,
+                metadata: parsed.metadata,
+                backing,
+                extra: Vec::new(),
+            });
+        }
         let parsed = if pickle_name && bytes.starts_with(b"PK\x03\x04") {
             None
         } else {

@@ -102,12 +102,14 @@ impl StoredWeight {
 
     /// Elements `[start, start + len)` in f32, the rest left unread.
     pub fn range_f32(&self, start: usize, len: usize) -> Result<Vec<f32>, WeightError> {
-        let size = self.dtype.size_bytes();
+        // Whole storage units: elements, or a quantized type's blocks (a
+        // row of a GGUF table is whole blocks).
+        let (per, size) = self.dtype.block();
         let raw = self.file.raw(&self.key)?;
         let bytes = start
             .checked_add(len)
-            .filter(|&end| end <= self.len)
-            .and_then(|end| raw.get(start * size..end * size))
+            .filter(|&end| end <= self.len && start.is_multiple_of(per) && end.is_multiple_of(per))
+            .and_then(|end| raw.get(start / per * size..end / per * size))
             .ok_or_else(|| WeightError::NotInStore {
                 tensor: self.key.clone(),
                 detail: format!(
