@@ -95,7 +95,7 @@ fn every_example_graph_validates_and_image_graphs_run() {
         let source = std::fs::read_to_string(&path).expect("read");
         let models: Vec<&str> = source
             .split('"')
-            .filter(|s| s.ends_with(".safetensors") && !s.contains('/'))
+            .filter(|s| (s.ends_with(".safetensors") || s.ends_with(".gguf")) && !s.contains('/'))
             .collect();
         let needs_model = !models.is_empty();
         for folder in ["checkpoints", "unet", "clip", "vae", "loras", "controlnet"] {

@@ -490,3 +490,92 @@ fn sd35_medium_on_wgpu_matches_comfyui() {
 fn sd35_medium_matches_comfyui() {
     matches_in(sd3(), "tiny_sd35_medium_txt2img", "cpu");
 }
+
+fn gguf() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("gguf/expected.json"))
+}
+
+/// A Q8_0 GGUF Flux, built as ComfyUI-GGUF's files are (the same bytes as
+/// the reference script's file, by SHA-256), loaded by
+/// UnetLoaderGGUFAdvanced and dequantized as the gguf package does: the
+/// same image as ComfyUI's with `dequant_dtype` float32.
+#[test]
+fn gguf_q8_0_flux_matches_comfyui() {
+    let base = setup_with(fixture());
+    let dev = fixture()["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .find(|f| f["name"] == "tiny_flux_dev.safetensors")
+        .expect("dev");
+    let bytes = support::tiny_flux_q8_0_gguf(&dev["keys"]);
+    let want = &gguf()["gguf_files"][0];
+    assert_eq!(
+        bytes.len() as u64,
+        want["file_size"].as_u64().expect("size")
+    );
+    assert_eq!(
+        support::sha256(&bytes),
+        want["sha256"].as_str().expect("sha")
+    );
+    let path = base.path().join("models/unet/tiny_flux_q8_0.gguf");
+    std::fs::write(&path, &bytes).expect("write");
+    let graph = "tiny_flux_gguf_q8_0_dequant_f32";
+    run(base.path(), graph, "cpu");
+    check_graph(base.path(), gguf(), graph, None);
+}
+
+/// A T5 in GGUF with llama.cpp's tensor names (`token_embd`,
+/// `enc.blk.N.attn_q`, `ffn_gate`, ...), stored F16 with the values of the
+/// `t5xxl` safetensors file, loaded by DualCLIPLoaderGGUF: the same
+/// conditioning, so the Flux txt2img reference holds.
+#[test]
+fn gguf_t5_in_llama_names_matches_the_safetensors_t5() {
+    let base = setup_with(fixture());
+    let t5 = fixture()["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .find(|f| f["name"] == "tiny_t5xxl.safetensors")
+        .expect("t5");
+    let mut tensors = Vec::new();
+    for k in t5["keys"].as_array().expect("keys") {
+        let name = k[0].as_str().expect("name");
+        let shape: Vec<usize> = k[1]
+            .as_array()
+            .expect("shape")
+            .iter()
+            .map(|d| d.as_u64().expect("dim") as usize)
+            .collect();
+        let llama = name
+            .replace("encoder.block.", "enc.blk.")
+            .replace(
+                "layer.0.SelfAttention.relative_attention_bias",
+                "attn_rel_b",
+            )
+            .replace("layer.0.SelfAttention.", "attn_")
+            .replace("layer.0.layer_norm", "attn_norm")
+            .replace("layer.1.layer_norm", "ffn_norm")
+            .replace("layer.1.DenseReluDense.wi_0", "ffn_gate")
+            .replace("layer.1.DenseReluDense.wi_1", "ffn_up")
+            .replace("layer.1.DenseReluDense.wo", "ffn_down")
+            .replace("encoder.final_layer_norm", "enc.output_norm")
+            .replace("shared", "token_embd");
+        let bits: Vec<u8> = support::values(name, &shape)
+            .into_iter()
+            .flat_map(|v| sdkit_compute::backend::wgpu::f32_to_f16_bits(v).to_le_bytes())
+            .collect();
+        tensors.push((llama, shape, 1u32, bits));
+    }
+    tensors.sort();
+    let bytes = support::gguf_bytes("t5encoder", 1, &tensors);
+    std::fs::write(base.path().join("models/clip/tiny_t5xxl.gguf"), bytes).expect("write");
+    let graph = "tiny_flux_gguf_t5";
+    run(base.path(), graph, "cpu");
+    // The reference is the safetensors T5's run of the same graph.
+    let mut fx = fixture().clone();
+    let reference = fx["workflows"]["tiny_flux_txt2img"].clone();
+    fx["workflows"][graph] = reference;
+    check_graph(base.path(), &fx, graph, None);
+}

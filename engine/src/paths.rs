@@ -33,6 +33,10 @@ const FOLDER_ALIASES: &[(&str, &[&str])] = &[
     ("clip", &["text_encoders", "clip"]),
     ("diffusion_models", &["unet", "diffusion_models"]),
     ("unet", &["unet", "diffusion_models"]),
+    // ComfyUI-GGUF's folder kinds: the same folders, GGUF files only
+    // (`unet_gguf`) or both kinds (`clip_gguf`).
+    ("unet_gguf", &["unet", "diffusion_models"]),
+    ("clip_gguf", &["text_encoders", "clip"]),
 ];
 
 /// The folders under `models/` that `folder` searches.
@@ -117,9 +121,14 @@ impl Paths {
 
     /// Every model file of a folder kind, relative, sorted, deduplicated.
     pub fn model_files(&self, folder: &str) -> Vec<String> {
+        let exts: &[&str] = if folder == "unet_gguf" {
+            &["gguf"]
+        } else {
+            MODEL_EXTENSIONS
+        };
         let mut out: Vec<String> = folder_dirs(folder)
             .iter()
-            .flat_map(|d| list_files(&self.models.join(d), MODEL_EXTENSIONS, true))
+            .flat_map(|d| list_files(&self.models.join(d), exts, true))
             .collect();
         out.sort();
         out.dedup();

@@ -76,6 +76,22 @@ pub fn library() -> NodeLibrary {
         diffusion::conditioning::ClipTextEncodeSd3,
     );
     lib.implement("TripleCLIPLoader", diffusion::loaders::TripleClipLoader);
+    lib.implement("UnetLoaderGGUF", diffusion::loaders::UnetLoaderGguf);
+    lib.implement("UnetLoaderGGUFAdvanced", diffusion::loaders::UnetLoaderGguf);
+    lib.implement("CLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(1));
+    lib.implement("DualCLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(2));
+    lib.implement(
+        "TripleCLIPLoaderGGUF",
+        diffusion::loaders::GgufClipLoader(3),
+    );
+    lib.implement("UnetLoaderGGUF", diffusion::loaders::UnetLoaderGguf);
+    lib.implement("UnetLoaderGGUFAdvanced", diffusion::loaders::UnetLoaderGguf);
+    lib.implement("CLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(1));
+    lib.implement("DualCLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(2));
+    lib.implement(
+        "TripleCLIPLoaderGGUF",
+        diffusion::loaders::GgufClipLoader(3),
+    );
     lib.implement(
         "T5TokenizerOptions",
         diffusion::conditioning::T5TokenizerOptions,

@@ -510,3 +510,194 @@ pub fn residency_uploads(
     let out = uploads.lock().expect("lock").clone();
     Some(out)
 }
+
+/// SHA-256 of `data`, lowercase hex (fixtures record GGUF files by it).
+pub fn sha256(data: &[u8]) -> String {
+    const K: [u32; 64] = [
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+        0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+        0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+        0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+        0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+        0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+        0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+        0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+        0xc67178f2,
+    ];
+    let mut h: [u32; 8] = [
+        0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
+        0x5be0cd19,
+    ];
+    let mut msg = data.to_vec();
+    msg.push(0x80);
+    while msg.len() % 64 != 56 {
+        msg.push(0);
+    }
+    msg.extend_from_slice(&((data.len() as u64) * 8).to_be_bytes());
+    for chunk in msg.chunks(64) {
+        let mut w = [0u32; 64];
+        for i in 0..16 {
+            w[i] = u32::from_be_bytes([
+                chunk[4 * i],
+                chunk[4 * i + 1],
+                chunk[4 * i + 2],
+                chunk[4 * i + 3],
+            ]);
+        }
+        for i in 16..64 {
+            let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
+            let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16]
+                .wrapping_add(s0)
+                .wrapping_add(w[i - 7])
+                .wrapping_add(s1);
+        }
+        let mut v = h;
+        for i in 0..64 {
+            let s1 = v[4].rotate_right(6) ^ v[4].rotate_right(11) ^ v[4].rotate_right(25);
+            let ch = (v[4] & v[5]) ^ (!v[4] & v[6]);
+            let t1 = v[7]
+                .wrapping_add(s1)
+                .wrapping_add(ch)
+                .wrapping_add(K[i])
+                .wrapping_add(w[i]);
+            let s0 = v[0].rotate_right(2) ^ v[0].rotate_right(13) ^ v[0].rotate_right(22);
+            let maj = (v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]);
+            let t2 = s0.wrapping_add(maj);
+            v = [
+                t1.wrapping_add(t2),
+                v[0],
+                v[1],
+                v[2],
+                v[3].wrapping_add(t1),
+                v[4],
+                v[5],
+                v[6],
+            ];
+        }
+        for (a, b) in h.iter_mut().zip(v) {
+            *a = a.wrapping_add(b);
+        }
+    }
+    h.iter().map(|x| format!("{x:08x}")).collect()
+}
+
+/// The tiny Flux of a fixture's key list as ComfyUI-GGUF's Q8_0 Flux
+/// files are made (tools/reference/gguf_fixtures.py, "conversion"): values
+/// from the formula rounded to f16; 1-D tensors F32; the 2-D weights of
+/// img_in, time_in.in_layer, vector_in.in_layer, guidance_in.in_layer and
+/// final_layer.linear F32, the rest of txt_in, time_in, vector_in,
+/// guidance_in and final_layer F16; every other 2-D weight Q8_0 (per 32
+/// values: d = max|x| / 127, q = x / d rounded half away from zero, d
+/// stored f16). Tensors in key order, alignment 32.
+pub fn tiny_flux_q8_0_gguf(keys: &serde_json::Value) -> Vec<u8> {
+    let mut keys: Vec<(String, Vec<usize>)> = keys
+        .as_array()
+        .expect("keys")
+        .iter()
+        .map(|k| {
+            (
+                k[0].as_str().expect("name").to_string(),
+                k[1].as_array()
+                    .expect("shape")
+                    .iter()
+                    .map(|d| d.as_u64().expect("dim") as usize)
+                    .collect(),
+            )
+        })
+        .collect();
+    keys.sort();
+    let f32_2d = [
+        "img_in.",
+        "time_in.in_layer.",
+        "vector_in.in_layer.",
+        "guidance_in.in_layer.",
+        "final_layer.linear.",
+    ];
+    let f16_2d = [
+        "txt_in.",
+        "time_in.",
+        "vector_in.",
+        "guidance_in.",
+        "final_layer.",
+    ];
+    let mut tensors = Vec::new();
+    for (name, shape) in &keys {
+        let v: Vec<f32> = values(name, shape)
+            .into_iter()
+            .map(|x| sdkit_compute::weights::f16_to_f32(f32_to_f16_bits(x)))
+            .collect();
+        let (ty, bytes): (u32, Vec<u8>) =
+            if shape.len() != 2 || f32_2d.iter().any(|p| name.contains(p)) {
+                (0, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            } else if f16_2d.iter().any(|p| name.contains(p)) {
+                (
+                    1,
+                    v.iter()
+                        .flat_map(|x| f32_to_f16_bits(*x).to_le_bytes())
+                        .collect(),
+                )
+            } else {
+                let mut b = Vec::with_capacity(v.len() / 32 * 34);
+                for block in v.chunks(32) {
+                    let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let d = amax / 127.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    b.extend_from_slice(&f32_to_f16_bits(d).to_le_bytes());
+                    b.extend(block.iter().map(|x| (x * id).round() as i8 as u8));
+                }
+                (8, b)
+            };
+        tensors.push((name.clone(), shape.clone(), ty, bytes));
+    }
+    gguf_bytes("flux", 7, &tensors)
+}
+
+/// A GGUF v3 file: `general.architecture`, quantization version 2 and
+/// `file_type`, then `tensors` (name, torch shape, ggml type id, data) in
+/// the order given, alignment 32.
+pub fn gguf_bytes(
+    arch: &str,
+    file_type: u32,
+    tensors: &[(String, Vec<usize>, u32, Vec<u8>)],
+) -> Vec<u8> {
+    let mut infos = Vec::new();
+    let mut data: Vec<u8> = Vec::new();
+    for (name, shape, ty, bytes) in tensors {
+        infos.push((name, shape, *ty, data.len()));
+        data.extend_from_slice(bytes);
+        data.resize(data.len().next_multiple_of(32), 0);
+    }
+    let mut out: Vec<u8> = b"GGUF".to_vec();
+    let string = |out: &mut Vec<u8>, s: &str| {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
+    };
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&(infos.len() as u64).to_le_bytes());
+    out.extend_from_slice(&3u64.to_le_bytes());
+    string(&mut out, "general.architecture");
+    out.extend_from_slice(&8u32.to_le_bytes());
+    string(&mut out, arch);
+    for (k, v) in [
+        ("general.quantization_version", 2u32),
+        ("general.file_type", file_type),
+    ] {
+        string(&mut out, k);
+        out.extend_from_slice(&4u32.to_le_bytes());
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    for (name, shape, ty, offset) in &infos {
+        string(&mut out, name);
+        out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+        for d in shape.iter().rev() {
+            out.extend_from_slice(&(*d as u64).to_le_bytes());
+        }
+        out.extend_from_slice(&ty.to_le_bytes());
+        out.extend_from_slice(&(*offset as u64).to_le_bytes());
+    }
+    out.resize(out.len().next_multiple_of(32), 0);
+    out.extend_from_slice(&data);
+    out
+}

@@ -425,23 +425,52 @@ impl NodeImpl for UnetLoader {
                 )))
             }
         };
-        let path = model_path(ctx, "diffusion_models", name)?;
-        let file = open(&path)?;
-        let s = shapes(&file);
-        let (family, unet, heads, prefix) =
-            detect_unet(&s).map_err(|e| NodeError::file(&path, e))?;
-        let mut store = WeightStore::new();
-        store.mount(file, "", "");
-        let mut mf = ModelFile::new(name, store);
-        mf.cast = cast;
-        let shared = Arc::new(mf);
-        let model = build_model(&shared, &s, family, unet, heads, prefix)
-            .map_err(|e| NodeError::file(&path, e))?;
-        Ok(NodeOutput::values(vec![opaque(SocketType::Model, model)]))
+        load_diffusion_model(ctx, "diffusion_models", name, cast)
     }
 
     fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
         file_fingerprint(ctx, "diffusion_models", inputs.string("unet_name").ok()?)
+    }
+}
+
+/// A diffusion-model-only file of `folder` (safetensors, a torch file or
+/// GGUF, told apart by content), its weights read as if cast to `cast`.
+fn load_diffusion_model(
+    ctx: &NodeContext,
+    folder: &str,
+    name: &str,
+    cast: Option<DType>,
+) -> Result<NodeOutput, NodeError> {
+    let path = model_path(ctx, folder, name)?;
+    let file = open(&path)?;
+    let s = shapes(&file);
+    let (family, net, heads, prefix) = detect_unet(&s).map_err(|e| NodeError::file(&path, e))?;
+    let mut store = WeightStore::new();
+    store.mount(file, "", "");
+    let mut mf = ModelFile::new(name, store);
+    mf.cast = cast;
+    let shared = Arc::new(mf);
+    let model = build_model(&shared, &s, family, net, heads, prefix)
+        .map_err(|e| NodeError::file(&path, e))?;
+    Ok(NodeOutput::values(vec![opaque(SocketType::Model, model)]))
+}
+
+/// ComfyUI-GGUF's UnetLoaderGGUF and UnetLoaderGGUFAdvanced: a `.gguf`
+/// diffusion model from `models/unet` or `models/diffusion_models`. Its
+/// quantized weights are dequantized per layer as they are used, in f32 —
+/// the gguf package's values, which the Advanced node's `dequant_dtype`
+/// float32 gives in ComfyUI (its default computes the dequantization in
+/// f16 arithmetic, 1e-5 relative away); the Advanced node's dtype
+/// options change nothing here.
+pub struct UnetLoaderGguf;
+
+impl NodeImpl for UnetLoaderGguf {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        load_diffusion_model(ctx, "unet_gguf", inputs.string("unet_name")?, None)
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        file_fingerprint(ctx, "unet_gguf", inputs.string("unet_name").ok()?)
     }
 }
 
@@ -458,8 +487,51 @@ struct EncoderFile {
 /// ComfyUI's rule, the layer count: 31 or more is OpenCLIP-G, 23 or more
 /// OpenCLIP-H, fewer CLIP-L.
 fn open_encoder(ctx: &NodeContext, name: &str) -> Result<EncoderFile, NodeError> {
-    let path = model_path(ctx, "text_encoders", name)?;
-    let file = open(&path)?;
+    open_encoder_in(ctx, "text_encoders", name)
+}
+
+/// llama.cpp's T5 tensor names (GGUF T5 encoders, as ComfyUI-GGUF maps
+/// them) → the `t5xxl` file layout; None for any other name.
+fn llama_t5_name(name: &str) -> Option<String> {
+    let rest = name.strip_suffix(".weight")?;
+    let hf = match rest {
+        "token_embd" => "shared".to_string(),
+        "enc.output_norm" => "encoder.final_layer_norm".to_string(),
+        _ => {
+            let (block, part) = rest.strip_prefix("enc.blk.")?.split_once('.')?;
+            let layer = match part {
+                "attn_norm" => "layer.0.layer_norm",
+                "attn_q" => "layer.0.SelfAttention.q",
+                "attn_k" => "layer.0.SelfAttention.k",
+                "attn_v" => "layer.0.SelfAttention.v",
+                "attn_o" => "layer.0.SelfAttention.o",
+                "attn_rel_b" => "layer.0.SelfAttention.relative_attention_bias",
+                "ffn_norm" => "layer.1.layer_norm",
+                "ffn_gate" => "layer.1.DenseReluDense.wi_0",
+                "ffn_up" => "layer.1.DenseReluDense.wi_1",
+                "ffn_down" => "layer.1.DenseReluDense.wo",
+                _ => return None,
+            };
+            format!("encoder.block.{block}.{layer}")
+        }
+    };
+    Some(format!("{hf}.weight"))
+}
+
+/// [`open_encoder`] from `folder` (`clip_gguf` for ComfyUI-GGUF's
+/// loaders): a GGUF T5 in llama.cpp's names is seen in the `t5xxl` layout.
+fn open_encoder_in(ctx: &NodeContext, folder: &str, name: &str) -> Result<EncoderFile, NodeError> {
+    let path = model_path(ctx, folder, name)?;
+    let mut raw = SafeTensors::open(&path).map_err(|e| NodeError::invalid(e.to_string()))?;
+    if raw.get("enc.blk.0.attn_q.weight").is_some() {
+        let map: std::collections::HashMap<String, String> = raw
+            .tensors()
+            .filter_map(|t| llama_t5_name(&t.name).map(|hf| (t.name.clone(), hf)))
+            .collect();
+        // The decoder-only `output` head and anything unknown are dropped.
+        raw.rename(&map);
+    }
+    let file = Arc::new(raw);
     let s = shapes(&file);
     let part = detect_text_encoder(&s)
         .map_err(|e| NodeError::file(&path, e))?
@@ -596,6 +668,88 @@ impl NodeImpl for TripleClipLoader {
             )?);
         }
         Some(parts.join("|"))
+    }
+}
+
+/// ComfyUI-GGUF's CLIPLoaderGGUF, DualCLIPLoaderGGUF and
+/// TripleCLIPLoaderGGUF: the core loaders over `models/text_encoders` and
+/// `models/clip` files of either kind, GGUF T5s in llama.cpp's names
+/// included.
+pub struct GgufClipLoader(pub usize);
+
+impl NodeImpl for GgufClipLoader {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let names: Vec<&str> = match self.0 {
+            1 => vec![inputs.string("clip_name")?],
+            n => (1..=n)
+                .map(|i| inputs.string(&format!("clip_name{i}")))
+                .collect::<Result<_, _>>()?,
+        };
+        let files = names
+            .iter()
+            .map(|n| open_encoder_in(ctx, "clip_gguf", n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ty = if self.0 == 3 {
+            "sd3"
+        } else {
+            inputs.string("type")?
+        };
+        clip_from_files(ty, files)
+    }
+
+    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
+        let keys: Vec<String> = match self.0 {
+            1 => vec!["clip_name".into()],
+            n => (1..=n).map(|i| format!("clip_name{i}")).collect(),
+        };
+        let mut parts = Vec::new();
+        for k in keys {
+            parts.push(file_fingerprint(ctx, "clip_gguf", inputs.string(&k).ok()?)?);
+        }
+        Some(parts.join("|"))
+    }
+}
+
+/// A CLIP of loader `type` from opened encoder files (one, two or three).
+fn clip_from_files(ty: &str, mut files: Vec<EncoderFile>) -> Result<NodeOutput, NodeError> {
+    match (ty, files.len()) {
+        ("sd3", _) => sd3_clip(files),
+        ("flux", 2) => {
+            let roles = [files[0].part.role, files[1].part.role];
+            if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::T5Xxl) {
+                return Err(NodeError::invalid(format!(
+                    "type flux needs CLIP-L and T5; these files are {:?} and {:?}",
+                    roles[0], roles[1]
+                )));
+            }
+            clip_output(Family::Flux, files)
+        }
+        ("chroma", 1) => {
+            if files[0].part.role != TextEncoder::T5Xxl {
+                return Err(NodeError::invalid("type chroma needs a T5 text encoder"));
+            }
+            clip_output(Family::Chroma, files)
+        }
+        ("stable_diffusion", 1) => {
+            let family = match files[0].part.role {
+                TextEncoder::ClipL => Family::Sd1,
+                TextEncoder::OpenClipH => Family::Sd2,
+                _ => Family::SdxlRefiner,
+            };
+            clip_output(family, files)
+        }
+        ("sdxl", 2) => {
+            if files[0].part.role == files[1].part.role {
+                let wider_a = files[0].part.arch.width() > files[1].part.arch.width();
+                let (l, g) = if wider_a { (1, 0) } else { (0, 1) };
+                files[l].part.role = TextEncoder::ClipL;
+                files[g].part.role = TextEncoder::OpenClipG;
+            }
+            clip_output(Family::Sdxl, files)
+        }
+        (ty, n) => Err(NodeError::invalid(format!(
+            "type {ty:?} with {n} text encoder file(s) is not supported yet (sdkit loads stable_diffusion, sdxl, sd3, flux and chroma)"
+        ))),
     }
 }
 

@@ -84,20 +84,61 @@ pub(super) fn loaders(v: &mut Vec<NodeSpec>) {
     v.push(node("CLIPLoader", "advanced/loaders").display("Load CLIP")
         .description("[Recipes]\n\nstable_diffusion: clip-l\nstable_cascade: clip-g\nsd3: t5 xxl/ clip-g / clip-l\nstable_audio: t5 base\nmochi: t5 xxl\ncosmos: old t5 xxl\nlumina2: gemma 2 2B\nwan: umt5 xxl\n hidream: llama-3.1 (Recommend) or t5\nomnigen2: qwen vl 2.5 3B")
         .models("clip_name", "text_encoders")
-        .combo("type", &[
-            "stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart",
-            "cosmos", "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image",
-            "hunyuan_image",
-        ])
+        .combo("type", CLIP_TYPES)
         .combo("device", &["default", "cpu"]).optional()
         .returns(T::Clip).build());
     v.push(node("DualCLIPLoader", "advanced/loaders")
         .description("[Recipes]\n\nsdxl: clip-l, clip-g\nsd3: clip-l, clip-g / clip-l, t5 / clip-g, t5\nflux: clip-l, t5\nhidream: at least one of t5 or llama, recommended t5 and llama\nhunyuan_image: qwen2.5vl 7b and byt5 small")
         .models("clip_name1", "text_encoders")
         .models("clip_name2", "text_encoders")
-        .combo("type", &["sdxl", "sd3", "flux", "hunyuan_video", "hidream", "hunyuan_image"])
+        .combo("type", DUAL_CLIP_TYPES)
         .combo("device", &["default", "cpu"]).optional()
         .returns(T::Clip).build());
+    // ComfyUI-GGUF's custom nodes (city96), as workflows name them.
+    const DTYPES: &[&str] = &["default", "target", "float32", "float16", "bfloat16"];
+    v.push(
+        node("UnetLoaderGGUF", "bootleg")
+            .display("Unet Loader (GGUF)")
+            .models("unet_name", "unet_gguf")
+            .returns(T::Model)
+            .build(),
+    );
+    v.push(
+        node("UnetLoaderGGUFAdvanced", "bootleg")
+            .display("Unet Loader (GGUF/Advanced)")
+            .models("unet_name", "unet_gguf")
+            .combo("dequant_dtype", DTYPES)
+            .combo("patch_dtype", DTYPES)
+            .boolean("patch_on_device", false)
+            .returns(T::Model)
+            .build(),
+    );
+    v.push(
+        node("CLIPLoaderGGUF", "bootleg")
+            .display("CLIPLoader (GGUF)")
+            .models("clip_name", "clip_gguf")
+            .combo("type", CLIP_TYPES)
+            .returns(T::Clip)
+            .build(),
+    );
+    v.push(
+        node("DualCLIPLoaderGGUF", "bootleg")
+            .display("DualCLIPLoader (GGUF)")
+            .models("clip_name1", "clip_gguf")
+            .models("clip_name2", "clip_gguf")
+            .combo("type", DUAL_CLIP_TYPES)
+            .returns(T::Clip)
+            .build(),
+    );
+    v.push(
+        node("TripleCLIPLoaderGGUF", "bootleg")
+            .display("TripleCLIPLoader (GGUF)")
+            .models("clip_name1", "clip_gguf")
+            .models("clip_name2", "clip_gguf")
+            .models("clip_name3", "clip_gguf")
+            .returns(T::Clip)
+            .build(),
+    );
     v.push(
         node("TripleCLIPLoader", "advanced/loaders")
             .description("[Recipes]\n\nsd3: clip-l, clip-g, t5")
@@ -180,3 +221,33 @@ pub(super) fn loaders(v: &mut Vec<NodeSpec>) {
             .build(),
     );
 }
+
+/// CLIPLoader's `type` options.
+const CLIP_TYPES: &[&str] = &[
+    "stable_diffusion",
+    "stable_cascade",
+    "sd3",
+    "stable_audio",
+    "mochi",
+    "ltxv",
+    "pixart",
+    "cosmos",
+    "lumina2",
+    "wan",
+    "hidream",
+    "chroma",
+    "ace",
+    "omnigen2",
+    "qwen_image",
+    "hunyuan_image",
+];
+
+/// DualCLIPLoader's `type` options.
+const DUAL_CLIP_TYPES: &[&str] = &[
+    "sdxl",
+    "sd3",
+    "flux",
+    "hunyuan_video",
+    "hidream",
+    "hunyuan_image",
+];
