@@ -236,6 +236,26 @@ fn count_blocks(s: &Shapes, prefix: &str) -> usize {
         .count()
 }
 
+/// The shape of tensor `name`, which must have `rank` dimensions.
+pub(crate) fn shape_of(
+    s: &Shapes,
+    name: String,
+    rank: usize,
+    expected: &'static str,
+) -> Result<Vec<usize>, DetectError> {
+    let sh = s
+        .get(&name)
+        .ok_or(DetectError::Missing { name: name.clone() })?;
+    if sh.len() != rank {
+        return Err(DetectError::BadShape {
+            name,
+            shape: sh.clone(),
+            expected,
+        });
+    }
+    Ok(sh.clone())
+}
+
 fn shape<'a>(s: &'a Shapes, name: &str) -> Result<&'a [usize], DetectError> {
     s.get(name).map(Vec::as_slice).ok_or(DetectError::Missing {
         name: name.to_string(),

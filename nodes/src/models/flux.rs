@@ -17,7 +17,7 @@
 //! guidance, row index) embeddings to 344 modulation vectors, sliced per
 //! block as ComfyUI's `get_modulations` does.
 
-use super::detect::{DetectError, Shapes};
+use super::detect::{shape_of as shape, DetectError, Shapes};
 use super::unet::timestep_embedding;
 use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, T};
 
@@ -63,25 +63,6 @@ pub const CHROMA_MODULATIONS: usize = 344;
 
 /// Patch side.
 pub const PATCH: usize = 2;
-
-fn shape(
-    s: &Shapes,
-    name: String,
-    rank: usize,
-    expected: &'static str,
-) -> Result<Vec<usize>, DetectError> {
-    let sh = s
-        .get(&name)
-        .ok_or(DetectError::Missing { name: name.clone() })?;
-    if sh.len() != rank {
-        return Err(DetectError::BadShape {
-            name,
-            shape: sh.clone(),
-            expected,
-        });
-    }
-    Ok(sh.clone())
-}
 
 fn count(s: &Shapes, prefix: &str) -> usize {
     (0..)

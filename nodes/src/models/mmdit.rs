@@ -12,7 +12,7 @@
 //! queries and keys; SD3.5 Medium's first blocks (MMDiT-X) add a second,
 //! image-only attention on the same normalised input.
 
-use super::detect::{DetectError, Shapes};
+use super::detect::{shape_of as shape, DetectError, Shapes};
 use super::unet::timestep_embedding;
 use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, Scope, ShapeError, T};
 
@@ -40,25 +40,6 @@ pub struct MmditConfig {
 }
 
 const HEAD: usize = 64;
-
-fn shape(
-    s: &Shapes,
-    name: String,
-    rank: usize,
-    expected: &'static str,
-) -> Result<Vec<usize>, DetectError> {
-    let sh = s
-        .get(&name)
-        .ok_or(DetectError::Missing { name: name.clone() })?;
-    if sh.len() != rank {
-        return Err(DetectError::BadShape {
-            name,
-            shape: sh.clone(),
-            expected,
-        });
-    }
-    Ok(sh.clone())
-}
 
 /// Infers an MMDiT's config from the shapes under `prefix`.
 pub fn mmdit_config(s: &Shapes, prefix: &str) -> Result<MmditConfig, DetectError> {

@@ -9,7 +9,7 @@
 //! block); a gated-GELU (tanh) feed-forward; a final RMS norm.
 
 use super::clip::ClipLayer;
-use super::detect::{DetectError, Shapes};
+use super::detect::{shape_of, DetectError, Shapes};
 use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, T};
 
 /// Sizes of a T5 encoder, all from shapes but the bucket range.
@@ -40,20 +40,7 @@ pub fn t5_config(s: &Shapes, prefix: &str) -> Result<Option<T5Config>, DetectErr
     if !s.contains_key(&key("encoder.block.0.layer.1.DenseReluDense.wi_1.weight")) {
         return Ok(None);
     }
-    let get = |k: &str, expected: &'static str, rank: usize| -> Result<Vec<usize>, DetectError> {
-        let name = key(k);
-        let sh = s
-            .get(&name)
-            .ok_or(DetectError::Missing { name: name.clone() })?;
-        if sh.len() != rank {
-            return Err(DetectError::BadShape {
-                name,
-                shape: sh.clone(),
-                expected,
-            });
-        }
-        Ok(sh.clone())
-    };
+    let get = |k: &str, expected: &'static str, rank: usize| shape_of(s, key(k), rank, expected);
     let table = if s.contains_key(&key("shared.weight")) {
         "shared.weight"
     } else {
