@@ -1099,6 +1099,35 @@ fn gguf_tensors_decode_as_the_gguf_package() {
     }
 }
 
+/// ComfyUI-GGUF's default dequantization (its UnetLoaderGGUF and CLIP
+/// loaders: each operation in f16) decodes bit for bit as its own code did
+/// on the same file.
+#[test]
+fn gguf_f16_dequantization_is_comfyui_ggufs() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/gguf/");
+    let mut file = SafeTensors::open(Path::new(&format!("{dir}quants.gguf"))).expect("opens");
+    file.set_dequant(sdkit_compute::weights::Dequant::F16);
+    let text = std::fs::read_to_string(format!("{dir}quants.json")).expect("fixture");
+    let fx: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let mut checked = 0;
+    for t in fx["tensors"].as_array().expect("tensors") {
+        let Some(want) = t["comfy_f16_math"]["values_f32"].as_str() else {
+            continue;
+        };
+        let name = t["name"].as_str().expect("name");
+        let got = file.to_f32(name).expect("decodes");
+        let want = b64_f32(want);
+        let differ = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan()))
+            .count();
+        assert_eq!(differ, 0, "{name}: {differ} values differ from ComfyUI-GGUF's");
+        checked += 1;
+    }
+    assert!(checked >= 10, "{checked} quantized tensors checked");
+}
+
 /// A truncated or malformed GGUF file is a clear error, never a panic.
 #[test]
 fn broken_gguf_files_are_errors() {

@@ -31,6 +31,19 @@ pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits(u32::from(b) << 16)
 }
 
+/// f32 → bf16, rounding to nearest even, as `torch.Tensor.bfloat16()`;
+/// NaN stays NaN.
+#[inline(always)]
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        // Cannot overflow: the largest finite pattern plus 0x8000 fits u32.
+        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+}
+
 /// Exact f8 E5M2 → f32: E5M2 is the top byte of an f16.
 pub fn f8_e5m2_to_f32(b: u8) -> f32 {
     f16_to_f32(u16::from(b) << 8)
@@ -131,7 +144,7 @@ fn f16_table() -> &'static [f32] {
 }
 
 /// Converts a tensor's bytes to f32 (see [`SafeTensors::to_f32`]).
-pub(super) fn decode_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+pub(super) fn decode_f32(dtype: DType, bytes: &[u8], dequant: super::Dequant) -> Vec<f32> {
     match dtype {
         DType::Bool => decode_with(bytes, |[b]: [u8; 1]| if b != 0 { 1.0 } else { 0.0 }),
         DType::U8 => decode_with(bytes, |[b]: [u8; 1]| f32::from(b)),
@@ -161,7 +174,7 @@ pub(super) fn decode_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
         | DType::Q3K
         | DType::Q4K
         | DType::Q5K
-        | DType::Q6K => super::gguf::decode_blocks(dtype, bytes),
+        | DType::Q6K => super::gguf::decode_blocks(dtype, bytes, dequant),
     }
 }
 

@@ -3,7 +3,8 @@
 //! same [`TensorInfo`] map as a safetensors file, and the block-quantized
 //! types decoded to f32 exactly as the `gguf` Python package's
 //! `dequantize` does (every product of a scale and a quant is exact in
-//! f32; only a final `+ min` or `− dmin·min` rounds).
+//! f32; only a final `+ min` or `− dmin·min` rounds), or in f16/bf16
+//! arithmetic as ComfyUI-GGUF does by default ([`Dequant`]).
 //!
 //! Layout (little-endian): `GGUF`, u32 version (2 or 3), u64 tensor count,
 //! u64 key/value count; key/values (u64-length strings, a u32 type, the
@@ -319,64 +320,87 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
     }
 }
 
-/// One block of `dtype` into `out` (its block's element count).
-fn block_f32(dtype: DType, b: &[u8], out: &mut [f32]) {
+/// The arithmetic a dequantization rounds to after each operation:
+/// ComfyUI-GGUF computes `d·q (+ m)` in its `dequant_dtype` — f16 by
+/// default (the scales' own type), f32 with "float32" (the `gguf`
+/// package's values: every product is exact), bf16 with "bfloat16".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dequant {
+    #[default]
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dequant {
+    fn round(self) -> fn(f32) -> f32 {
+        match self {
+            Dequant::F32 => |x| x,
+            Dequant::F16 => super::round_f16,
+            Dequant::Bf16 => |x| super::bf16_to_f32(super::f32_to_bf16_bits(x)),
+        }
+    }
+}
+
+/// One block of `dtype` into `out` (its block's element count), each
+/// operation rounded by `r` in ComfyUI-GGUF's order: scales first
+/// (`d·sc`, `dmin·m`), then `· q`, then `+ m` / `− dmin·m`.
+fn block_f32(dtype: DType, b: &[u8], out: &mut [f32], r: fn(f32) -> f32) {
+    let h = |at: usize| r(f16(b, at));
     match dtype {
         DType::Q8_0 => {
-            let d = f16(b, 0);
+            let d = h(0);
             for (i, o) in out.iter_mut().enumerate() {
-                *o = d * f32::from(b[2 + i] as i8);
+                *o = r(d * f32::from(b[2 + i] as i8));
             }
         }
         DType::Q4_0 | DType::Q4_1 => {
-            let d = f16(b, 0);
+            let d = h(0);
             let one = dtype == DType::Q4_1;
-            let (m, qs) = if one {
-                (f16(b, 2), &b[4..20])
-            } else {
-                (0.0, &b[2..18])
-            };
+            let (m, qs) = if one { (h(2), &b[4..20]) } else { (0.0, &b[2..18]) };
             for (i, o) in out.iter_mut().enumerate() {
                 let q = (qs[i % 16] >> (4 * (i / 16))) & 15;
                 *o = if one {
-                    d * f32::from(q) + m
+                    r(r(d * f32::from(q)) + m)
                 } else {
-                    d * (f32::from(q) - 8.0)
+                    r(d * (f32::from(q) - 8.0))
                 };
             }
         }
         DType::Q5_0 | DType::Q5_1 => {
-            let d = f16(b, 0);
+            let d = h(0);
             let one = dtype == DType::Q5_1;
             let (m, qh, qs) = if one {
-                (f16(b, 2), &b[4..8], &b[8..24])
+                (h(2), &b[4..8], &b[8..24])
             } else {
                 (0.0, &b[2..6], &b[6..22])
             };
             let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
-            for i in 0..32 {
+            for (i, o) in out.iter_mut().enumerate() {
                 let lo = (qs[i % 16] >> (4 * (i / 16))) & 15;
                 let q = lo | ((((qh >> i) & 1) as u8) << 4);
-                out[i] = if one {
-                    d * f32::from(q) + m
+                *o = if one {
+                    r(r(d * f32::from(q)) + m)
                 } else {
-                    d * (f32::from(q) - 16.0)
+                    r(d * (f32::from(q) - 16.0))
                 };
             }
         }
         DType::Q2K => {
             let (sc, qs) = (&b[0..16], &b[16..80]);
-            let (d, dmin) = (f16(b, 80), f16(b, 82));
+            let (d, dmin) = (h(80), h(82));
             for (i, o) in out.iter_mut().enumerate() {
                 let (j, s, l) = (i / 128, (i % 128) / 32, i % 32);
                 let q = (qs[32 * j + l] >> (2 * s)) & 3;
                 let g = sc[i / 16];
-                *o = d * f32::from(g & 15) * f32::from(q) - dmin * f32::from(g >> 4);
+                let dl = r(d * f32::from(g & 15));
+                let ml = r(dmin * f32::from(g >> 4));
+                *o = r(r(dl * f32::from(q)) - ml);
             }
         }
         DType::Q3K => {
             let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
-            let d = f16(b, 108);
+            let d = h(108);
             for (i, o) in out.iter_mut().enumerate() {
                 let (j, s, l) = (i / 128, (i % 128) / 32, i % 32);
                 let lo = i32::from((qs[32 * j + l] >> (2 * s)) & 3);
@@ -386,11 +410,11 @@ fn block_f32(dtype: DType, b: &[u8], out: &mut [f32]) {
                 let low4 = if g < 8 { sc[g] & 15 } else { sc[g - 8] >> 4 };
                 let high2 = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
                 let scale = i32::from(low4 | (high2 << 4)) - 32;
-                *o = d * scale as f32 * q as f32;
+                *o = r(r(d * scale as f32) * q as f32);
             }
         }
         DType::Q4K | DType::Q5K => {
-            let (d, dmin) = (f16(b, 0), f16(b, 2));
+            let (d, dmin) = (h(0), h(2));
             let sc = &b[4..16];
             let five = dtype == DType::Q5K;
             let (qh, qs) = if five {
@@ -399,39 +423,41 @@ fn block_f32(dtype: DType, b: &[u8], out: &mut [f32]) {
                 (&b[0..0], &b[16..144])
             };
             for (i, o) in out.iter_mut().enumerate() {
-                let (c, h, l) = (i / 64, (i % 64) / 32, i % 32);
-                let mut q = (qs[32 * c + l] >> (4 * h)) & 15;
+                let (c, hf, l) = (i / 64, (i % 64) / 32, i % 32);
+                let mut q = (qs[32 * c + l] >> (4 * hf)) & 15;
                 if five {
                     q |= ((qh[i % 32] >> (i / 32)) & 1) << 4;
                 }
                 let (s, m) = scale_min_k4(i / 32, sc);
-                *o = d * s * f32::from(q) - dmin * m;
+                *o = r(r(r(d * s) * f32::from(q)) - r(dmin * m));
             }
         }
         DType::Q6K => {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-            let d = f16(b, 208);
+            let d = h(208);
             for (i, o) in out.iter_mut().enumerate() {
-                let (j, r) = (i / 128, i % 128);
-                let lo = (ql[64 * j + r % 64] >> (4 * (r / 64))) & 15;
-                let hi = (qh[32 * j + r % 32] >> (2 * (r / 32))) & 3;
+                let (j, rr) = (i / 128, i % 128);
+                let lo = (ql[64 * j + rr % 64] >> (4 * (rr / 64))) & 15;
+                let hi = (qh[32 * j + rr % 32] >> (2 * (rr / 32))) & 3;
                 let q = i32::from(lo | (hi << 4)) - 32;
-                *o = d * f32::from(sc[i / 16] as i8) * q as f32;
+                *o = r(r(d * f32::from(sc[i / 16] as i8)) * q as f32);
             }
         }
         _ => out.fill(f32::NAN),
     }
 }
 
-/// A block-quantized tensor's bytes (whole blocks) in f32.
-pub(super) fn decode_blocks(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+/// A block-quantized tensor's bytes (whole blocks) in f32, computed in
+/// `dequant`'s arithmetic.
+pub(super) fn decode_blocks(dtype: DType, bytes: &[u8], dequant: Dequant) -> Vec<f32> {
     use rayon::prelude::*;
     let Some((elems, size)) = block(dtype) else {
         return Vec::new();
     };
     let n = bytes.len() / size;
     let mut out = vec![0f32; n * elems];
-    let run = |(o, b): (&mut [f32], &[u8])| block_f32(dtype, b, o);
+    let r = dequant.round();
+    let run = |(o, b): (&mut [f32], &[u8])| block_f32(dtype, b, o, r);
     if bytes.len() < (1 << 20) {
         out.chunks_mut(elems)
             .zip(bytes.chunks_exact(size))

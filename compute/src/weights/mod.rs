@@ -46,6 +46,7 @@ use std::path::{Path, PathBuf};
 
 mod convert;
 mod gguf;
+pub use gguf::Dequant;
 mod pickle;
 mod store;
 mod torch_file;
@@ -53,7 +54,7 @@ mod write;
 
 use convert::decode_f32;
 pub use convert::{
-    bf16_to_f32, f16_to_f32, f32_to_f16_bits, f8_e4m3_to_f32, f8_e5m2_to_f32, round_f16,
+    bf16_to_f32, f16_to_f32, f32_to_bf16_bits, f32_to_f16_bits, f8_e4m3_to_f32, f8_e5m2_to_f32, round_f16,
     round_f8_e4m3, round_f8_e5m2, rounding,
 };
 pub use store::{Resolved, StoredWeight, WeightStore};
@@ -394,6 +395,8 @@ pub struct SafeTensors {
     /// Copies of a torch checkpoint's non-contiguous tensors, addressed by
     /// byte ranges that start at the file's length.
     extra: Vec<u8>,
+    /// The arithmetic GGUF quants are decoded in.
+    dequant: Dequant,
 }
 
 impl fmt::Debug for SafeTensors {
@@ -471,6 +474,7 @@ impl SafeTensors {
                 metadata: parsed.metadata,
                 backing,
                 extra: Vec::new(),
+                dequant: Dequant::default(),
             });
         }
         let parsed = if pickle_name && bytes.starts_with(b"PK\x03\x04") {
@@ -491,6 +495,7 @@ impl SafeTensors {
                 metadata: BTreeMap::new(),
                 backing,
                 extra: loaded.extra,
+                dequant: Dequant::default(),
             });
         };
         Ok(SafeTensors {
@@ -500,7 +505,18 @@ impl SafeTensors {
             metadata: parsed.metadata,
             backing,
             extra: Vec::new(),
+            dequant: Dequant::default(),
         })
+    }
+
+    /// Sets the arithmetic a GGUF file's quantized tensors are decoded in
+    /// (the `gguf` package's f32 by default).
+    pub fn set_dequant(&mut self, dequant: Dequant) {
+        self.dequant = dequant;
+    }
+
+    pub fn dequant(&self) -> Dequant {
+        self.dequant
     }
 
     /// The path the file was opened from (or the name given to
@@ -617,7 +633,7 @@ impl SafeTensors {
             path: self.path.clone(),
             tensor: name.to_string(),
         })?;
-        Ok(decode_f32(info.dtype, self.raw_of(info)?))
+        Ok(decode_f32(info.dtype, self.raw_of(info)?, self.dequant))
     }
 
     /// Lets the OS drop this tensor's pages of the mapped file from the

@@ -23,7 +23,7 @@ impl Resolved<'_> {
 
     /// The tensor in f32 (see [`SafeTensors::to_f32`]).
     pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
-        Ok(decode_f32(self.info.dtype, self.raw()?))
+        Ok(decode_f32(self.info.dtype, self.raw()?, self.file.dequant()))
     }
 }
 
@@ -118,7 +118,7 @@ impl StoredWeight {
                     self.len
                 ),
             })?;
-        Ok(self.finish(decode_f32(self.dtype, bytes)))
+        Ok(self.finish(decode_f32(self.dtype, bytes, self.file.dequant())))
     }
 }
 

@@ -92,13 +92,7 @@ fn detect() -> bool {
 /// NaN stays NaN.
 #[inline(always)]
 pub fn bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        ((b >> 16) | 0x40) as u16
-    } else {
-        // Cannot overflow: the largest finite pattern plus 0x8000 fits u32.
-        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-    }
+    crate::weights::f32_to_bf16_bits(x)
 }
 
 /// bf16 → f32 (exact): the weight loader's conversion.
