@@ -502,7 +502,14 @@ fn gguf() -> &'static serde_json::Value {
 /// same image as ComfyUI's with `dequant_dtype` float32.
 #[test]
 fn gguf_q8_0_flux_matches_comfyui() {
-    gguf_q8_0_flux_on("cpu");
+    gguf_q8_0_flux_on("tiny_flux_gguf_q8_0_dequant_f32", "cpu");
+}
+
+/// UnetLoaderGGUF's default: the dequantization in f16 arithmetic, as
+/// ComfyUI-GGUF computes it.
+#[test]
+fn gguf_q8_0_flux_with_f16_dequantization_matches_comfyui() {
+    gguf_q8_0_flux_on("tiny_flux_gguf_q8_0", "cpu");
 }
 
 #[test]
@@ -511,10 +518,10 @@ fn gguf_q8_0_flux_on_wgpu_matches_comfyui() {
         sdkit_compute::backend::wgpu::no_adapter("GGUF Flux on wgpu", e);
         return;
     }
-    gguf_q8_0_flux_on("wgpu");
+    gguf_q8_0_flux_on("tiny_flux_gguf_q8_0_dequant_f32", "wgpu");
 }
 
-fn gguf_q8_0_flux_on(device: &str) {
+fn gguf_q8_0_flux_on(graph: &str, device: &str) {
     let base = setup_with(fixture());
     let dev = fixture()["files"]
         .as_array()
@@ -534,7 +541,6 @@ fn gguf_q8_0_flux_on(device: &str) {
     );
     let path = base.path().join("models/unet/tiny_flux_q8_0.gguf");
     std::fs::write(&path, &bytes).expect("write");
-    let graph = "tiny_flux_gguf_q8_0_dequant_f32";
     run(base.path(), graph, device);
     // The GPU stores weights as f16 (SHADER_F16), and Q8_0's d·q products
     // are not all f16 values: they round, moving the latent by about 1e-5

@@ -7,7 +7,7 @@ use crate::models::detect::{
 };
 use crate::models::family::{DefaultSampling, TextEncoder};
 use crate::sampling::discrete::DiscreteSchedule;
-use sdkit_compute::weights::{DType, SafeTensors, WeightStore};
+use sdkit_compute::weights::{DType, Dequant, SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput};
 use sdkit_schema::SocketType;
 use std::path::PathBuf;
@@ -425,7 +425,7 @@ impl NodeImpl for UnetLoader {
                 )))
             }
         };
-        load_diffusion_model(ctx, "diffusion_models", name, cast)
+        load_diffusion_model(ctx, "diffusion_models", name, cast, Dequant::F32)
     }
 
     fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
@@ -440,9 +440,12 @@ fn load_diffusion_model(
     folder: &str,
     name: &str,
     cast: Option<DType>,
+    dequant: Dequant,
 ) -> Result<NodeOutput, NodeError> {
     let path = model_path(ctx, folder, name)?;
-    let file = open(&path)?;
+    let mut raw = SafeTensors::open(&path).map_err(|e| NodeError::invalid(e.to_string()))?;
+    raw.set_dequant(dequant);
+    let file = Arc::new(raw);
     let s = shapes(&file);
     let (family, net, heads, prefix) = detect_unet(&s).map_err(|e| NodeError::file(&path, e))?;
     let mut store = WeightStore::new();
@@ -457,16 +460,31 @@ fn load_diffusion_model(
 
 /// ComfyUI-GGUF's UnetLoaderGGUF and UnetLoaderGGUFAdvanced: a `.gguf`
 /// diffusion model from `models/unet` or `models/diffusion_models`. Its
-/// quantized weights are dequantized per layer as they are used, in f32 —
-/// the gguf package's values, which the Advanced node's `dequant_dtype`
-/// float32 gives in ComfyUI (its default computes the dequantization in
-/// f16 arithmetic, 1e-5 relative away); the Advanced node's dtype
-/// options change nothing here.
+/// quantized weights are dequantized per layer as they are used, in the
+/// arithmetic ComfyUI-GGUF uses: f16 by default (its scales' type),
+/// `dequant_dtype` float32 or target (the compute dtype, f32 here) as the
+/// gguf package, bfloat16 in bf16. `patch_dtype` and `patch_on_device`
+/// concern LoRA patching, which GGUF models do not take yet.
 pub struct UnetLoaderGguf;
+
+/// ComfyUI-GGUF's `dequant_dtype` option as arithmetic.
+fn dequant_of(inputs: &Inputs) -> Result<Dequant, NodeError> {
+    Ok(match inputs.string("dequant_dtype").unwrap_or("default") {
+        "default" | "float16" => Dequant::F16,
+        "target" | "float32" => Dequant::F32,
+        "bfloat16" => Dequant::Bf16,
+        other => {
+            return Err(NodeError::invalid(format!(
+                "dequant_dtype {other:?} is not one of default, target, float32, float16, bfloat16"
+            )))
+        }
+    })
+}
 
 impl NodeImpl for UnetLoaderGguf {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        load_diffusion_model(ctx, "unet_gguf", inputs.string("unet_name")?, None)
+        let dequant = dequant_of(inputs)?;
+        load_diffusion_model(ctx, "unet_gguf", inputs.string("unet_name")?, None, dequant)
     }
 
     fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
@@ -488,6 +506,12 @@ struct EncoderFile {
 /// OpenCLIP-H, fewer CLIP-L.
 fn open_encoder(ctx: &NodeContext, name: &str) -> Result<EncoderFile, NodeError> {
     open_encoder_in(ctx, "text_encoders", name)
+}
+
+/// [`open_encoder_in`] for the GGUF CLIP loaders: ComfyUI-GGUF's default
+/// f16 dequantization arithmetic.
+fn open_gguf_encoder(ctx: &NodeContext, name: &str) -> Result<EncoderFile, NodeError> {
+    open_encoder_with(ctx, "clip_gguf", name, Dequant::F16)
 }
 
 /// llama.cpp's T5 tensor names (GGUF T5 encoders, as ComfyUI-GGUF maps
@@ -521,8 +545,18 @@ fn llama_t5_name(name: &str) -> Option<String> {
 /// [`open_encoder`] from `folder` (`clip_gguf` for ComfyUI-GGUF's
 /// loaders): a GGUF T5 in llama.cpp's names is seen in the `t5xxl` layout.
 fn open_encoder_in(ctx: &NodeContext, folder: &str, name: &str) -> Result<EncoderFile, NodeError> {
+    open_encoder_with(ctx, folder, name, Dequant::F32)
+}
+
+fn open_encoder_with(
+    ctx: &NodeContext,
+    folder: &str,
+    name: &str,
+    dequant: Dequant,
+) -> Result<EncoderFile, NodeError> {
     let path = model_path(ctx, folder, name)?;
     let mut raw = SafeTensors::open(&path).map_err(|e| NodeError::invalid(e.to_string()))?;
+    raw.set_dequant(dequant);
     if raw.get("enc.blk.0.attn_q.weight").is_some() {
         let map: std::collections::HashMap<String, String> = raw
             .tensors()
@@ -687,7 +721,7 @@ impl NodeImpl for GgufClipLoader {
         };
         let files = names
             .iter()
-            .map(|n| open_encoder_in(ctx, "clip_gguf", n))
+            .map(|n| open_gguf_encoder(ctx, n))
             .collect::<Result<Vec<_>, _>>()?;
         let ty = if self.0 == 3 {
             "sd3"
