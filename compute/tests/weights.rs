@@ -1122,7 +1122,10 @@ fn gguf_f16_dequantization_is_comfyui_ggufs() {
             .zip(&want)
             .filter(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan()))
             .count();
-        assert_eq!(differ, 0, "{name}: {differ} values differ from ComfyUI-GGUF's");
+        assert_eq!(
+            differ, 0,
+            "{name}: {differ} values differ from ComfyUI-GGUF's"
+        );
         checked += 1;
     }
     assert!(checked >= 10, "{checked} quantized tensors checked");

@@ -357,7 +357,11 @@ fn block_f32(dtype: DType, b: &[u8], out: &mut [f32], r: fn(f32) -> f32) {
         DType::Q4_0 | DType::Q4_1 => {
             let d = h(0);
             let one = dtype == DType::Q4_1;
-            let (m, qs) = if one { (h(2), &b[4..20]) } else { (0.0, &b[2..18]) };
+            let (m, qs) = if one {
+                (h(2), &b[4..20])
+            } else {
+                (0.0, &b[2..18])
+            };
             for (i, o) in out.iter_mut().enumerate() {
                 let q = (qs[i % 16] >> (4 * (i / 16))) & 15;
                 *o = if one {

@@ -54,8 +54,8 @@ mod write;
 
 use convert::decode_f32;
 pub use convert::{
-    bf16_to_f32, f16_to_f32, f32_to_bf16_bits, f32_to_f16_bits, f8_e4m3_to_f32, f8_e5m2_to_f32, round_f16,
-    round_f8_e4m3, round_f8_e5m2, rounding,
+    bf16_to_f32, f16_to_f32, f32_to_bf16_bits, f32_to_f16_bits, f8_e4m3_to_f32, f8_e5m2_to_f32,
+    round_f16, round_f8_e4m3, round_f8_e5m2, rounding,
 };
 pub use store::{Resolved, StoredWeight, WeightStore};
 pub use write::{

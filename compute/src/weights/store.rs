@@ -23,7 +23,11 @@ impl Resolved<'_> {
 
     /// The tensor in f32 (see [`SafeTensors::to_f32`]).
     pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
-        Ok(decode_f32(self.info.dtype, self.raw()?, self.file.dequant()))
+        Ok(decode_f32(
+            self.info.dtype,
+            self.raw()?,
+            self.file.dequant(),
+        ))
     }
 }
 
