@@ -609,3 +609,47 @@ fn gguf_t5_in_llama_names_matches_the_safetensors_t5() {
     fx["workflows"][graph] = reference;
     check_graph(base.path(), &fx, graph, None);
 }
+
+fn flux_lora() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("flux_lora/expected.json"))
+}
+
+/// Flux with the LoRAs of tests/reference/flux_lora (tools/reference/
+/// flux_lora.py) beside the tiny models.
+fn flux_lora_matches(graph: &str) {
+    let base = setup_with(fixture());
+    for f in flux_lora()["files"].as_array().expect("files") {
+        write_fixture_entry(&base.path().join("models"), f);
+    }
+    run(base.path(), graph, "cpu");
+    check_graph(base.path(), flux_lora(), graph, None);
+}
+
+/// Kohya names (`lora_unet_double_blocks_0_img_attn_qkv`, …) with alphas,
+/// on every kind of Flux layer, embedders and final layer included.
+#[test]
+fn flux_kohya_lora_matches_comfyui() {
+    flux_lora_matches("tiny_flux_lora_kohya");
+}
+
+/// Diffusers/PEFT names (ai-toolkit): q, k and v as rows of the fused
+/// projections, a single block's `proj_mlp` as linear1's last rows,
+/// `norm_out` with its halves swapped.
+#[test]
+fn flux_diffusers_lora_matches_comfyui() {
+    flux_lora_matches("tiny_flux_lora_diffusers");
+}
+
+/// LoraLoader with a CLIP-L part (`lora_te1_`) on the Flux CLIP, then a
+/// LoraLoaderModelOnly at a negative strength.
+#[test]
+fn flux_lora_stack_with_clip_matches_comfyui() {
+    flux_lora_matches("tiny_flux_lora_stack");
+}
+
+/// ComfyUI's own names (`diffusion_model.…`, `linear1_qkv`, `.diff_b`).
+#[test]
+fn flux_comfyui_lora_matches_comfyui() {
+    flux_lora_matches("tiny_flux_lora_comfy");
+}

@@ -88,6 +88,7 @@ fn open_clip_q_k_v_are_rows_of_in_proj() {
             Target {
                 tensor: "g.transformer.resblocks.1.attn.in_proj_weight".into(),
                 rows: Some((128, 256)),
+                swap_halves: false,
             }
         )
     );

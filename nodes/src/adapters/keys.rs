@@ -15,11 +15,27 @@ use std::collections::HashMap;
 pub struct Target {
     pub tensor: String,
     pub rows: Option<(usize, usize)>,
+    /// The layer's two row halves go to the tensor's other halves
+    /// (diffusers' Flux `norm_out`: scale and shift stored the other way
+    /// round; ComfyUI's `swap_scale_shift`).
+    pub swap_halves: bool,
 }
 
 impl Target {
-    fn whole(tensor: String) -> Self {
-        Target { tensor, rows: None }
+    pub(crate) fn whole(tensor: String) -> Self {
+        Target {
+            tensor,
+            rows: None,
+            swap_halves: false,
+        }
+    }
+
+    pub(crate) fn rows(tensor: String, start: usize, end: usize) -> Self {
+        Target {
+            tensor,
+            rows: Some((start, end)),
+            swap_halves: false,
+        }
     }
 }
 
@@ -228,10 +244,8 @@ fn encoder_target(prefix: &str, arch: &EncoderArch, b: usize, layer: &str) -> Op
             }
             let w = c.width;
             let p = format!("{prefix}transformer.resblocks.{b}.");
-            let fused = |i: usize| Target {
-                tensor: format!("{p}attn.in_proj_weight"),
-                rows: Some((i * w, (i + 1) * w)),
-            };
+            let fused =
+                |i: usize| Target::rows(format!("{p}attn.in_proj_weight"), i * w, (i + 1) * w);
             Some(match layer {
                 "self_attn.q_proj" => fused(0),
                 "self_attn.k_proj" => fused(1),
@@ -278,6 +292,164 @@ pub fn clip_keys(
                 }
             }
         }
+    }
+    map
+}
+
+/// ComfyUI's diffusers names of a Flux double block's layers (`attn.to_q`
+/// … are rows of the fused qkv, listed apart) → the model's.
+const FLUX_DOUBLE: [(&str, &str); 8] = [
+    ("attn.to_out.0", "img_attn.proj"),
+    ("norm1.linear", "img_mod.lin"),
+    ("norm1_context.linear", "txt_mod.lin"),
+    ("attn.to_add_out", "txt_attn.proj"),
+    ("ff.net.0.proj", "img_mlp.0"),
+    ("ff.net.2", "img_mlp.2"),
+    ("ff_context.net.0.proj", "txt_mlp.0"),
+    ("ff_context.net.2", "txt_mlp.2"),
+];
+
+/// The same for the layers outside the blocks (`norm_out` is mapped
+/// apart: its halves are swapped).
+const FLUX_BASIC: [(&str, &str); 9] = [
+    ("proj_out", "final_layer.linear"),
+    ("x_embedder", "img_in"),
+    (
+        "time_text_embed.timestep_embedder.linear_1",
+        "time_in.in_layer",
+    ),
+    (
+        "time_text_embed.timestep_embedder.linear_2",
+        "time_in.out_layer",
+    ),
+    ("context_embedder", "txt_in"),
+    (
+        "time_text_embed.text_embedder.linear_1",
+        "vector_in.in_layer",
+    ),
+    (
+        "time_text_embed.text_embedder.linear_2",
+        "vector_in.out_layer",
+    ),
+    (
+        "time_text_embed.guidance_embedder.linear_1",
+        "guidance_in.in_layer",
+    ),
+    (
+        "time_text_embed.guidance_embedder.linear_2",
+        "guidance_in.out_layer",
+    ),
+];
+
+/// Adapter key → Flux (or Chroma) tensor, for a model whose weights are
+/// `{prefix}{name}` (`weights`: every weight name, with `.weight`), as
+/// ComfyUI's `model_lora_keys_unet` maps them: kohya `lora_unet_*` and the
+/// generic `diffusion_model.*` spelling of every weight; diffusers names
+/// (`transformer.transformer_blocks.N.attn.to_q`, … with the `lycoris_`
+/// and OneTrainer `lora_transformer_` spellings of the same) through
+/// `flux_to_diffusers`, q, k, v (and a single block's `proj_mlp`) as row
+/// ranges of the fused projections; `….linear1_qkv` as linear1's q/k/v
+/// rows; diffusers' `norm_out.linear` to the final adaLN with its scale
+/// and shift halves swapped back.
+pub fn flux_keys<'a>(
+    hidden: usize,
+    mlp: usize,
+    prefix: &str,
+    weights: impl Iterator<Item = &'a str>,
+) -> HashMap<String, Target> {
+    let mut map = HashMap::new();
+    let mut present = std::collections::HashSet::new();
+    for w in weights {
+        present.insert(w.to_string());
+        let Some(name) = w
+            .strip_prefix(prefix)
+            .and_then(|r| r.strip_suffix(".weight"))
+        else {
+            continue;
+        };
+        let t = Target::whole(w.to_string());
+        map.insert(format!("lora_unet_{}", name.replace('.', "_")), t.clone());
+        map.insert(format!("diffusion_model.{name}"), t);
+        if let Some(block) = name.strip_suffix(".linear1") {
+            map.insert(
+                format!("diffusion_model.{block}.linear1_qkv"),
+                Target::rows(w.to_string(), 0, 3 * hidden),
+            );
+        }
+    }
+    let mut diffusers: Vec<(String, Target)> = Vec::new();
+    let mut add = |dif: String, model: String, rows: Option<(usize, usize)>| {
+        let tensor = format!("{prefix}{model}.weight");
+        if present.contains(&tensor) {
+            let mut t = Target::whole(tensor);
+            t.rows = rows;
+            diffusers.push((dif, t));
+        }
+    };
+    let qkv = [("q", 0), ("k", 1), ("v", 2)];
+    for i in 0.. {
+        let (from, to) = (
+            format!("transformer_blocks.{i}"),
+            format!("double_blocks.{i}"),
+        );
+        if !present.contains(&format!("{prefix}{to}.img_attn.qkv.weight")) {
+            break;
+        }
+        for (p, j) in qkv {
+            let rows = Some((j * hidden, (j + 1) * hidden));
+            add(
+                format!("{from}.attn.to_{p}"),
+                format!("{to}.img_attn.qkv"),
+                rows,
+            );
+            add(
+                format!("{from}.attn.add_{p}_proj"),
+                format!("{to}.txt_attn.qkv"),
+                rows,
+            );
+        }
+        for (d, m) in FLUX_DOUBLE {
+            add(format!("{from}.{d}"), format!("{to}.{m}"), None);
+        }
+    }
+    for i in 0.. {
+        let (from, to) = (
+            format!("single_transformer_blocks.{i}"),
+            format!("single_blocks.{i}"),
+        );
+        if !present.contains(&format!("{prefix}{to}.linear1.weight")) {
+            break;
+        }
+        for (p, j) in qkv {
+            let rows = Some((j * hidden, (j + 1) * hidden));
+            add(format!("{from}.attn.to_{p}"), format!("{to}.linear1"), rows);
+        }
+        add(
+            format!("{from}.proj_mlp"),
+            format!("{to}.linear1"),
+            Some((3 * hidden, 3 * hidden + mlp)),
+        );
+        add(
+            format!("{from}.norm.linear"),
+            format!("{to}.modulation.lin"),
+            None,
+        );
+        add(format!("{from}.proj_out"), format!("{to}.linear2"), None);
+    }
+    for (d, m) in FLUX_BASIC {
+        add(d.to_string(), m.to_string(), None);
+    }
+    let adaln = format!("{prefix}final_layer.adaLN_modulation.1.weight");
+    if present.contains(&adaln) {
+        let mut t = Target::whole(adaln);
+        t.swap_halves = true;
+        diffusers.push(("norm_out.linear".to_string(), t));
+    }
+    for (dif, t) in diffusers {
+        let flat = dif.replace('.', "_");
+        map.insert(format!("transformer.{dif}"), t.clone());
+        map.insert(format!("lycoris_{flat}"), t.clone());
+        map.insert(format!("lora_transformer_{flat}"), t);
     }
     map
 }

@@ -196,10 +196,7 @@ pub fn load(file: &SafeTensors, map: &HashMap<String, Target>) -> Result<LoraFil
         let bias = |diff: Vec<f32>| {
             target.tensor.strip_suffix(".weight").map(|b| {
                 (
-                    Target {
-                        tensor: format!("{b}.bias"),
-                        rows: None,
-                    },
+                    Target::whole(format!("{b}.bias")),
                     Arc::new(LoraLayer {
                         kind: Kind::Diff { diff },
                         scale: 1.0,
@@ -465,12 +462,19 @@ pub struct TensorPatch {
     pub layer: Arc<LoraLayer>,
     pub strength: f64,
     pub rows: Option<(usize, usize)>,
+    /// Add the layer's second row half to the tensor's first and the first
+    /// to the second ([`super::keys::Target::swap_halves`]).
+    pub swap_halves: bool,
 }
 
 /// Applies `patches` in order to `w` (f32, row-major).
 pub fn apply(w: &mut [f32], patches: &[TensorPatch]) -> Result<(), String> {
     for p in patches {
-        let d = p.layer.diff();
+        let mut d = p.layer.diff();
+        if p.swap_halves {
+            let half = d.len() / 2;
+            d.rotate_left(half);
+        }
         let part = match p.rows {
             Some((a, b)) => {
                 let cols = w.len() / fused_rows(w.len(), b, d.len(), a)?;
@@ -529,13 +533,7 @@ mod tests {
                 .expect("serializes");
             let file = SafeTensors::from_bytes("adapter.safetensors", bytes).expect("parses");
             let mut map = HashMap::new();
-            map.insert(
-                x.to_string(),
-                Target {
-                    tensor: "w.weight".into(),
-                    rows: None,
-                },
-            );
+            map.insert(x.to_string(), Target::whole("w.weight".into()));
             let Err(err) = load(&file, &map) else {
                 panic!("{what} layers were not refused");
             };

@@ -11,6 +11,7 @@ pub mod keys;
 pub mod lora;
 
 use crate::diffusion::{input, opaque, Clip, Model, ModelFile};
+use crate::models::detect::Net;
 use keys::Target;
 use lora::TensorPatch;
 use sdkit_compute::weights::{rounding, DType, SafeTensors};
@@ -83,11 +84,11 @@ impl Patches {
 }
 
 /// One patch of a list as the cache compares it: the layer (held weakly),
-/// the strength's bits and the row range.
+/// the strength's bits, the row range and whether the halves swap.
 type PatchKey = (
     std::sync::Weak<lora::LoraLayer>,
     u64,
-    Option<(usize, usize)>,
+    (Option<(usize, usize)>, bool),
 );
 
 /// One patched tensor: the patch list it was made with (each layer held
@@ -106,7 +107,7 @@ impl PatchedEntry {
             && self.layers.iter().zip(list).all(|((w, s, r), p)| {
                 w.upgrade().is_some_and(|l| Arc::ptr_eq(&l, &p.layer))
                     && *s == p.strength.to_bits()
-                    && *r == p.rows
+                    && *r == (p.rows, p.swap_halves)
             })
     }
 
@@ -160,7 +161,13 @@ impl PatchedCache {
         map.entry(name.to_string()).or_default().push(PatchedEntry {
             layers: list
                 .iter()
-                .map(|p| (Arc::downgrade(&p.layer), p.strength.to_bits(), p.rows))
+                .map(|p| {
+                    (
+                        Arc::downgrade(&p.layer),
+                        p.strength.to_bits(),
+                        (p.rows, p.swap_halves),
+                    )
+                })
                 .collect(),
             held_as,
             data,
@@ -192,11 +199,19 @@ fn model_patches(file: &SafeTensors, model: &Model, strength: f64) -> Result<Loa
         .into_iter()
         .map(|(n, _)| n)
         .collect();
-    let map = keys::unet_keys(
-        model.unet("LoRA")?,
-        &model.prefix,
-        names.iter().map(String::as_str),
-    );
+    let map = match &model.net {
+        Net::Flux(f) => keys::flux_keys(
+            f.hidden,
+            f.mlp,
+            &model.prefix,
+            names.iter().map(String::as_str),
+        ),
+        _ => keys::unet_keys(
+            model.unet("LoRA")?,
+            &model.prefix,
+            names.iter().map(String::as_str),
+        ),
+    };
     patches_from(file, &map, strength)
 }
 
@@ -219,6 +234,7 @@ fn patches_from(
                     layer,
                     strength,
                     rows: t.rows,
+                    swap_halves: t.swap_halves,
                 },
             )
         })
