@@ -653,3 +653,40 @@ fn flux_lora_stack_with_clip_matches_comfyui() {
 fn flux_comfyui_lora_matches_comfyui() {
     flux_lora_matches("tiny_flux_lora_comfy");
 }
+
+fn sd3_lora() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("sd3_lora/expected.json"))
+}
+
+/// SD3 with the LoRAs of tests/reference/sd3_lora (tools/reference/
+/// sd3_lora.py) beside the tiny checkpoint.
+fn sd3_lora_matches(graph: &str) {
+    let base = setup_with(sd3());
+    for f in sd3_lora()["files"].as_array().expect("files") {
+        write_fixture_entry(&base.path().join("models"), f);
+    }
+    run(base.path(), graph, "cpu");
+    check_graph(base.path(), sd3_lora(), graph, None);
+}
+
+/// Diffusers names: q, k, v as rows of the fused projections (image and
+/// context sides), the last block's pre-only `norm1_context` and
+/// `norm_out` with their halves swapped, the embedders.
+#[test]
+fn sd3_diffusers_lora_matches_comfyui() {
+    sd3_lora_matches("tiny_sd3_lora_diffusers");
+}
+
+/// Kohya and `diffusion_model.` names mixed, with `.diff_b` biases.
+#[test]
+fn sd3_kohya_lora_matches_comfyui() {
+    sd3_lora_matches("tiny_sd3_lora_kohya");
+}
+
+/// LoraLoader with CLIP-L (`lora_te1_`) and CLIP-G (`lora_te2_`) layers
+/// and both text projections.
+#[test]
+fn sd3_clip_lora_matches_comfyui() {
+    sd3_lora_matches("tiny_sd3_lora_clip");
+}

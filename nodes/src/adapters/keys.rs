@@ -293,6 +293,30 @@ pub fn clip_keys(
             }
         }
     }
+    // The text projections of HF-layout encoders (`lora_te1_text_projection`
+    // …; ComfyUI's map also takes them where the family reads no
+    // projected output).
+    for (i, &(role, prefix, arch)) in encoders.iter().enumerate() {
+        let EncoderArch::Clip(c) = arch else {
+            continue;
+        };
+        if c.projection.is_none() {
+            continue;
+        }
+        let t = Target::whole(format!(
+            "{}text_projection.weight",
+            crate::models::clip::projection_prefix(prefix)
+        ));
+        let names: &[&str] = match role {
+            TextEncoder::ClipL => &["lora_te1_text_projection"],
+            TextEncoder::OpenClipG if has_l => &["lora_te2_text_projection"],
+            TextEncoder::OpenClipG => &["lora_prior_te_text_projection"],
+            _ => &[],
+        };
+        for n in names {
+            map.insert(n.to_string(), (i, t.clone()));
+        }
+    }
     map
 }
 
@@ -450,6 +474,133 @@ pub fn flux_keys<'a>(
         map.insert(format!("transformer.{dif}"), t.clone());
         map.insert(format!("lycoris_{flat}"), t.clone());
         map.insert(format!("lora_transformer_{flat}"), t);
+    }
+    map
+}
+
+/// ComfyUI's `MMDIT_MAP_BLOCK` (weights): model layer → diffusers name.
+const MMDIT_BLOCK: [(&str, &str); 9] = [
+    ("context_block.adaLN_modulation.1", "norm1_context.linear"),
+    ("context_block.attn.proj", "attn.to_add_out"),
+    ("context_block.mlp.fc1", "ff_context.net.0.proj"),
+    ("context_block.mlp.fc2", "ff_context.net.2"),
+    ("x_block.adaLN_modulation.1", "norm1.linear"),
+    ("x_block.attn.proj", "attn.to_out.0"),
+    ("x_block.attn2.proj", "attn2.to_out.0"),
+    ("x_block.mlp.fc1", "ff.net.0.proj"),
+    ("x_block.mlp.fc2", "ff.net.2"),
+];
+
+/// `MMDIT_MAP_BASIC` (weights; `norm_out` is mapped apart, swapped).
+const MMDIT_BASIC: [(&str, &str); 6] = [
+    ("context_embedder", "context_embedder"),
+    (
+        "t_embedder.mlp.0",
+        "time_text_embed.timestep_embedder.linear_1",
+    ),
+    (
+        "t_embedder.mlp.2",
+        "time_text_embed.timestep_embedder.linear_2",
+    ),
+    ("x_embedder.proj", "pos_embed.proj"),
+    ("y_embedder.mlp.0", "time_text_embed.text_embedder.linear_1"),
+    ("y_embedder.mlp.2", "time_text_embed.text_embedder.linear_2"),
+];
+
+/// Adapter key → SD3 MMDiT tensor, as ComfyUI's `model_lora_keys_unet`
+/// maps them: kohya `lora_unet_*` and `diffusion_model.*` for every
+/// weight; diffusers names (with the `transformer.`, `base_model.model.`,
+/// OneTrainer `lora_transformer_` and `lycoris_` spellings) through
+/// `mmdit_to_diffusers`: q, k, v as rows of the fused projections,
+/// `norm_out` and the last block's pre-only `norm1_context` with their
+/// (shift, scale) halves swapped.
+pub fn mmdit_keys<'a>(
+    hidden: usize,
+    prefix: &str,
+    weights: impl Iterator<Item = &'a str>,
+) -> HashMap<String, Target> {
+    let mut map = HashMap::new();
+    let mut present = std::collections::HashSet::new();
+    for w in weights {
+        present.insert(w.to_string());
+        let Some(name) = w
+            .strip_prefix(prefix)
+            .and_then(|r| r.strip_suffix(".weight"))
+        else {
+            continue;
+        };
+        let t = Target::whole(w.to_string());
+        map.insert(format!("lora_unet_{}", name.replace('.', "_")), t.clone());
+        map.insert(format!("diffusion_model.{name}"), t);
+    }
+    let mut diffusers: Vec<(String, Target)> = Vec::new();
+    let mut add = |dif: String, model: String, rows: Option<(usize, usize)>, swap: bool| {
+        let tensor = format!("{prefix}{model}.weight");
+        if present.contains(&tensor) {
+            let mut t = Target::whole(tensor);
+            t.rows = rows;
+            t.swap_halves = swap;
+            diffusers.push((dif, t));
+        }
+    };
+    // ComfyUI takes the last block from the hidden width (depth = hidden
+    // / 64), which is the last block of every real SD3.
+    let last = (hidden / 64).saturating_sub(1);
+    for i in 0.. {
+        let (from, to) = (
+            format!("transformer_blocks.{i}"),
+            format!("joint_blocks.{i}"),
+        );
+        if !present.contains(&format!("{prefix}{to}.x_block.attn.qkv.weight")) {
+            break;
+        }
+        for (p, j) in [("q", 0), ("k", 1), ("v", 2)] {
+            let rows = Some((j * hidden, (j + 1) * hidden));
+            add(
+                format!("{from}.attn.to_{p}"),
+                format!("{to}.x_block.attn.qkv"),
+                rows,
+                false,
+            );
+            add(
+                format!("{from}.attn.add_{p}_proj"),
+                format!("{to}.context_block.attn.qkv"),
+                rows,
+                false,
+            );
+            add(
+                format!("{from}.attn2.to_{p}"),
+                format!("{to}.x_block.attn2.qkv"),
+                rows,
+                false,
+            );
+        }
+        for (m, d) in MMDIT_BLOCK {
+            let swap = i == last && d == "norm1_context.linear";
+            add(format!("{from}.{d}"), format!("{to}.{m}"), None, swap);
+        }
+    }
+    for (m, d) in MMDIT_BASIC {
+        add(d.to_string(), m.to_string(), None, false);
+    }
+    add(
+        "proj_out".to_string(),
+        "final_layer.linear".to_string(),
+        None,
+        false,
+    );
+    add(
+        "norm_out.linear".to_string(),
+        "final_layer.adaLN_modulation.1".to_string(),
+        None,
+        true,
+    );
+    for (dif, t) in diffusers {
+        let flat = dif.replace('.', "_");
+        map.insert(format!("transformer.{dif}"), t.clone());
+        map.insert(format!("base_model.model.{dif}"), t.clone());
+        map.insert(format!("lora_transformer_{flat}"), t.clone());
+        map.insert(format!("lycoris_{flat}"), t);
     }
     map
 }

@@ -206,6 +206,9 @@ fn model_patches(file: &SafeTensors, model: &Model, strength: f64) -> Result<Loa
             &model.prefix,
             names.iter().map(String::as_str),
         ),
+        Net::Mmdit(m) => {
+            keys::mmdit_keys(m.hidden, &model.prefix, names.iter().map(String::as_str))
+        }
         _ => keys::unet_keys(
             model.unet("LoRA")?,
             &model.prefix,
