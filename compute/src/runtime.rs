@@ -244,6 +244,9 @@ impl Runtime {
     pub fn run(&self, prog: &Program, bind: &Bindings) -> Result<Vec<Array>, RuntimeError> {
         match &self.device {
             Device::Cpu(p) => {
+                // Run once: a packed weight is never read again, so none is
+                // kept (the peak stays a layer's worth, not the model's).
+                bind.packed.keep_none();
                 let out = cpu::run_with(prog, bind, *p);
                 bind.release_pages();
                 Ok(out?)

@@ -495,6 +495,9 @@ pub(crate) fn try_run_model(
     report: bool,
 ) -> Result<Vec<sdkit_compute::tensor::reference::Array>, RunFailure> {
     let before = ctx.runtime.bytes_uploaded();
+    // One run: no weight packed for the CPU's bf16 products is read twice,
+    // so none is kept (the peak stays a layer's worth, not the model's).
+    bind.packed.keep_none();
     let mut session = ctx
         .runtime
         .with_tuning_progress(ctx.progress_sink(), || ctx.runtime.prepare(prog, &bind))

@@ -69,25 +69,57 @@ pub enum PackedWeight {
 /// share it, so a sampler's session packs each weight at its first step
 /// and every later step reads the packed copy (no conversion from the
 /// file, no packing); it is dropped with the last clone.
+///
+/// The cache holds every packed weight (bf16: 2 bytes a parameter, twice
+/// an fp8 file) only where that fits: the first run decides, from the
+/// program's weights and the host's available memory, whether to keep
+/// them; if not, each weight is packed where it is used and dropped after,
+/// so a model larger than memory runs with a layer's worth resident.
 #[derive(Clone, Default)]
-pub struct PackedWeights(Arc<Mutex<HashMap<String, Arc<PackedWeight>>>>);
+pub struct PackedWeights {
+    map: Arc<Mutex<HashMap<String, Arc<PackedWeight>>>>,
+    /// Whether packed weights are kept (decided once, at the first run).
+    keep: Arc<std::sync::OnceLock<bool>>,
+}
 
 impl PackedWeights {
     fn get(&self, key: &str) -> Option<Arc<PackedWeight>> {
-        self.0.lock().ok()?.get(key).cloned()
+        self.map.lock().ok()?.get(key).cloned()
     }
 
     fn insert(&self, key: &str, w: PackedWeight) -> Arc<PackedWeight> {
         let w = Arc::new(w);
-        if let Ok(mut map) = self.0.lock() {
-            map.insert(key.to_string(), w.clone());
+        if self.keep.get().copied().unwrap_or(true) {
+            if let Ok(mut map) = self.map.lock() {
+                map.insert(key.to_string(), w.clone());
+            }
         }
         w
     }
 
+    /// Decides, once, whether to keep packed weights: when all of
+    /// `packed_bytes` take at most half of what the host can still give.
+    fn decide(&self, packed_bytes: u64) {
+        self.keep.get_or_init(|| match available_memory() {
+            Some(avail) => packed_bytes <= avail / 2,
+            None => true,
+        });
+    }
+
+    /// Keeps no packed weight (a one-shot run: none is read twice), where
+    /// not decided already.
+    pub fn keep_none(&self) {
+        self.keep.get_or_init(|| false);
+    }
+
+    /// Whether packed weights are kept (None before the first run).
+    pub fn keeps(&self) -> Option<bool> {
+        self.keep.get().copied()
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.0.lock().map_or(0, |m| {
+        self.map.lock().map_or(0, |m| {
             m.values()
                 .map(|w| match &**w {
                     PackedWeight::Conv(c) => c.bytes(),
@@ -170,6 +202,19 @@ pub fn run_with(
             _ => None,
         })
         .collect();
+    if products == Products::Bf16 {
+        // bf16 copies of the file-backed weights this program reads.
+        let packed: u64 = prog
+            .commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::Upload { name, .. } => bind.stored.get(name),
+                _ => None,
+            })
+            .map(|w| 2 * w.len() as u64)
+            .sum();
+        bind.packed.decide(packed);
+    }
     for c in &prog.commands {
         match c {
             Command::Upload { buffer, name } => {
@@ -884,4 +929,14 @@ fn pad(
             idx[d] = 0;
         }
     }
+}
+
+/// Bytes the host can still give: Linux's `MemAvailable` (reclaimable page
+/// cache counted, the mapped weight files' clean pages among it); None
+/// where it cannot be read.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
