@@ -290,8 +290,16 @@ pub fn run_with(
                 }
                 for v in &k.inputs {
                     let b = v.buffer.0;
-                    if stored.contains_key(&b) && last_read.get(&b) == Some(&(kernel.0 as usize)) {
+                    if let (Some((_, w)), true) = (
+                        stored.get(&b),
+                        last_read.get(&b) == Some(&(kernel.0 as usize)),
+                    ) {
                         external.remove(&b);
+                        // Its file pages too: a model larger than memory
+                        // then holds a layer's worth, not every page it
+                        // touched (the next run reads them back from the
+                        // page cache).
+                        w.release_pages();
                     }
                 }
                 if let Some(t) = t {
