@@ -615,15 +615,19 @@ fn flux_lora() -> &'static serde_json::Value {
     FX.get_or_init(|| support::fixture("flux_lora/expected.json"))
 }
 
-/// Flux with the LoRAs of tests/reference/flux_lora (tools/reference/
-/// flux_lora.py) beside the tiny models.
-fn flux_lora_matches(graph: &str) {
-    let base = setup_with(fixture());
-    for f in flux_lora()["files"].as_array().expect("files") {
+/// A workflow of `loras` (a LoRA fixture: tools/reference/flux_lora.py,
+/// sd3_lora.py) with its LoRA files beside the models of `models`.
+fn lora_matches(models: &serde_json::Value, loras: &serde_json::Value, graph: &str) {
+    let base = setup_with(models);
+    for f in loras["files"].as_array().expect("files") {
         write_fixture_entry(&base.path().join("models"), f);
     }
     run(base.path(), graph, "cpu");
-    check_graph(base.path(), flux_lora(), graph, None);
+    check_graph(base.path(), loras, graph, None);
+}
+
+fn flux_lora_matches(graph: &str) {
+    lora_matches(fixture(), flux_lora(), graph);
 }
 
 /// Kohya names (`lora_unet_double_blocks_0_img_attn_qkv`, …) with alphas,
@@ -659,15 +663,8 @@ fn sd3_lora() -> &'static serde_json::Value {
     FX.get_or_init(|| support::fixture("sd3_lora/expected.json"))
 }
 
-/// SD3 with the LoRAs of tests/reference/sd3_lora (tools/reference/
-/// sd3_lora.py) beside the tiny checkpoint.
 fn sd3_lora_matches(graph: &str) {
-    let base = setup_with(sd3());
-    for f in sd3_lora()["files"].as_array().expect("files") {
-        write_fixture_entry(&base.path().join("models"), f);
-    }
-    run(base.path(), graph, "cpu");
-    check_graph(base.path(), sd3_lora(), graph, None);
+    lora_matches(sd3(), sd3_lora(), graph);
 }
 
 /// Diffusers names: q, k, v as rows of the fused projections (image and

@@ -320,6 +320,30 @@ pub fn clip_keys(
     map
 }
 
+/// The names every transformer's weights take (ComfyUI's generic map):
+/// kohya `lora_unet_{name with _}` and `diffusion_model.{name}`; with the
+/// set of weight names, for the family maps to check against.
+fn generic_keys<'a>(
+    prefix: &str,
+    weights: impl Iterator<Item = &'a str>,
+) -> (HashMap<String, Target>, std::collections::HashSet<String>) {
+    let mut map = HashMap::new();
+    let mut present = std::collections::HashSet::new();
+    for w in weights {
+        present.insert(w.to_string());
+        let Some(name) = w
+            .strip_prefix(prefix)
+            .and_then(|r| r.strip_suffix(".weight"))
+        else {
+            continue;
+        };
+        let t = Target::whole(w.to_string());
+        map.insert(format!("lora_unet_{}", name.replace('.', "_")), t.clone());
+        map.insert(format!("diffusion_model.{name}"), t);
+    }
+    (map, present)
+}
+
 /// ComfyUI's diffusers names of a Flux double block's layers (`attn.to_q`
 /// … are rows of the fused qkv, listed apart) → the model's.
 const FLUX_DOUBLE: [(&str, &str); 8] = [
@@ -381,23 +405,15 @@ pub fn flux_keys<'a>(
     prefix: &str,
     weights: impl Iterator<Item = &'a str>,
 ) -> HashMap<String, Target> {
-    let mut map = HashMap::new();
-    let mut present = std::collections::HashSet::new();
-    for w in weights {
-        present.insert(w.to_string());
-        let Some(name) = w
+    let (mut map, present) = generic_keys(prefix, weights);
+    for w in &present {
+        let linear1 = w
             .strip_prefix(prefix)
-            .and_then(|r| r.strip_suffix(".weight"))
-        else {
-            continue;
-        };
-        let t = Target::whole(w.to_string());
-        map.insert(format!("lora_unet_{}", name.replace('.', "_")), t.clone());
-        map.insert(format!("diffusion_model.{name}"), t);
-        if let Some(block) = name.strip_suffix(".linear1") {
+            .and_then(|r| r.strip_suffix(".linear1.weight"));
+        if let Some(block) = linear1 {
             map.insert(
                 format!("diffusion_model.{block}.linear1_qkv"),
-                Target::rows(w.to_string(), 0, 3 * hidden),
+                Target::rows(w.clone(), 0, 3 * hidden),
             );
         }
     }
@@ -519,20 +535,7 @@ pub fn mmdit_keys<'a>(
     prefix: &str,
     weights: impl Iterator<Item = &'a str>,
 ) -> HashMap<String, Target> {
-    let mut map = HashMap::new();
-    let mut present = std::collections::HashSet::new();
-    for w in weights {
-        present.insert(w.to_string());
-        let Some(name) = w
-            .strip_prefix(prefix)
-            .and_then(|r| r.strip_suffix(".weight"))
-        else {
-            continue;
-        };
-        let t = Target::whole(w.to_string());
-        map.insert(format!("lora_unet_{}", name.replace('.', "_")), t.clone());
-        map.insert(format!("diffusion_model.{name}"), t);
-    }
+    let (mut map, present) = generic_keys(prefix, weights);
     let mut diffusers: Vec<(String, Target)> = Vec::new();
     let mut add = |dif: String, model: String, rows: Option<(usize, usize)>, swap: bool| {
         let tensor = format!("{prefix}{model}.weight");
