@@ -521,6 +521,36 @@ fn gguf_q8_0_flux_on_wgpu_matches_comfyui() {
     gguf_q8_0_flux_on("tiny_flux_gguf_q8_0_dequant_f32", "wgpu");
 }
 
+/// A Q4_K GGUF Flux (the K-quant rows where they are whole 256-value
+/// blocks, as llama.cpp's converter leaves the rest F16), byte for byte
+/// the reference file, through UnetLoaderGGUF: ComfyUI's image.
+#[test]
+fn gguf_q4_k_flux_matches_comfyui() {
+    let base = setup_with(fixture());
+    let dev = fixture()["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .find(|f| f["name"] == "tiny_flux_dev.safetensors")
+        .expect("dev");
+    let bytes = support::tiny_flux_gguf(&dev["keys"], 12);
+    let want = gguf()["gguf_files"]
+        .as_array()
+        .expect("gguf files")
+        .iter()
+        .find(|f| f["name"] == "tiny_flux_q4_k.gguf")
+        .map(|f| &f["header"])
+        .expect("the Q4_K file");
+    assert_eq!(
+        support::sha256(&bytes),
+        want["sha256"].as_str().expect("sha")
+    );
+    std::fs::write(base.path().join("models/unet/tiny_flux_q4_k.gguf"), bytes).expect("write");
+    let graph = "tiny_flux_gguf_q4_k";
+    run(base.path(), graph, "cpu");
+    check_graph(base.path(), gguf(), graph, None);
+}
+
 fn gguf_q8_0_flux_on(graph: &str, device: &str) {
     let base = setup_with(fixture());
     let dev = fixture()["files"]

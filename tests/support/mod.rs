@@ -592,6 +592,13 @@ pub fn sha256(data: &[u8]) -> String {
 /// values: d = max|x| / 127, q = x / d rounded half away from zero, d
 /// stored f16). Tensors in key order, alignment 32.
 pub fn tiny_flux_q8_0_gguf(keys: &serde_json::Value) -> Vec<u8> {
+    tiny_flux_gguf(keys, 8)
+}
+
+/// The tiny Flux as ComfyUI-GGUF's files of ggml type `target`: 8, Q8_0
+/// from an f32 source (1-D tensors F32); 12, Q4_K from the f16 source (1-D
+/// tensors F16, and F16 where rows are not whole 256-value blocks).
+pub fn tiny_flux_gguf(keys: &serde_json::Value, target: u32) -> Vec<u8> {
     let mut keys: Vec<(String, Vec<usize>)> = keys
         .as_array()
         .expect("keys")
@@ -628,30 +635,97 @@ pub fn tiny_flux_q8_0_gguf(keys: &serde_json::Value) -> Vec<u8> {
             .into_iter()
             .map(|x| sdkit_compute::weights::f16_to_f32(f32_to_f16_bits(x)))
             .collect();
-        let (ty, bytes): (u32, Vec<u8>) =
-            if shape.len() != 2 || f32_2d.iter().any(|p| name.contains(p)) {
-                (0, v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            } else if f16_2d.iter().any(|p| name.contains(p)) {
-                (
-                    1,
-                    v.iter()
-                        .flat_map(|x| f32_to_f16_bits(*x).to_le_bytes())
-                        .collect(),
-                )
-            } else {
-                let mut b = Vec::with_capacity(v.len() / 32 * 34);
-                for block in v.chunks(32) {
-                    let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
-                    let d = amax / 127.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                    b.extend_from_slice(&f32_to_f16_bits(d).to_le_bytes());
-                    b.extend(block.iter().map(|x| (x * id).round() as i8 as u8));
-                }
-                (8, b)
-            };
+        let as_f16 = |v: &[f32]| -> Vec<u8> {
+            v.iter()
+                .flat_map(|x| f32_to_f16_bits(*x).to_le_bytes())
+                .collect()
+        };
+        let (ty, bytes): (u32, Vec<u8>) = if shape.len() != 2 && target == 12 {
+            (1, as_f16(&v))
+        } else if shape.len() != 2 || f32_2d.iter().any(|p| name.contains(p)) {
+            (0, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        } else if target == 12 && shape[1] % 256 == 0 {
+            (12, v.chunks(256).flat_map(q4_k_block).collect())
+        } else if target == 12 {
+            (1, as_f16(&v))
+        } else if f16_2d.iter().any(|p| name.contains(p)) {
+            (
+                1,
+                v.iter()
+                    .flat_map(|x| f32_to_f16_bits(*x).to_le_bytes())
+                    .collect(),
+            )
+        } else {
+            let mut b = Vec::with_capacity(v.len() / 32 * 34);
+            for block in v.chunks(32) {
+                let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                b.extend_from_slice(&f32_to_f16_bits(d).to_le_bytes());
+                b.extend(block.iter().map(|x| (x * id).round() as i8 as u8));
+            }
+            (8, b)
+        };
         tensors.push((name.clone(), shape.clone(), ty, bytes));
     }
-    gguf_bytes("flux", 7, &tensors)
+    gguf_bytes("flux", if target == 12 { 14 } else { 7 }, &tensors)
+}
+
+/// One Q4_K block of 256 values, by the reference script's quantizer
+/// ("conversion" in tests/reference/gguf/expected.json): per 32-value
+/// sub-block, scale (max − min(0, min)) / 15 and offset −min(0, min); d
+/// and dmin the largest of them / 63 in f16; 6-bit multipliers and 4-bit
+/// quants rounded half to even.
+fn q4_k_block(x: &[f32]) -> Vec<u8> {
+    let f16 = |v: f32| sdkit_compute::weights::f16_to_f32(f32_to_f16_bits(v));
+    let mut s = [0f32; 8];
+    let mut n = [0f32; 8];
+    for j in 0..8 {
+        let sub = &x[32 * j..32 * j + 32];
+        let mn = sub.iter().fold(0f32, |m, &v| m.min(v));
+        let mx = sub.iter().fold(f32::MIN, |m, &v| m.max(v));
+        s[j] = (mx - mn) / 15.0;
+        n[j] = 0.0 - mn;
+    }
+    let d = f16(s.iter().fold(0f32, |m, &v| m.max(v)) / 63.0);
+    let dmin = f16(n.iter().fold(0f32, |m, &v| m.max(v)) / 63.0);
+    let six = |v: f32, by: f32| -> u8 {
+        if by > 0.0 {
+            (v / by).round_ties_even().min(63.0) as u8
+        } else {
+            0
+        }
+    };
+    let sc: Vec<u8> = s.iter().map(|&v| six(v, d)).collect();
+    let mm: Vec<u8> = n.iter().map(|&v| six(v, dmin)).collect();
+    let q: Vec<u8> = (0..256)
+        .map(|i| {
+            let j = i / 32;
+            let scale = d * f32::from(sc[j]);
+            let off = dmin * f32::from(mm[j]);
+            if scale > 0.0 {
+                ((x[i] + off) / scale).round_ties_even().clamp(0.0, 15.0) as u8
+            } else {
+                0
+            }
+        })
+        .collect();
+    let mut b = Vec::with_capacity(144);
+    b.extend_from_slice(&f32_to_f16_bits(d).to_le_bytes());
+    b.extend_from_slice(&f32_to_f16_bits(dmin).to_le_bytes());
+    let mut scales = [0u8; 12];
+    for j in 0..4 {
+        scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        scales[j + 4] = mm[j] | ((mm[j + 4] >> 4) << 6);
+        scales[j + 8] = (sc[j + 4] & 15) | ((mm[j + 4] & 15) << 4);
+    }
+    b.extend_from_slice(&scales);
+    for c in 0..4 {
+        for l in 0..32 {
+            b.push(q[64 * c + l] | (q[64 * c + 32 + l] << 4));
+        }
+    }
+    b
 }
 
 /// A GGUF v3 file: `general.architecture`, quantization version 2 and
