@@ -80,6 +80,18 @@ fn weights(file: &SafeTensors, graph: &sdkit_compute::tensor::TensorGraph) -> cp
     bind
 }
 
+/// Whether a wgpu adapter is here (without one: skipped, or a failure
+/// under SDKIT_REQUIRE_WGPU, as CI sets).
+fn wgpu_here(what: &str) -> bool {
+    match sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        Ok(_) => true,
+        Err(e) => {
+            sdkit_compute::backend::wgpu::no_adapter(what, e);
+            false
+        }
+    }
+}
+
 fn matches_on(graph: &str, device: &str) {
     matches_in(fixture(), graph, device);
 }
@@ -346,8 +358,7 @@ fn chroma_tokenizer_options_match_comfyui() {
 
 #[test]
 fn chroma_long_prompt_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_compute::backend::wgpu::no_adapter("Chroma on wgpu", e);
+    if !wgpu_here("Chroma on wgpu") {
         return;
     }
     matches_in(chroma(), "tiny_chroma_long", "wgpu");
@@ -390,8 +401,7 @@ fn all_in_one_checkpoint_matches_comfyui() {
 
 #[test]
 fn txt2img_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_compute::backend::wgpu::no_adapter("Flux txt2img on wgpu", e);
+    if !wgpu_here("Flux txt2img on wgpu") {
         return;
     }
     matches_on("tiny_flux_txt2img", "wgpu");
@@ -399,8 +409,7 @@ fn txt2img_on_wgpu_matches_comfyui() {
 
 #[test]
 fn custom_sampling_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_compute::backend::wgpu::no_adapter("Flux custom sampling on wgpu", e);
+    if !wgpu_here("Flux custom sampling on wgpu") {
         return;
     }
     matches_on("tiny_flux_custom", "wgpu");
@@ -479,8 +488,7 @@ fn sd35_large_matches_comfyui() {
 
 #[test]
 fn sd35_medium_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_compute::backend::wgpu::no_adapter("SD3.5 Medium on wgpu", e);
+    if !wgpu_here("SD3.5 Medium on wgpu") {
         return;
     }
     matches_in(sd3(), "tiny_sd35_medium_txt2img", "wgpu");
@@ -514,8 +522,7 @@ fn gguf_q8_0_flux_with_f16_dequantization_matches_comfyui() {
 
 #[test]
 fn gguf_q8_0_flux_on_wgpu_matches_comfyui() {
-    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
-        sdkit_compute::backend::wgpu::no_adapter("GGUF Flux on wgpu", e);
+    if !wgpu_here("GGUF Flux on wgpu") {
         return;
     }
     gguf_q8_0_flux_on("tiny_flux_gguf_q8_0_dequant_f32", "wgpu");
@@ -526,32 +533,17 @@ fn gguf_q8_0_flux_on_wgpu_matches_comfyui() {
 /// the reference file, through UnetLoaderGGUF: ComfyUI's image.
 #[test]
 fn gguf_q4_k_flux_matches_comfyui() {
-    let base = setup_with(fixture());
-    let dev = fixture()["files"]
-        .as_array()
-        .expect("files")
-        .iter()
-        .find(|f| f["name"] == "tiny_flux_dev.safetensors")
-        .expect("dev");
-    let bytes = support::tiny_flux_gguf(&dev["keys"], 12);
-    let want = gguf()["gguf_files"]
-        .as_array()
-        .expect("gguf files")
-        .iter()
-        .find(|f| f["name"] == "tiny_flux_q4_k.gguf")
-        .map(|f| &f["header"])
-        .expect("the Q4_K file");
-    assert_eq!(
-        support::sha256(&bytes),
-        want["sha256"].as_str().expect("sha")
-    );
-    std::fs::write(base.path().join("models/unet/tiny_flux_q4_k.gguf"), bytes).expect("write");
-    let graph = "tiny_flux_gguf_q4_k";
-    run(base.path(), graph, "cpu");
-    check_graph(base.path(), gguf(), graph, None);
+    gguf_flux_on("tiny_flux_q4_k.gguf", 12, "tiny_flux_gguf_q4_k", "cpu");
 }
 
 fn gguf_q8_0_flux_on(graph: &str, device: &str) {
+    gguf_flux_on("tiny_flux_q8_0.gguf", 8, graph, device);
+}
+
+/// Builds the tiny Flux as the reference script's GGUF file `name` (ggml
+/// type `target`), checks it is that file byte for byte (SHA-256), and
+/// runs `graph` on it.
+fn gguf_flux_on(name: &str, target: u32, graph: &str, device: &str) {
     let base = setup_with(fixture());
     let dev = fixture()["files"]
         .as_array()
@@ -559,14 +551,14 @@ fn gguf_q8_0_flux_on(graph: &str, device: &str) {
         .iter()
         .find(|f| f["name"] == "tiny_flux_dev.safetensors")
         .expect("dev");
-    let bytes = support::tiny_flux_q8_0_gguf(&dev["keys"]);
+    let bytes = support::tiny_flux_gguf(&dev["keys"], target);
     let want = gguf()["gguf_files"]
         .as_array()
         .expect("gguf files")
         .iter()
-        .find(|f| f["name"] == "tiny_flux_q8_0.gguf")
+        .find(|f| f["name"] == name)
         .map(|f| &f["header"])
-        .expect("the Q8_0 file");
+        .unwrap_or_else(|| panic!("{name} in the fixture"));
     assert_eq!(
         bytes.len() as u64,
         want["file_size"].as_u64().expect("size")
@@ -575,8 +567,7 @@ fn gguf_q8_0_flux_on(graph: &str, device: &str) {
         support::sha256(&bytes),
         want["sha256"].as_str().expect("sha")
     );
-    let path = base.path().join("models/unet/tiny_flux_q8_0.gguf");
-    std::fs::write(&path, &bytes).expect("write");
+    std::fs::write(base.path().join("models/unet").join(name), bytes).expect("write");
     run(base.path(), graph, device);
     // The GPU stores weights as f16 (SHADER_F16), and Q8_0's d·q products
     // are not all f16 values: they round, moving the latent by about 1e-5

@@ -43,8 +43,15 @@ pub fn library() -> NodeLibrary {
     lib.implement("UNETLoader", diffusion::loaders::UnetLoader);
     lib.implement("LoraLoader", adapters::LoraLoader);
     lib.implement("LoraLoaderModelOnly", adapters::LoraLoaderModelOnly);
-    lib.implement("CLIPLoader", diffusion::loaders::ClipLoader);
-    lib.implement("DualCLIPLoader", diffusion::loaders::DualClipLoader);
+    {
+        use diffusion::loaders::ClipFilesLoader as C;
+        lib.implement("CLIPLoader", C::core(1));
+        lib.implement("DualCLIPLoader", C::core(2));
+        lib.implement("TripleCLIPLoader", C::core(3));
+        lib.implement("CLIPLoaderGGUF", C::gguf(1));
+        lib.implement("DualCLIPLoaderGGUF", C::gguf(2));
+        lib.implement("TripleCLIPLoaderGGUF", C::gguf(3));
+    }
     lib.implement(
         "CLIPSetLastLayer",
         diffusion::conditioning::ClipSetLastLayer,
@@ -75,23 +82,8 @@ pub fn library() -> NodeLibrary {
         "CLIPTextEncodeSD3",
         diffusion::conditioning::ClipTextEncodeSd3,
     );
-    lib.implement("TripleCLIPLoader", diffusion::loaders::TripleClipLoader);
     lib.implement("UnetLoaderGGUF", diffusion::loaders::UnetLoaderGguf);
     lib.implement("UnetLoaderGGUFAdvanced", diffusion::loaders::UnetLoaderGguf);
-    lib.implement("CLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(1));
-    lib.implement("DualCLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(2));
-    lib.implement(
-        "TripleCLIPLoaderGGUF",
-        diffusion::loaders::GgufClipLoader(3),
-    );
-    lib.implement("UnetLoaderGGUF", diffusion::loaders::UnetLoaderGguf);
-    lib.implement("UnetLoaderGGUFAdvanced", diffusion::loaders::UnetLoaderGguf);
-    lib.implement("CLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(1));
-    lib.implement("DualCLIPLoaderGGUF", diffusion::loaders::GgufClipLoader(2));
-    lib.implement(
-        "TripleCLIPLoaderGGUF",
-        diffusion::loaders::GgufClipLoader(3),
-    );
     lib.implement(
         "T5TokenizerOptions",
         diffusion::conditioning::T5TokenizerOptions,

@@ -583,21 +583,17 @@ pub fn sha256(data: &[u8]) -> String {
     h.iter().map(|x| format!("{x:08x}")).collect()
 }
 
-/// The tiny Flux of a fixture's key list as ComfyUI-GGUF's Q8_0 Flux
-/// files are made (tools/reference/gguf_fixtures.py, "conversion"): values
-/// from the formula rounded to f16; 1-D tensors F32; the 2-D weights of
-/// img_in, time_in.in_layer, vector_in.in_layer, guidance_in.in_layer and
-/// final_layer.linear F32, the rest of txt_in, time_in, vector_in,
-/// guidance_in and final_layer F16; every other 2-D weight Q8_0 (per 32
-/// values: d = max|x| / 127, q = x / d rounded half away from zero, d
-/// stored f16). Tensors in key order, alignment 32.
-pub fn tiny_flux_q8_0_gguf(keys: &serde_json::Value) -> Vec<u8> {
-    tiny_flux_gguf(keys, 8)
-}
-
-/// The tiny Flux as ComfyUI-GGUF's files of ggml type `target`: 8, Q8_0
-/// from an f32 source (1-D tensors F32); 12, Q4_K from the f16 source (1-D
-/// tensors F16, and F16 where rows are not whole 256-value blocks).
+/// The tiny Flux of a fixture's key list as ComfyUI-GGUF's Flux files of
+/// ggml type `target` are made (tools/reference/gguf_fixtures.py,
+/// "conversion"): values from the formula rounded to f16; the 2-D weights
+/// of img_in, time_in.in_layer, vector_in.in_layer, guidance_in.in_layer
+/// and final_layer.linear F32, the rest of txt_in, time_in, vector_in,
+/// guidance_in and final_layer F16; every other 2-D weight in the target
+/// type: 8, Q8_0 from an f32 source (1-D tensors F32; per 32 values d =
+/// max|x| / 127, q = x / d rounded half away from zero, d stored f16); 12,
+/// Q4_K from the f16 source (1-D tensors F16, F16 where rows are not
+/// whole 256-value blocks; [`q4_k_block`]). Tensors in key order,
+/// alignment 32.
 pub fn tiny_flux_gguf(keys: &serde_json::Value, target: u32) -> Vec<u8> {
     let mut keys: Vec<(String, Vec<usize>)> = keys
         .as_array()

@@ -302,35 +302,8 @@ impl Clip {
     /// its own way), with `embedding:NAME` resolved from `models/embeddings`
     /// for that encoder.
     pub fn tokenize(&self, ctx: &NodeContext, text: &str) -> Result<Vec<Chunks>, NodeError> {
-        let tok = sd1_tokenizer()?;
         let mut out = Vec::with_capacity(self.encoders.len());
         for e in &self.encoders {
-            if e.rule.encoder == TextEncoder::T5Xxl {
-                let t5 = T5Tokenizer::shared().map_err(NodeError::invalid)?;
-                let mut failure = None;
-                let mut resolve =
-                    |name: &str| match super::embeddings::load(ctx, name, e.rule.encoder) {
-                        Ok(found) => found,
-                        Err(err) => {
-                            failure.get_or_insert(err);
-                            None
-                        }
-                    };
-                // T5TokenizerOptions replaces the family's minimum.
-                let padding = match self.t5_options {
-                    Some((min_padding, min_length)) => Padding {
-                        min_padding: Some(min_padding),
-                        min_length,
-                    },
-                    None => Padding::min_length(self.family.t5_min_length()),
-                };
-                let (chunks, embeds) = t5.tokenize_with_embeddings(text, padding, &mut resolve);
-                if let Some(err) = failure {
-                    return Err(err);
-                }
-                out.push(Chunks { chunks, embeds });
-                continue;
-            }
             let mut failure = None;
             let mut resolve = |name: &str| match super::embeddings::load(ctx, name, e.rule.encoder)
             {
@@ -340,7 +313,21 @@ impl Clip {
                     None
                 }
             };
-            let (chunks, embeds) = tok.tokenize_with_embeddings(text, e.rule.pad, &mut resolve);
+            let (chunks, embeds) = if e.rule.encoder == TextEncoder::T5Xxl {
+                // T5TokenizerOptions replaces the family's minimum.
+                let padding = match self.t5_options {
+                    Some((min_padding, min_length)) => Padding {
+                        min_padding: Some(min_padding),
+                        min_length,
+                    },
+                    None => Padding::min_length(self.family.t5_min_length()),
+                };
+                T5Tokenizer::shared()
+                    .map_err(NodeError::invalid)?
+                    .tokenize_with_embeddings(text, padding, &mut resolve)
+            } else {
+                sd1_tokenizer()?.tokenize_with_embeddings(text, e.rule.pad, &mut resolve)
+            };
             if let Some(err) = failure {
                 return Err(err);
             }

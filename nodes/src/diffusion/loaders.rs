@@ -499,21 +499,6 @@ struct EncoderFile {
     path: PathBuf,
 }
 
-/// Opens a text encoder from `models/text_encoders` (or `models/clip`):
-/// the HF layout (`text_model.*`, `text_projection.weight`) that ComfyUI
-/// saves and people download, or OpenCLIP's. Which encoder it is comes from
-/// ComfyUI's rule, the layer count: 31 or more is OpenCLIP-G, 23 or more
-/// OpenCLIP-H, fewer CLIP-L.
-fn open_encoder(ctx: &NodeContext, name: &str) -> Result<EncoderFile, NodeError> {
-    open_encoder_in(ctx, "text_encoders", name)
-}
-
-/// [`open_encoder_in`] for the GGUF CLIP loaders: ComfyUI-GGUF's default
-/// f16 dequantization arithmetic.
-fn open_gguf_encoder(ctx: &NodeContext, name: &str) -> Result<EncoderFile, NodeError> {
-    open_encoder_with(ctx, "clip_gguf", name, Dequant::F16)
-}
-
 /// llama.cpp's T5 tensor names (GGUF T5 encoders, as ComfyUI-GGUF maps
 /// them) → the `t5xxl` file layout; None for any other name.
 fn llama_t5_name(name: &str) -> Option<String> {
@@ -542,13 +527,14 @@ fn llama_t5_name(name: &str) -> Option<String> {
     Some(format!("{hf}.weight"))
 }
 
-/// [`open_encoder`] from `folder` (`clip_gguf` for ComfyUI-GGUF's
-/// loaders): a GGUF T5 in llama.cpp's names is seen in the `t5xxl` layout.
-fn open_encoder_in(ctx: &NodeContext, folder: &str, name: &str) -> Result<EncoderFile, NodeError> {
-    open_encoder_with(ctx, folder, name, Dequant::F32)
-}
-
-fn open_encoder_with(
+/// Opens a text encoder of `folder` (`text_encoders`, or `clip_gguf` for
+/// ComfyUI-GGUF's loaders, both also `models/clip`), its quantized tensors
+/// decoded in `dequant`: CLIP in the HF layout (`text_model.*`,
+/// `text_projection.weight`) that ComfyUI saves and people download or
+/// OpenCLIP's (which encoder by ComfyUI's layer-count rule: 31 or more is
+/// OpenCLIP-G, 23 or more OpenCLIP-H, fewer CLIP-L), or T5 (a GGUF T5 in
+/// llama.cpp's names is seen in the `t5xxl` layout).
+fn open_encoder(
     ctx: &NodeContext,
     folder: &str,
     name: &str,
@@ -605,47 +591,6 @@ fn clip_output(family: Family, files: Vec<EncoderFile>) -> Result<NodeOutput, No
     )]))
 }
 
-/// ComfyUI's CLIPLoader for the UNet families: type `stable_diffusion`
-/// takes CLIP-L (SD 1.x), OpenCLIP-H (SD 2.x) or OpenCLIP-G alone (the
-/// SDXL refiner's encoder), as ComfyUI picks the family from the file.
-pub struct ClipLoader;
-
-impl NodeImpl for ClipLoader {
-    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        let name = inputs.string("clip_name")?;
-        let ty = inputs.string("type")?;
-        if ty == "chroma" {
-            let f = open_encoder(ctx, name)?;
-            if f.part.role != TextEncoder::T5Xxl {
-                return Err(NodeError::file(
-                    &f.path,
-                    format!(
-                        "CLIPLoader chroma needs a T5 text encoder; this file is {:?}",
-                        f.part.role
-                    ),
-                ));
-            }
-            return clip_output(Family::Chroma, vec![f]);
-        }
-        if ty != "stable_diffusion" {
-            return Err(NodeError::invalid(format!(
-                "CLIPLoader type {ty:?} is not supported yet: sdkit loads types \"stable_diffusion\" (CLIP-L, OpenCLIP-H, OpenCLIP-G) and \"chroma\" (T5)"
-            )));
-        }
-        let f = open_encoder(ctx, name)?;
-        let family = match f.part.role {
-            TextEncoder::ClipL => Family::Sd1,
-            TextEncoder::OpenClipH => Family::Sd2,
-            _ => Family::SdxlRefiner,
-        };
-        clip_output(family, vec![f])
-    }
-
-    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
-        file_fingerprint(ctx, "text_encoders", inputs.string("clip_name").ok()?)
-    }
-}
-
 /// SD3's CLIP from two or three of CLIP-L, OpenCLIP-G and T5, each role
 /// at most once. Two CLIPs the layer counts do not tell apart (models with
 /// fewer layers than the real ones) are L and G by width, as in SDXL.
@@ -679,93 +624,110 @@ fn sd3_clip(mut files: Vec<EncoderFile>) -> Result<NodeOutput, NodeError> {
     clip_output(Family::Sd3, files)
 }
 
-/// ComfyUI's TripleCLIPLoader (SD3: CLIP-L, OpenCLIP-G and T5, in any
-/// order).
-pub struct TripleClipLoader;
+/// ComfyUI's CLIPLoader, DualCLIPLoader and TripleCLIPLoader (one, two or
+/// three text-encoder files from `models/text_encoders` or `models/clip`),
+/// and ComfyUI-GGUF's CLIPLoaderGGUF, DualCLIPLoaderGGUF and
+/// TripleCLIPLoaderGGUF (the same over files of either kind, GGUF T5s in
+/// llama.cpp's names included, dequantized in f16 arithmetic as it does).
+/// Which encoder a file holds comes from its keys; the `type` picks the
+/// family (see [`clip_from_files`]).
+pub struct ClipFilesLoader {
+    files: usize,
+    gguf: bool,
+}
 
-impl NodeImpl for TripleClipLoader {
+impl ClipFilesLoader {
+    pub const fn core(files: usize) -> Self {
+        ClipFilesLoader { files, gguf: false }
+    }
+
+    pub const fn gguf(files: usize) -> Self {
+        ClipFilesLoader { files, gguf: true }
+    }
+
+    fn folder(&self) -> &'static str {
+        if self.gguf {
+            "clip_gguf"
+        } else {
+            "text_encoders"
+        }
+    }
+
+    fn keys(&self) -> Vec<String> {
+        match self.files {
+            1 => vec!["clip_name".into()],
+            n => (1..=n).map(|i| format!("clip_name{i}")).collect(),
+        }
+    }
+}
+
+impl NodeImpl for ClipFilesLoader {
     fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        let files = ["clip_name1", "clip_name2", "clip_name3"]
+        let dequant = if self.gguf {
+            Dequant::F16
+        } else {
+            Dequant::F32
+        };
+        let files = self
+            .keys()
             .iter()
-            .map(|k| open_encoder(ctx, inputs.string(k)?))
+            .map(|k| open_encoder(ctx, self.folder(), inputs.string(k)?, dequant))
             .collect::<Result<Vec<_>, _>>()?;
-        sd3_clip(files)
+        // TripleCLIPLoader has no type: it is SD3's.
+        let ty = if self.files == 3 {
+            "sd3"
+        } else {
+            inputs.string("type")?
+        };
+        clip_from_files(&ctx.class_type, ty, files)
     }
 
     fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
         let mut parts = Vec::new();
-        for k in ["clip_name1", "clip_name2", "clip_name3"] {
+        for k in self.keys() {
             parts.push(file_fingerprint(
                 ctx,
-                "text_encoders",
-                inputs.string(k).ok()?,
+                self.folder(),
+                inputs.string(&k).ok()?,
             )?);
         }
         Some(parts.join("|"))
     }
 }
 
-/// ComfyUI-GGUF's CLIPLoaderGGUF, DualCLIPLoaderGGUF and
-/// TripleCLIPLoaderGGUF: the core loaders over `models/text_encoders` and
-/// `models/clip` files of either kind, GGUF T5s in llama.cpp's names
-/// included.
-pub struct GgufClipLoader(pub usize);
-
-impl NodeImpl for GgufClipLoader {
-    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        let names: Vec<&str> = match self.0 {
-            1 => vec![inputs.string("clip_name")?],
-            n => (1..=n)
-                .map(|i| inputs.string(&format!("clip_name{i}")))
-                .collect::<Result<_, _>>()?,
-        };
-        let files = names
-            .iter()
-            .map(|n| open_gguf_encoder(ctx, n))
-            .collect::<Result<Vec<_>, _>>()?;
-        let ty = if self.0 == 3 {
-            "sd3"
+/// A CLIP of loader `type` from opened encoder files: stable_diffusion
+/// (CLIP-L for SD 1.x, OpenCLIP-H for SD 2.x, OpenCLIP-G alone for the SDXL
+/// refiner) and chroma (T5) from one file; sdxl (CLIP-L and OpenCLIP-G, in
+/// either order: where the layer counts do not tell them apart, in models
+/// with fewer layers than the real ones, the wider is G) and flux (CLIP-L
+/// and T5) from two; sd3 from two or three.
+fn clip_from_files(
+    node: &str,
+    ty: &str,
+    mut files: Vec<EncoderFile>,
+) -> Result<NodeOutput, NodeError> {
+    let roles: Vec<TextEncoder> = files.iter().map(|f| f.part.role).collect();
+    let need = |want: &[TextEncoder], what: &str| -> Result<(), NodeError> {
+        if want.iter().all(|r| roles.contains(r)) {
+            Ok(())
         } else {
-            inputs.string("type")?
-        };
-        clip_from_files(ty, files)
-    }
-
-    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
-        let keys: Vec<String> = match self.0 {
-            1 => vec!["clip_name".into()],
-            n => (1..=n).map(|i| format!("clip_name{i}")).collect(),
-        };
-        let mut parts = Vec::new();
-        for k in keys {
-            parts.push(file_fingerprint(ctx, "clip_gguf", inputs.string(&k).ok()?)?);
+            Err(NodeError::invalid(format!(
+                "{node} {ty} needs {what}; these files are {roles:?}"
+            )))
         }
-        Some(parts.join("|"))
-    }
-}
-
-/// A CLIP of loader `type` from opened encoder files (one, two or three).
-fn clip_from_files(ty: &str, mut files: Vec<EncoderFile>) -> Result<NodeOutput, NodeError> {
+    };
     match (ty, files.len()) {
-        ("sd3", _) => sd3_clip(files),
+        ("sd3", 2 | 3) => sd3_clip(files),
         ("flux", 2) => {
-            let roles = [files[0].part.role, files[1].part.role];
-            if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::T5Xxl) {
-                return Err(NodeError::invalid(format!(
-                    "type flux needs CLIP-L and T5; these files are {:?} and {:?}",
-                    roles[0], roles[1]
-                )));
-            }
+            need(&[TextEncoder::ClipL, TextEncoder::T5Xxl], "CLIP-L and T5")?;
             clip_output(Family::Flux, files)
         }
         ("chroma", 1) => {
-            if files[0].part.role != TextEncoder::T5Xxl {
-                return Err(NodeError::invalid("type chroma needs a T5 text encoder"));
-            }
+            need(&[TextEncoder::T5Xxl], "a T5 text encoder")?;
             clip_output(Family::Chroma, files)
         }
         ("stable_diffusion", 1) => {
-            let family = match files[0].part.role {
+            let family = match roles[0] {
                 TextEncoder::ClipL => Family::Sd1,
                 TextEncoder::OpenClipH => Family::Sd2,
                 _ => Family::SdxlRefiner,
@@ -779,66 +741,16 @@ fn clip_from_files(ty: &str, mut files: Vec<EncoderFile>) -> Result<NodeOutput, 
                 files[l].part.role = TextEncoder::ClipL;
                 files[g].part.role = TextEncoder::OpenClipG;
             }
+            let roles: Vec<TextEncoder> = files.iter().map(|f| f.part.role).collect();
+            if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::OpenClipG) {
+                return Err(NodeError::invalid(format!(
+                    "{node} sdxl needs CLIP-L and OpenCLIP-G; these files are {roles:?}"
+                )));
+            }
             clip_output(Family::Sdxl, files)
         }
         (ty, n) => Err(NodeError::invalid(format!(
-            "type {ty:?} with {n} text encoder file(s) is not supported yet (sdkit loads stable_diffusion, sdxl, sd3, flux and chroma)"
+            "{node} type {ty:?} with {n} file(s) is not supported yet: sdkit loads stable_diffusion and chroma (one file), sdxl, sd3 and flux (two), sd3 (three)"
         ))),
-    }
-}
-
-/// ComfyUI's DualCLIPLoader: type `sdxl`, CLIP-L and OpenCLIP-G in either
-/// order (where the layer counts do not tell them apart, in models with
-/// fewer layers than the real ones, the wider encoder is G, as it is in
-/// SDXL); type `flux`, CLIP-L and T5 in either order.
-pub struct DualClipLoader;
-
-impl NodeImpl for DualClipLoader {
-    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
-        let ty = inputs.string("type")?;
-        if !["sdxl", "sd3", "flux"].contains(&ty) {
-            return Err(NodeError::invalid(format!(
-                "DualCLIPLoader type {ty:?} is not supported yet: sdkit loads types \"sdxl\" (CLIP-L + OpenCLIP-G), \"sd3\" (two of CLIP-L, OpenCLIP-G, T5) and \"flux\" (CLIP-L + T5)"
-            )));
-        }
-        let mut a = open_encoder(ctx, inputs.string("clip_name1")?)?;
-        let mut b = open_encoder(ctx, inputs.string("clip_name2")?)?;
-        if ty == "sd3" {
-            return sd3_clip(vec![a, b]);
-        }
-        if ty == "flux" {
-            let roles = [a.part.role, b.part.role];
-            if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::T5Xxl) {
-                return Err(NodeError::invalid(format!(
-                    "DualCLIPLoader flux needs CLIP-L and T5; these files are {:?} and {:?}",
-                    roles[0], roles[1]
-                )));
-            }
-            return clip_output(Family::Flux, vec![a, b]);
-        }
-        if a.part.role == b.part.role {
-            let wider_a = a.part.arch.width() > b.part.arch.width();
-            let (l, g) = if wider_a {
-                (&mut b, &mut a)
-            } else {
-                (&mut a, &mut b)
-            };
-            l.part.role = TextEncoder::ClipL;
-            g.part.role = TextEncoder::OpenClipG;
-        }
-        let roles = [a.part.role, b.part.role];
-        if !roles.contains(&TextEncoder::ClipL) || !roles.contains(&TextEncoder::OpenClipG) {
-            return Err(NodeError::invalid(format!(
-                "DualCLIPLoader sdxl needs CLIP-L and OpenCLIP-G; these files are {:?} and {:?}",
-                roles[0], roles[1]
-            )));
-        }
-        clip_output(Family::Sdxl, vec![a, b])
-    }
-
-    fn fingerprint(&self, ctx: &NodeContext, inputs: &Inputs) -> Option<String> {
-        let a = file_fingerprint(ctx, "text_encoders", inputs.string("clip_name1").ok()?)?;
-        let b = file_fingerprint(ctx, "text_encoders", inputs.string("clip_name2").ok()?)?;
-        Some(format!("{a}|{b}"))
     }
 }
