@@ -202,8 +202,9 @@ pub fn run_with(
             _ => None,
         })
         .collect();
-    if products == Products::Bf16 {
-        // bf16 copies of the file-backed weights this program reads.
+    if products == Products::Bf16 && bind.packed.keeps().is_none() {
+        // bf16 copies of the file-backed weights this program reads
+        // (decided at a session's first run, not every step).
         let packed: u64 = prog
             .commands
             .iter()
