@@ -38,6 +38,11 @@ fn sd3() -> &'static serde_json::Value {
     FX.get_or_init(|| support::fixture("sd3/expected.json"))
 }
 
+fn scaled_fp8() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("scaled_fp8/expected.json"))
+}
+
 fn chroma() -> &'static serde_json::Value {
     static FX: OnceLock<serde_json::Value> = OnceLock::new();
     FX.get_or_init(|| support::fixture("chroma/expected.json"))
@@ -392,6 +397,28 @@ fn long_t5_prompt_matches_comfyui() {
 #[test]
 fn fp8_file_matches_comfyui() {
     matches_on("tiny_flux_fp8", "cpu");
+}
+
+/// ComfyUI's scaled-fp8 files (tools/reference/scaled_fp8.py): a Flux
+/// and a T5 whose Linear weights are fp8 times a per-layer scale, their
+/// biases held in fp8, through UNETLoader and DualCLIPLoader.
+#[test]
+fn scaled_fp8_files_match_comfyui() {
+    matches_in(scaled_fp8(), "tiny_flux_scaled_fp8", "cpu");
+}
+
+/// The same on wgpu, which stores weights as f16: a scaled weight (fp8 ×
+/// an arbitrary f32 scale) is no longer exact there, so the latent gets
+/// the f16 weight rounding's tolerance.
+#[test]
+fn scaled_fp8_files_on_wgpu_match_comfyui() {
+    if !wgpu_here("scaled fp8 on wgpu") {
+        return;
+    }
+    let fx = scaled_fp8();
+    let base = setup_with(fx);
+    run(base.path(), "tiny_flux_scaled_fp8", "wgpu");
+    check_graph(base.path(), fx, "tiny_flux_scaled_fp8", Some(2e-4));
 }
 
 #[test]

@@ -17,7 +17,7 @@ use common::{config, max_err, random};
 use proptest::prelude::*;
 use sdkit_compute::backend::cpu::amx;
 use sdkit_compute::backend::cpu::kernels::{
-    attention, conv2d, matmul, KernelError, MatView, Products,
+    attention, conv2d, matmul, matmul_rows, KernelError, MatView, Products,
 };
 
 /// Whether the bf16 (AMX) cases can run here. Where CI's CPU has AMX it
@@ -189,6 +189,83 @@ proptest! {
             check_matmul(batch, m, n, k, [(ta, ba, pa, oa), (tb, bb, pb, ob)], seed, Products::Bf16);
         }
     }
+}
+
+/// [`matmul_rows`] (B decoded a panel of weight rows at a time, as GGUF
+/// weights are) gives [`matmul`]'s result on the whole decoded weight,
+/// over panel counts from one to many, with a strided, batched A.
+fn check_matmul_rows(batch: usize, m: usize, n: usize, k: usize, ta: bool, seed: u64) {
+    let (av, alen) = make_view(batch, m, k, ta, false, 1, 2);
+    let a = random(seed, alen);
+    let w = random(seed ^ 0x77, n * k);
+    let bv = MatView {
+        offset: 0,
+        batch_stride: 0,
+        row_stride: 1,
+        col_stride: k,
+    };
+    let mut want = vec![f32::NAN; batch * m * n];
+    matmul(&a, av, &w, bv, &mut want, batch, m, n, k, Products::F32).expect("matmul");
+    let asked = std::sync::Mutex::new(Vec::new());
+    let rows = |start: usize, count: usize| {
+        asked.lock().expect("lock").push((start, count));
+        Ok(w[start * k..(start + count) * k].to_vec())
+    };
+    let mut got = vec![f32::NAN; batch * m * n];
+    matmul_rows(&a, av, &rows, &mut got, batch, m, n, k, Products::F32).expect("matmul_rows");
+    let (_, mag) = matmul_ref(&a, av, &w, bv, batch, m, n, k);
+    let err = max_err(
+        &got,
+        &want.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+        |i| mag[i].max(1e-30),
+    );
+    assert!(
+        err <= 2e-6,
+        "matmul_rows err {err:e} batch={batch} m={m} n={n} k={k}"
+    );
+    // Every row decoded exactly once, in panels smaller than the weight
+    // where there are enough rows to split.
+    let mut asked = asked.into_inner().expect("lock");
+    asked.sort_unstable();
+    let mut next = 0;
+    for &(start, count) in &asked {
+        assert_eq!(start, next, "panels {asked:?}");
+        next += count;
+    }
+    assert_eq!(next, n);
+    if n >= 32 {
+        assert!(asked.len() > 1, "one panel for {n} rows");
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn matmul_rows_matches_matmul(
+        batch in 1usize..3, m in 1usize..40, n in 1usize..200, k in 1usize..70,
+        ta: bool, seed: u64,
+    ) {
+        check_matmul_rows(batch, m, n, k, ta, seed);
+    }
+}
+
+/// A decode failure or a wrong-sized panel is an error naming the op,
+/// not a panic or a wrong product.
+#[test]
+fn matmul_rows_reports_decode_errors() {
+    let (m, n, k) = (3, 40, 8);
+    let a = vec![1.0f32; m * k];
+    let av = MatView::row_major(m, k);
+    let mut c = vec![0f32; m * n];
+    let failing = |_: usize, _: usize| Err("block 3 is truncated".to_string());
+    let err =
+        matmul_rows(&a, av, &failing, &mut c, 1, m, n, k, Products::F32).expect_err("decode fails");
+    assert!(err.to_string().contains("block 3 is truncated"), "{err}");
+    let short = |_: usize, count: usize| Ok(vec![0f32; count * k - 1]);
+    let err =
+        matmul_rows(&a, av, &short, &mut c, 1, m, n, k, Products::F32).expect_err("short panel");
+    assert!(matches!(err, KernelError::Length { .. }), "{err:?}");
 }
 
 #[test]

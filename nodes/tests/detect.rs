@@ -385,24 +385,60 @@ fn flux_sizes_from_shapes() {
     assert!(matches!(net, Net::Flux(f) if !f.guidance));
 }
 
-/// "Scaled fp8" files (weights × a per-layer `scale_weight`) are refused
-/// by name, not loaded unscaled.
+/// "Scaled fp8" files (weights × a per-layer `scale_weight`, a
+/// `scaled_fp8` marker) are detected as their unscaled layout: the scales
+/// are applied where the file is read, not by detection.
 #[test]
-fn scaled_fp8_files_are_refused() {
-    use sdkit_nodes::models::detect::{detect_text_encoder, detect_unet};
+fn scaled_fp8_files_detect_as_their_layout() {
+    use sdkit_nodes::models::detect::detect_text_encoder;
     let mut t5 = Shapes::new();
-    t5.insert(
-        "encoder.block.0.layer.1.DenseReluDense.wi_1.weight".into(),
-        vec![64, 32],
-    );
-    t5.insert("scaled_fp8".into(), vec![]);
-    assert_eq!(detect_text_encoder(&t5), Err(DetectError::ScaledFp8));
-    let mut flux = Shapes::new();
-    flux.insert(
-        "double_blocks.0.img_attn.norm.key_norm.scale".into(),
-        vec![128],
-    );
-    flux.insert("img_in.weight".into(), vec![3072, 64]);
-    flux.insert("img_in.scale_weight".into(), vec![]);
-    assert!(matches!(detect_unet(&flux), Err(DetectError::ScaledFp8)));
+    for (k, s) in [
+        ("shared.weight", vec![32128, 32]),
+        ("encoder.final_layer_norm.weight", vec![32]),
+        (
+            "encoder.block.0.layer.0.SelfAttention.q.weight",
+            vec![32, 32],
+        ),
+        (
+            "encoder.block.0.layer.0.SelfAttention.q.scale_weight",
+            vec![],
+        ),
+        (
+            "encoder.block.0.layer.0.SelfAttention.k.weight",
+            vec![32, 32],
+        ),
+        (
+            "encoder.block.0.layer.0.SelfAttention.v.weight",
+            vec![32, 32],
+        ),
+        (
+            "encoder.block.0.layer.0.SelfAttention.o.weight",
+            vec![32, 32],
+        ),
+        (
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            vec![32, 4],
+        ),
+        ("encoder.block.0.layer.0.layer_norm.weight", vec![32]),
+        ("encoder.block.0.layer.1.layer_norm.weight", vec![32]),
+        (
+            "encoder.block.0.layer.1.DenseReluDense.wi_0.weight",
+            vec![64, 32],
+        ),
+        (
+            "encoder.block.0.layer.1.DenseReluDense.wi_1.weight",
+            vec![64, 32],
+        ),
+        (
+            "encoder.block.0.layer.1.DenseReluDense.wo.weight",
+            vec![32, 64],
+        ),
+        ("scaled_fp8", vec![0]),
+    ] {
+        t5.insert(k.into(), s);
+    }
+    let part = detect_text_encoder(&t5)
+        .expect("a scaled T5 is detected")
+        .expect("an encoder");
+    assert_eq!(part.role, sdkit_nodes::models::family::TextEncoder::T5Xxl);
 }

@@ -142,33 +142,59 @@ pub fn write_tensors_with(
 }
 
 /// Writes the fixture file `f` (an entry of an expected.json `files`
-/// list) under `models`: f16 as [`write_tensors_with`], or with `"dtype":
+/// list) under `models`: f16 as [`write_tensors_with`]; with `"dtype":
 /// "F8_E4M3"` every 2-D tensor cast from its f16 value to float8_e4m3fn
-/// (round to nearest even, as torch) and the rest f16, checked by
-/// `checksum_raw` over the stored bytes (one unit per byte).
+/// (round to nearest even, as torch) and the rest f16; with
+/// `"F8_E4M3_SCALED"` ComfyUI's scaled-fp8 layout
+/// (tools/reference/scaled_fp8.py): each Linear weight (2-D, not an
+/// embedding) divided by its scale `max|w| / 448` (f32) before the cast,
+/// the scale beside it as `<layer>.scale_weight`, and a `scaled_fp8`
+/// marker. Checked by `checksum_raw` over the stored bytes (one unit per
+/// byte), then the scales' bytes.
 pub fn write_fixture_entry(models: &Path, f: &serde_json::Value) {
+    use sdkit_compute::weights::{f16_to_f32, f8_e4m3_to_f32, round_f8_e4m3};
     let path = models
         .join(f["folder"].as_str().expect("folder"))
         .join(f["name"].as_str().expect("name"));
-    if f.get("dtype").and_then(serde_json::Value::as_str) != Some("F8_E4M3") {
-        write_tensors_with(
-            &path,
-            &f["keys"],
-            f.get("scaled"),
-            f.get("alphas"),
-            f["checksum_f16"].as_str().expect("checksum"),
-            None,
-        );
-        return;
-    }
+    let dtype = f.get("dtype").and_then(serde_json::Value::as_str);
+    let scaled = match dtype {
+        Some("F8_E4M3") => false,
+        Some("F8_E4M3_SCALED") => true,
+        _ => {
+            write_tensors_with(
+                &path,
+                &f["keys"],
+                f.get("scaled"),
+                f.get("alphas"),
+                f["checksum_f16"].as_str().expect("checksum"),
+                None,
+            );
+            return;
+        }
+    };
     // Every e4m3 code by its value, to encode the rounded values.
     let codes: std::collections::HashMap<u32, u8> = (0..=255u8)
-        .filter(|&b| !sdkit_compute::weights::f8_e4m3_to_f32(b).is_nan())
-        .map(|b| (sdkit_compute::weights::f8_e4m3_to_f32(b).to_bits(), b))
+        .filter(|&b| !f8_e4m3_to_f32(b).is_nan())
+        .map(|b| (f8_e4m3_to_f32(b).to_bits(), b))
         .collect();
+    let fp8 = |v: f32| -> u8 {
+        let r = round_f8_e4m3(v);
+        // −0 and +0 share a value but not a code.
+        if r == 0.0 {
+            if r.is_sign_negative() {
+                0x80
+            } else {
+                0
+            }
+        } else {
+            codes[&r.to_bits()]
+        }
+    };
     let mut blobs: Vec<(String, Vec<usize>, DType, Vec<u8>)> = Vec::new();
+    let mut scales: Vec<(String, f32)> = Vec::new();
     let mut total = 0u64;
-    for (i, k) in f["keys"].as_array().expect("keys").iter().enumerate() {
+    let keys = f["keys"].as_array().expect("keys");
+    for (i, k) in keys.iter().enumerate() {
         let name = k[0].as_str().expect("name").to_string();
         let shape: Vec<usize> = k[1]
             .as_array()
@@ -176,37 +202,46 @@ pub fn write_fixture_entry(models: &Path, f: &serde_json::Value) {
             .iter()
             .map(|d| d.as_u64().expect("dim") as usize)
             .collect();
-        let half: Vec<u16> = values(&name, &shape)
+        let half: Vec<f32> = values(&name, &shape)
             .into_iter()
-            .map(f32_to_f16_bits)
+            .map(|v| f16_to_f32(f32_to_f16_bits(v)))
             .collect();
-        if shape.len() == 2 {
-            let bytes: Vec<u8> = half
+        let linear = shape.len() == 2
+            && !(scaled
+                && (name.ends_with("shared.weight") || name.contains("relative_attention_bias")));
+        let (dtype, bytes): (DType, Vec<u8>) = if linear {
+            let scale = if scaled {
+                let s = half.iter().fold(0f32, |m, v| m.max(v.abs())) / 448.0;
+                let stem = name.strip_suffix(".weight").expect("a Linear weight");
+                scales.push((format!("{stem}.scale_weight"), s));
+                s
+            } else {
+                1.0
+            };
+            let bytes = half
                 .iter()
-                .map(|&h| {
-                    let v = sdkit_compute::weights::f16_to_f32(h);
-                    let r = sdkit_compute::weights::round_f8_e4m3(v);
-                    // −0 and +0 share a value but not a code.
-                    if r == 0.0 {
-                        if r.is_sign_negative() {
-                            0x80
-                        } else {
-                            0
-                        }
-                    } else {
-                        codes[&r.to_bits()]
-                    }
-                })
+                .map(|&v| fp8(if scaled { v / scale } else { v }))
                 .collect();
-            let units: Vec<u16> = bytes.iter().map(|&b| u16::from(b)).collect();
-            total = total.wrapping_add(checksum(&units, i));
-            blobs.push((name, shape, DType::F8E4M3, bytes));
+            (DType::F8E4M3, bytes)
         } else {
-            let bytes: Vec<u8> = half.iter().flat_map(|b| b.to_le_bytes()).collect();
-            let units: Vec<u16> = bytes.iter().map(|&b| u16::from(b)).collect();
-            total = total.wrapping_add(checksum(&units, i));
-            blobs.push((name, shape, DType::F16, bytes));
-        }
+            let bytes = half
+                .iter()
+                .flat_map(|&v| f32_to_f16_bits(v).to_le_bytes())
+                .collect();
+            (DType::F16, bytes)
+        };
+        let units: Vec<u16> = bytes.iter().map(|&b| u16::from(b)).collect();
+        total = total.wrapping_add(checksum(&units, i));
+        blobs.push((name, shape, dtype, bytes));
+    }
+    for (j, (name, s)) in scales.iter().enumerate() {
+        let bytes = s.to_le_bytes().to_vec();
+        let units: Vec<u16> = bytes.iter().map(|&b| u16::from(b)).collect();
+        total = total.wrapping_add(checksum(&units, keys.len() + j));
+        blobs.push((name.clone(), Vec::new(), DType::F32, bytes));
+    }
+    if scaled {
+        blobs.push(("scaled_fp8".into(), vec![0], DType::F8E4M3, Vec::new()));
     }
     assert_eq!(
         total.to_string(),

@@ -292,6 +292,7 @@ pub(super) fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed, WeightError> {
                 dtype: t.dtype,
                 shape,
                 byte_range: start..start + nbytes,
+                scaled: None,
             },
         );
     }

@@ -340,7 +340,7 @@ impl fmt::Display for DType {
 }
 
 /// Where one tensor lives in its file.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TensorInfo {
     /// The name in the file's header.
     pub name: String,
@@ -353,6 +353,18 @@ pub struct TensorInfo {
     /// tensor was copied at load: its range starts at or past the file's
     /// length and indexes that copy.)
     pub byte_range: Range<usize>,
+    /// How ComfyUI's scaled-fp8 ops hold this tensor, where the file is a
+    /// "scaled fp8" one (see [`SafeTensors::open`]); `None` elsewhere.
+    pub scaled: Option<Scaled>,
+}
+
+/// A tensor of a scaled-fp8 layer: ComfyUI builds the whole Linear in the
+/// file's fp8 dtype, so its weight and bias are rounded to `held_as` when
+/// loaded, and computes with `weight · scale` (the bias's scale is 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scaled {
+    pub held_as: DType,
+    pub scale: f32,
 }
 
 impl TensorInfo {
@@ -498,7 +510,7 @@ impl SafeTensors {
                 dequant: Dequant::default(),
             });
         };
-        Ok(SafeTensors {
+        let mut file = SafeTensors {
             path,
             header_len: parsed.header_len,
             tensors: parsed.tensors,
@@ -506,7 +518,57 @@ impl SafeTensors {
             backing,
             extra: Vec::new(),
             dequant: Dequant::default(),
-        })
+        };
+        file.attach_fp8_scales()?;
+        Ok(file)
+    }
+
+    /// ComfyUI's "scaled fp8" files (a `scaled_fp8` marker tensor, at the
+    /// top or under a model's prefix, whose dtype names the fp8 format; an
+    /// f32 marker means e4m3fn): each Linear with a `<layer>.scale_weight`
+    /// scalar is built in that fp8 dtype, so its weight and bias are
+    /// rounded to it, and computes with `weight · scale`. That is attached
+    /// to the tensors here, so every reader of the file (every loader,
+    /// LoRA's base weights, the backends' conversions) sees the values
+    /// ComfyUI computes with. A scale of more than one value has no defined
+    /// broadcast in ComfyUI's ops and is refused.
+    fn attach_fp8_scales(&mut self) -> Result<(), WeightError> {
+        let Some(marker) = self
+            .tensors
+            .values()
+            .find(|t| t.name == "scaled_fp8" || t.name.ends_with(".scaled_fp8"))
+        else {
+            return Ok(());
+        };
+        let held_as = match marker.dtype {
+            DType::F8E5M2 => DType::F8E5M2,
+            _ => DType::F8E4M3,
+        };
+        let stems: Vec<String> = self
+            .tensors
+            .keys()
+            .filter_map(|k| k.strip_suffix(".scale_weight").map(str::to_string))
+            .collect();
+        for stem in stems {
+            let scale_key = format!("{stem}.scale_weight");
+            let values = self.to_f32(&scale_key)?;
+            let &[scale] = values.as_slice() else {
+                return Err(WeightError::InvalidTensorEntry {
+                    path: self.path.clone(),
+                    tensor: scale_key,
+                    reason: format!(
+                        "{} values; only one scale per weight (ComfyUI's scaled fp8) is supported",
+                        values.len()
+                    ),
+                });
+            };
+            for (part, scale) in [("weight", scale), ("bias", 1.0)] {
+                if let Some(info) = self.tensors.get_mut(&format!("{stem}.{part}")) {
+                    info.scaled = Some(Scaled { held_as, scale });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sets the arithmetic a GGUF file's quantized tensors are decoded in
@@ -633,7 +695,24 @@ impl SafeTensors {
             path: self.path.clone(),
             tensor: name.to_string(),
         })?;
-        Ok(decode_f32(info.dtype, self.raw_of(info)?, self.dequant))
+        Ok(self.decode(info, self.raw_of(info)?))
+    }
+
+    /// `bytes` (the whole of `info`'s data, or whole storage units of it)
+    /// in f32: decoded in the file's dequantization arithmetic, and held
+    /// as a scaled-fp8 layer holds it where the tensor is one.
+    pub(crate) fn decode(&self, info: &TensorInfo, bytes: &[u8]) -> Vec<f32> {
+        let mut v = decode_f32(info.dtype, bytes, self.dequant);
+        if let Some(Scaled { held_as, scale }) = info.scaled {
+            let round = (info.dtype != held_as)
+                .then(|| convert::rounding(held_as))
+                .flatten();
+            v.iter_mut().for_each(|x| {
+                let r = round.map_or(*x, |f| f(*x));
+                *x = r * scale;
+            });
+        }
+        v
     }
 
     /// Lets the OS drop this tensor's pages of the mapped file from the
@@ -905,6 +984,7 @@ fn parse_entry(
         dtype,
         shape,
         byte_range,
+        scaled: None,
     })
 }
 

@@ -1,7 +1,7 @@
 //! One name space over several weight files ([`WeightStore`]), and
 //! tensors left in their file until a kernel needs them ([`StoredWeight`]).
 
-use super::convert::{decode_f32, rounding};
+use super::convert::rounding;
 use super::{DType, Memory, SafeTensors, TensorInfo, WeightError};
 use std::path::Path;
 use std::sync::Arc;
@@ -23,11 +23,7 @@ impl Resolved<'_> {
 
     /// The tensor in f32 (see [`SafeTensors::to_f32`]).
     pub fn to_f32(&self) -> Result<Vec<f32>, WeightError> {
-        Ok(decode_f32(
-            self.info.dtype,
-            self.raw()?,
-            self.file.dequant(),
-        ))
+        Ok(self.file.decode(self.info, self.raw()?))
     }
 }
 
@@ -45,6 +41,10 @@ pub struct StoredWeight {
     /// `weight_dtype` (ComfyUI casts the weights to it when loading and
     /// back to the compute dtype per layer).
     cast: Option<DType>,
+    /// A tensor of a scaled-fp8 layer (see [`super::Scaled`]): ComfyUI's
+    /// scaled ops hold it in fp8 (times its scale) whatever the model's
+    /// dtype, so `cast` does not round it.
+    scaled: bool,
 }
 
 impl StoredWeight {
@@ -60,8 +60,13 @@ impl StoredWeight {
         self
     }
 
+    /// Whether it belongs to a scaled-fp8 layer (see [`super::Scaled`]).
+    pub fn scaled(&self) -> bool {
+        self.scaled
+    }
+
     fn finish(&self, mut v: Vec<f32>) -> Vec<f32> {
-        if self.cast == Some(self.dtype) {
+        if self.cast == Some(self.dtype) || self.scaled {
             return v;
         }
         if let Some(round) = self.cast.and_then(rounding) {
@@ -122,7 +127,14 @@ impl StoredWeight {
                     self.len
                 ),
             })?;
-        Ok(self.finish(decode_f32(self.dtype, bytes, self.file.dequant())))
+        let info = self
+            .file
+            .get(&self.key)
+            .ok_or_else(|| WeightError::TensorNotFound {
+                path: self.file.path().to_path_buf(),
+                tensor: self.key.clone(),
+            })?;
+        Ok(self.finish(self.file.decode(info, bytes)))
     }
 }
 
@@ -260,6 +272,7 @@ impl WeightStore {
             dtype: r.info.dtype,
             len: r.info.numel(),
             cast: None,
+            scaled: r.info.scaled.is_some(),
         })
     }
 

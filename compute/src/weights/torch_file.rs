@@ -491,6 +491,7 @@ fn place(
         dtype,
         shape: shape.clone(),
         byte_range,
+        scaled: None,
     };
     if numel == 0 {
         return Ok(info(storage.start..storage.start));

@@ -59,6 +59,16 @@ impl Patches {
         let Some(list) = self.by_tensor.get(name) else {
             return Ok(None);
         };
+        if file
+            .store
+            .get(name)
+            .is_some_and(|r| r.info.scaled.is_some())
+        {
+            return Err(NodeError::invalid(format!(
+                "{}: tensor \"{name}\": LoRA on a scaled-fp8 layer is not supported yet (ComfyUI rounds the patched weight back to fp8 stochastically)",
+                file.name
+            )));
+        }
         let mut computed = self
             .computed
             .lock()

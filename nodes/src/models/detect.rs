@@ -49,8 +49,6 @@ pub enum DetectError {
     },
     #[error("this is a {} checkpoint, which sdkit does not support yet", .0.name())]
     Unsupported(Family),
-    #[error("this file's fp8 weights are scaled per tensor (a \"scaled_fp8\" file), which sdkit does not support yet; use the unscaled fp8 or the f16 file")]
-    ScaledFp8,
     #[error("the checkpoint holds only some of the {} text encoders", .0.name())]
     PartialText(Family),
     #[error("a UNet with context dim {context_dim:?}, model channels {model_channels}, ADM input {adm:?} matches no known family")]
@@ -604,7 +602,6 @@ fn t5_part(s: &Shapes, prefix: &str) -> Result<Option<TextPart>, DetectError> {
 /// family's files keep them (ComfyUI's `process_clip_state_dict`).
 /// SDXL carries two; a file with only one of them is refused by name.
 fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> {
-    refuse_scaled_fp8(s, "text_encoders.")?;
     let parts = match family {
         Family::Sd1 => vec![clip_part(
             s,
@@ -670,7 +667,6 @@ fn text_parts(s: &Shapes, family: Family) -> Result<Vec<TextPart>, DetectError> 
 /// The diffusion model under `prefix`: its family (refused by name when
 /// sdkit cannot build it) and config.
 fn diffusion_model(s: &Shapes, prefix: &str) -> Result<(Family, Net), DetectError> {
-    refuse_scaled_fp8(s, prefix)?;
     match dit_family(s, prefix) {
         Some(f @ (Family::Flux | Family::Chroma)) => {
             return Ok((f, Net::Flux(super::flux::flux_config(s, prefix)?)));
@@ -690,19 +686,6 @@ fn diffusion_model(s: &Shapes, prefix: &str) -> Result<(Family, Net), DetectErro
         return Err(DetectError::Unsupported(family));
     }
     Ok((family, Net::Unet(unet)))
-}
-
-/// ComfyUI's "scaled fp8" files (`scaled_fp8` marker, a `scale_weight`
-/// per layer: weight = fp8 × scale) would load as garbage without their
-/// scales: refused by name until they are supported.
-fn refuse_scaled_fp8(s: &Shapes, prefix: &str) -> Result<(), DetectError> {
-    let marked = s.contains_key(&format!("{prefix}scaled_fp8"))
-        || s.keys()
-            .any(|k| k.starts_with(prefix) && k.ends_with(".scale_weight"));
-    if marked {
-        return Err(DetectError::ScaledFp8);
-    }
-    Ok(())
 }
 
 /// Detects a single-file checkpoint in the original (ldm) layout.
@@ -756,7 +739,6 @@ pub fn detect_unet(s: &Shapes) -> Result<(Family, Net, Heads, &'static str), Det
 /// its width). The CLIP role is ComfyUI's `detect_te_model` rule: 31 or
 /// more layers is OpenCLIP-G, 23 or more OpenCLIP-H, fewer CLIP-L.
 pub fn detect_text_encoder(s: &Shapes) -> Result<Option<TextPart>, DetectError> {
-    refuse_scaled_fp8(s, "")?;
     if let Some(c) = super::t5::t5_config(s, "")? {
         return Ok(Some(TextPart {
             role: TextEncoder::T5Xxl,

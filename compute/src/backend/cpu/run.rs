@@ -133,6 +133,50 @@ impl PackedWeights {
 /// The cache key of the weight that kernel `k` can take packed, if any:
 /// a convolution's weight, or a weight that is B of a matrix product
 /// shared by its whole batch, when the product runs on AMX tiles.
+/// How a matmul or convolution reads its weight (input 1).
+enum Rhs<'a> {
+    /// As converted f32 data in the kernel's inputs.
+    Plain,
+    /// Packed for the bf16 products, under this key of the session's
+    /// cache (with the entry, if already packed).
+    Packed(&'a str, &'a PackedWeights, Option<Arc<PackedWeight>>),
+    /// Decoded from the file a panel of rows at a time ([`rows_operand`]).
+    Rows(&'a crate::weights::StoredWeight),
+}
+
+/// A block-quantized dtype (GGUF's): decoded inside the products that
+/// read it ([`rows_operand`]), never whole, and never packed.
+fn quantized(w: &crate::weights::StoredWeight) -> bool {
+    w.dtype().block().0 > 1
+}
+
+/// The weight of a matmul whose B is a block-quantized stored weight
+/// read as its plain transpose (a Linear layer: `x · wᵀ`, `w` `[n, k]`),
+/// not converted yet: the product decodes it a panel of rows at a time
+/// ([`kernels::matmul_rows`]). Any other reading converts it whole.
+fn rows_operand<'a>(
+    k: &Kernel,
+    stored: &HashMap<u32, (&str, &'a crate::weights::StoredWeight)>,
+    external: &HashMap<u32, Arc<Vec<f32>>>,
+) -> Option<&'a crate::weights::StoredWeight> {
+    let KernelKind::MatMul {
+        batch, n, k: kk, ..
+    } = &k.kind
+    else {
+        return None;
+    };
+    let v = k.inputs.get(1)?;
+    let (_, w) = stored.get(&v.buffer.0)?;
+    let r = v.shape.len();
+    let plain = r >= 2
+        && v.offset == 0
+        && v.strides[r - 2] == 1
+        && v.strides[r - 1] == *kk
+        && (*batch == 1 || v.batch_stride(r - 2) == Some(0))
+        && w.len() == n * kk;
+    (plain && quantized(w) && !external.contains_key(&v.buffer.0)).then_some(*w)
+}
+
 fn packed_key(k: &Kernel, names: &HashMap<u32, &str>, products: Products) -> Option<String> {
     if products != Products::Bf16 {
         return None;
@@ -212,6 +256,7 @@ pub fn run_with(
                 Command::Upload { name, .. } => bind.stored.get(name),
                 _ => None,
             })
+            .filter(|w| !quantized(w))
             .map(|w| 2 * w.len() as u64)
             .sum();
         bind.packed.decide(packed);
@@ -248,13 +293,17 @@ pub fn run_with(
             }
             Command::Dispatch { kernel } => {
                 let k = &prog.kernels[kernel.0 as usize];
-                let key = packed_key(k, &names, products);
+                let by_rows = rows_operand(k, &stored, &external);
+                let key = match by_rows {
+                    Some(_) => None,
+                    None => packed_key(k, &names, products),
+                };
                 let packed = key.as_deref().and_then(|key| bind.packed.get(key));
                 let convert = profile.then(std::time::Instant::now);
                 for (i, v) in k.inputs.iter().enumerate() {
                     let b = v.buffer.0;
-                    if i == 1 && packed.is_some() {
-                        continue; // read packed: no conversion from the file
+                    if i == 1 && (packed.is_some() || by_rows.is_some()) {
+                        continue; // read packed or by rows: no conversion
                     }
                     if let (Some((name, w)), false) = (stored.get(&b), external.contains_key(&b)) {
                         let data = w.to_f32().map_err(|e| CpuError::Weight {
@@ -273,7 +322,11 @@ pub fn run_with(
                 }
                 let t = profile.then(std::time::Instant::now);
                 let newly_packed = key.is_some() && packed.is_none();
-                let pack = key.as_deref().map(|key| (key, &bind.packed, packed));
+                let rhs = match (by_rows, key.as_deref()) {
+                    (Some(w), _) => Rhs::Rows(w),
+                    (None, Some(key)) => Rhs::Packed(key, &bind.packed, packed),
+                    (None, None) => Rhs::Plain,
+                };
                 dispatch(
                     prog,
                     k,
@@ -281,7 +334,7 @@ pub fn run_with(
                     &mut arena,
                     &external,
                     products,
-                    pack,
+                    rhs,
                 )?;
                 if newly_packed {
                     // The packed copy stands in for the file from now on.
@@ -554,7 +607,7 @@ fn dispatch(
     arena: &mut [f32],
     external: &HashMap<u32, Arc<Vec<f32>>>,
     products: Products,
-    pack: Option<(&str, &PackedWeights, Option<Arc<PackedWeight>>)>,
+    rhs: Rhs<'_>,
 ) -> Result<(), CpuError> {
     let ob = prog.buffer(k.output.buffer);
     let (out_start, out_len) = (ob.offset, ob.len);
@@ -603,7 +656,14 @@ fn dispatch(
             let (Some(av), Some(bv)) = (mv(ins[0].0), mv(ins[1].0)) else {
                 return Err(fail("operand batch dims are not uniformly strided".into()));
             };
-            if let Some((key, cache, found)) = pack {
+            if let Rhs::Rows(w) = rhs {
+                let rows = |start: usize, count: usize| {
+                    w.range_f32(start * kk, count * kk)
+                        .map_err(|e| e.to_string())
+                };
+                kernels::matmul_rows(ins[0].1, av, &rows, out, *batch, *m, *n, *kk, products)
+                    .map_err(|e| fail(e.to_string()))?;
+            } else if let Rhs::Packed(key, cache, found) = rhs {
                 let w = match found {
                     Some(w) => w,
                     None => {
@@ -649,7 +709,7 @@ fn dispatch(
             let x = dense(0);
             let b = bias.then(|| dense(2));
             let w_shape = [*o, c / params.groups, *kh, *kw];
-            if let Some((key, cache, found)) = pack {
+            if let Rhs::Packed(key, cache, found) = rhs {
                 let entry = match found {
                     Some(entry) => entry,
                     None => {

@@ -24,10 +24,12 @@ use rayon::prelude::*;
 mod attention;
 mod conv;
 mod resample;
+mod rows;
 
 pub use attention::attention;
 pub use conv::{conv2d, conv2d_packed, pack_conv_weight, PackedConvWeight};
 pub use resample::{upsample_bilinear2d, upsample_nearest2d};
+pub use rows::{matmul_rows, DecodeRows};
 
 /// Why a kernel refused its arguments.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
