@@ -114,6 +114,28 @@ macro_rules! image_node {
 }
 
 image_node!(
+    /// ComfyUI's ImagePadForOutpaint: the padded image and its mask.
+    ImagePadForOutpaint,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        let pad = ["left", "top", "right", "bottom"].map(|k| inputs.usize(k));
+        let [l, t, r, b] = pad;
+        let (image, mask) = imageops::pad_for_outpaint(
+            &img,
+            [l?, t?, r?, b?],
+            inputs.usize("feathering")?,
+        )?;
+        Ok(NodeOutput::values(vec![image_out(image), mask_out(mask)]))
+    },
+    estimate |inputs| {
+        let [b, h, w, c] = shape_of(inputs, "image")?;
+        let pad = |k: &str| inputs.usize(k).ok();
+        let (nh, nw) = (h + pad("top")? + pad("bottom")?, w + pad("left")? + pad("right")?);
+        copy_and_output(inputs, "image", [b, nh, nw, c + 1])
+    }
+);
+
+image_node!(
     /// ComfyUI's ImageScale; width or height 0 keeps the aspect ratio.
     ImageScale,
     |inputs| {

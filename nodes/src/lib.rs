@@ -172,9 +172,18 @@ pub fn library() -> NodeLibrary {
         "InpaintModelConditioning",
         diffusion::inpaint::InpaintModelConditioning,
     );
+    lib.implement(
+        "InstructPixToPixConditioning",
+        diffusion::inpaint::InstructPixToPixConditioning,
+    );
+    lib.implement(
+        "DifferentialDiffusion",
+        diffusion::inpaint::DifferentialDiffusion,
+    );
     lib.implement("VAEDecodeTiled", diffusion::vae::VaeDecodeTiled);
     lib.implement("VAEEncodeTiled", diffusion::vae::VaeEncodeTiled);
     lib.implement("ImageScale", image::ImageScale);
+    lib.implement("ImagePadForOutpaint", image::ImagePadForOutpaint);
     lib.implement("ImageScaleBy", image::ImageScaleBy);
     lib.implement("ImageInvert", image::ImageInvert);
     lib.implement("Canny", image::Canny);

@@ -422,3 +422,35 @@ fn image_ops_stop_when_interrupted() {
         assert!(scale_by(&img, m, 0.5).is_ok(), "{method}");
     }
 }
+
+/// ImagePadForOutpaint: the image inside a 0.5 border, the mask 1 on the
+/// border and the squared ramp inside only along padded sides; no ramp
+/// where twice the feathering does not fit (ComfyUI's rule).
+#[test]
+fn pad_for_outpaint_borders_and_ramps() {
+    use sdkit_nodes::imageops::pad_for_outpaint;
+    let img = Tensor4::new(1, 6, 8, 3, (0..144).map(|i| i as f32 / 144.0).collect()).unwrap();
+    let (out, mask) = pad_for_outpaint(&img, [2, 0, 0, 1], 2).unwrap();
+    assert_eq!((out.b, out.h, out.w, out.c), (1, 7, 10, 3));
+    assert_eq!((mask.b, mask.h, mask.w), (1, 7, 10));
+    // Border grey, image copied.
+    assert_eq!(out.data[0], 0.5);
+    assert_eq!(out.data[(2) * 3], img.data[0]);
+    assert_eq!(out.data[(6 * 10) * 3], 0.5);
+    let m = |y: usize, x: usize| mask.data[y * 10 + x];
+    assert_eq!(m(0, 0), 1.0);
+    assert_eq!(m(6, 5), 1.0);
+    // Left side padded: columns 0 and 1 of the image ramp (d = 0, 1).
+    assert_eq!(m(2, 2), 1.0);
+    assert_eq!(m(2, 3), 0.25);
+    assert_eq!(m(2, 4), 0.0);
+    // Bottom padded: the last image row (d = 1) ramps; top not padded.
+    assert_eq!(m(5, 6), 0.25);
+    assert_eq!(m(0, 6), 0.0);
+    // Feathering too wide for the image: no ramp at all.
+    let (_, flat) = pad_for_outpaint(&img, [2, 0, 0, 1], 3).unwrap();
+    assert!(flat.data[..60].iter().enumerate().all(|(i, &v)| {
+        let (y, x) = (i / 10, i % 10);
+        v == if x < 2 { 1.0 } else { 0.0 } || y >= 6
+    }));
+}

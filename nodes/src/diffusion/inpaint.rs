@@ -23,6 +23,7 @@
 
 use super::{input, opaque, CondEntry, Conditioning, Model, Vae};
 use crate::imageops::{common_upscale, Crop, SourceLayout, Tensor4, UpscaleMethod};
+use crate::models::detect::Net;
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use sdkit_schema::SocketType;
 use std::sync::Arc;
@@ -128,13 +129,24 @@ pub struct Blend<'a> {
     pub latent: &'a [f32],
     /// Rectified flow scales noise as `σ·n + (1 − σ)·l`.
     pub flow: bool,
+    /// DifferentialDiffusion: the mask each call uses, from σ.
+    pub differential: Option<Differential<'a>>,
 }
 
 impl Blend<'_> {
+    /// The mask of the call at `sigma`: the prepared one, or
+    /// DifferentialDiffusion's.
+    pub fn mask_at(&self, sigma: f32) -> std::borrow::Cow<'_, [f32]> {
+        match &self.differential {
+            Some(d) => std::borrow::Cow::Owned(d.mask(self.mask, sigma)),
+            None => std::borrow::Cow::Borrowed(self.mask),
+        }
+    }
+
     /// `x·m + scale_latent_inpaint(σ)·(1 − m)`.
-    pub fn input(&self, x: &[f32], sigma: f32) -> Vec<f32> {
+    pub fn input(&self, x: &[f32], sigma: f32, mask: &[f32]) -> Vec<f32> {
         x.iter()
-            .zip(self.mask)
+            .zip(mask)
             .zip(self.noise.iter().zip(self.latent))
             .map(|((&x, &m), (&n, &l))| {
                 let scaled = if self.flow {
@@ -148,10 +160,81 @@ impl Blend<'_> {
     }
 
     /// `out·m + latent·(1 − m)`.
-    pub fn output(&self, out: &mut [f32]) {
-        for ((o, &m), &l) in out.iter_mut().zip(self.mask).zip(self.latent) {
+    pub fn output(&self, out: &mut [f32], mask: &[f32]) {
+        for ((o, &m), &l) in out.iter_mut().zip(mask).zip(self.latent) {
             *o = *o * m + l * (1.0 - m);
         }
+    }
+}
+
+/// DifferentialDiffusion's denoise-mask function
+/// (comfy_extras/nodes_differential_diffusion.py): at each call the mask
+/// becomes `m ≥ threshold`, the threshold falling from 1 to 0 with the
+/// model's timestep over the sampling call's sigmas, blended with the
+/// mask itself by `strength` below 1. Soft masks thus grow their painted
+/// area step by step.
+pub struct Differential<'a> {
+    pub strength: f64,
+    pub schedule: &'a crate::sampling::discrete::DiscreteSchedule,
+    /// The sampling call's first sigma and its last, or the model's
+    /// smallest where that is larger.
+    pub sigma_from: f32,
+    pub sigma_to: f32,
+}
+
+impl<'a> Differential<'a> {
+    /// For a sampling call over `sigmas` (ComfyUI's `extra_options["sigmas"]`).
+    pub fn new(
+        strength: f64,
+        schedule: &'a crate::sampling::discrete::DiscreteSchedule,
+        sigmas: &[f32],
+    ) -> Self {
+        let last = sigmas.last().copied().unwrap_or(0.0);
+        let min = schedule.sigma_min();
+        Differential {
+            strength,
+            schedule,
+            sigma_from: sigmas.first().copied().unwrap_or(0.0),
+            sigma_to: if last > min { last } else { min },
+        }
+    }
+
+    /// The mask for the call at `sigma`, in f32 as torch computes it.
+    pub fn mask(&self, mask: &[f32], sigma: f32) -> Vec<f32> {
+        let ts = |s: f32| self.schedule.timestep(s);
+        let (from, to) = (ts(self.sigma_from), ts(self.sigma_to));
+        let threshold = (ts(sigma) - to) / (from - to);
+        let binary = mask
+            .iter()
+            .map(|&m| if m >= threshold { 1.0f32 } else { 0.0 });
+        if self.strength != 0.0 && self.strength < 1.0 {
+            let (s, rest) = (self.strength as f32, (1.0 - self.strength) as f32);
+            binary.zip(mask).map(|(b, &m)| s * b + rest * m).collect()
+        } else {
+            binary.collect()
+        }
+    }
+}
+
+/// ComfyUI's DifferentialDiffusion: the model, sampled with
+/// [`Differential`]'s per-step mask wherever a latent has a noise mask.
+pub struct DifferentialDiffusion;
+
+impl NodeImpl for DifferentialDiffusion {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let model: Arc<Model> = input(inputs, "model", "MODEL")?;
+        let strength = match inputs.get("strength") {
+            Some(_) => inputs.float("strength")?,
+            None => 1.0,
+        };
+        if !(0.0..=1.0).contains(&strength) {
+            return Err(NodeError::invalid(format!(
+                "strength {strength} is outside 0..1"
+            )));
+        }
+        let mut m = (*model).clone();
+        m.differential = Some(strength);
+        Ok(NodeOutput::values(vec![opaque(SocketType::Model, m)]))
     }
 }
 
@@ -165,6 +248,9 @@ pub fn concat_cond(
     latent_in: &[f32],
     [b, c, h, w]: [usize; 4],
 ) -> Result<Option<Vec<f32>>, NodeError> {
+    if let Net::Flux(_) = model.net {
+        return flux_concat(model, entry, denoise_mask, [b, c, h, w]);
+    }
     let extra = model.in_channels().saturating_sub(c);
     if extra == 0 {
         return Ok(None);
@@ -232,6 +318,95 @@ pub fn concat_cond(
     for i in 0..b {
         out.extend_from_slice(&mask[i * plane..(i + 1) * plane]);
         out.extend_from_slice(&image[i * c * plane..(i + 1) * c * plane]);
+    }
+    Ok(Some(out))
+}
+
+/// `Flux.concat_cond`: the extra input channels of Flux Fill (the image
+/// latent and the mask folded 8×8 into 64 channels) and of the
+/// Canny/Depth models (the image latent alone), `[b, extra, h, w]`.
+/// The image is the entry's `concat_latent_image` (zeros without one),
+/// resized to the latent and then taken into model space; the mask is the
+/// entry's `concat_mask`, else the sampler's, else ones, averaged over
+/// channels and resized to 8× the latent (bilinear, centre), unrounded.
+fn flux_concat(
+    model: &Model,
+    entry: &CondEntry,
+    denoise_mask: Option<&[f32]>,
+    [b, c, h, w]: [usize; 4],
+) -> Result<Option<Vec<f32>>, NodeError> {
+    let channels = model.in_channels();
+    if channels <= c {
+        return Ok(None);
+    }
+    let plane = h * w;
+    let image: Vec<f32> = match &entry.concat_latent_image {
+        Some(img) => {
+            let [ib, ic, ih, iw] = img.shape[..] else {
+                return Err(NodeError::invalid(
+                    "concat_latent_image is not [b, c, h, w]",
+                ));
+            };
+            if ic != c {
+                return Err(NodeError::invalid(format!(
+                    "concat_latent_image has {ic} channels; the latent has {c}"
+                )));
+            }
+            let resized = resize_planes(&img.data, ib * ic, (ih, iw), (h, w), Crop::Center)?;
+            resize_to_batch(&resized, c * plane, b)
+        }
+        None => vec![0.0; b * c * plane],
+    };
+    let image: Vec<f32> = image.iter().map(|&v| model.latent.process_in(v)).collect();
+    if channels == 2 * c {
+        return Ok(Some(image));
+    }
+    const FOLD: usize = 8;
+    if channels != c + FOLD * FOLD + c {
+        return Err(NodeError::invalid(format!(
+            "the Flux model takes {} input channels; sdkit knows {c} (the latent), {} (plus an \
+             image: Canny/Depth) and {} (plus an image and a mask: Fill)",
+            channels,
+            2 * c,
+            2 * c + FOLD * FOLD
+        )));
+    }
+    // The mask at full resolution [mb, 8h, 8w].
+    let (mb, (mh, mw), data) = match (&entry.concat_mask, denoise_mask) {
+        (Some(m), _) => {
+            let (mb, mh, mw) = mask_dims(m)?;
+            (mb, (mh, mw), m.data.clone())
+        }
+        (None, Some(dm)) => {
+            // Mean over the prepared mask's channels.
+            let mean = (0..b * plane)
+                .map(|i| {
+                    let (bi, p) = (i / plane, i % plane);
+                    let sum: f32 = (0..c).map(|ch| dm[(bi * c + ch) * plane + p]).sum();
+                    sum / c as f32
+                })
+                .collect();
+            (b, (h, w), mean)
+        }
+        (None, None) => (b, (h, w), vec![1.0; b * plane]),
+    };
+    let (fh, fw) = (h * FOLD, w * FOLD);
+    let full = resize_planes(&data, mb, (mh, mw), (fh, fw), Crop::Center)?;
+    let mut folded = vec![0f32; mb * FOLD * FOLD * plane];
+    for i in 0..mb {
+        for y in 0..fh {
+            for x in 0..fw {
+                let ch = (y % FOLD) * FOLD + x % FOLD;
+                folded[((i * FOLD * FOLD + ch) * h + y / FOLD) * w + x / FOLD] =
+                    full[(i * fh + y) * fw + x];
+            }
+        }
+    }
+    let mask = resize_to_batch(&folded, FOLD * FOLD * plane, b);
+    let mut out = Vec::with_capacity(b * (c + FOLD * FOLD) * plane);
+    for i in 0..b {
+        out.extend_from_slice(&image[i * c * plane..(i + 1) * c * plane]);
+        out.extend_from_slice(&mask[i * FOLD * FOLD * plane..(i + 1) * FOLD * FOLD * plane]);
     }
     Ok(Some(out))
 }
@@ -412,6 +587,44 @@ impl NodeImpl for InpaintModelConditioning {
                 samples,
                 batch_index: None,
                 noise_mask,
+            })),
+        ]))
+    }
+}
+
+/// ComfyUI's InstructPixToPixConditioning: the image's latent on every
+/// entry of both conditionings as `concat_latent_image` (what Flux's
+/// Canny/Depth models and InstructPix2Pix take as extra channels), and an
+/// empty latent of its size to sample.
+pub struct InstructPixToPixConditioning;
+
+impl NodeImpl for InstructPixToPixConditioning {
+    fn device_inputs(&self) -> &'static [&'static str] {
+        &["vae"]
+    }
+
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let vae: Arc<Vae> = input(inputs, "vae", "VAE")?;
+        // ComfyUI crops to a multiple of 8, centred, before encoding; the
+        // encoder crops to its cell the same way.
+        let concat = Arc::new(vae.encode(ctx, inputs.image("pixels")?)?);
+        let with = |name: &str| -> Result<Value, NodeError> {
+            let c: Arc<Conditioning> = input(inputs, name, "CONDITIONING")?;
+            let mut c = (*c).clone();
+            for e in &mut c.0 {
+                e.concat_latent_image = Some(Arc::clone(&concat));
+            }
+            Ok(opaque(SocketType::Conditioning, c))
+        };
+        let zeros = Tensor::new(concat.shape.clone(), vec![0.0; concat.numel()])
+            .map_err(NodeError::invalid)?;
+        Ok(NodeOutput::values(vec![
+            with("positive")?,
+            with("negative")?,
+            Value::Latent(Arc::new(Latent {
+                samples: zeros,
+                batch_index: None,
+                noise_mask: None,
             })),
         ]))
     }

@@ -295,6 +295,9 @@ pub fn sample(
         noise: &inpaint_noise,
         latent: &latent_in,
         flow,
+        differential: model
+            .differential
+            .map(|strength| inpaint::Differential::new(strength, &model.schedule, sigmas)),
     });
     let x0: Vec<f32> = noise
         .iter()
@@ -602,8 +605,9 @@ pub fn sample(
     let denoise = |x: &[f32], sigma: f32| -> Result<Vec<f32>, NodeError> {
         let out = match &blend {
             Some(bl) => {
-                let mut out = model_call(&bl.input(x, sigma), sigma)?;
-                bl.output(&mut out);
+                let mask = bl.mask_at(sigma);
+                let mut out = model_call(&bl.input(x, sigma, &mask), sigma)?;
+                bl.output(&mut out, &mask);
                 out
             }
             None => model_call(x, sigma)?,

@@ -129,6 +129,7 @@ fn build_model(
                 schedule,
                 latent: spec.latent,
                 prediction: Prediction::Flow,
+                differential: None,
             });
         }
         Net::Flux(f) => {
@@ -154,6 +155,7 @@ fn build_model(
                 schedule,
                 latent: spec.latent,
                 prediction: Prediction::Flow,
+                differential: None,
             });
         }
     };
@@ -185,6 +187,7 @@ fn build_model(
         schedule,
         latent: spec.latent,
         prediction,
+        differential: None,
     })
 }
 

@@ -214,6 +214,9 @@ pub struct Model {
     /// The family's latent format (SD1: scale 0.18215, no shift).
     pub latent: &'static LatentFormat,
     pub prediction: Prediction,
+    /// DifferentialDiffusion's strength: the sampler thresholds the
+    /// denoise mask per step ([`inpaint::Differential`]).
+    pub differential: Option<f64>,
 }
 
 impl Model {

@@ -696,6 +696,59 @@ pub fn crop(img: &Tensor4, width: usize, height: usize, x: usize, y: usize) -> R
     })
 }
 
+/// ComfyUI's ImagePadForOutpaint: the image inside a grey (0.5) border
+/// of `[left, top, right, bottom]` pixels, and the mask of what to paint:
+/// 1 on the border, inside the image `((f − d)/f)²` within `feathering`
+/// pixels `d` of a padded side (its squared ramp, in f64 as Python
+/// computes it), 0 elsewhere. The ramp is only drawn where twice the
+/// feathering fits inside the image both ways, as ComfyUI's.
+pub fn pad_for_outpaint(
+    img: &Tensor4,
+    [left, top, right, bottom]: [usize; 4],
+    feathering: usize,
+) -> Result<(Tensor4, Mask3)> {
+    let (d2, d3) = (img.h, img.w);
+    let (nh, nw) = (
+        d2.saturating_add(top).saturating_add(bottom),
+        d3.saturating_add(left).saturating_add(right),
+    );
+    let mut out = alloc_filled(&[img.b, nh, nw, img.c], 0.5)?;
+    let row = d3 * img.c;
+    for b in 0..img.b {
+        for y in 0..d2 {
+            let src = (b * d2 + y) * row;
+            let dst = ((b * nh + top + y) * nw + left) * img.c;
+            out[dst..dst + row].copy_from_slice(&img.data[src..src + row]);
+        }
+    }
+    let mut mask = alloc_filled(&[nh, nw], 1.0)?;
+    let feather = feathering > 0 && feathering * 2 < d2 && feathering * 2 < d3;
+    for i in 0..d2 {
+        for j in 0..d3 {
+            let v = if feather {
+                let dt = if top != 0 { i } else { d2 };
+                let db = if bottom != 0 { d2 - i } else { d2 };
+                let dl = if left != 0 { j } else { d3 };
+                let dr = if right != 0 { d3 - j } else { d3 };
+                let d = dt.min(db).min(dl).min(dr);
+                if d >= feathering {
+                    0.0
+                } else {
+                    let v = (feathering - d) as f64 / feathering as f64;
+                    (v * v) as f32
+                }
+            } else {
+                0.0
+            };
+            mask[(top + i) * nw + left + j] = v;
+        }
+    }
+    Ok((
+        Tensor4::new(img.b, nh, nw, img.c, out)?,
+        Mask3::new(1, nh, nw, mask)?,
+    ))
+}
+
 /// ComfyUI `ImageBatch`: if the `[h, w, c]` shapes differ, `image2` is
 /// resized to `image1`'s size with `common_upscale(..., "bilinear",
 /// "center")`; then the batches are concatenated. Channel counts must match

@@ -255,4 +255,18 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
         .boolean("noise_mask", true).tip("Add a noise mask to the latent so sampling will only happen within the mask. Might improve results or completely break things depending on the model.")
         .output("positive", T::Conditioning).output("negative", T::Conditioning)
         .output("latent", T::Latent).build());
+    v.push(
+        node(
+            "InstructPixToPixConditioning",
+            "conditioning/instructpix2pix",
+        )
+        .socket("positive", T::Conditioning)
+        .socket("negative", T::Conditioning)
+        .socket("vae", T::Vae)
+        .socket("pixels", T::Image)
+        .output("positive", T::Conditioning)
+        .output("negative", T::Conditioning)
+        .output("latent", T::Latent)
+        .build(),
+    );
 }

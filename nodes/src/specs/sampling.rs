@@ -66,6 +66,16 @@ pub(super) fn sampling(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("DifferentialDiffusion", "_for_testing")
+            .display("Differential Diffusion")
+            .experimental()
+            .socket("model", T::Model)
+            .float("strength", 1.0, 0.0, 1.0, 0.01)
+            .optional()
+            .returns(T::Model)
+            .build(),
+    );
+    v.push(
         node("ModelSamplingFlux", "advanced/model")
             .socket("model", T::Model)
             .float("max_shift", 1.15, 0.0, 100.0, 0.01)
