@@ -429,8 +429,9 @@ fn image_ops_stop_when_interrupted() {
 #[test]
 fn pad_for_outpaint_borders_and_ramps() {
     use sdkit_nodes::imageops::pad_for_outpaint;
-    let img = Tensor4::new(1, 6, 8, 3, (0..144).map(|i| i as f32 / 144.0).collect()).unwrap();
-    let (out, mask) = pad_for_outpaint(&img, [2, 0, 0, 1], 2).unwrap();
+    let img =
+        Tensor4::new(1, 6, 8, 3, (0..144).map(|i| i as f32 / 144.0).collect()).expect("image");
+    let (out, mask) = pad_for_outpaint(&img, [2, 0, 0, 1], 2).expect("pad");
     assert_eq!((out.b, out.h, out.w, out.c), (1, 7, 10, 3));
     assert_eq!((mask.b, mask.h, mask.w), (1, 7, 10));
     // Border grey, image copied.
@@ -448,7 +449,7 @@ fn pad_for_outpaint_borders_and_ramps() {
     assert_eq!(m(5, 6), 0.25);
     assert_eq!(m(0, 6), 0.0);
     // Feathering too wide for the image: no ramp at all.
-    let (_, flat) = pad_for_outpaint(&img, [2, 0, 0, 1], 3).unwrap();
+    let (_, flat) = pad_for_outpaint(&img, [2, 0, 0, 1], 3).expect("pad");
     assert!(flat.data[..60].iter().enumerate().all(|(i, &v)| {
         let (y, x) = (i / 10, i % 10);
         v == if x < 2 { 1.0 } else { 0.0 } || y >= 6
