@@ -48,6 +48,11 @@ fn flux_fill() -> &'static serde_json::Value {
     FX.get_or_init(|| support::fixture("flux_fill/expected.json"))
 }
 
+fn kontext() -> &'static serde_json::Value {
+    static FX: OnceLock<serde_json::Value> = OnceLock::new();
+    FX.get_or_init(|| support::fixture("flux_kontext/expected.json"))
+}
+
 fn chroma() -> &'static serde_json::Value {
     static FX: OnceLock<serde_json::Value> = OnceLock::new();
     FX.get_or_init(|| support::fixture("chroma/expected.json"))
@@ -146,6 +151,7 @@ fn forward_case(
             g.input("chroma_index", &[CHROMA_MODULATIONS, 32])
                 .expect("input")
         }),
+        refs: Vec::new(),
     };
     let out = flux(&g, cfg, "", x, inputs).expect("builds");
     assert_eq!(out.shape(), xs);
@@ -478,6 +484,144 @@ fn high_guidance_matches(graph: &str, device: &str, tol: f32) {
     let base = setup_with(fx);
     run(base.path(), graph, device);
     check_graph(base.path(), fx, graph, Some(tol));
+}
+
+/// Flux Kontext (tools/reference/flux_kontext.py): ReferenceLatent's
+/// latent patches after the image's, at RoPE index 1; a negative without
+/// a reference (cond and uncond then run apart), a reference unlike the
+/// latent in size.
+#[test]
+fn kontext_matches_comfyui() {
+    matches_in(kontext(), "tiny_flux_kontext", "cpu");
+}
+
+/// Two references with odd sides, placed by each method of
+/// FluxKontextMultiReferenceLatentMethod.
+#[test]
+fn kontext_reference_methods_match_comfyui() {
+    for graph in [
+        "tiny_flux_kontext_multi",
+        "tiny_flux_kontext_index",
+        "tiny_flux_kontext_uxo",
+    ] {
+        matches_in(kontext(), graph, "cpu");
+    }
+}
+
+#[test]
+fn kontext_on_wgpu_matches_comfyui() {
+    if !wgpu_here("Flux Kontext on wgpu") {
+        return;
+    }
+    matches_in(kontext(), "tiny_flux_kontext_multi", "wgpu");
+}
+
+/// Where each method puts the references' patches, as ComfyUI gave them
+/// to the model: `[index, h_first, w_first, h_last, w_last, tokens]`.
+#[test]
+fn kontext_reference_positions_match_comfyui() {
+    use sdkit_nodes::models::flux::{ref_placements, RefMethod};
+    let ids = &kontext()["components"]["ref_ids"];
+    // (latent h, w) and the references' (h, w), from the graphs.
+    let cases = [
+        ("tiny_flux_kontext", (6, 8), vec![(5, 6)], RefMethod::Offset),
+        (
+            "tiny_flux_kontext_multi",
+            (5, 6),
+            vec![(5, 6), (7, 4)],
+            RefMethod::Offset,
+        ),
+        (
+            "tiny_flux_kontext_index",
+            (6, 6),
+            vec![(5, 6), (7, 4)],
+            RefMethod::Index,
+        ),
+        (
+            "tiny_flux_kontext_uxo",
+            (6, 6),
+            vec![(5, 6), (7, 4)],
+            RefMethod::Uxo,
+        ),
+    ];
+    for (graph, hw, refs, method) in cases {
+        let got: Vec<Vec<f64>> = ref_placements(hw, &refs, method)
+            .iter()
+            .map(|p| {
+                vec![
+                    p.index,
+                    p.h0 as f64,
+                    p.w0 as f64,
+                    (p.h0 + p.rows - 1) as f64,
+                    (p.w0 + p.cols - 1) as f64,
+                    (p.rows * p.cols) as f64,
+                ]
+            })
+            .collect();
+        let want: Vec<Vec<f64>> = serde_json::from_value(ids[graph].clone()).expect("ids");
+        assert_eq!(got, want, "{graph}");
+    }
+}
+
+/// FluxKontextImageScale: ComfyUI's size table and choice, and its
+/// Lanczos output (through 8-bit Pillow) at sampled pixels.
+#[test]
+fn kontext_image_scale_matches_comfyui() {
+    use sdkit_nodes::image::{kontext_size, KONTEXT_RESOLUTIONS};
+    use sdkit_nodes::imageops::{scale_to, Crop, Tensor4, UpscaleMethod};
+    let c = &kontext()["components"];
+    let table: Vec<(usize, usize)> =
+        serde_json::from_value(c["kontext_resolutions"].clone()).expect("table");
+    assert_eq!(table, KONTEXT_RESOLUTIONS.to_vec());
+    let path = support::root().join("graphs/input/example.png");
+    let (img, _) = sdkit_nodes::imagefile::load_tensors(&path, &Default::default()).expect("png");
+    let s = &img.shape;
+    let base = Tensor4::new(s[0], s[1], s[2], s[3], img.data.clone()).expect("image");
+    for case in c["kontext_image_scale"].as_array().expect("cases") {
+        let input: Vec<usize> = serde_json::from_value(case["input_shape"].clone()).expect("in");
+        let src = if input[1..3] == [base.h, base.w] {
+            Tensor4::new(base.b, base.h, base.w, base.c, base.data.clone()).expect("image")
+        } else {
+            scale_to(
+                &base,
+                UpscaleMethod::Bilinear,
+                input[2],
+                input[1],
+                Crop::Disabled,
+            )
+            .expect("ImageScale")
+        };
+        let (w, h) = kontext_size(src.w, src.h);
+        let out = scale_to(&src, UpscaleMethod::Lanczos, w, h, Crop::Center).expect("scale");
+        let want_shape: Vec<usize> =
+            serde_json::from_value(case["output_shape"].clone()).expect("out");
+        assert_eq!(
+            vec![out.b, out.h, out.w, out.c],
+            want_shape,
+            "{}",
+            case["label"]
+        );
+        let positions: Vec<[usize; 3]> =
+            serde_json::from_value(case["positions"].clone()).expect("positions");
+        let want = f32s(case["values_f32"].as_str().expect("values"));
+        let mut worst = 0f32;
+        for (p, v) in positions.iter().zip(&want) {
+            let got = out.data[(p[0] * out.w + p[1]) * out.c + p[2]];
+            worst = worst.max((got - v).abs());
+        }
+        let mean = out.data.iter().map(|&v| f64::from(v)).sum::<f64>() / out.data.len() as f64;
+        let want_mean = case["mean"].as_f64().expect("mean");
+        eprintln!(
+            "{}: worst sampled difference {worst:e}, mean {mean} (ComfyUI {want_mean})",
+            case["label"]
+        );
+        assert!(worst <= 1e-6, "{}: differs by {worst}", case["label"]);
+        assert!(
+            (mean - want_mean).abs() < 1e-6,
+            "{}: mean {mean}",
+            case["label"]
+        );
+    }
 }
 
 #[test]

@@ -113,6 +113,67 @@ macro_rules! image_node {
     };
 }
 
+/// FluxKontextImageScale's sizes, `(width, height)`: about a megapixel
+/// each, the aspect ratios Kontext was trained on.
+pub const KONTEXT_RESOLUTIONS: [(usize, usize); 17] = [
+    (672, 1568),
+    (688, 1504),
+    (720, 1456),
+    (752, 1392),
+    (800, 1328),
+    (832, 1248),
+    (880, 1184),
+    (944, 1104),
+    (1024, 1024),
+    (1104, 944),
+    (1184, 880),
+    (1248, 832),
+    (1328, 800),
+    (1392, 752),
+    (1456, 720),
+    (1504, 688),
+    (1568, 672),
+];
+
+/// The [`KONTEXT_RESOLUTIONS`] size nearest a `width × height` image's
+/// aspect ratio (ties to the smaller width, then height, as ComfyUI's
+/// `min` over tuples).
+pub fn kontext_size(width: usize, height: usize) -> (usize, usize) {
+    let aspect = width as f64 / height.max(1) as f64;
+    let key = |&(w, h): &(usize, usize)| ((aspect - w as f64 / h as f64).abs(), w, h);
+    KONTEXT_RESOLUTIONS
+        .iter()
+        .copied()
+        .min_by(|a, b| {
+            key(a)
+                .partial_cmp(&key(b))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })
+        .unwrap_or((1024, 1024))
+}
+
+image_node!(
+    /// ComfyUI's FluxKontextImageScale: Lanczos to the nearest of
+    /// Kontext's sizes, centre-cropped to its aspect ratio.
+    FluxKontextImageScale,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        let (w, h) = kontext_size(img.w, img.h);
+        one(image_out(imageops::scale_to(
+            &img,
+            UpscaleMethod::Lanczos,
+            w,
+            h,
+            Crop::Center,
+        )?))
+    },
+    estimate |inputs| {
+        let [b, h, w, c] = shape_of(inputs, "image")?;
+        let (nw, nh) = kontext_size(w, h);
+        copy_and_output(inputs, "image", [b, nh, nw, c])
+    }
+);
+
 image_node!(
     /// ComfyUI's ImagePadForOutpaint: the padded image and its mask.
     ImagePadForOutpaint,

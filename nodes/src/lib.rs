@@ -71,6 +71,11 @@ pub fn library() -> NodeLibrary {
         lib.implement("ConditioningSetMask", ConditioningSetMask);
         lib.implement("ConditioningZeroOut", ConditioningZeroOut);
         lib.implement("FluxGuidance", FluxGuidance);
+        lib.implement("ReferenceLatent", ReferenceLatent);
+        lib.implement(
+            "FluxKontextMultiReferenceLatentMethod",
+            FluxKontextMultiReferenceLatentMethod,
+        );
         lib.implement("ConditioningSetTimestepRange", ConditioningSetTimestepRange);
     }
     lib.implement(
@@ -184,6 +189,7 @@ pub fn library() -> NodeLibrary {
     lib.implement("VAEEncodeTiled", diffusion::vae::VaeEncodeTiled);
     lib.implement("ImageScale", image::ImageScale);
     lib.implement("ImagePadForOutpaint", image::ImagePadForOutpaint);
+    lib.implement("FluxKontextImageScale", image::FluxKontextImageScale);
     lib.implement("ImageScaleBy", image::ImageScaleBy);
     lib.implement("ImageInvert", image::ImageInvert);
     lib.implement("Canny", image::Canny);

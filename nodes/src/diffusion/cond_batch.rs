@@ -328,8 +328,9 @@ pub(crate) struct Group {
     pub tokens: usize,
 }
 
-/// Groups items: the same area size, sigma range and ControlNet chain
-/// (the identical object), and contexts within
+/// Groups items: the same area size, sigma range, ControlNet chain
+/// (the identical object) and reference latents' shapes and method (a
+/// `CONDList`), and contexts within
 /// 4× of the group's first (ComfyUI's `can_concat`), repeated to the least
 /// common multiple of the group's lengths. Without `repeat_context` (Flux:
 /// its context is a `CONDRegular`, which joins only equal shapes) contexts
@@ -348,6 +349,8 @@ pub(crate) fn groups(items: &[Item<'_>], repeat_context: bool) -> Vec<Group> {
                 && i.sigma_start == f.sigma_start
                 && i.sigma_end == f.sigma_end
                 && super::control::same(&i.control, &f.control)
+                && super::denoiser::ref_shapes(i.model) == super::denoiser::ref_shapes(f.model)
+                && i.model.reference_method == f.model.reference_method
                 && l / ft.min(t) <= 4
                 && (repeat_context || t == ft)
         };

@@ -276,6 +276,56 @@ impl NodeImpl for FluxGuidance {
     }
 }
 
+/// ReferenceLatent: appends the latent to every entry's reference
+/// latents (an edit model's guiding images, Flux Kontext); without a
+/// latent the conditioning passes through.
+pub struct ReferenceLatent;
+
+impl NodeImpl for ReferenceLatent {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let Some(Value::Latent(latent)) = inputs.get("latent") else {
+            return output((*conditioning(inputs, "conditioning")?).clone());
+        };
+        let samples = Arc::new(latent.samples.clone());
+        if samples.shape.len() != 4 {
+            return Err(NodeError::invalid(format!(
+                "latent of shape {:?}: expected [batch, channels, height, width]",
+                samples.shape
+            )));
+        }
+        each(inputs, "conditioning", |e| {
+            e.reference_latents.push(Arc::clone(&samples));
+            Ok(())
+        })
+    }
+}
+
+/// FluxKontextMultiReferenceLatentMethod: how the model places several
+/// reference latents ("offset", "index", "uxo/uno").
+pub struct FluxKontextMultiReferenceLatentMethod;
+
+impl NodeImpl for FluxKontextMultiReferenceLatentMethod {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        use crate::models::flux::RefMethod;
+        let name = inputs.string("reference_latents_method")?;
+        let method = match name {
+            "offset" => RefMethod::Offset,
+            "index" => RefMethod::Index,
+            // ComfyUI: any name with "uxo" or "uso" in it.
+            n if n.contains("uxo") || n.contains("uso") => RefMethod::Uxo,
+            other => {
+                return Err(NodeError::invalid(format!(
+                    "reference_latents_method {other:?} is not one of offset, index, uxo/uno"
+                )))
+            }
+        };
+        each(inputs, "conditioning", |e| {
+            e.reference_method = Some(method);
+            Ok(())
+        })
+    }
+}
+
 /// ConditioningSetTimestepRange: the entry applies from `start` to `end`
 /// (fractions of sampling).
 pub struct ConditioningSetTimestepRange;

@@ -12,7 +12,8 @@ use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
 use crate::models::flux::{
-    chroma_index_table, flux, grid, rope_table, FluxConfig, FluxInputs, CHROMA_MODULATIONS,
+    chroma_index_table, flux, grid, ref_placements, rope_table_with, FluxConfig, FluxInputs,
+    CHROMA_MODULATIONS,
 };
 use crate::models::mmdit::mmdit;
 use crate::models::unet::{skip_shapes, timestep_embedding, ControlResiduals};
@@ -70,6 +71,9 @@ impl Model {
     /// a `[batch, tokens, dim]` context. With `control`, it also takes
     /// control residuals as inputs: `ctrl_in.{k}` after input block `k`,
     /// `ctrl_out.{i}` on every skip, `ctrl_mid` after the middle block.
+    /// `refs`: the `(h, w)` of each reference latent (Flux Kontext), which
+    /// it takes as inputs `ref.{i}`.
+    #[allow(clippy::too_many_arguments)]
     pub fn program(
         &self,
         batch: usize,
@@ -78,7 +82,14 @@ impl Model {
         tokens: usize,
         dim: usize,
         control: Option<&Slots>,
+        refs: &[(usize, usize)],
     ) -> Result<Program, NodeError> {
+        if !refs.is_empty() && !matches!(self.net, Net::Flux(_)) {
+            return Err(NodeError::invalid(format!(
+                "reference latents (ReferenceLatent) with a {} model are not supported (sdkit uses them with Flux Kontext)",
+                self.family.name()
+            )));
+        }
         let unet = match &self.net {
             Net::Unet(u) => u,
             Net::Flux(f) => {
@@ -87,7 +98,7 @@ impl Model {
                         "ControlNet with a Flux model is not supported yet",
                     ));
                 }
-                return self.flux_program(f, batch, (h, w), (tokens, dim));
+                return self.flux_program(f, batch, (h, w), (tokens, dim), refs);
             }
             Net::Mmdit(m) => {
                 if control.is_some() {
@@ -145,17 +156,26 @@ impl Model {
     }
 
     /// The Flux program: inputs `x`, `t` (σ), `context`, `pooled`
-    /// `[batch, vec_in]`, `guidance` `[batch]` (dev models) and `pe` (the
-    /// RoPE table of [`rope_table`] for these token and patch counts).
+    /// `[batch, vec_in]`, `guidance` `[batch]` (dev models), `pe` (the
+    /// RoPE table of [`rope_table_with`] for these token and patch counts)
+    /// and `ref.{i}` `[batch, out_channels, h, w]` per reference latent.
     fn flux_program(
         &self,
         cfg: &FluxConfig,
         batch: usize,
         (h, w): (usize, usize),
         (tokens, dim): (usize, usize),
+        refs: &[(usize, usize)],
     ) -> Result<Program, NodeError> {
         let g = GraphBuilder::new();
         let (gh, gw) = grid(h, w);
+        let ref_patches: usize = refs
+            .iter()
+            .map(|&(rh, rw)| {
+                let (r, c) = grid(rh, rw);
+                r * c
+            })
+            .sum();
         let out = (|| {
             let x = g.input("x", &[batch, cfg.in_channels, h, w])?;
             let inputs = FluxInputs {
@@ -171,12 +191,22 @@ impl Model {
                 } else {
                     None
                 },
-                pe: g.input("pe", &[1, tokens + gh * gw, cfg.head_dim / 2, 2, 2])?,
+                pe: g.input(
+                    "pe",
+                    &[1, tokens + gh * gw + ref_patches, cfg.head_dim / 2, 2, 2],
+                )?,
                 chroma_index: if cfg.approximator.is_some() {
                     Some(g.input("chroma_index", &[CHROMA_MODULATIONS, 32])?)
                 } else {
                     None
                 },
+                refs: refs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(rh, rw))| {
+                        g.input(&format!("ref.{i}"), &[batch, cfg.out_channels, rh, rw])
+                    })
+                    .collect::<Result<_, _>>()?,
             };
             flux(&g, cfg, &self.prefix, x, inputs)
         })()
@@ -287,7 +317,7 @@ impl Model {
     ) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
         let mut out = HashMap::new();
         match &self.net {
-            Net::Flux(cfg) => return flux_inputs(cfg, entries, per_entry, (tokens, ah, aw)),
+            Net::Flux(cfg) => return flux_inputs(self, cfg, entries, per_entry, (tokens, ah, aw)),
             Net::Mmdit(m) => {
                 return Ok(pooled_rows(m.adm_in, entries, per_entry)?
                     .into_iter()
@@ -352,8 +382,11 @@ impl Model {
 /// Flux's per-row inputs: the pooled CLIP-L vector (zeros where an entry
 /// has none, as ComfyUI's `y = None`; Chroma takes none), the guidance
 /// (the entry's, else ComfyUI's default: 3.5 for Flux, 0 for Chroma; dev
-/// models and Chroma only) and the RoPE table.
+/// models and Chroma only), the reference latents in model space (each
+/// entry's, repeated to the latent batch; a batch's entries have the same
+/// shapes and method) and the RoPE table, references included.
 fn flux_inputs(
+    model: &Model,
     cfg: &FluxConfig,
     entries: &[(&CondEntry, bool)],
     per_entry: usize,
@@ -392,8 +425,46 @@ fn flux_inputs(
     if cfg.approximator.is_some() {
         out.insert("chroma_index".to_string(), Arc::new(chroma_index_table()));
     }
-    out.insert("pe".to_string(), Arc::new(rope_table(cfg, tokens, gh, gw)));
+    let first = entries.first().map(|(e, _)| *e);
+    let shapes = first.map(ref_shapes).unwrap_or_default();
+    for (i, &(rh, rw)) in shapes.iter().enumerate() {
+        let per = cfg.out_channels * rh * rw;
+        let mut data = Vec::with_capacity(entries.len() * per_entry * per);
+        for &(e, _) in entries {
+            let r = &e.reference_latents[i];
+            if r.numel() == 0 || r.shape[1] != cfg.out_channels || r.numel() % per != 0 {
+                return Err(NodeError::invalid(format!(
+                    "reference latent {i} has shape {:?}; this Flux model takes {}-channel latents",
+                    r.shape, cfg.out_channels
+                )));
+            }
+            // repeat_to_batch_size: the first items, tiled as needed.
+            let n = r.numel() / per;
+            for k in 0..per_entry {
+                let item = &r.data[(k % n) * per..(k % n + 1) * per];
+                data.extend(item.iter().map(|&v| model.latent.process_in(v)));
+            }
+        }
+        out.insert(format!("ref.{i}"), Arc::new(data));
+    }
+    let method = first.and_then(|e| e.reference_method).unwrap_or_default();
+    let placements = ref_placements((ah, aw), &shapes, method);
+    out.insert(
+        "pe".to_string(),
+        Arc::new(rope_table_with(cfg, tokens, gh, gw, &placements)),
+    );
     Ok(out)
+}
+
+/// The `(h, w)` of an entry's reference latents.
+pub(crate) fn ref_shapes(e: &CondEntry) -> Vec<(usize, usize)> {
+    e.reference_latents
+        .iter()
+        .map(|r| match r.shape[..] {
+            [_, _, h, w] => (h, w),
+            _ => (0, 0),
+        })
+        .collect()
 }
 
 /// SD3's `pooled` input `[rows, width]`: each entry's pooled vector (L ‖

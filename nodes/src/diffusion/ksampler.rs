@@ -400,7 +400,16 @@ pub fn sample(
         .zip(&control_slots)
         .map(|(g, slots)| {
             let [ah, aw, ..] = items[g.items[0]].area;
-            model.program(g.items.len() * b, ah, aw, g.tokens, dim, slots.as_ref())
+            let refs = super::denoiser::ref_shapes(items[g.items[0]].model);
+            model.program(
+                g.items.len() * b,
+                ah,
+                aw,
+                g.tokens,
+                dim,
+                slots.as_ref(),
+                &refs,
+            )
         })
         .collect::<Result<_, _>>()?;
     let bind = match progs.first() {

@@ -340,6 +340,11 @@ pub struct CondEntry {
     /// FluxGuidance / CLIPTextEncodeFlux: the distilled guidance a Flux
     /// dev model is given (ComfyUI's default 3.5 where unset).
     pub guidance: Option<f64>,
+    /// ReferenceLatent: latents `[b, c, h, w]` (unscaled) an edit model
+    /// (Flux Kontext) sees beside the image, in order.
+    pub reference_latents: Vec<Arc<Tensor>>,
+    /// FluxKontextMultiReferenceLatentMethod (None: "offset").
+    pub reference_method: Option<crate::models::flux::RefMethod>,
 }
 
 /// An entry's `area`, as ComfyUI stores it: `(height, width, y, x)`.
@@ -383,6 +388,8 @@ impl CondEntry {
             control: None,
             control_apply_to_uncond: false,
             guidance: None,
+            reference_latents: Vec::new(),
+            reference_method: None,
         }
     }
 }

@@ -158,13 +158,96 @@ pub fn grid(h: usize, w: usize) -> (usize, usize) {
     (h.div_ceil(PATCH), w.div_ceil(PATCH))
 }
 
+/// How Kontext places reference latents in RoPE space
+/// (`ref_latents_method`; FluxKontextMultiReferenceLatentMethod).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RefMethod {
+    /// Index 1, each reference beside or below the previous ones.
+    #[default]
+    Offset,
+    /// Index 1, 2, … per reference, all at (0, 0).
+    Index,
+    /// Index 0, past the image's own grid (UXO/USO).
+    Uxo,
+}
+
+/// One grid of patches in RoPE space: position `(index, h0 + row, w0 +
+/// col)` for `rows × cols` patches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placement {
+    pub index: f64,
+    pub h0: usize,
+    pub w0: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Where ComfyUI's Flux `_forward` puts the patches of reference latents
+/// of `(h, w)` latent pixels each, for an image of `h × w` latent pixels:
+/// offsets are in latent pixels, rounded to patches as `process_img`
+/// does.
+pub fn ref_placements(
+    (h, w): (usize, usize),
+    refs: &[(usize, usize)],
+    method: RefMethod,
+) -> Vec<Placement> {
+    let (rows, cols) = grid(h, w);
+    let patches = |v: usize| (v + PATCH / 2) / PATCH;
+    let (mut sh, mut sw, mut index) = (0usize, 0usize, 0usize);
+    refs.iter()
+        .map(|&(rh, rw)| {
+            let (ho, wo) = match method {
+                RefMethod::Index => {
+                    index += 1;
+                    (0, 0)
+                }
+                RefMethod::Uxo => {
+                    index = 0;
+                    let at = (rows * PATCH + sh, cols * PATCH + sw);
+                    sh += rh;
+                    sw += rw;
+                    at
+                }
+                RefMethod::Offset => {
+                    index = 1;
+                    let at = if rh + sh > rw + sw { (0, sw) } else { (sh, 0) };
+                    sh = sh.max(rh + at.0);
+                    sw = sw.max(rw + at.1);
+                    at
+                }
+            };
+            let (r, c) = grid(rh, rw);
+            Placement {
+                index: index as f64,
+                h0: patches(ho),
+                w0: patches(wo),
+                rows: r,
+                cols: c,
+            }
+        })
+        .collect()
+}
+
 /// The RoPE rotations `[1, txt + rows·cols, head_dim/2, 2, 2]` for `txt`
 /// text tokens at position (0, 0, 0) then the image patches at (0, row,
 /// col), as ComfyUI's `EmbedND`: per axis, angle `pos · θ^(−2i/dim)` in
 /// f64, cos/sin rounded to f32; matrices `[[cos, −sin], [sin, cos]]`.
 pub fn rope_table(cfg: &FluxConfig, txt: usize, rows: usize, cols: usize) -> Vec<f32> {
+    rope_table_with(cfg, txt, rows, cols, &[])
+}
+
+/// [`rope_table`] followed by the patches of reference latents (Kontext)
+/// at their [`Placement`]s.
+pub fn rope_table_with(
+    cfg: &FluxConfig,
+    txt: usize,
+    rows: usize,
+    cols: usize,
+    refs: &[Placement],
+) -> Vec<f32> {
     let half = cfg.head_dim / 2;
-    let mut out = Vec::with_capacity((txt + rows * cols) * half * 4);
+    let extra: usize = refs.iter().map(|p| p.rows * p.cols).sum();
+    let mut out = Vec::with_capacity((txt + rows * cols + extra) * half * 4);
     // ComfyUI: scale = linspace(0, (dim − 2)/dim, dim/2) in f64, omega =
     // 1/θ^scale; the position (an f32) times omega in f64.
     let omegas: Vec<Vec<f64>> = cfg
@@ -207,6 +290,13 @@ pub fn rope_table(cfg: &FluxConfig, txt: usize, rows: usize, cols: usize) -> Vec
     for r in 0..rows {
         for c in 0..cols {
             push([0.0, r as f64, c as f64]);
+        }
+    }
+    for p in refs {
+        for r in 0..p.rows {
+            for c in 0..p.cols {
+                push([p.index, (p.h0 + r) as f64, (p.w0 + c) as f64]);
+            }
         }
     }
     out
@@ -437,6 +527,10 @@ pub struct FluxInputs<'a> {
     pub pe: T<'a>,
     /// Chroma: [`chroma_index_table`] as `[344, 32]`.
     pub chroma_index: Option<T<'a>>,
+    /// Kontext's reference latents `[b, c, h, w]` in model space: their
+    /// patches follow the image's (the `pe` rows after the image's are
+    /// theirs), and only the image's come out.
+    pub refs: Vec<T<'a>>,
 }
 
 /// The row-index embeddings of Chroma's approximator input, `[344, 32]`:
@@ -459,6 +553,27 @@ pub fn chroma_index_table() -> Vec<f32> {
     out
 }
 
+/// `[b, c, h, w]` → its patches `[b, rows·cols, c·4]` (`b c (h ph) (w
+/// pw) -> b (h w) (c ph pw)`), odd sides padded circularly first (the
+/// first row/column repeated after the last), as `pad_to_patch_size`.
+fn patchify<'a>(g: &'a GraphBuilder, x: T<'a>) -> Result<T<'a>, ShapeError> {
+    let s = x.shape();
+    let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
+    let (gh, gw) = grid(h, w);
+    let mut x = x;
+    if gh * PATCH != h {
+        x = g.concat(&[x, x.slice(2, 0, gh * PATCH - h)?], 2)?;
+    }
+    if gw * PATCH != w {
+        x = g.concat(&[x, x.slice(3, 0, gw * PATCH - w)?], 3)?;
+    }
+    x.reshape(&[b * c, gh, PATCH, gw, PATCH])?
+        .permute(&[0, 1, 3, 2, 4])?
+        .reshape(&[b, c, gh * gw, PATCH * PATCH])?
+        .permute(&[0, 2, 1, 3])?
+        .reshape(&[b, gh * gw, c * PATCH * PATCH])
+}
+
 /// The model: `x` `[b, in_channels, h, w]` → `[b, out_channels, h, w]`.
 /// Odd sides are padded circularly to whole patches and cropped after,
 /// as ComfyUI's `pad_to_patch_size`.
@@ -474,21 +589,10 @@ pub fn flux<'a>(
     let (gh, gw) = grid(h, w);
     let vb = Scope::new(g, prefix);
     let hd = cfg.hidden;
-    // Circular padding: the first row/column repeated after the last.
-    let mut x = x;
-    if gh * PATCH != h {
-        x = g.concat(&[x, x.slice(2, 0, gh * PATCH - h)?], 2)?;
+    let mut img = patchify(g, x)?;
+    for r in &inp.refs {
+        img = g.concat(&[img, patchify(g, *r)?], 1)?;
     }
-    if gw * PATCH != w {
-        x = g.concat(&[x, x.slice(3, 0, gw * PATCH - w)?], 3)?;
-    }
-    // b c (h ph) (w pw) -> b (h w) (c ph pw)
-    let img = x
-        .reshape(&[b * c, gh, PATCH, gw, PATCH])?
-        .permute(&[0, 1, 3, 2, 4])?
-        .reshape(&[b, c, gh * gw, PATCH * PATCH])?
-        .permute(&[0, 2, 1, 3])?
-        .reshape(&[b, gh * gw, c * PATCH * PATCH])?;
     let mut img = vb.pp("img_in").linear(img, c * PATCH * PATCH, hd)?;
     let m = match &cfg.approximator {
         Some(a) => {

@@ -39,6 +39,34 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("ReferenceLatent", "advanced/conditioning/edit_models")
+            .description("This node sets the guiding latent for an edit model. If the model supports it you can chain multiple to set multiple reference images.")
+            .socket("conditioning", T::Conditioning)
+            .optional_socket("latent", T::Latent)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
+        node(
+            "FluxKontextMultiReferenceLatentMethod",
+            "advanced/conditioning/flux",
+        )
+        .experimental()
+        .socket("conditioning", T::Conditioning)
+        .combo("reference_latents_method", &["offset", "index", "uxo/uno"])
+        .returns(T::Conditioning)
+        .build(),
+    );
+    v.push(
+        node("FluxKontextImageScale", "advanced/conditioning/flux")
+            .description(
+                "This node resizes the image to one that is more optimal for flux kontext.",
+            )
+            .socket("image", T::Image)
+            .returns(T::Image)
+            .build(),
+    );
+    v.push(
         node("FluxGuidance", "advanced/conditioning/flux")
             .socket("conditioning", T::Conditioning)
             .float("guidance", 3.5, 0.0, 100.0, 0.1)
