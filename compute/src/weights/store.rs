@@ -66,7 +66,7 @@ impl StoredWeight {
     }
 
     fn finish(&self, mut v: Vec<f32>) -> Vec<f32> {
-        if self.cast == Some(self.dtype) || self.scaled {
+        if self.scaled || self.cast.is_none_or(|c| exact_in(self.dtype, c)) {
             return v;
         }
         if let Some(round) = self.cast.and_then(rounding) {
@@ -136,6 +136,17 @@ impl StoredWeight {
             })?;
         Ok(self.finish(self.file.decode(info, bytes)))
     }
+}
+
+/// Whether every value of `from` is a value of `to`, so a cast changes
+/// nothing (fp8 files read as a text encoder's f16 skip the rounding).
+fn exact_in(from: DType, to: DType) -> bool {
+    use DType::*;
+    from == to
+        || matches!(
+            (from, to),
+            (F8E4M3 | F8E5M2, F16) | (F8E4M3 | F8E5M2 | F16 | BF16, F32)
+        )
 }
 
 #[derive(Debug)]

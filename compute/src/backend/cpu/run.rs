@@ -150,14 +150,19 @@ fn quantized(w: &crate::weights::StoredWeight) -> bool {
     w.dtype().block().0 > 1
 }
 
-/// The weight of a matmul whose B is a block-quantized stored weight
-/// read as its plain transpose (a Linear layer: `x · wᵀ`, `w` `[n, k]`),
-/// not converted yet: the product decodes it a panel of rows at a time
-/// ([`kernels::matmul_rows`]). Any other reading converts it whole.
+/// The weight of a matmul whose B is a stored weight read as its plain
+/// transpose (a Linear layer: `x · wᵀ`, `w` `[n, k]`), not converted yet:
+/// the product decodes it a panel of rows at a time
+/// ([`kernels::matmul_rows`]), so no f32 copy of the whole weight is
+/// made (for T5-XXL's fp8 weights that copy's allocation and page faults
+/// cost twice the products). Block-quantized weights always go this way;
+/// others unless the session keeps bf16 packs (`packs_kept`), which are
+/// read instead. Any other reading converts the weight whole.
 fn rows_operand<'a>(
     k: &Kernel,
     stored: &HashMap<u32, (&str, &'a crate::weights::StoredWeight)>,
     external: &HashMap<u32, Arc<Vec<f32>>>,
+    packs_kept: bool,
 ) -> Option<&'a crate::weights::StoredWeight> {
     let KernelKind::MatMul {
         batch, n, k: kk, ..
@@ -174,7 +179,8 @@ fn rows_operand<'a>(
         && v.strides[r - 1] == *kk
         && (*batch == 1 || v.batch_stride(r - 2) == Some(0))
         && w.len() == n * kk;
-    (plain && quantized(w) && !external.contains_key(&v.buffer.0)).then_some(*w)
+    let by_rows = quantized(w) || !packs_kept;
+    (plain && by_rows && !external.contains_key(&v.buffer.0)).then_some(*w)
 }
 
 fn packed_key(k: &Kernel, names: &HashMap<u32, &str>, products: Products) -> Option<String> {
@@ -293,7 +299,8 @@ pub fn run_with(
             }
             Command::Dispatch { kernel } => {
                 let k = &prog.kernels[kernel.0 as usize];
-                let by_rows = rows_operand(k, &stored, &external);
+                let packs_kept = products == Products::Bf16 && bind.packed.keeps() == Some(true);
+                let by_rows = rows_operand(k, &stored, &external, packs_kept);
                 let key = match by_rows {
                     Some(_) => None,
                     None => packed_key(k, &names, products),

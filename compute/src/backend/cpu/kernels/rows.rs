@@ -11,7 +11,7 @@ pub type DecodeRows<'a> = dyn Fn(usize, usize) -> std::result::Result<Vec<f32>, 
 
 /// f32 bytes of one decoded panel: small enough that a panel per thread
 /// stays near the caches and far below the weight's own size.
-const PANEL_BYTES: usize = 4 << 20;
+const PANEL_BYTES: usize = 16 << 20;
 
 /// `c[b] = a[b] · wᵀ` for `b < batch`, where `w` is the `[n, k]` weight
 /// `rows` decodes (a Linear layer's weight, shared by the batch).
