@@ -443,6 +443,34 @@ fn gemm_auto(
         })
 }
 
+/// The checks every matrix product makes of its A and C: `c` holds
+/// `batch·m·n` values and `a`'s view fits `[batch, m, k]`. Returns `m·n`.
+fn check_lhs_and_out(
+    op: &'static str,
+    a: &[f32],
+    av: MatView,
+    c_len: usize,
+    [batch, m, n, k]: [usize; 4],
+    shape: &dyn Fn() -> String,
+) -> Result<usize> {
+    let mn = product(op, &[m, n], shape)?;
+    length(op, "c", c_len, product(op, &[batch, mn], shape)?, shape)?;
+    check_view(
+        op,
+        "a",
+        a.len(),
+        av.offset,
+        batch,
+        av.batch_stride,
+        m,
+        av.row_stride,
+        k,
+        av.col_stride,
+        shape,
+    )?;
+    Ok(mn)
+}
+
 /// Batched matrix product `c[b] = a[b] · b[b]` for `b < batch`.
 ///
 /// * `a` is read through `av` as `[batch, m, k]`, `b` through `bv` as
@@ -467,21 +495,7 @@ pub fn matmul(
 ) -> Result {
     const OP: &str = "matmul";
     let shape = || format!("batch={batch} m={m} n={n} k={k} a={av:?} b={bv:?}");
-    let mn = product(OP, &[m, n], &shape)?;
-    length(OP, "c", c.len(), product(OP, &[batch, mn], &shape)?, &shape)?;
-    check_view(
-        OP,
-        "a",
-        a.len(),
-        av.offset,
-        batch,
-        av.batch_stride,
-        m,
-        av.row_stride,
-        k,
-        av.col_stride,
-        &shape,
-    )?;
+    let mn = check_lhs_and_out(OP, a, av, c.len(), [batch, m, n, k], &shape)?;
     check_view(
         OP,
         "b",
@@ -585,21 +599,7 @@ pub fn matmul_packed(
     const OP: &str = "matmul";
     let (k, n) = (b.0.depth(), b.0.cols());
     let shape = || format!("batch={batch} m={m} n={n} k={k} a={av:?} (B packed)");
-    let mn = product(OP, &[m, n], &shape)?;
-    length(OP, "c", c.len(), product(OP, &[batch, mn], &shape)?, &shape)?;
-    check_view(
-        OP,
-        "a",
-        a.len(),
-        av.offset,
-        batch,
-        av.batch_stride,
-        m,
-        av.row_stride,
-        k,
-        av.col_stride,
-        &shape,
-    )?;
+    let mn = check_lhs_and_out(OP, a, av, c.len(), [batch, m, n, k], &shape)?;
     if mn == 0 || batch == 0 {
         return Ok(());
     }

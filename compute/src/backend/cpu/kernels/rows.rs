@@ -3,7 +3,7 @@
 //! dequantized inside the product, and no f32 copy of the whole weight
 //! ever exists (a Flux Linear of 3072 × 12288 would be 150 MB).
 
-use super::{check_view, invalid, length, matmul, product, MatView, Products, Result};
+use super::{check_lhs_and_out, invalid, length, matmul, MatView, Products, Result};
 use rayon::prelude::*;
 
 /// Rows `[start, start + count)` of an `[n, k]` weight, row-major, in f32.
@@ -37,21 +37,7 @@ pub fn matmul_rows(
 ) -> Result {
     const OP: &str = "matmul";
     let shape = || format!("batch={batch} m={m} n={n} k={k} a={av:?} (B decoded by rows)");
-    let mn = product(OP, &[m, n], &shape)?;
-    length(OP, "c", c.len(), product(OP, &[batch, mn], &shape)?, &shape)?;
-    check_view(
-        OP,
-        "a",
-        a.len(),
-        av.offset,
-        batch,
-        av.batch_stride,
-        m,
-        av.row_stride,
-        k,
-        av.col_stride,
-        &shape,
-    )?;
+    let mn = check_lhs_and_out(OP, a, av, c.len(), [batch, m, n, k], &shape)?;
     if mn == 0 || batch == 0 {
         return Ok(());
     }
