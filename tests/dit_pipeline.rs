@@ -28,34 +28,26 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use support::{check_graph, copy_input, f32s, rel_diff, run, write_fixture_entry};
 
-fn fixture() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("flux/expected.json"))
+/// `fn $name() -> &'static Value`: the fixture at `$path`, read once.
+macro_rules! fixtures {
+    ($($name:ident => $path:literal),* $(,)?) => {
+        $(fn $name() -> &'static serde_json::Value {
+            static FX: OnceLock<serde_json::Value> = OnceLock::new();
+            FX.get_or_init(|| support::fixture($path))
+        })*
+    };
 }
 
-fn sd3() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("sd3/expected.json"))
-}
-
-fn scaled_fp8() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("scaled_fp8/expected.json"))
-}
-
-fn flux_fill() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("flux_fill/expected.json"))
-}
-
-fn kontext() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("flux_kontext/expected.json"))
-}
-
-fn chroma() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("chroma/expected.json"))
+fixtures! {
+    fixture => "flux/expected.json",
+    sd3 => "sd3/expected.json",
+    scaled_fp8 => "scaled_fp8/expected.json",
+    flux_fill => "flux_fill/expected.json",
+    kontext => "flux_kontext/expected.json",
+    chroma => "chroma/expected.json",
+    gguf => "gguf/expected.json",
+    flux_lora => "flux_lora/expected.json",
+    sd3_lora => "sd3_lora/expected.json",
 }
 
 /// A base folder with every tiny model file of `fx` and the input image.
@@ -729,11 +721,6 @@ fn sd35_medium_matches_comfyui() {
     matches_in(sd3(), "tiny_sd35_medium_txt2img", "cpu");
 }
 
-fn gguf() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("gguf/expected.json"))
-}
-
 /// A Q8_0 GGUF Flux, built as ComfyUI-GGUF's files are (the same bytes as
 /// the reference script's file, by SHA-256), loaded by
 /// UnetLoaderGGUFAdvanced and dequantized as the gguf package does: the
@@ -861,11 +848,6 @@ fn gguf_t5_in_llama_names_matches_the_safetensors_t5() {
     check_graph(base.path(), &fx, graph, None);
 }
 
-fn flux_lora() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("flux_lora/expected.json"))
-}
-
 /// A workflow of `loras` (a LoRA fixture: tools/reference/flux_lora.py,
 /// sd3_lora.py) with its LoRA files beside the models of `models`.
 fn lora_matches(models: &serde_json::Value, loras: &serde_json::Value, graph: &str) {
@@ -907,11 +889,6 @@ fn flux_lora_stack_with_clip_matches_comfyui() {
 #[test]
 fn flux_comfyui_lora_matches_comfyui() {
     flux_lora_matches("tiny_flux_lora_comfy");
-}
-
-fn sd3_lora() -> &'static serde_json::Value {
-    static FX: OnceLock<serde_json::Value> = OnceLock::new();
-    FX.get_or_init(|| support::fixture("sd3_lora/expected.json"))
 }
 
 fn sd3_lora_matches(graph: &str) {

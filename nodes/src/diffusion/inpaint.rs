@@ -266,16 +266,7 @@ pub fn concat_cond(
     let plane = h * w;
     let image: Vec<f32> = match &entry.concat_latent_image {
         Some(img) => {
-            let [ib, ic, ih, iw] = img.shape[..] else {
-                return Err(NodeError::invalid(
-                    "concat_latent_image is not [b, c, h, w]",
-                ));
-            };
-            if ic != c {
-                return Err(NodeError::invalid(format!(
-                    "concat_latent_image has {ic} channels; the latent has {c}"
-                )));
-            }
+            let [ib, ic, ih, iw] = concat_image_dims(img, c)?;
             let scaled: Vec<f32> = img
                 .data
                 .iter()
@@ -322,6 +313,20 @@ pub fn concat_cond(
     Ok(Some(out))
 }
 
+/// `[b, c, h, w]` of an entry's `concat_latent_image`, which must have the
+/// latent's `c` channels.
+fn concat_image_dims(img: &Tensor, c: usize) -> Result<[usize; 4], NodeError> {
+    match img.shape[..] {
+        [ib, ic, ih, iw] if ic == c => Ok([ib, ic, ih, iw]),
+        [_, ic, _, _] => Err(NodeError::invalid(format!(
+            "concat_latent_image has {ic} channels; the latent has {c}"
+        ))),
+        _ => Err(NodeError::invalid(
+            "concat_latent_image is not [b, c, h, w]",
+        )),
+    }
+}
+
 /// `Flux.concat_cond`: the extra input channels of Flux Fill (the image
 /// latent and the mask folded 8×8 into 64 channels) and of the
 /// Canny/Depth models (the image latent alone), `[b, extra, h, w]`.
@@ -342,16 +347,7 @@ fn flux_concat(
     let plane = h * w;
     let image: Vec<f32> = match &entry.concat_latent_image {
         Some(img) => {
-            let [ib, ic, ih, iw] = img.shape[..] else {
-                return Err(NodeError::invalid(
-                    "concat_latent_image is not [b, c, h, w]",
-                ));
-            };
-            if ic != c {
-                return Err(NodeError::invalid(format!(
-                    "concat_latent_image has {ic} channels; the latent has {c}"
-                )));
-            }
+            let [ib, ic, ih, iw] = concat_image_dims(img, c)?;
             let resized = resize_planes(&img.data, ib * ic, (ih, iw), (h, w), Crop::Center)?;
             resize_to_batch(&resized, c * plane, b)
         }
