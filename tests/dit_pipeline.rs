@@ -46,6 +46,7 @@ fixtures! {
     kontext => "flux_kontext/expected.json",
     chroma => "chroma/expected.json",
     gguf => "gguf/expected.json",
+    gguf_lora => "gguf_lora/expected.json",
     flux_lora => "flux_lora/expected.json",
     sd3_lora => "sd3_lora/expected.json",
 }
@@ -762,6 +763,19 @@ fn gguf_q8_0_flux_on(graph: &str, device: &str) {
 /// runs `graph` on it.
 fn gguf_flux_on(name: &str, target: u32, graph: &str, device: &str) {
     let base = setup_with(fixture());
+    write_gguf_flux(base.path(), name, target);
+    run(base.path(), graph, device);
+    // The GPU stores weights as f16 (SHADER_F16), and Q8_0's d·q products
+    // are not all f16 values: they round, moving the latent by about 1e-5
+    // relative (as much as ComfyUI-GGUF's own default f16 dequantization
+    // does). The f16 fixtures' weights are f16 values, so they do not.
+    let tol = (device == "wgpu").then_some(5e-5);
+    check_graph(base.path(), gguf(), graph, tol);
+}
+
+/// The tiny Flux GGUF file `name` (GGML type `target`) rebuilt byte for
+/// byte as the reference script wrote it, under `base`'s `models/unet`.
+fn write_gguf_flux(base: &Path, name: &str, target: u32) {
     let dev = fixture()["files"]
         .as_array()
         .expect("files")
@@ -784,14 +798,31 @@ fn gguf_flux_on(name: &str, target: u32, graph: &str, device: &str) {
         support::sha256(&bytes),
         want["sha256"].as_str().expect("sha")
     );
-    std::fs::write(base.path().join("models/unet").join(name), bytes).expect("write");
-    run(base.path(), graph, device);
-    // The GPU stores weights as f16 (SHADER_F16), and Q8_0's d·q products
-    // are not all f16 values: they round, moving the latent by about 1e-5
-    // relative (as much as ComfyUI-GGUF's own default f16 dequantization
-    // does). The f16 fixtures' weights are f16 values, so they do not.
-    let tol = (device == "wgpu").then_some(5e-5);
-    check_graph(base.path(), gguf(), graph, tol);
+    std::fs::write(base.join("models/unet").join(name), bytes).expect("write");
+}
+
+/// A LoRA on a GGUF Flux through ComfyUI-GGUF's loader
+/// (tools/reference/gguf_lora.py): quantized weights patched in f32 at
+/// each use, the file's f16 weights merged and rounded back to f16.
+fn gguf_lora_matches(name: &str, target: u32, graph: &str) {
+    let base = setup_with(fixture());
+    write_gguf_flux(base.path(), name, target);
+    for f in gguf_lora()["files"].as_array().expect("files") {
+        write_fixture_entry(&base.path().join("models"), f);
+    }
+    run(base.path(), graph, "cpu");
+    check_graph(base.path(), gguf_lora(), graph, None);
+}
+
+#[test]
+fn gguf_q8_0_flux_with_a_kohya_lora_matches_comfyui() {
+    gguf_lora_matches("tiny_flux_q8_0.gguf", 8, "tiny_flux_gguf_lora");
+}
+
+/// Q4_K, where most patched weights are the file's f16 ones.
+#[test]
+fn gguf_q4_k_flux_with_a_diffusers_lora_matches_comfyui() {
+    gguf_lora_matches("tiny_flux_q4_k.gguf", 12, "tiny_flux_gguf_q4_k_lora");
 }
 
 /// A T5 in GGUF with llama.cpp's tensor names (`token_embd`,

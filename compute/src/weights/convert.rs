@@ -54,11 +54,17 @@ pub fn round_f16(x: f32) -> f32 {
     f16_to_f32(f32_to_f16_bits(x))
 }
 
+/// f32 rounded to the nearest bf16 (ties to even, as PyTorch's cast).
+pub fn round_bf16(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16_bits(x))
+}
+
 /// The f32 → `dtype` → f32 rounding of a float storage dtype, if it
 /// rounds.
 pub fn rounding(dtype: DType) -> Option<fn(f32) -> f32> {
     match dtype {
         DType::F16 => Some(round_f16),
+        DType::BF16 => Some(round_bf16),
         DType::F8E4M3 => Some(round_f8_e4m3),
         DType::F8E5M2 => Some(round_f8_e5m2),
         _ => None,

@@ -409,6 +409,8 @@ pub struct SafeTensors {
     extra: Vec<u8>,
     /// The arithmetic GGUF quants are decoded in.
     dequant: Dequant,
+    /// Read from a GGUF file.
+    gguf: bool,
 }
 
 impl fmt::Debug for SafeTensors {
@@ -487,6 +489,7 @@ impl SafeTensors {
                 backing,
                 extra: Vec::new(),
                 dequant: Dequant::default(),
+                gguf: true,
             });
         }
         let parsed = if pickle_name && bytes.starts_with(b"PK\x03\x04") {
@@ -508,6 +511,7 @@ impl SafeTensors {
                 backing,
                 extra: loaded.extra,
                 dequant: Dequant::default(),
+                gguf: false,
             });
         };
         let mut file = SafeTensors {
@@ -518,6 +522,7 @@ impl SafeTensors {
             backing,
             extra: Vec::new(),
             dequant: Dequant::default(),
+            gguf: false,
         };
         file.attach_fp8_scales()?;
         Ok(file)
@@ -579,6 +584,11 @@ impl SafeTensors {
 
     pub fn dequant(&self) -> Dequant {
         self.dequant
+    }
+
+    /// Whether the file is a GGUF one.
+    pub fn is_gguf(&self) -> bool {
+        self.gguf
     }
 
     /// The path the file was opened from (or the name given to

@@ -105,7 +105,8 @@ impl ModelFile {
         for c in &prog.commands {
             if let Command::Upload { name, .. } = c {
                 if let Some(p) = patches {
-                    if let Some(d) = p.patched(self, name, cast)? {
+                    let hold = cast.or_else(|| self.gguf_held(name));
+                    if let Some(d) = p.patched(self, name, hold)? {
                         b.weights.insert(name.clone(), d);
                         continue;
                     }
@@ -122,6 +123,15 @@ impl ModelFile {
             }
         }
         Ok(b)
+    }
+
+    /// The dtype ComfyUI-GGUF keeps a GGUF file's unquantized f16/bf16
+    /// tensor in: a LoRA merged into it is rounded back to that (its
+    /// quantized tensors are patched at each use and stay f32).
+    fn gguf_held(&self, name: &str) -> Option<DType> {
+        let r = self.store.get(name)?;
+        (r.file.is_gguf() && matches!(r.info.dtype, DType::F16 | DType::BF16))
+            .then_some(r.info.dtype)
     }
 
     /// Rows `[start, start + count)` of a 2-D tensor `[rows, width]` in
