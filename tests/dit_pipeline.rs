@@ -47,6 +47,7 @@ fixtures! {
     chroma => "chroma/expected.json",
     gguf => "gguf/expected.json",
     gguf_lora => "gguf_lora/expected.json",
+    fp8_lora => "fp8_lora/expected.json",
     flux_lora => "flux_lora/expected.json",
     sd3_lora => "sd3_lora/expected.json",
 }
@@ -812,6 +813,80 @@ fn gguf_lora_matches(name: &str, target: u32, graph: &str) {
     }
     run(base.path(), graph, "cpu");
     check_graph(base.path(), gguf_lora(), graph, None);
+}
+
+/// ComfyUI's stochastic rounding of LoRA-patched fp8 weights, bit for
+/// bit (tools/reference/fp8_lora.py): its seeds, torch's f16 draws, and
+/// the rounded codes of weight-like, mixed, tiny, huge and signed-zero
+/// inputs in both fp8 formats.
+#[test]
+fn stochastic_fp8_rounding_matches_comfyui() {
+    use sdkit_compute::weights::{
+        f16_to_f32, f32_to_f16_bits, f8_e4m3_to_f32, f8_e5m2_to_f32, DType,
+    };
+    use sdkit_nodes::adapters::stochastic::{rand_f16, stochastic_round, string_to_seed};
+    let c = &fp8_lora()["components"];
+    for e in c["string_to_seed"].as_array().expect("seeds") {
+        let key = e["key"].as_str().expect("key");
+        assert_eq!(
+            string_to_seed(key),
+            e["seed"].as_u64().expect("seed"),
+            "{key}"
+        );
+    }
+    let r = &c["torch_rand_f16"];
+    let mut gen = sdkit_nodes::noise::Mt19937::new(r["seed"].as_u64().expect("seed"));
+    let bits: Vec<u16> = support::b64(r["f16_bits"].as_str().expect("bits"))
+        .chunks(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    for (i, &want) in bits.iter().enumerate() {
+        let got = rand_f16(&mut gen);
+        assert_eq!(
+            f32_to_f16_bits(got),
+            want,
+            "draw {i}: {got} vs {}",
+            f16_to_f32(want)
+        );
+    }
+    let sr = &c["stochastic_rounding"];
+    let mut checked = 0;
+    for case in sr["cases"].as_array().expect("cases") {
+        let input = &sr["inputs"][case["input"].as_str().expect("input")];
+        let mut v = f32s(input["f32"].as_str().expect("f32"));
+        let (dtype, decode): (DType, fn(u8) -> f32) = match case["dtype"].as_str() {
+            Some("float8_e4m3fn") => (DType::F8E4M3, f8_e4m3_to_f32),
+            _ => (DType::F8E5M2, f8_e5m2_to_f32),
+        };
+        stochastic_round(&mut v, dtype, case["seed"].as_u64().expect("seed"));
+        let want = support::b64(case["fp8"].as_str().expect("fp8"));
+        assert_eq!(want.len(), v.len());
+        for (i, (&g, &code)) in v.iter().zip(&want).enumerate() {
+            let w = decode(code);
+            let same = (g.is_nan() && w.is_nan()) || g.to_bits() == w.to_bits();
+            assert!(
+                same,
+                "{} {:?} element {i}: {g} vs {w}",
+                case["input"], case["dtype"]
+            );
+        }
+        checked += v.len();
+    }
+    eprintln!("stochastic rounding: {checked} values bit for bit");
+}
+
+/// UNETLoader's fp8 weight_dtype with a LoRA: the patched weights
+/// rounded back to fp8 stochastically, as ComfyUI on the CPU.
+#[test]
+fn fp8_weight_dtype_with_lora_matches_comfyui() {
+    for graph in ["tiny_flux_fp8_lora", "tiny_flux_fp8_e5m2_lora"] {
+        let base = setup_with(fixture());
+        for f in fp8_lora()["files"].as_array().expect("files") {
+            write_fixture_entry(&base.path().join("models"), f);
+        }
+        run(base.path(), graph, "cpu");
+        check_graph(base.path(), fp8_lora(), graph, None);
+    }
 }
 
 #[test]

@@ -9,6 +9,7 @@
 
 pub mod keys;
 pub mod lora;
+pub mod stochastic;
 
 use crate::diffusion::{input, opaque, Clip, Model, ModelFile};
 use crate::models::detect::Net;
@@ -26,6 +27,10 @@ use std::sync::{Arc, Mutex};
 #[derive(Debug, Default)]
 pub struct Patches {
     pub by_tensor: BTreeMap<String, Vec<TensorPatch>>,
+    /// How ComfyUI names these tensors: our prefix and its (a model's
+    /// tensor `{ours}x` is its `diffusion_model.x`); the name seeds the
+    /// stochastic rounding of fp8-held weights.
+    pub comfy_names: Option<(String, String)>,
     computed: Mutex<HashMap<String, Arc<Vec<f32>>>>,
 }
 
@@ -42,6 +47,7 @@ impl Patches {
         }
         Patches {
             by_tensor,
+            comfy_names: self.comfy_names.clone(),
             computed: Mutex::new(HashMap::new()),
         }
     }
@@ -49,7 +55,8 @@ impl Patches {
     /// Tensor `name` of `file` with its patches applied, or None when it
     /// has none. `held_as`: the dtype the weight is held in (its base
     /// read as that, the patched result rounded back to it, as ComfyUI
-    /// casts a patched weight to the weight's dtype).
+    /// casts a patched weight to the weight's dtype; to fp8 stochastically,
+    /// seeded by ComfyUI's name of the tensor, [`stochastic`]).
     pub fn patched(
         &self,
         file: &ModelFile,
@@ -83,8 +90,25 @@ impl Patches {
         let mut w = file.tensor_held(name, held_as)?;
         lora::apply(&mut w, list)
             .map_err(|e| NodeError::invalid(format!("{}: tensor \"{name}\": {e}", file.name)))?;
-        if let Some(round) = held_as.and_then(rounding) {
-            w.iter_mut().for_each(|x| *x = round(*x));
+        match held_as {
+            Some(d @ (DType::F8E4M3 | DType::F8E5M2)) => {
+                let key = match &self.comfy_names {
+                    Some((ours, theirs)) => {
+                        format!(
+                            "{theirs}{}",
+                            name.strip_prefix(ours.as_str()).unwrap_or(name)
+                        )
+                    }
+                    None => name.to_string(),
+                };
+                stochastic::stochastic_round(&mut w, d, stochastic::string_to_seed(&key));
+            }
+            Some(d) => {
+                if let Some(round) = rounding(d) {
+                    w.iter_mut().for_each(|x| *x = round(*x));
+                }
+            }
+            None => {}
         }
         let d = Arc::new(w);
         file.patched.insert(name, list, held_as, Arc::clone(&d));
@@ -197,11 +221,6 @@ fn open_lora(ctx: &NodeContext, name: &str) -> Result<SafeTensors, NodeError> {
 /// The patches a LoRA file makes on a model at `strength`, and the file
 /// keys they used.
 fn model_patches(file: &SafeTensors, model: &Model, strength: f64) -> Result<Loaded, NodeError> {
-    if model.file.cast.is_some() {
-        return Err(NodeError::invalid(
-            "LoRA on a model loaded with an fp8 weight_dtype is not supported yet (ComfyUI rounds the patched weights back to fp8 stochastically)",
-        ));
-    }
     let names: Vec<String> = model
         .file
         .store
@@ -276,7 +295,9 @@ fn report_unused(ctx: &NodeContext, name: &str, file: &SafeTensors, used: &BTree
 
 fn patched_model(model: &Model, patches: Vec<(String, TensorPatch)>) -> Model {
     let mut m = model.clone();
-    m.patches = Arc::new(model.patches.with(patches));
+    let mut p = model.patches.with(patches);
+    p.comfy_names = Some((model.prefix.clone(), "diffusion_model.".to_string()));
+    m.patches = Arc::new(p);
     m
 }
 
