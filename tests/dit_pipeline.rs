@@ -412,6 +412,13 @@ fn scaled_fp8_files_match_comfyui() {
     matches_in(scaled_fp8(), "tiny_flux_scaled_fp8", "cpu");
 }
 
+/// A LoRA on a scaled-fp8 Flux: ComfyUI patches `stored · scale` and
+/// keeps the stochastic rounding of `result / scale` (clamped at ±448).
+#[test]
+fn scaled_fp8_with_lora_matches_comfyui() {
+    matches_in(scaled_fp8(), "tiny_flux_scaled_fp8_lora", "cpu");
+}
+
 /// The same on wgpu, which stores weights as f16: a scaled weight (fp8 ×
 /// an arbitrary f32 scale) is no longer exact there, so the latent gets
 /// the f16 weight rounding's tolerance.

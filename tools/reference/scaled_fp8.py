@@ -20,13 +20,31 @@ tests/reference/scaled_fp8/expected.json gets:
       both with "dtype": "F8_E4M3_SCALED" and "checksum_raw" (below), and
       the unscaled companions exactly as flux_pipeline writes them
       (clip/tiny_clip_l.safetensors, vae/tiny_flux_ae.safetensors; keys and
-      checksum asserted equal to tests/reference/flux/expected.json).
+      checksum asserted equal to tests/reference/flux/expected.json), and
+      loras/tiny_flux_lora_kohya.safetensors: flux_lora's entry copied
+      verbatim from tests/reference/flux_lora/expected.json (rebuilt here
+      with flux_lora.lora_specs / lora_pipeline.write_lora and asserted
+      equal: keys, scaled, alphas, checksum_f16).
   workflows: tiny_flux_scaled_fp8 as flux's: latent_shape, latent_f32,
       image_shape, image_f32 (base64 little-endian f32), image_range [min,
       max, std], f32_vs_f64_unet_rel, unet_rounding_rel (sd1_pipeline's
       spread runs), plus vs_tiny_flux_txt2img_rel and vs_tiny_flux_fp8_rel
       (max |latent - that flux fixture latent| / max |that latent|), for
       the record.
+    tiny_flux_scaled_fp8_lora (graphs/tiny_flux_scaled_fp8_lora.json: the
+      same graph plus node 20 LoraLoaderModelOnly(tiny_flux_lora_kohya,
+      strength_model 0.8) between UNETLoader and KSampler, prefixes
+      renamed; = graphs/tiny_flux_fp8_lora.json with the scaled UNet / T5
+      and weight_dtype "default", asserted): loras, latent_shape,
+      latent_f32, image_shape, image_f32, image_range, f32_vs_f64_unet_rel,
+      unet_rounding_rel (the same spread runs; in the --perturb-unet run
+      this workflow's perturbation draws continue after the first
+      workflow's, one generator), and for the record
+      vs_round_to_nearest_rel (max |latent - latent of the same run with
+      the patched weights' stochastic_rounding replaced by value.to(fp8)|
+      / max |that|), without_lora_rel (against tiny_flux_scaled_fp8's
+      latent), vs_tiny_flux_lora_kohya_rel (against flux_lora's f32-weight
+      latent); and "patched" (below).
   components:
     t5_hidden: [{text, cond_shape, cond_f32, pooled_shape, pooled_f32,
         vs_unscaled_t5_rel}]: DualCLIPLoader(flux) on (tiny_clip_l,
@@ -82,6 +100,69 @@ What ComfyUI makes of these files on the CPU (asserted, printed):
     T5 Linears are scaled_fp8 ops (fp8 weight, scale_weight, no
     scale_input), embeddings / layer norms f16. CLIP-L is unaffected.
 
+LoRA on the scaled fp8 UNet (ComfyUI 0.3.64, torch CPU; traced by
+wrapping ModelPatcher.patch_weight_to_device, get_key_weight's results,
+comfy.lora.calculate_weight, comfy.float.stochastic_rounding,
+LowVramPatch.__call__ and forward hooks; all asserted):
+  * LoraLoaderModelOnly adds 33 patches, every kohya target, all of them
+    2-D Linear weights of scaled_fp8 Linears; the kohya file has no bias
+    (diff_b) keys, so no bias is patched: every bias stays the load-time
+    e4m3fn cast of the file's f16 value. (A bias patch would take
+    get_key_weight(...bias) -> set_func None, convert_func None, an fp8
+    parameter: stochastic_rounding(out, fp8, seed) directly, no scale --
+    recorded, not exercised.)
+  * They are applied once each, when the KSampler loads the model (full
+    load on the CPU), by ModelPatcher.patch_weight_to_device(key,
+    device_to=cpu); LowVramPatch is never called. get_key_weight gives
+    set_func = the Linear's set_weight and convert_func = its
+    convert_weight (scaled_fp8_ops.<locals>.scaled_fp8_op.Linear), the
+    weight = the stored fp8 parameter. Then, all f32 on the CPU:
+      temp = f32(stored fp8)                    (exact)
+      temp *= scale_weight                      (convert_weight, inplace;
+                                                 asserted = numpy's f32
+                                                 product q * s)
+      out = calculate_weight: temp += 0.8 * alpha / rank * (up @ down)
+                                                (vs the f64 formula: worst
+                                                 rel 9.7e-8)
+      set_weight(out, inplace_update=False, seed=string_to_seed(key)):
+        stored = stochastic_rounding(out / scale_weight, float8_e4m3fn,
+                                     seed)      (the division is IEEE f32,
+                                                 asserted = numpy's; the
+                                                 rounding fp8_lora.py's,
+                                                 CPU generator; every
+                                                 patched weight rebuilt
+                                                 byte for byte by
+                                                 fp8_lora.emulate)
+        -> a new Parameter; scale_weight unchanged.
+    The forward after patching is the unpatched one: for txt_in (branch
+    W*s) and double_blocks.0.img_attn.qkv (branch x*s) the first call
+    during sampling is asserted bit-equal to linear(x, f32(stored) * s, b)
+    resp. linear(x * s, f32(stored), b) with the patched bytes.
+  * patched: keys (patch order), seeds {key: string_to_seed(key)}, path,
+    set_func, convert_func, bias_patches (0), bias, lowvram_patch_calls
+    (0), stochastic_rounding_calls (33), differs_from_round_to_nearest
+    {key: codes != (out / s).to(fp8)}, clamped_to_448 {key: elements with
+    |out / s| > 448}, recorded: for RECORDED keys {key, seed, scale (the
+    f32 scale_weight as a number), scale_f32_bits, shape, dtype, fp8
+    (base64 of the model's weight.view(torch.uint8) after patching),
+    differs_from_round_to_nearest, clamped_to_448}, txt_in also patched_f32
+    (base64 little-endian f32: calculate_weight's result W*s + dW, i.e.
+    *before* the division by the scale; stochastic_rounding's input is
+    patched_f32 / scale in f32).
+  Measured: f32_vs_f64_unet_rel 1.4e-7, unet_rounding_rel 4.3e-7,
+  vs_round_to_nearest_rel 0.034, without_lora_rel 0.144,
+  vs_tiny_flux_lora_kohya_rel 0.037; 22-25% of the codes of each patched
+  weight differ from round-to-nearest (qkv 3019 of 12288, txt_in 485 of
+  2048). As in fp8_lora, the stochastic rounding moves the result ~1e5 x
+  the spreads: the exact bytes must be reproduced.
+  Saturation: the scale stays the file's max |W| / 448, so wherever the
+  LoRA grows |W| beyond the old maximum, |out / s| > 448 and
+  stochastic_rounding's clamp stores +-448 (asserted: code 0x7E / 0xFE).
+  Here every patched weight has some: 25548 of 473088 elements in all,
+  1.7% of img_attn.qkv (double_blocks.1) up to 11.3% of
+  double_blocks.0.txt_mod.lin (the alpha-8 modulation targets clip most);
+  qkv.0 233, txt_in 125 (max |out / s| 630.6).
+
 ComfyUI only recognises full-size parts. Relaxed, as in flux_pipeline.py
 (fp.patch_comfy: tiny CLIP-L / T5 configs, Flux widths in detect_unet_config,
 the ae VAE widths), and one more:
@@ -116,6 +197,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sd1_pipeline as sd1  # noqa: E402
 import flux_pipeline as fp  # noqa: E402
 import flux_lora as fl  # noqa: E402
+import fp8_lora as fl8  # noqa: E402
 import lora_pipeline as lp  # noqa: E402
 
 ROOT = sd1.ROOT
@@ -129,6 +211,19 @@ BASE_GRAPH = "tiny_flux_fp8"
 HIDDEN_PROMPT = "a photo of a cat"
 TINY_T5_LAST = "encoder.block.{}.layer.1.DenseReluDense.wi_1.weight".format(fp.T5["num_layers"] - 1)
 REL_FP8 = 0.07
+LORA_WORKFLOW = "tiny_flux_scaled_fp8_lora"
+LORA_STRENGTH = 0.8
+LORA_NODE = "20"
+LORA_LOADERS = [["LoraLoaderModelOnly", fl.KOHYA, LORA_STRENGTH, None]]
+assert [list(x) for x in fl.WORKFLOWS["tiny_flux_lora_kohya"]] == LORA_LOADERS
+# The two patched weights whose stored fp8 bytes are recorded (txt_in also
+# with the f32 weight calculate_weight returned).
+RECORDED = ["diffusion_model.double_blocks.0.img_attn.qkv.weight", "diffusion_model.txt_in.weight"]
+WITH_INPUT = "diffusion_model.txt_in.weight"
+# Patched Linears whose forward (after patching, inside the sampling) is
+# checked against stored fp8 x scale_weight: one per branch.
+FORWARD_CHECKED = {"diffusion_model.txt_in.weight": "W*s",
+                   "diffusion_model.double_blocks.0.img_attn.qkv.weight": "x*s"}
 
 
 def is_scaled(name, shape):
@@ -277,6 +372,239 @@ def graph():
     g["9"]["inputs"]["filename_prefix"] = WORKFLOW
     g["99"]["inputs"]["filename_prefix"] = "latents/" + WORKFLOW
     return g
+
+
+def graph_lora():
+    """graph() with LoraLoaderModelOnly(kohya, 0.8) as node 20 between
+    UNETLoader and KSampler, prefixes renamed. Asserted equal to
+    graphs/tiny_flux_fp8_lora.json with the scaled files and weight_dtype
+    "default"."""
+    base = graph()
+    g = {}
+    for nid, node in base.items():
+        node = json.loads(json.dumps(node))
+        if node["class_type"] == "KSampler":
+            assert node["inputs"]["model"] == ["1", 0]
+            node["inputs"]["model"] = [LORA_NODE, 0]
+        if "filename_prefix" in node["inputs"]:
+            v = node["inputs"]["filename_prefix"]
+            assert v in (WORKFLOW, "latents/" + WORKFLOW), v
+            node["inputs"]["filename_prefix"] = v.replace(WORKFLOW, LORA_WORKFLOW)
+        g[nid] = node
+        if nid == "13":
+            ((cls, lora, sm, _),) = LORA_LOADERS
+            g[LORA_NODE] = {"class_type": cls, "inputs": {
+                "model": ["1", 0], "lora_name": lora, "strength_model": sm}}
+    assert len(g) == len(base) + 1
+    with open(os.path.join(ROOT, "graphs", "tiny_flux_fp8_lora.json")) as f:
+        other = json.load(f)
+    assert other["1"]["inputs"] == {"unet_name": "tiny_flux_dev.safetensors",
+                                    "weight_dtype": "fp8_e4m3fn"}
+    other["1"]["inputs"] = {"unet_name": UNET_FILE, "weight_dtype": "default"}
+    other["2"]["inputs"]["clip_name2"] = T5_FILE
+    for nid in ("9", "99"):
+        other[nid]["inputs"]["filename_prefix"] = other[nid]["inputs"]["filename_prefix"].replace(
+            "tiny_flux_fp8_lora", LORA_WORKFLOW)
+    assert other == g and list(other) == list(g)
+    return g
+
+
+class LoraTrace(fl8.Trace):
+    """fp8_lora.Trace (patch_weight_to_device, LowVramPatch,
+    stochastic_rounding; rne=True rounds to nearest instead) plus, per
+    patched key, the set_func / convert_func get_key_weight gave, the
+    Linear module, and comfy.lora.calculate_weight's f32 result; and
+    forward hooks on FORWARD_CHECKED's Linears recording their first call
+    after patching."""
+
+    def __init__(self, torch):
+        super().__init__(torch)
+        import comfy.lora
+        import comfy.utils
+        self.lora = comfy.lora
+        mp = self.mp
+        self.orig2 = (mp.ModelPatcher.patch_weight_to_device, comfy.lora.calculate_weight)
+        trace = self
+
+        def pw(patcher, key, device_to=None, inplace_update=False):
+            if key in patcher.patches:
+                w, set_func, convert_func = mp.get_key_weight(patcher.model, key)
+                op = comfy.utils.get_attr(patcher.model, key.rsplit(".", 1)[0])
+                trace.funcs[key] = {"set_func": set_func, "convert_func": convert_func, "op": op,
+                                    "model": patcher.model,
+                                    "before": w.detach().clone(),
+                                    "inplace_update": patcher.weight_inplace_update or inplace_update}
+                if key in FORWARD_CHECKED:
+                    def hook(mod, args, out, key=key):
+                        if key not in trace.forward:
+                            trace.forward[key] = {
+                                "x": args[0].detach().clone(), "out": out.detach().clone(),
+                                "weight": mod.weight.detach().clone(),
+                                "bias": mod.bias.detach().clone(),
+                                "scale_weight": mod.scale_weight.detach().clone()}
+                    trace.hooks.append(op.register_forward_hook(hook))
+            return trace.orig2[0](patcher, key, device_to=device_to, inplace_update=inplace_update)
+
+        def cw(patches, weight, key, *args, **kwargs):
+            temp = weight.detach().clone()
+            out = trace.orig2[1](patches, weight, key, *args, **kwargs)
+            trace.computed.append({"key": key, "current": trace.current, "temp": temp,
+                                   "out": out.detach().clone()})
+            return out
+        mp.ModelPatcher.patch_weight_to_device = pw
+        comfy.lora.calculate_weight = cw
+
+    def reset(self):
+        super().reset()
+        for h in getattr(self, "hooks", []):
+            h.remove()
+        self.funcs, self.computed, self.forward, self.hooks = {}, [], {}, []
+
+    def close(self):
+        self.reset()
+        self.mp.ModelPatcher.patch_weight_to_device = self.orig2[0]
+        self.lora.calculate_weight = self.orig2[1]
+        super().close()
+
+
+def func_name(f):
+    return None if f is None else getattr(f, "__qualname__", repr(f))
+
+
+def check_patching(trace, lora_targets, lora_data, scales, torch):
+    """The patching of the LoRA workflow as it happened (asserted), and its
+    record."""
+    import comfy.model_patcher
+    import comfy.utils
+    assert not trace.lowvram, trace.lowvram
+    pkeys = [p["key"] for p in trace.patched]
+    assert sorted(pkeys) == sorted(lora_targets), sorted(set(pkeys) ^ set(lora_targets))
+    assert len(set(pkeys)) == len(pkeys)  # once each per sampling
+    assert not [k for k in pkeys if not k.endswith(".weight")], "bias patched"
+    assert [c["key"] for c in trace.computed] == pkeys
+    assert [c["current"] for c in trace.computed] == pkeys
+    assert [r["key"] for r in trace.rounded] == pkeys, "stochastic_rounding outside patching"
+    assert {p["device_to"] for p in trace.patched} == {"cpu"}
+    assert {r["device"] for r in trace.rounded} == {"cpu"}
+    assert {r["value_dtype"] for r in trace.rounded} == {"float32"}
+    assert {p["dtype"] for p in trace.patched} == {"float8_e4m3fn"}
+    assert {f["inplace_update"] for f in trace.funcs.values()} == {False}
+    targets = {t.key: t for t in lora_data[0]}
+    worst_rne, worst_formula = 0.0, 0.0
+    for p, c, r in zip(trace.patched, trace.computed, trace.rounded):
+        k = p["key"]
+        f = trace.funcs[k]
+        op = f["op"]
+        # set_func / convert_func: the scaled_fp8 Linear's own methods.
+        assert type(op).__qualname__.startswith("scaled_fp8_ops.<locals>.scaled_fp8_op"), k
+        assert f["set_func"] is not None and f["set_func"].__func__ is type(op).set_weight, k
+        assert f["convert_func"] is not None and f["convert_func"].__func__ is type(op).convert_weight, k
+        s = np.float32(scales[stem(k[len("diffusion_model."):]) + ".scale_weight"])
+        assert float(op.scale_weight) == float(s), k  # scale untouched by patching
+        file_key = k[len("diffusion_model."):]
+        _, q, s2 = scaled_tensor(file_key, list(p["after"].shape), torch)
+        assert s2 == s
+        assert torch.equal(f["before"].view(torch.uint8), q.view(torch.uint8)), k
+        # convert_func: temp = f32(stored fp8) * scale, in place, f32.
+        assert c["temp"].dtype == torch.float32
+        assert np.array_equal(c["temp"].numpy(), q.float().numpy() * s), k
+        # calculate_weight: temp + 0.8 * alpha / rank * up @ down (f32), checked in f64.
+        want = q.float().numpy().astype(np.float64) * float(s) + LORA_STRENGTH * targets[k].delta(
+            (lora_data[1], lora_data[2], lora_data[3]), list(q.shape), torch)
+        out = c["out"].numpy()
+        rel = float(np.abs(out - want).max() / np.abs(want).max())
+        assert rel < 1e-5, (k, rel)
+        worst_formula = max(worst_formula, rel)
+        # set_weight: stochastic_rounding(out / scale, fp8, seed=string_to_seed(key)).
+        assert r["seed"] == comfy.model_patcher.string_to_seed(k), k
+        assert np.array_equal(r["value"].numpy(), out / s), k  # IEEE f32 division
+        after = p["after"].view(torch.uint8).numpy()
+        assert np.array_equal(after, r["out"].view(torch.uint8).numpy()), k
+        assert op.weight.dtype == torch.float8_e4m3fn
+        assert np.array_equal(op.weight.detach().view(torch.uint8).numpy(), after), k
+        mine, _ = fl8.emulate(r["value"].numpy(), "float8_e4m3fn", r["seed"])
+        assert np.array_equal(after, mine), k  # numpy rebuild, byte for byte
+        rne = r["value"].to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        p["differs_from_rne"] = int((after != rne).sum())
+        worst_rne = max(worst_rne, p["differs_from_rne"] / after.size)
+        # the scale is the file's (max |W| / 448): W*s + dW beyond it saturates
+        v = r["value"].numpy()
+        p["clamped"] = int((np.abs(v) > FP8_MAX).sum())
+        assert ((after[np.abs(v) > FP8_MAX] & 0x7F) == 0x7E).all(), k
+        # the bias: not patched, still the load-time e4m3fn cast of the f16 value
+        b16 = torch.from_numpy(sd1.values(stem(file_key) + ".bias", [q.shape[0]]).astype(np.float16))
+        assert op.bias.dtype == torch.float8_e4m3fn
+        assert torch.equal(op.bias.view(torch.uint8), b16.to(torch.float8_e4m3fn).view(torch.uint8)), k
+    # The forward after patching: stored fp8 x scale_weight, as before.
+    assert set(trace.forward) == set(FORWARD_CHECKED), set(trace.forward)
+    for k, branch in FORWARD_CHECKED.items():
+        fw = trace.forward[k]
+        (p,) = [q for q in trace.patched if q["key"] == k]
+        assert torch.equal(fw["weight"].view(torch.uint8), p["after"].view(torch.uint8)), k
+        w, b, sw, x = fw["weight"].float(), fw["bias"].float(), fw["scale_weight"], fw["x"]
+        assert (w.numel() < x.numel()) == (branch == "W*s"), (k, branch)
+        want = (torch.nn.functional.linear(x, w * sw, b) if branch == "W*s"
+                else torch.nn.functional.linear(x * sw, w, b))
+        assert torch.equal(fw["out"], want), k
+    # What a bias patch would take (none here): get_key_weight of a bias.
+    bias_key = RECORDED[0][:-len(".weight")] + ".bias"
+    bias_w, bias_set, bias_convert = comfy.model_patcher.get_key_weight(
+        trace.funcs[RECORDED[0]]["model"], bias_key)
+    assert bias_set is None and bias_convert is None and bias_w.dtype == torch.float8_e4m3fn
+    recorded = []
+    for k in RECORDED:
+        (p,) = [q for q in trace.patched if q["key"] == k]
+        (r,) = [q for q in trace.rounded if q["key"] == k]
+        (c,) = [q for q in trace.computed if q["key"] == k]
+        s = float(trace.funcs[k]["op"].scale_weight)
+        e = {"key": k, "seed": r["seed"], "scale": s,
+             "scale_f32_bits": int(np.float32(s).view(np.uint32)),
+             "shape": list(p["after"].shape), "dtype": p["dtype"],
+             "fp8": fl8.b64(p["after"].view(torch.uint8).numpy()),
+             "differs_from_round_to_nearest": p["differs_from_rne"], "clamped_to_448": p["clamped"]}
+        if k == WITH_INPUT:
+            e["patched_f32"] = fl8.b64(c["out"].numpy().astype("<f4"))
+        recorded.append(e)
+    f0 = trace.funcs[RECORDED[0]]
+    info = {
+        "keys": pkeys,
+        "seeds": {k: comfy.model_patcher.string_to_seed(k) for k in pkeys},
+        "path": "ModelPatcher.patch_weight_to_device(key, device_to=cpu) (full load): temp = "
+                "f32(stored fp8); convert_func(temp, inplace=True): temp *= scale_weight (f32); "
+                "out = comfy.lora.calculate_weight (temp += 0.8 * alpha / rank * up @ down, f32); "
+                "set_func(out, seed=string_to_seed(key)): stochastic_rounding(out / scale_weight "
+                "(f32 division), float8_e4m3fn, seed), generator on cpu, stored as a new "
+                "Parameter; scale_weight unchanged; the forward uses stored fp8 x scale_weight",
+        "set_func": func_name(f0["set_func"]),
+        "convert_func": func_name(f0["convert_func"]),
+        "every_patched_key_has_set_and_convert_func": True,
+        "bias_patches": 0,
+        "bias": "the kohya file patches only the 33 Linear weights (no diff_b / bias keys); every "
+                "bias stays the load-time float8_e4m3fn cast of the file's f16 value. A bias patch "
+                "would find get_key_weight({}) -> set_func {}, convert_func {}, dtype {}: "
+                "stochastic_rounding(out, fp8, seed) directly, no scale".format(
+                    bias_key, func_name(bias_set), func_name(bias_convert), dtype_name(bias_w)),
+        "lowvram_patch_calls": len(trace.lowvram),
+        "stochastic_rounding_calls": len(trace.rounded),
+        "differs_from_round_to_nearest": {p["key"]: p["differs_from_rne"] for p in trace.patched},
+        "clamped_to_448": {p["key"]: p["clamped"] for p in trace.patched},
+        "recorded": recorded,
+    }
+    print("   patched {} weights (no biases) via patch_weight_to_device on cpu: set_func {}, "
+          "convert_func {}; LowVramPatch calls {}; calculate_weight vs f64 formula worst rel {:.2e}; "
+          "codes differing from round-to-nearest: worst fraction {:.4f}; every one rebuilt by "
+          "fp8_lora.emulate from out / scale and the seed".format(
+              len(pkeys), info["set_func"], info["convert_func"], len(trace.lowvram),
+              worst_formula, worst_rne))
+    print("   bias:", info["bias"])
+    clamped = sum(info["clamped_to_448"].values())
+    print("   |out / scale| > 448, saturated to +-448: {} codes in {} of {} weights (most {:.4f} "
+          "of a weight)".format(clamped, sum(1 for v in info["clamped_to_448"].values() if v),
+                                len(pkeys), max(p["clamped"] / p["after"].numel() for p in trace.patched)))
+    for e in recorded:
+        print("   recorded", e["key"], "seed", e["seed"], "scale", e["scale"], "shape", e["shape"],
+              "differs from RNE", e["differs_from_round_to_nearest"], "clamped", e["clamped_to_448"])
+    return info
 
 
 def dtype_name(t):
@@ -483,7 +811,7 @@ def main():
         fp.patch_comfy(tmp, torch)
         detect_calls = patch_t5_detect()
         for folder, kind in {"unet": "diffusion_models", "clip": "text_encoders",
-                             "vae": "vae"}.items():
+                             "vae": "vae", "loras": "loras"}.items():
             d = os.path.join(tmp, folder)
             os.makedirs(d, exist_ok=True)
             folder_paths.add_model_folder_path(kind, d, is_default=True)
@@ -531,14 +859,37 @@ def main():
                 print("file", folder, name, "keys", len(keys), "checksum", digest,
                       "(= flux/expected.json)")
 
-        g = graph()
-        path = os.path.join(ROOT, "graphs", WORKFLOW + ".json")
+        # The kohya LoRA, as flux_lora writes it (names from ComfyUI's key
+        # maps of the loaded scaled model: the same as the plain one's).
+        with open(os.path.join(ROOT, "tests", "reference", "flux_lora", "expected.json")) as f:
+            lora_ref = json.load(f)
+        (kohya_ref,) = [x for x in lora_ref["files"] if x["name"] == fl.KOHYA]
+        (model,) = nodes.UNETLoader().load_unet(UNET_FILE, "default")
+        (clip,) = nodes.DualCLIPLoader().load_clip(COMPANIONS[0], T5_FILE, "flux")
+        specs = fl.lora_specs(model, clip)
+        del model, clip
+        lkeys, lscaled, lalphas = fl.file_keys(specs[fl.KOHYA])
+        digest = lp.write_lora(os.path.join(tmp, "loras", fl.KOHYA), lkeys, lscaled, lalphas, torch)
+        assert [list(k) for k in lkeys] == kohya_ref["keys"]
+        assert lscaled == kohya_ref["scaled"] and lalphas == kohya_ref["alphas"]
+        assert str(digest) == kohya_ref["checksum_f16"]
+        out["files"].append(kohya_ref)
+        lora_data = (specs[fl.KOHYA], lkeys, lscaled, lalphas)
+        lora_targets = sorted(t.key for t in specs[fl.KOHYA])
         if not sub:
-            with open(path, "w") as f:
-                f.write(fl.graph_text(g))
-        with open(path) as f:
-            prompt = json.load(f)
-        assert prompt == g
+            print("file loras", fl.KOHYA, "keys", len(lkeys), "checksum", digest,
+                  "(= flux_lora/expected.json)")
+
+        graphs = {WORKFLOW: graph(), LORA_WORKFLOW: graph_lora()}
+        prompts = {}
+        for name, g in graphs.items():
+            path = os.path.join(ROOT, "graphs", name + ".json")
+            if not sub:
+                with open(path, "w") as f:
+                    f.write(fl.graph_text(g))
+            with open(path) as f:
+                prompts[name] = json.load(f)
+            assert prompts[name] == g
 
         node_ns = types.SimpleNamespace(
             NODE_CLASS_MAPPINGS={**nodes.NODE_CLASS_MAPPINGS, **fp.v3_nodes()})
@@ -547,46 +898,96 @@ def main():
             out["components"]["scales"] = scales
             out["components"]["t5_hidden"] = t5_hidden(nodes, flux_ref)
             f64_latents, perturbed_latents = sd1.spread_runs(__file__)
-        name = WORKFLOW
-        saved, latents = sd1.run_workflow(prompt, node_ns, torch)
-        (image,) = saved
-        img = image.float().numpy()
-        (latent,) = latents
-        lat = latent.float().numpy()
-        assert np.isfinite(lat).all() and np.isfinite(img).all(), name
+        trace = LoraTrace(torch)
+        try:
+            lats = {}
+            for name, prompt in prompts.items():
+                del log.records[:]
+                trace.reset()
+                trace.rne = False
+                saved, latents = sd1.run_workflow(prompt, node_ns, torch)
+                assert not log.problems(), (name, log.problems())
+                (image,) = saved
+                img = image.float().numpy()
+                (latent,) = latents
+                lat = latent.float().numpy()
+                lats[name] = lat
+                assert np.isfinite(lat).all() and np.isfinite(img).all(), name
+                if name == WORKFLOW:
+                    assert not trace.patched and not trace.rounded and not trace.computed, name
+                else:
+                    assert len(trace.patched) == len(lora_targets), len(trace.patched)
+                if sub:
+                    out["workflows"][name] = sd1.b64(lat.astype("<f4"))
+                    continue
+                # Not flat, not saturated.
+                assert img.std() > 0.02, (name, float(img.std()))
+                clipped = float(((img <= 0.0) | (img >= 1.0)).mean())
+                assert clipped < 0.2, (name, clipped)
+
+                def rel_to(other):
+                    return float(np.abs(lat.reshape(-1) - other).max() / np.abs(other).max())
+
+                def spread_to(latents):
+                    return rel_to(np.frombuffer(base64.b64decode(latents[name]), "<f4"))
+
+                def flux_rel(wf, ref=flux_ref):
+                    return rel_to(np.frombuffer(base64.b64decode(ref["workflows"][wf]["latent_f32"]), "<f4"))
+                if name == WORKFLOW:
+                    out["workflows"][name] = {
+                        "f32_vs_f64_unet_rel": spread_to(f64_latents),
+                        "unet_rounding_rel": spread_to(perturbed_latents),
+                        "vs_tiny_flux_txt2img_rel": flux_rel("tiny_flux_txt2img"),
+                        "vs_tiny_flux_fp8_rel": flux_rel("tiny_flux_fp8"),
+                        "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
+                        "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
+                        "image_range": [float(img.min()), float(img.max()), float(img.std())],
+                    }
+                    w = out["workflows"][name]
+                    assert w["vs_tiny_flux_txt2img_rel"] > 1e-4, w["vs_tiny_flux_txt2img_rel"]
+                    print(name, "latent", lat.shape, "abs mean", float(np.abs(lat).mean()),
+                          "std", float(lat.std()), "image", img.shape, "min/max/std", w["image_range"],
+                          "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
+                          "rounding", w["unet_rounding_rel"], "vs tiny_flux_txt2img",
+                          w["vs_tiny_flux_txt2img_rel"], "vs tiny_flux_fp8", w["vs_tiny_flux_fp8_rel"])
+                    continue
+                print(name, "(LoRA): patching")
+                patched = check_patching(trace, lora_targets, lora_data, scales[UNET_FILE], torch)
+                # the same run, the patched weights' stochastic rounding
+                # replaced by round to nearest
+                trace.reset()
+                trace.rne = True
+                _, rne_latents = sd1.run_workflow(prompt, node_ns, torch)
+                trace.rne = False
+                assert len(trace.rounded) == len(lora_targets)
+                rne_lat = rne_latents[0].float().numpy().reshape(-1)
+                # vs the latent rounded to nearest, as fp8_lora measures it
+                rne_rel = float(np.abs(lat.reshape(-1) - rne_lat).max() / np.abs(rne_lat).max())
+                out["workflows"][name] = {
+                    "loras": LORA_LOADERS,
+                    "f32_vs_f64_unet_rel": spread_to(f64_latents),
+                    "unet_rounding_rel": spread_to(perturbed_latents),
+                    "vs_round_to_nearest_rel": rne_rel,
+                    "without_lora_rel": rel_to(lats[WORKFLOW].reshape(-1)),
+                    "vs_tiny_flux_lora_kohya_rel": flux_rel("tiny_flux_lora_kohya", lora_ref),
+                    "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
+                    "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
+                    "image_range": [float(img.min()), float(img.max()), float(img.std())],
+                    "patched": patched,
+                }
+                w = out["workflows"][name]
+                assert w["without_lora_rel"] > 1e-3, w["without_lora_rel"]
+                print(name, "latent", lat.shape, "abs mean", float(np.abs(lat).mean()),
+                      "std", float(lat.std()), "image", img.shape, "min/max/std", w["image_range"],
+                      "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
+                      "rounding", w["unet_rounding_rel"], "vs round-to-nearest", rne_rel,
+                      "without LoRA", w["without_lora_rel"], "vs tiny_flux_lora_kohya (f32 weights)",
+                      w["vs_tiny_flux_lora_kohya_rel"])
+        finally:
+            trace.close()
         if sub:
-            out["workflows"][name] = sd1.b64(lat.astype("<f4"))
             print(json.dumps(out["workflows"]))
             return
-        # Not flat, not saturated.
-        assert img.std() > 0.02, (name, float(img.std()))
-        clipped = float(((img <= 0.0) | (img >= 1.0)).mean())
-        assert clipped < 0.2, (name, clipped)
-
-        def rel_to(other):
-            return float(np.abs(lat.reshape(-1) - other).max() / np.abs(other).max())
-
-        def spread_to(latents):
-            return rel_to(np.frombuffer(base64.b64decode(latents[name]), "<f4"))
-
-        def flux_rel(wf):
-            return rel_to(np.frombuffer(base64.b64decode(flux_ref["workflows"][wf]["latent_f32"]), "<f4"))
-        out["workflows"][name] = {
-            "f32_vs_f64_unet_rel": spread_to(f64_latents),
-            "unet_rounding_rel": spread_to(perturbed_latents),
-            "vs_tiny_flux_txt2img_rel": flux_rel("tiny_flux_txt2img"),
-            "vs_tiny_flux_fp8_rel": flux_rel("tiny_flux_fp8"),
-            "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
-            "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
-            "image_range": [float(img.min()), float(img.max()), float(img.std())],
-        }
-        w = out["workflows"][name]
-        assert w["vs_tiny_flux_txt2img_rel"] > 1e-4, w["vs_tiny_flux_txt2img_rel"]
-        print(name, "latent", lat.shape, "abs mean", float(np.abs(lat).mean()),
-              "std", float(lat.std()), "image", img.shape, "min/max/std", w["image_range"],
-              "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
-              "rounding", w["unet_rounding_rel"], "vs tiny_flux_txt2img",
-              w["vs_tiny_flux_txt2img_rel"], "vs tiny_flux_fp8", w["vs_tiny_flux_fp8_rel"])
         sd1.write_expected("scaled_fp8", out)
         print("wrote", os.path.join(ROOT, "tests", "reference", "scaled_fp8", "expected.json"))
     finally:

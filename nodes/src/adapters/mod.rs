@@ -66,16 +66,11 @@ impl Patches {
         let Some(list) = self.by_tensor.get(name) else {
             return Ok(None);
         };
-        if file
-            .store
-            .get(name)
-            .is_some_and(|r| r.info.scaled.is_some())
-        {
-            return Err(NodeError::invalid(format!(
-                "{}: tensor \"{name}\": LoRA on a scaled-fp8 layer is not supported yet (ComfyUI rounds the patched weight back to fp8 stochastically)",
-                file.name
-            )));
-        }
+        // A scaled-fp8 layer's tensor: ComfyUI patches `stored · scale`
+        // and keeps `stochastic(result / scale)` (its set_weight; a bias's
+        // scale is 1), which the forward multiplies by the scale again.
+        let scaled = file.store.get(name).and_then(|r| r.info.scaled);
+        let held_as = scaled.map(|s| s.held_as).or(held_as);
         let mut computed = self
             .computed
             .lock()
@@ -101,7 +96,14 @@ impl Patches {
                     }
                     None => name.to_string(),
                 };
+                let scale = scaled.map_or(1.0, |s| s.scale);
+                if scale != 1.0 {
+                    w.iter_mut().for_each(|x| *x /= scale);
+                }
                 stochastic::stochastic_round(&mut w, d, stochastic::string_to_seed(&key));
+                if scale != 1.0 {
+                    w.iter_mut().for_each(|x| *x *= scale);
+                }
             }
             Some(d) => {
                 if let Some(round) = rounding(d) {
