@@ -175,6 +175,92 @@ image_node!(
 );
 
 image_node!(
+    /// ComfyUI's ImageScaleToTotalPixels.
+    ImageScaleToTotalPixels,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::scale_to_total_pixels(
+            &img,
+            method(inputs)?,
+            inputs.float("megapixels")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageFlip.
+    ImageFlip,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        let vertical = inputs.string("flip_method")?.starts_with('x');
+        one(image_out(imageops::flip(&img, vertical)?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageRotate: quarter turns clockwise.
+    ImageRotate,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        let r = inputs.string("rotation")?;
+        let k = if r.starts_with("90") {
+            1
+        } else if r.starts_with("180") {
+            2
+        } else if r.starts_with("270") {
+            3
+        } else {
+            0
+        };
+        one(image_out(imageops::rotate(&img, k)?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageCompositeMasked.
+    ImageCompositeMasked,
+    |inputs| {
+        let dst = image_in(inputs, "destination")?;
+        let src = image_in(inputs, "source")?;
+        let mask = match inputs.get("mask") {
+            Some(_) => Some(mask_in(inputs, "mask")?),
+            None => None,
+        };
+        one(image_out(imageops::composite(
+            &dst,
+            &src,
+            (inputs.usize("x")?, inputs.usize("y")?),
+            mask.as_ref(),
+            inputs.bool("resize_source")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's GrowMask.
+    GrowMask,
+    |inputs| {
+        let m = mask_in(inputs, "mask")?;
+        let expand = i64::try_from(inputs.int("expand")?)
+            .map_err(|_| NodeError::invalid("expand is out of range"))?;
+        one(mask_out(imageops::grow_mask(
+            &m,
+            expand,
+            inputs.bool("tapered_corners")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ThresholdMask.
+    ThresholdMask,
+    |inputs| {
+        let m = mask_in(inputs, "mask")?;
+        one(mask_out(imageops::threshold_mask(&m, inputs.float("value")?)))
+    }
+);
+
+image_node!(
     /// ComfyUI's ImagePadForOutpaint: the padded image and its mask.
     ImagePadForOutpaint,
     |inputs| {

@@ -133,3 +133,88 @@ impl NodeImpl for LoadLatent {
         Some(format!("{}:{}", meta.len(), modified.as_nanos()))
     }
 }
+
+/// `samples` upscaled to `(w, h)` latent cells as ComfyUI's
+/// `common_upscale` on the NCHW latent; the noise mask and batch indices
+/// are kept (ComfyUI copies the dict).
+fn upscaled(
+    ctx: &NodeContext,
+    latent: &Latent,
+    (w, h): (usize, usize),
+    method: &str,
+    crop: &str,
+) -> Result<NodeOutput, NodeError> {
+    use crate::imageops::{cancellable, upscale_latent, Crop, UpscaleMethod};
+    use std::str::FromStr;
+    let s = &latent.samples.shape;
+    let [b, c, lh, lw] = s[..] else {
+        return Err(NodeError::invalid(format!(
+            "a latent of shape {s:?}: expected [batch, channels, height, width]"
+        )));
+    };
+    let method = UpscaleMethod::from_str(method)?;
+    let crop = Crop::from_str(crop)?;
+    let data = cancellable(&ctx.cancel, || {
+        upscale_latent(&latent.samples.data, [b, c, lh, lw], (w, h), method, crop)
+    })?;
+    let samples = Tensor::new(vec![b, c, h, w], data).map_err(NodeError::invalid)?;
+    Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
+        samples,
+        batch_index: latent.batch_index.clone(),
+        noise_mask: latent.noise_mask.clone(),
+    }))]))
+}
+
+/// ComfyUI's LatentUpscale: to `width × height` pixels (each at least
+/// 64; a 0 side keeps the aspect ratio, both 0 change nothing), in cells
+/// of 8.
+pub struct LatentUpscale;
+
+impl NodeImpl for LatentUpscale {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let latent = inputs.latent("samples")?;
+        let s = &latent.samples.shape;
+        let [_, _, lh, lw] = s[..] else {
+            return Err(NodeError::invalid(format!(
+                "a latent of shape {s:?}: expected [batch, channels, height, width]"
+            )));
+        };
+        let Some(size) = crate::imageops::latent_upscale_size(
+            (lh, lw),
+            inputs.usize("width")?,
+            inputs.usize("height")?,
+        ) else {
+            return Ok(NodeOutput::values(vec![Value::Latent(Arc::clone(latent))]));
+        };
+        upscaled(
+            ctx,
+            latent,
+            size,
+            inputs.string("upscale_method")?,
+            inputs.string("crop")?,
+        )
+    }
+}
+
+/// ComfyUI's LatentUpscaleBy: each side times `scale_by`, Python-rounded.
+pub struct LatentUpscaleBy;
+
+impl NodeImpl for LatentUpscaleBy {
+    fn execute(&self, ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let latent = inputs.latent("samples")?;
+        let scale = inputs.float("scale_by")?;
+        let s = &latent.samples.shape;
+        let [_, _, h, w] = s[..] else {
+            return Err(NodeError::invalid(format!(
+                "a latent of shape {s:?}: expected [batch, channels, height, width]"
+            )));
+        };
+        upscaled(
+            ctx,
+            latent,
+            crate::imageops::latent_scale_by_size((h, w), scale),
+            inputs.string("upscale_method")?,
+            "disabled",
+        )
+    }
+}

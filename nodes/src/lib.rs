@@ -189,6 +189,14 @@ pub fn library() -> NodeLibrary {
     lib.implement("VAEEncodeTiled", diffusion::vae::VaeEncodeTiled);
     lib.implement("ImageScale", image::ImageScale);
     lib.implement("ImagePadForOutpaint", image::ImagePadForOutpaint);
+    lib.implement("ImageScaleToTotalPixels", image::ImageScaleToTotalPixels);
+    lib.implement("ImageFlip", image::ImageFlip);
+    lib.implement("ImageRotate", image::ImageRotate);
+    lib.implement("ImageCompositeMasked", image::ImageCompositeMasked);
+    lib.implement("GrowMask", image::GrowMask);
+    lib.implement("ThresholdMask", image::ThresholdMask);
+    lib.implement("LatentUpscale", latent::LatentUpscale);
+    lib.implement("LatentUpscaleBy", latent::LatentUpscaleBy);
     lib.implement("FluxKontextImageScale", image::FluxKontextImageScale);
     lib.implement("ImageScaleBy", image::ImageScaleBy);
     lib.implement("ImageInvert", image::ImageInvert);

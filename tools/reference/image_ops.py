@@ -1,14 +1,28 @@
-"""Reference fixtures for sdkit's image operations (nodes/src/imageops.rs).
+"""Reference fixtures for sdkit's image operations (nodes/src/imageops/).
 
-Run from anywhere (re-runnable; rewrites every fixture):
+Run from anywhere (re-runnable; rewrites the fixture sets named, all of
+them by default):
 
-    /work/pyenv/bin/python tools/reference/image_ops.py
+    /work/pyenv/bin/python tools/reference/image_ops.py [imageops] [imageops_extra]
 
-Needs torch, numpy and Pillow, plus a ComfyUI checkout (default /work/comfy,
-override with COMFY_DIR). Writes nodes/tests/fixtures/imageops/: data.bin
-(every array back to back, raw little-endian f32 or u8) and index.json
-(each array's offset/shape/dtype, and every case: op, params, input arrays,
-expected output array or the error ComfyUI raised). nodes/tests/imageops.rs replays the cases.
+Needs torch, numpy, Pillow and SciPy, plus a ComfyUI checkout (default
+/work/comfy, override with COMFY_DIR). Each set is a folder under
+nodes/tests/fixtures/: data.bin (every array back to back, raw
+little-endian f32 or u8) and index.json (each array's offset/shape/dtype,
+and every case: op, params, input arrays, expected output array or the
+error ComfyUI raised). nodes/tests/imageops.rs replays the cases.
+
+  imageops/        resampling, blur/sharpen and the simple image/mask nodes
+                   (`build`).
+  imageops_extra/  LatentUpscale(By), ImageScaleToTotalPixels, GrowMask,
+                   ThresholdMask, ImageCompositeMasked, ImageFlip and
+                   ImageRotate (`build_extra`). A set of its own so that
+                   adding these did not regenerate imageops/: regenerated
+                   elsewhere (ComfyUI 0.3.64, same torch/numpy/Pillow and
+                   CPU capability in the header), imageops/ came out a few
+                   ULPs different in gaussian_kernel, blur, sharpen and
+                   bislerp (all inside imageops.rs's tolerances) and
+                   identical everywhere else.
 
 What it mirrors: the real ComfyUI code, not a re-implementation. The
 functions and node classes below are lifted out of the ComfyUI sources with
@@ -16,13 +30,19 @@ functions and node classes below are lifted out of the ComfyUI sources with
 unrelated imports they touch (comfy.model_management, comfy_api's `io`)
 stubbed to CPU:
 
-  comfy/utils.py:                      common_upscale, lanczos, bislerp
+  comfy/utils.py:                      common_upscale, lanczos, bislerp,
+                                       repeat_to_batch_size
+  node_helpers.py:                     image_alpha_fix
   nodes.py:                            ImageScale, ImageScaleBy, ImageInvert,
-                                       ImageBatch, EmptyImage
-  comfy_extras/nodes_images.py:        ImageCrop
+                                       ImageBatch, EmptyImage, LatentUpscale,
+                                       LatentUpscaleBy
+  comfy_extras/nodes_images.py:        ImageCrop, ImageFlip, ImageRotate
   comfy_extras/nodes_mask.py:          ImageToMask, MaskToImage, SolidMask,
-                                       InvertMask
-  comfy_extras/nodes_post_processing.py: gaussian_kernel, Blur, Sharpen
+                                       InvertMask, composite,
+                                       ImageCompositeMasked, GrowMask,
+                                       ThresholdMask
+  comfy_extras/nodes_post_processing.py: gaussian_kernel, Blur, Sharpen,
+                                       ImageScaleToTotalPixels
 
 Only the LoadImage/SaveImage pixel conversions are copied inline (their
 node methods do file I/O); see `save_image_u8` and `load_image_f32`.
@@ -40,12 +60,14 @@ import types
 from pathlib import Path
 
 import numpy as np
+import scipy
+import scipy.ndimage
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / "nodes" / "tests" / "fixtures" / "imageops"
+FIXTURES = REPO / "nodes" / "tests" / "fixtures"
 COMFY = Path(os.environ.get("COMFY_DIR", "/work/comfy"))
 
 # ComfyUI runs torch with many threads; with exactly one thread PyTorch
@@ -76,8 +98,12 @@ def _stub_namespace():
         "F": F,
         "Image": Image,
         "math": __import__("math"),
+        "scipy": scipy,
         "comfy": comfy,
         "io": io,
+        # comfy.comfy_types.IO, only read in INPUT_TYPES / RETURN_TYPES.
+        "IO": types.SimpleNamespace(IMAGE="IMAGE"),
+        "node_helpers": types.SimpleNamespace(),
         "MAX_RESOLUTION": 16384,
     }
     return ns, utils
@@ -103,10 +129,18 @@ _lift(NS, "comfy/utils.py", ["bislerp", "lanczos", "common_upscale"])
 UTILS.common_upscale = NS["common_upscale"]
 UTILS.lanczos = NS["lanczos"]
 UTILS.bislerp = NS["bislerp"]
-_lift(NS, "nodes.py", ["ImageScale", "ImageScaleBy", "ImageInvert", "ImageBatch", "EmptyImage"])
-_lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop"])
-_lift(NS, "comfy_extras/nodes_mask.py", ["ImageToMask", "MaskToImage", "SolidMask", "InvertMask"])
-_lift(NS, "comfy_extras/nodes_post_processing.py", ["gaussian_kernel", "Blur", "Sharpen"])
+_lift(NS, "comfy/utils.py", ["repeat_to_batch_size"])
+UTILS.repeat_to_batch_size = NS["repeat_to_batch_size"]
+_lift(NS, "node_helpers.py", ["image_alpha_fix"])
+NS["node_helpers"].image_alpha_fix = NS["image_alpha_fix"]
+_lift(NS, "nodes.py", ["ImageScale", "ImageScaleBy", "ImageInvert", "ImageBatch", "EmptyImage",
+                       "LatentUpscale", "LatentUpscaleBy"])
+_lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop", "ImageFlip", "ImageRotate"])
+_lift(NS, "comfy_extras/nodes_mask.py", ["ImageToMask", "MaskToImage", "SolidMask", "InvertMask",
+                                         "composite", "ImageCompositeMasked", "GrowMask",
+                                         "ThresholdMask"])
+_lift(NS, "comfy_extras/nodes_post_processing.py", ["gaussian_kernel", "Blur", "Sharpen",
+                                                    "ImageScaleToTotalPixels"])
 
 
 def save_image_u8(image):
@@ -134,8 +168,16 @@ def load_mask_f32(alpha_u8):
 # Fixture bookkeeping
 # ---------------------------------------------------------------------------
 
-ARRAYS = {}
-CASES = []
+# One (arrays, cases) pair per fixture folder; put() and case() fill the
+# one use_set() selected.
+SETS = {}
+ARRAYS = None
+CASES = None
+
+
+def use_set(name):
+    global ARRAYS, CASES
+    ARRAYS, CASES = SETS.setdefault(name, ({}, []))
 
 
 def put(name, array, dtype="f32"):
@@ -359,8 +401,213 @@ def build():
          lambda: load_mask_f32(all_bytes[0])[None,])
 
 
-def write():
+# ---------------------------------------------------------------------------
+# imageops_extra: latent upscales, total-pixel scale, mask and geometry nodes
+# ---------------------------------------------------------------------------
+
+def rand_latent(seed, shape):
+    """Deterministic float32 latent [b, c, h, w] (standard normal), with
+    bislerp's edge cases planted: zero vectors, and pixel vectors equal to,
+    opposite to and parallel to (2.5x) their right-hand neighbour."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    b, _, h, w = shape
+    for j in range(max(4, b * h * w // 6)):
+        bi, y, xx = int(rng.integers(b)), int(rng.integers(h)), int(rng.integers(w - 1))
+        right = x[bi, :, y, xx + 1].copy()
+        x[bi, :, y, xx] = [np.zeros_like(right), right, -right, right * np.float32(2.5)][j % 4]
+    return torch.from_numpy(x)
+
+
+def rand_mask(seed, shape, density):
+    """Deterministic float32 mask: fractional values in [0, 1) on about
+    `density` of the pixels (0 elsewhere), plus some exact 1.0 pixels."""
+    rng = np.random.default_rng(seed)
+    v = rng.random(shape, dtype=np.float32)
+    keep = rng.random(shape) < density
+    m = np.where(keep, v, np.float32(0.0)).astype(np.float32)
+    flat = m.reshape(-1)
+    flat[rng.choice(flat.size, size=max(1, flat.size // 12), replace=False)] = 1.0
+    return torch.from_numpy(m)
+
+
+def build_extra():
+    def lat(name):
+        return {"samples": latents[name]}
+
+    # ---- LatentUpscale / LatentUpscaleBy: latents [b, c, h, w] ----------
+    latents = {
+        "la": rand_latent(101, (1, 4, 5, 7)),
+        "lb": rand_latent(102, (2, 4, 6, 9)),
+        "lc": rand_latent(103, (1, 16, 5, 6)),
+    }
+    for k, v in latents.items():
+        put(f"in_{k}", v)
+    lat_methods = ["nearest-exact", "bilinear", "area", "bicubic", "bislerp"]
+    # (width, height, crop) in pixels, as the node takes them: max(64, .)
+    # then // 8; a 0 side follows the latent's aspect (Python round), both
+    # 0 return the latent unchanged.
+    lat_geoms = {
+        "la": [
+            (0, 0, "disabled"),      # unchanged
+            (64, 64, "disabled"),    # 8x8
+            (32, 16, "disabled"),    # both clamped to 64 -> 8x8
+            (100, 70, "disabled"),   # 12x8 (floor division)
+            (72, 88, "center"),      # 9x11, center crop (x = round(1.45) = 1)
+            (90, 0, "center"),       # h = round(5*90/7 = 64.29) = 64 -> 11x8
+            (0, 69, "disabled"),     # w = round(7*69/5 = 96.6) = 97 -> 12x8
+            (0, 40, "disabled"),     # h clamped to 64 first: w = round(89.6) = 90 -> 11x8
+            (80, 0, "disabled"),     # h = round(57.14) = 57 -> clamped 64 -> 10x8
+        ],
+        "lb": [
+            (0, 69, "disabled"),     # w = round(9*69/6 = 103.5) = 104 -> 13x8 (103 // 8 = 12)
+            (120, 64, "center"),     # 15x8, center crop (y = round(0.6) = 1)
+        ],
+        "lc": [
+            (64, 64, "disabled"),
+            (64, 64, "center"),      # x = round((6 - 6*(1/1.2)) / 2 = 0.5) = 0: no crop
+        ],
+    }
+    for method in lat_methods:
+        for src, geoms in lat_geoms.items():
+            for w, h, crop in geoms:
+                case(f"latent_upscale_{method}_{src}_{w}x{h}_{crop}", "latent_upscale",
+                     {"method": method, "width": w, "height": h, "crop": crop}, [f"in_{src}"],
+                     lambda method=method, src=src, w=w, h=h, crop=crop: image_node(
+                         "LatentUpscale", "upscale", lat(src), method, w, h, crop)["samples"])
+    # LatentUpscaleBy: round(side * scale_by), no clamp, no // 8.
+    # la 5x7 * 0.5: round(2.5) = 2, round(3.5) = 4; * 1.37: 6.85 -> 7, 9.59 -> 10.
+    # * 0.1: round(0.5) = 0 rows.
+    lat_by = {"la": [1.5, 0.5, 1.37, 2.0, 0.1], "lb": [0.5, 1.37], "lc": [0.5, 1.37]}
+    for method in lat_methods:
+        for src, factors in lat_by.items():
+            for factor in factors:
+                case(f"latent_upscale_by_{method}_{src}_{factor}", "latent_upscale_by",
+                     {"method": method, "scale_by": factor}, [f"in_{src}"],
+                     lambda method=method, src=src, factor=factor: image_node(
+                         "LatentUpscaleBy", "upscale", lat(src), method, factor)["samples"])
+
+    # ---- ImageScaleToTotalPixels: images [b, h, w, c] -------------------
+    img = {
+        "tp_a": rand_image(111, (1, 13, 17, 3)),
+        "tp_b": rand_image(112, (2, 9, 7, 3)),
+        "tp_c": rand_image(113, (1, 1, 4, 3)),
+        "tp_d": rand_image(114, (1, 2, 40, 3)),
+    }
+    # total = int(mp * 2**20); scale = sqrt(total / (w * h)); sides round().
+    #  tp_a 0.0003: 314 -> 20x15 (round(15.496)), 0.0001: 104 -> 12x9
+    #  tp_b 0.0002: 209 -> 13x16       tp_c 25 / 2**20: total 25 exactly,
+    #  scale 2.5 -> 10x2 (round(2.5) = 2)
+    tp_all = [("tp_a", 0.0003), ("tp_a", 0.0001), ("tp_b", 0.0002), ("tp_c", 25 / 2**20)]
+    # tp_d 0.001: 1048 -> 145x7, w + h > 128, where PyTorch switches
+    # nearest/bilinear kernels. 0.01 (the node's minimum) only for lanczos,
+    # stored as bytes: 10485 -> 117x90 (round(89.54)).
+    tp_more = {"nearest-exact": [("tp_d", 0.001)], "bilinear": [("tp_d", 0.001)],
+               "lanczos": [("tp_a", 0.01)]}
+    for method in ["nearest-exact", "bilinear", "area", "bicubic", "lanczos"]:
+        for src, mp in tp_all + tp_more.get(method, []):
+            out_dtype = "u8" if method == "lanczos" else "f32"
+
+            def compute(src=src, mp=mp, method=method, out_dtype=out_dtype):
+                out = NS["ImageScaleToTotalPixels"].execute(img[src], method, mp)[0]
+                # lanczos output is always k/255; store the byte.
+                return (out * 255.0).round().to(torch.uint8) if out_dtype == "u8" else out
+
+            case(f"scale_to_total_pixels_{method}_{src}_{mp!r}", "scale_to_total_pixels",
+                 {"method": method, "megapixels": mp}, [f"in_{src}"], compute, out_dtype)
+
+    # ---- ImageFlip / ImageRotate ----------------------------------------
+    img["fr_a"] = rand_image(121, (2, 3, 5, 3))
+    img["fr_b"] = rand_image(122, (1, 4, 2, 4))
+    for src in ["fr_a", "fr_b"]:
+        for fm in ["x-axis: vertically", "y-axis: horizontally"]:
+            case(f"flip_{src}_{fm[0]}", "flip", {"flip_method": fm}, [f"in_{src}"],
+                 lambda src=src, fm=fm: image_node("ImageFlip", "flip", img[src], fm))
+        for rot in ["none", "90 degrees", "180 degrees", "270 degrees"]:
+            case(f"rotate_{src}_{rot.split()[0]}", "rotate", {"rotation": rot}, [f"in_{src}"],
+                 lambda src=src, rot=rot: image_node("ImageRotate", "rotate", img[src], rot))
+
+    # ---- ImageCompositeMasked -------------------------------------------
+    img["cd"] = rand_image(131, (2, 8, 9, 3))     # destination, batch 2
+    img["cd4"] = rand_image(132, (1, 7, 6, 4))    # RGBA destination
+    img["ce"] = rand_image(133, (1, 6, 8, 3))     # destination, batch 1
+    img["cs"] = rand_image(134, (1, 6, 5, 3))     # source, batch 1
+    img["cs2"] = rand_image(135, (2, 4, 7, 3))    # source, batch 2
+    img["cs4"] = rand_image(136, (1, 5, 4, 4))    # RGBA source
+    masks = {
+        "cm": rand_mask(141, (1, 4, 3), 0.7),      # smaller than the sources
+        "cm2": rand_mask(142, (2, 8, 9), 0.6),     # batch 2, bigger
+        "cm3": rand_mask(143, (3, 3, 5), 0.6),     # batch 3 (> destination's 2)
+        "cm4": rand_mask(144, (1, 6, 5), 0.6),     # exactly cs's size
+    }
+    # (destination, source, mask, x, y, resize_source)
+    comps = [
+        ("cd", "cs", None, 0, 0, False),
+        ("cd", "cs", None, 3, 2, False),
+        ("cd", "cs", None, 6, 5, False),       # partly outside (3x3 visible)
+        ("cd", "cs", None, 20, 3, False),      # wholly outside: unchanged
+        ("cd", "cs", "cm", 3, 2, False),
+        ("cd", "cs", "cm", 6, 5, False),
+        ("cd", "cs", "cm", 0, 6, False),       # 2 rows visible
+        ("cd", "cs", "cm4", 1, 1, False),      # mask already the source's size
+        ("cd", "cs", None, 0, 0, True),
+        ("cd", "cs", "cm", 0, 0, True),
+        ("cd", "cs", "cm2", 4, 5, True),       # resized source then offset
+        ("cd", "cs2", "cm2", 1, 1, False),
+        ("cd", "cs2", "cm3", 6, 2, False),     # mask batch narrowed to 2
+        ("ce", "cs2", "cm2", 2, 1, False),     # source batch narrowed to 1
+        ("ce", "cs2", None, 5, 4, True),
+        ("cd", "cs4", "cm", 2, 3, False),      # RGBA source: alpha dropped
+        ("cd", "cs4", None, 0, 0, True),       # ... then resized
+        ("cd4", "cs", None, 1, 1, False),      # RGB onto RGBA: ComfyUI raises
+        ("cd4", "cs", "cm", 1, 1, False),
+    ]
+    for dst, src, m, x, y, resize in comps:
+        inputs = [f"in_{dst}", f"in_{src}"] + ([f"in_{m}"] if m else [])
+        name = f"composite_{dst}_{src}_{m or 'nomask'}_{x}_{y}" + ("_resize" if resize else "")
+        case(name, "composite_masked", {"x": x, "y": y, "resize_source": resize}, inputs,
+             lambda dst=dst, src=src, m=m, x=x, y=y, resize=resize: image_node(
+                 "ImageCompositeMasked", "composite", img[dst], img[src], x, y, resize,
+                 masks[m] if m else None))
+
+    # ---- GrowMask -------------------------------------------------------
+    masks["gm_a"] = rand_mask(151, (2, 9, 11), 0.25)   # sparse, fractional
+    masks["gm_b"] = rand_image(152, (1, 6, 5, 1))[..., 0]  # dense, -0.1..1.1
+    masks["gm_c"] = rand_mask(153, (1, 1, 7), 0.5)     # a single row
+    grow = {"gm_a": [-2, -1, 0, 1, 3], "gm_b": [-2, -1, 0, 1, 3], "gm_c": [-1, 1]}
+    for src, expands in grow.items():
+        for expand in expands:
+            for tapered in [True, False]:
+                case(f"grow_mask_{src}_{expand}_{'tapered' if tapered else 'square'}", "grow_mask",
+                     {"expand": expand, "tapered_corners": tapered}, [f"in_{src}"],
+                     lambda src=src, expand=expand, tapered=tapered: image_node(
+                         "GrowMask", "expand_mask", masks[src], expand, tapered))
+
+    # ---- ThresholdMask --------------------------------------------------
+    # Includes each threshold's own float32 value and its neighbours (torch
+    # compares in float32: f32(0.3) > 0.3 is False), -0.0 and NaN.
+    th = rand_image(161, (1, 4, 10, 1))[..., 0].numpy().copy()
+    edge = []
+    for v in [0.0, 0.3, 0.5, 0.77, 1.0]:
+        f = np.float32(v)
+        edge += [f, np.nextafter(f, np.float32(2)), np.nextafter(f, np.float32(-2))]
+    edge += [np.float32(-0.0), np.float32("nan")]
+    th.reshape(-1)[: len(edge)] = edge
+    masks["th"] = torch.from_numpy(th)
+    for value in [0.0, 0.3, 0.5, 0.77, 1.0]:
+        case(f"threshold_mask_{value}", "threshold_mask", {"value": value}, ["in_th"],
+             lambda value=value: image_node("ThresholdMask", "image_to_mask", masks["th"], value))
+
+    for k, v in img.items():
+        put(f"in_{k}", v)
+    for k, v in masks.items():
+        put(f"in_{k}", v)
+
+
+def write(set_name, extra_versions=None):
     """index.json + data.bin (all arrays back to back, little-endian)."""
+    OUT = FIXTURES / set_name
+    ARRAYS, CASES = SETS[set_name]
     OUT.mkdir(parents=True, exist_ok=True)
     for old in OUT.glob("*.bin"):
         old.unlink()
@@ -378,6 +625,7 @@ def write():
             "pillow": Image.__version__,
             "torch_threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **(extra_versions or {}),
         },
     }
     # One array / case per line keeps the index small and diffable.
@@ -394,6 +642,29 @@ def write():
     print(f"{len(CASES)} cases, {len(ARRAYS)} arrays, {total / 1024:.1f} KiB in {OUT}")
 
 
+def comfy_version():
+    path = COMFY / "comfyui_version.py"
+    if not path.exists():
+        return "unknown"
+    ns = {}
+    exec(path.read_text(), ns)
+    return ns.get("__version__", "unknown")
+
+
+# folder under nodes/tests/fixtures -> (builder, extra header versions)
+BUILDERS = {
+    "imageops": (build, lambda: None),
+    "imageops_extra": (build_extra, lambda: {"scipy": scipy.__version__, "comfyui": comfy_version()}),
+}
+
+
 if __name__ == "__main__":
-    build()
-    write()
+    names = sys.argv[1:] or list(BUILDERS)
+    unknown = [n for n in names if n not in BUILDERS]
+    if unknown:
+        sys.exit(f"unknown fixture set(s) {unknown}; known: {sorted(BUILDERS)}")
+    for set_name in names:
+        builder, versions = BUILDERS[set_name]
+        use_set(set_name)
+        builder()
+        write(set_name, versions())

@@ -24,12 +24,14 @@ use std::str::FromStr;
 mod canny;
 mod pillow;
 mod resize;
+mod transform;
 
 pub use canny::canny;
 use pillow::lanczos;
 pub use pillow::{pil_contain_size, pil_resize_rgb, PilFilter};
 pub use resize::*;
 use resize::{new_output, Window};
+pub use transform::*;
 
 /// Errors for arguments an operation cannot accept. Valid-typed input never
 /// panics; it yields one of these instead.

@@ -1,0 +1,313 @@
+//! Geometry and mask nodes' maths: flips and quarter turns, ComfyUI's
+//! masked composite, mask growth (SciPy's grey dilation/erosion), mask
+//! thresholds, and the total-pixel and latent upscales built on
+//! [`common_upscale`].
+
+use super::{
+    alloc_empty, alloc_filled, check_len, common_upscale, py_round_usize, Crop, ImageOpError,
+    Mask3, Result, SourceLayout, Tensor4, UpscaleMethod,
+};
+
+/// ComfyUI's ImageFlip: `vertical` mirrors rows (`torch.flip(dims=[1])`,
+/// "x-axis: vertically"), otherwise columns ("y-axis: horizontally").
+pub fn flip(img: &Tensor4, vertical: bool) -> Result<Tensor4> {
+    let (h, w, c) = (img.h, img.w, img.c);
+    let mut out = alloc_empty(&[img.b, h, w, c])?;
+    for b in 0..img.b {
+        for y in 0..h {
+            let sy = if vertical { h - 1 - y } else { y };
+            for x in 0..w {
+                let sx = if vertical { x } else { w - 1 - x };
+                let at = ((b * h + sy) * w + sx) * c;
+                out.extend_from_slice(&img.data[at..at + c]);
+            }
+        }
+    }
+    Tensor4::new(img.b, h, w, c, out)
+}
+
+/// ComfyUI's ImageRotate: `torch.rot90(image, k, dims=[2, 1])`, i.e. `k`
+/// quarter turns clockwise.
+pub fn rotate(img: &Tensor4, k: usize) -> Result<Tensor4> {
+    let (h, w, c) = (img.h, img.w, img.c);
+    let k = k % 4;
+    let (oh, ow) = if k % 2 == 1 { (w, h) } else { (h, w) };
+    let mut out = alloc_empty(&[img.b, oh, ow, c])?;
+    for b in 0..img.b {
+        for i in 0..oh {
+            for j in 0..ow {
+                let (sy, sx) = match k {
+                    0 => (i, j),
+                    1 => (h - 1 - j, i),
+                    2 => (h - 1 - i, w - 1 - j),
+                    _ => (j, w - 1 - i),
+                };
+                let at = ((b * h + sy) * w + sx) * c;
+                out.extend_from_slice(&img.data[at..at + c]);
+            }
+        }
+    }
+    Tensor4::new(img.b, oh, ow, c, out)
+}
+
+/// ComfyUI's ThresholdMask: 1 where the mask is above `value` (compared
+/// in f32, as torch compares a float tensor with a Python float), else 0.
+pub fn threshold_mask(mask: &Mask3, value: f64) -> Mask3 {
+    let v = value as f32;
+    Mask3 {
+        b: mask.b,
+        h: mask.h,
+        w: mask.w,
+        data: mask
+            .data
+            .iter()
+            .map(|&m| if m > v { 1.0 } else { 0.0 })
+            .collect(),
+    }
+}
+
+/// ComfyUI's GrowMask: `|expand|` passes of SciPy's grey dilation
+/// (`expand > 0`) or erosion (`< 0`) with a 3×3 footprint, its corners
+/// left out when `tapered`. SciPy's default "reflect" edge repeats the
+/// edge pixel, so only pixels inside the mask count.
+pub fn grow_mask(mask: &Mask3, expand: i64, tapered: bool) -> Result<Mask3> {
+    let (h, w) = (mask.h, mask.w);
+    let mut out = mask.data.clone();
+    let mut next = alloc_filled(&[h, w], 0.0)?;
+    let grow = expand > 0;
+    for b in 0..mask.b {
+        let plane = &mut out[b * h * w..(b + 1) * h * w];
+        for _ in 0..expand.unsigned_abs() {
+            super::check_cancel()?;
+            for y in 0..h {
+                for x in 0..w {
+                    let mut best = plane[y * w + x];
+                    for (dy, dx) in [
+                        (-1i64, -1i64),
+                        (-1, 0),
+                        (-1, 1),
+                        (0, -1),
+                        (0, 1),
+                        (1, -1),
+                        (1, 0),
+                        (1, 1),
+                    ] {
+                        if tapered && dy != 0 && dx != 0 {
+                            continue;
+                        }
+                        let (ny, nx) = (y as i64 + dy, x as i64 + dx);
+                        if ny < 0 || nx < 0 || ny >= h as i64 || nx >= w as i64 {
+                            continue;
+                        }
+                        let v = plane[ny as usize * w + nx as usize];
+                        best = if grow { best.max(v) } else { best.min(v) };
+                    }
+                    next[y * w + x] = best;
+                }
+            }
+            plane.copy_from_slice(&next);
+        }
+    }
+    Ok(Mask3 {
+        b: mask.b,
+        h,
+        w,
+        data: out,
+    })
+}
+
+/// `F.interpolate(mode="bilinear")` of single-channel planes `[n, h, w]`
+/// to `[n, oh, ow]`.
+fn bilinear_planes(
+    data: &[f32],
+    n: usize,
+    (h, w): (usize, usize),
+    (oh, ow): (usize, usize),
+) -> Result<Vec<f32>> {
+    if (h, w) == (oh, ow) {
+        return Ok(data.to_vec());
+    }
+    let t = Tensor4::new(n, h, w, 1, data.to_vec())?;
+    Ok(common_upscale(
+        &t,
+        ow,
+        oh,
+        UpscaleMethod::Bilinear,
+        Crop::Disabled,
+        SourceLayout::ContiguousNchw,
+    )?
+    .data)
+}
+
+/// `repeat_to_batch_size` of `[n, per…]` items to `b`: the first `b`, the
+/// batch tiled as needed.
+fn repeat_items(data: &[f32], per: usize, b: usize) -> Vec<f32> {
+    let n = (data.len() / per.max(1)).max(1);
+    (0..b)
+        .flat_map(|i| data[(i % n) * per..(i % n + 1) * per].iter().copied())
+        .collect()
+}
+
+/// ComfyUI's ImageCompositeMasked (`composite` with multiplier 1):
+/// `source` pasted over `destination` with its top-left at `(x, y)`,
+/// weighted by `mask` (resized bilinearly to the source; ones without
+/// one), clipped to the destination; `resize_source` first resizes the
+/// source bilinearly to the destination's size.
+pub fn composite(
+    destination: &Tensor4,
+    source: &Tensor4,
+    (x, y): (usize, usize),
+    mask: Option<&Mask3>,
+    resize_source: bool,
+) -> Result<Tensor4> {
+    // `image_alpha_fix`: a source with more channels (RGBA on RGB) loses
+    // the extra ones; a destination with more would be padded with an
+    // alpha channel and then not match, which ComfyUI raises on.
+    if source.c < destination.c {
+        return Err(ImageOpError::InvalidArgument(format!(
+            "the source has {} channels and the destination {}",
+            source.c, destination.c
+        )));
+    }
+    let (bd, hd, wd, c) = (destination.b, destination.h, destination.w, destination.c);
+    let source = if source.c > c {
+        let data = source
+            .data
+            .chunks(source.c)
+            .flat_map(|px| px[..c].iter().copied())
+            .collect();
+        Tensor4::new(source.b, source.h, source.w, c, data)?
+    } else {
+        Tensor4::new(source.b, source.h, source.w, c, source.data.clone())?
+    };
+    let source = if resize_source {
+        common_upscale(
+            &source,
+            wd,
+            hd,
+            UpscaleMethod::Bilinear,
+            Crop::Disabled,
+            SourceLayout::ChannelsLastView,
+        )?
+    } else {
+        source
+    };
+    let (hs, ws) = (source.h, source.w);
+    let src = repeat_items(&source.data, hs * ws * c, bd);
+    let (left, top) = (x.min(wd), y.min(hd));
+    let m = match mask {
+        Some(m) => {
+            let planes = bilinear_planes(&m.data, m.b, (m.h, m.w), (hs, ws))?;
+            repeat_items(&planes, hs * ws, bd)
+        }
+        None => vec![1.0; bd * hs * ws],
+    };
+    let (vh, vw) = ((hd - top).min(hs), (wd - left).min(ws));
+    let mut out = destination.data.clone();
+    for b in 0..bd {
+        for sy in 0..vh {
+            for sx in 0..vw {
+                let mv = m[(b * hs + sy) * ws + sx];
+                let inv = 1.0 - mv;
+                let s_at = ((b * hs + sy) * ws + sx) * c;
+                let d_at = ((b * hd + top + sy) * wd + left + sx) * c;
+                for ch in 0..c {
+                    out[d_at + ch] = mv * src[s_at + ch] + inv * out[d_at + ch];
+                }
+            }
+        }
+    }
+    Tensor4::new(bd, hd, wd, c, out)
+}
+
+/// ComfyUI's ImageScaleToTotalPixels: the aspect kept, about
+/// `megapixels · 2^20` pixels (`int()` of it; sides Python-rounded).
+pub fn scale_to_total_pixels(
+    img: &Tensor4,
+    method: UpscaleMethod,
+    megapixels: f64,
+) -> Result<Tensor4> {
+    let total = (megapixels * 1024.0 * 1024.0).trunc();
+    let scale = (total / (img.w as f64 * img.h as f64)).sqrt();
+    let (w, h) = (
+        py_round_usize(img.w as f64 * scale),
+        py_round_usize(img.h as f64 * scale),
+    );
+    common_upscale(
+        img,
+        w,
+        h,
+        method,
+        Crop::Disabled,
+        SourceLayout::ChannelsLastView,
+    )
+}
+
+/// LatentUpscale's target in latent cells `(w, h)` for a latent of
+/// `(lh, lw)` cells and the node's `width × height` pixels: each side at
+/// least 64 pixels, a 0 side from the latent's aspect (Python-rounded),
+/// then `// 8`; None when both are 0 (the latent passes through).
+pub fn latent_upscale_size(
+    (lh, lw): (usize, usize),
+    width: usize,
+    height: usize,
+) -> Option<(usize, usize)> {
+    let aspect = |a: usize, num: usize, den: usize| {
+        py_round_usize(a as f64 * num as f64 / den.max(1) as f64).max(64)
+    };
+    let (w, h) = match (width, height) {
+        (0, 0) => return None,
+        (0, h) => {
+            let h = h.max(64);
+            (aspect(lw, h, lh), h)
+        }
+        (w, 0) => {
+            let w = w.max(64);
+            (w, aspect(lh, w, lw))
+        }
+        (w, h) => (w.max(64), h.max(64)),
+    };
+    Some((w / 8, h / 8))
+}
+
+/// LatentUpscaleBy's target `(w, h)`: each side times `scale_by`,
+/// Python-rounded.
+pub fn latent_scale_by_size((lh, lw): (usize, usize), scale_by: f64) -> (usize, usize) {
+    (
+        py_round_usize(lw as f64 * scale_by),
+        py_round_usize(lh as f64 * scale_by),
+    )
+}
+
+/// `comfy.utils.common_upscale` of a latent `[b, c, h, w]` (contiguous
+/// NCHW, as LatentUpscale passes it) to `[b, c, oh, ow]`.
+pub fn upscale_latent(
+    data: &[f32],
+    [b, c, h, w]: [usize; 4],
+    (ow, oh): (usize, usize),
+    method: UpscaleMethod,
+    crop: Crop,
+) -> Result<Vec<f32>> {
+    check_len(&[b, c, h, w], data.len())?;
+    // To the BHWC the resampler takes, and back.
+    let mut bhwc = alloc_empty(&[b, h, w, c])?;
+    for bi in 0..b {
+        for p in 0..h * w {
+            for ch in 0..c {
+                bhwc.push(data[(bi * c + ch) * h * w + p]);
+            }
+        }
+    }
+    let t = Tensor4::new(b, h, w, c, bhwc)?;
+    let r = common_upscale(&t, ow, oh, method, crop, SourceLayout::ContiguousNchw)?;
+    let (rh, rw) = (r.h, r.w);
+    let mut out = alloc_empty(&[b, c, rh, rw])?;
+    for bi in 0..b {
+        for ch in 0..c {
+            for p in 0..rh * rw {
+                out.push(r.data[(bi * rh * rw + p) * c + ch]);
+            }
+        }
+    }
+    Ok(out)
+}
