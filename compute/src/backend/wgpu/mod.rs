@@ -549,20 +549,43 @@ impl Source {
     }
 }
 
-/// A weight's f32 data for encoding: the bound vector, or the stored
-/// tensor read from its file now (dropped once encoded, so no f32 copy of
-/// a model stays on the host).
-fn host_f32(bind: &Bindings, name: &str) -> Result<Arc<Vec<f32>>, WgpuError> {
+/// A weight's bytes as the device stores it (f16 or f32, in `layout`'s
+/// order): from the bound vector, or from the file. A stored weight in
+/// its natural order is decoded a chunk at a time (whole storage units:
+/// a GGUF weight's quant blocks), so no f32 copy of it exists on the
+/// host; a relaid-out one is read whole, encoded and dropped.
+fn device_bytes(
+    bind: &Bindings,
+    name: &str,
+    layout: Option<&(usize, usize)>,
+    half: bool,
+) -> Result<Vec<u8>, WgpuError> {
     if let Some(d) = bind.weights.get(name) {
-        return Ok(Arc::clone(d));
+        return Ok(encode(&device_order(d, layout), half));
     }
     let w = bind
         .stored
         .get(name)
         .ok_or_else(|| BindError::MissingWeight(name.to_string()))?;
-    w.to_f32()
-        .map(Arc::new)
-        .map_err(|e| WgpuError::Weight(format!("weight \"{name}\": {e}")))
+    let err = |e: crate::weights::WeightError| WgpuError::Weight(format!("weight \"{name}\": {e}"));
+    if layout.is_some() {
+        let data = w.to_f32().map_err(err)?;
+        return Ok(encode(&device_order(&data, layout), half));
+    }
+    // About a million elements per chunk, in whole storage units.
+    let (per, _) = w.dtype().block();
+    let chunk = ((1 << 20) / per).max(1) * per;
+    let mut bytes = Vec::with_capacity(w.len() * if half { 2 } else { 4 } + 2);
+    let mut start = 0;
+    while start < w.len() {
+        let len = chunk.min(w.len() - start);
+        let part = w.range_f32(start, len).map_err(err)?;
+        bytes.extend(encode(&part, half));
+        // encode pads an odd count of halves; only the last chunk can be odd.
+        start += len;
+    }
+    bytes.resize(bytes.len().div_ceil(4) * 4, 0);
+    Ok(bytes)
 }
 
 /// Elements bound for `name`.
@@ -1047,8 +1070,7 @@ impl WgpuBackend {
                 .collect();
             for s in &plan.streamed {
                 let w = &uses[s.weight];
-                let data = host_f32(bind, &w.name)?;
-                let bytes = encode(&device_order(&data, taps.get(&w.name)), self.f16_weights);
+                let bytes = device_bytes(bind, &w.name, taps.get(&w.name), self.f16_weights)?;
                 let at = staging_bytes.len() as u64;
                 staging_bytes.extend_from_slice(&bytes);
                 staging_bytes.resize(
@@ -1103,9 +1125,7 @@ impl WgpuBackend {
                         external.insert(buffer.0, Arc::clone(&r.buffer));
                         continue;
                     }
-                    let data = host_f32(bind, name)?;
-                    let bytes = encode(&device_order(&data, layout), self.f16_weights);
-                    drop(data);
+                    let bytes = device_bytes(bind, name, layout, self.f16_weights)?;
                     self.check_binding(bytes.len() as u64)?;
                     let buf = Arc::new(self.device.create_buffer_init(
                         &wgpu::util::BufferInitDescriptor {
