@@ -79,6 +79,24 @@ const TEMPLATES: &[Template] = &[
         "Text to image (Flux dev)",
         "ComfyUI's Flux dev example: SamplerCustomAdvanced with FluxGuidance and ModelSamplingFlux. Needs flux1-dev.safetensors in models/diffusion_models, clip_l.safetensors and t5xxl_fp16.safetensors in models/text_encoders, ae.safetensors in models/vae."
     ),
+    template!(
+        "sdkit_flux_kontext_dev",
+        "flux_kontext_dev.json",
+        "Image edit (Flux Kontext dev)",
+        "ComfyUI's Kontext example: the input image scaled by FluxKontextImageScale, encoded and given as a ReferenceLatent. Needs flux1-kontext-dev.safetensors in models/diffusion_models, clip_l.safetensors and t5xxl_fp8_e4m3fn_scaled.safetensors in models/text_encoders, ae.safetensors in models/vae."
+    ),
+    template!(
+        "sdkit_sd35_large_txt2img",
+        "sd35_large_txt2img.json",
+        "Text to image (SD 3.5 Large)",
+        "ComfyUI's SD3.5 example: TripleCLIPLoader, ModelSamplingSD3 and a negative zeroed after the first tenth. Needs sd3.5_large.safetensors in models/checkpoints, clip_l, clip_g and t5xxl_fp8_e4m3fn_scaled in models/text_encoders."
+    ),
+    template!(
+        "sdkit_chroma_txt2img",
+        "chroma_txt2img.json",
+        "Text to image (Chroma)",
+        "Chroma with real CFG and a negative prompt, T5 unpadded. Needs chroma.safetensors in models/diffusion_models, t5xxl_fp16.safetensors in models/text_encoders, ae.safetensors in models/vae."
+    ),
     template!("sdkit_tiny_sd1_txt2img", "tiny_sd1_txt2img.json", "Tiny SD1: text to image", "KSampler on the tiny test checkpoint (tiny_sd1.safetensors)."),
     template!("sdkit_tiny_sd1_img2img", "tiny_sd1_img2img.json", "Tiny SD1: image to image", "VAEEncode and a partial denoise on the tiny test checkpoint."),
     template!("sdkit_tiny_sd1_hires", "tiny_sd1_hires.json", "Tiny SD1: hires fix", "Two samplers with a latent upscale between, on the tiny test checkpoint."),
