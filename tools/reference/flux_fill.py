@@ -104,24 +104,22 @@ asserted).
     COMFY_DIR=/path/to/ComfyUI python tools/reference/flux_fill.py
 (media-only imports are stubbed as in sd1_pipeline.py, but the Canny node
 needs the real kornia, as in controlnet_pipeline.py; the base fixtures are
-not rewritten.)
+not rewritten. Model folders, fixture checks, workflow runs, spreads and
+the per-workflow fields shared with the other Flux fixture scripts are
+fixture_runs.py's.)
 """
-import base64
 import json
 import os
-import shutil
 import sys
-import tempfile
-import types
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sd1_pipeline as sd1  # noqa: E402
 import flux_pipeline as fp  # noqa: E402
+import fixture_runs as fr  # noqa: E402
 import inpaint_pipeline as ip  # noqa: E402
 
-ROOT = sd1.ROOT
 FILL = "tiny_flux_fill.safetensors"
 CANNY = "tiny_flux_canny.safetensors"
 IN_CHANNELS = {FILL: 96, CANNY: 32}
@@ -238,12 +236,18 @@ def fold_mask(m):
     return m.view(b, H // 8, 8, W // 8, 8).permute(0, 2, 4, 1, 3).reshape(b, 64, H // 8, W // 8)
 
 
+def unet_warnings(log):
+    """inpaint_pipeline.LogCapture's warnings about the UNet's weights
+    (none expected)."""
+    return [w for w in log.warnings() if w.startswith("unet ")]
+
+
 def check_models(nodes, torch, log):
     import comfy.model_base as mb
     for name, cls in [(FILL, "FluxInpaint"), (CANNY, "Flux")]:
         del log.records[:]
         (m,) = nodes.UNETLoader().load_unet(name, "default")
-        assert not [w for w in log.warnings() if w.startswith("unet ")], log.warnings()
+        assert not unet_warnings(log), log.warnings()
         cfg = m.model.model_config
         got = type(cfg).__name__
         assert (got, m.model.model_type) == (cls, mb.ModelType.FLUX), (name, got)
@@ -268,8 +272,7 @@ def check_models(nodes, torch, log):
 def report_canny(node_ns):
     """The Canny edge image the canny graph conditions on (kornia's)."""
     import kornia
-    with open(os.path.join(ROOT, "graphs", "tiny_flux_canny.json")) as f:
-        g = json.load(f)
+    g = fr.load_graph("tiny_flux_canny")
     keep = {"10", "11", "12"}
     g = {k: v for k, v in g.items() if k in keep}
     g["98"] = {"class_type": "SaveImage", "inputs": {"images": ["12", 0]}}
@@ -406,33 +409,19 @@ def without_diffdiff(prompt):
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
-    import logging
     import nodes
 
     log = ip.LogCapture()
-    logging.getLogger().addHandler(log)
-    tmp = tempfile.mkdtemp()
-    try:
-        fp.patch_comfy(tmp, torch)
-        folders = {"checkpoints": "checkpoints", "unet": "diffusion_models",
-                   "clip": "text_encoders", "vae": "vae"}
-        for folder, kind in folders.items():
-            d = os.path.join(tmp, folder)
-            os.makedirs(d, exist_ok=True)
-            folder_paths.add_model_folder_path(kind, d, is_default=True)
-        folder_paths.set_input_directory(os.path.join(ROOT, "graphs", "input"))
-        with open(os.path.join(ROOT, "tests", "reference", "flux", "expected.json")) as f:
-            flux_files = {x["name"]: x for x in json.load(f)["files"]}
-        with open(os.path.join(ROOT, "tests", "reference", "sd1", "expected.json")) as f:
-            sd1_ref = json.load(f)
+    with fr.comfy_tmp(torch, ["checkpoints", "unet", "clip", "vae"], log) as tmp:
+        sd1_ref = fr.fixture("sd1")
         sd1_ref.pop("workflows")
+        (dev_ref,) = [x for x in fr.fixture("flux")["files"]
+                      if x["name"] == "tiny_flux_dev.safetensors"]
 
         out = {"files": [], "workflows": {}}
 
         def entry(folder, name, keys, digest):
-            out["files"].append({"folder": folder, "name": name, "keys": keys, "scaled": {},
-                                 "checksum_f16": str(digest)})
+            out["files"].append(fr.file_entry(folder, name, keys, digest))
             if not sub:
                 print("file", folder, name, "keys", len(keys), "checksum", digest)
 
@@ -441,17 +430,9 @@ def main():
             keys = sorted(wide_keys(torch, IN_CHANNELS[name]))
             digest, _ = fp.write_file(os.path.join(tmp, "unet", name), keys, None, torch)
             assert [k for k, _ in keys] == [k for k, _ in dev]
-            assert str(digest) != flux_files["tiny_flux_dev.safetensors"]["checksum_f16"]
+            assert str(digest) != dev_ref["checksum_f16"]
             entry("unet", name, keys, digest)
-        for folder, name, keys, dtype in fp.file_specs(torch):
-            if name not in COMPANIONS:
-                continue
-            assert dtype is None
-            keys = sorted(keys)
-            digest, _ = fp.write_file(os.path.join(tmp, folder, name), keys, dtype, torch)
-            assert [list(k) for k in keys] == flux_files[name]["keys"], name
-            assert str(digest) == flux_files[name]["checksum_f16"], name
-            entry(folder, name, keys, digest)
+        out["files"] += fr.write_flux_files(tmp, COMPANIONS, torch, verbose=not sub)
         keys = sd1.checkpoint_keys(torch)
         digest = sd1.write_checkpoint(os.path.join(tmp, "checkpoints", sd1.CKPT), keys, torch)
         assert sd1_ref["checkpoint"] == sd1.CKPT
@@ -461,71 +442,37 @@ def main():
         if not sub:
             print("   companions: keys and checksums = flux/expected.json, sd1/expected.json")
 
-        node_ns = types.SimpleNamespace(NODE_CLASS_MAPPINGS={**nodes.NODE_CLASS_MAPPINGS,
-                                                            **v3_nodes()})
+        node_ns = fr.node_classes(nodes, v3_nodes())
         if not sub:
             check_models(nodes, torch, log)
             report_canny(node_ns)
-            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
+            runs = sd1.spread_runs(__file__)
         rec = Record(torch)
         for name in WORKFLOWS:
-            with open(os.path.join(ROOT, "graphs", name + ".json")) as f:
-                prompt = json.load(f)
+            prompt = fr.load_graph(name)
             del rec.calls[:]
-            del log.records[:]
-            saved, latents = sd1.run_workflow(prompt, node_ns, torch)
-            assert not [w for w in log.warnings() if w.startswith("unet ")], log.warnings()
-            (image,) = saved
-            img = image.float().numpy()
-            (latent,) = latents
-            lat = latent.float().numpy()
-            assert np.isfinite(lat).all() and np.isfinite(img).all(), name
+            lat, img = fr.run(name, prompt, node_ns, torch, log, unet_warnings)
             if sub:
-                out["workflows"][name] = sd1.b64(lat.astype("<f4"))
+                out["workflows"][name] = fr.f32_b64(lat)
                 continue
             print(name)
             (call,) = rec.calls
             info = check_call(name, prompt, call, lat, torch)
-            # Not flat, not saturated.
-            assert img.std() > 0.02, (name, float(img.std()))
-            clipped = float(((img <= 0.0) | (img >= 1.0)).mean())
-            assert clipped < 0.2, (name, clipped)
-
-            def rel_to(other):
-                return float(np.abs(lat.reshape(-1) - other.reshape(-1)).max() / np.abs(other).max())
-
-            def spread_to(latents):
-                return rel_to(np.frombuffer(base64.b64decode(latents[name]), "<f4"))
-            w = {"f32_vs_f64_unet_rel": spread_to(f64_latents),
-                 "unet_rounding_rel": spread_to(perturbed_latents)}
+            clipped = fr.check_image(name, img)
+            w = fr.spreads(name, lat, runs)
             if "diffdiff_strength" in info:
                 del rec.calls[:]
                 _, plain = sd1.run_workflow(without_diffdiff(prompt), node_ns, torch)
                 assert not rec.calls[0]["dd"]
-                w["without_diffdiff_rel"] = rel_to(plain[0].float().numpy())
+                w["without_diffdiff_rel"] = fr.rel(lat, plain[0].float().numpy())
                 spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
                 assert w["without_diffdiff_rel"] > max(1e-3, 100 * spread), (name, w)
             w.update(info)
-            w.update({
-                "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
-                "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
-                "image_range": [float(img.min()), float(img.max()), float(img.std())],
-            })
+            w.update(fr.outputs(lat, img))
             out["workflows"][name] = w
-            print("   latent", lat.shape, "abs mean", float(np.abs(lat).mean()),
-                  "std", float(lat.std()), "image", img.shape, "min/max/std", w["image_range"],
-                  "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
-                  "rounding", w["unet_rounding_rel"],
+            print("  ", *fr.summary(lat, img, w, clipped),
                   "without DifferentialDiffusion", w.get("without_diffdiff_rel"))
-        if sub:
-            print(json.dumps(out["workflows"]))
-            return
-        sd1.write_expected("flux_fill", out)
-        path = os.path.join(ROOT, "tests", "reference", "flux_fill", "expected.json")
-        print("wrote", path, os.path.getsize(path), "bytes")
-    finally:
-        logging.getLogger().removeHandler(log)
-        shutil.rmtree(tmp, ignore_errors=True)
+        fr.finish("flux_fill", out, sub)
 
 
 if __name__ == "__main__":

@@ -78,15 +78,13 @@ Relaxed as in flux_pipeline.py (fp.patch_comfy), nothing more.
 
     COMFY_DIR=/path/to/ComfyUI python tools/reference/flux_kontext.py
 (media-only imports are stubbed as in sd1_pipeline.py; the flux fixtures are
-not rewritten.)
+not rewritten; the steps shared with the other Flux fixture scripts --
+model folders, fixture checks, workflow runs, spreads, per-workflow
+fields -- are fixture_runs.py's.)
 """
-import base64
 import json
 import os
-import shutil
 import sys
-import tempfile
-import types
 
 import numpy as np
 
@@ -94,9 +92,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sd1_pipeline as sd1  # noqa: E402
 import flux_pipeline as fp  # noqa: E402
 import flux_fill as ff  # noqa: E402
+import fixture_runs as fr  # noqa: E402
 import inpaint_pipeline as ip  # noqa: E402
 
-ROOT = sd1.ROOT
 FILES = ["tiny_flux_dev.safetensors", "tiny_t5xxl.safetensors", "tiny_clip_l.safetensors",
          "tiny_flux_ae.safetensors"]
 WORKFLOWS = ["tiny_flux_kontext", "tiny_flux_kontext_multi", "tiny_flux_kontext_index",
@@ -319,42 +317,15 @@ def kontext_image_scale(node_ns, torch):
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
-    import logging
     import nodes
 
     log = ip.LogCapture()
-    logging.getLogger().addHandler(log)
-    tmp = tempfile.mkdtemp()
-    try:
-        fp.patch_comfy(tmp, torch)
-        folders = {"unet": "diffusion_models", "clip": "text_encoders", "vae": "vae"}
-        for folder, kind in folders.items():
-            d = os.path.join(tmp, folder)
-            os.makedirs(d, exist_ok=True)
-            folder_paths.add_model_folder_path(kind, d, is_default=True)
-        folder_paths.set_input_directory(os.path.join(ROOT, "graphs", "input"))
-        with open(os.path.join(ROOT, "tests", "reference", "flux", "expected.json")) as f:
-            flux_files = {x["name"]: x for x in json.load(f)["files"]}
-
-        out = {"files": [], "workflows": {}, "components": {}}
-        for folder, name, keys, dtype in fp.file_specs(torch):
-            if name not in FILES:
-                continue
-            assert dtype is None
-            keys = sorted(keys)
-            digest, _ = fp.write_file(os.path.join(tmp, folder, name), keys, dtype, torch)
-            assert [list(k) for k in keys] == flux_files[name]["keys"], name
-            assert str(digest) == flux_files[name]["checksum_f16"], name
-            out["files"].append({"folder": folder, "name": name, "keys": keys, "scaled": {},
-                                 "checksum_f16": str(digest)})
-            if not sub:
-                print("file", folder, name, "keys", len(keys), "checksum", digest,
-                      "(= flux/expected.json)")
+    with fr.comfy_tmp(torch, ["unet", "clip", "vae"], log) as tmp:
+        out = {"files": fr.write_flux_files(tmp, FILES, torch, verbose=not sub),
+               "workflows": {}, "components": {}}
         assert [f["name"] for f in out["files"]] == FILES
 
-        node_ns = types.SimpleNamespace(NODE_CLASS_MAPPINGS={**nodes.NODE_CLASS_MAPPINGS,
-                                                            **v3_nodes()})
+        node_ns = fr.node_classes(nodes, v3_nodes())
         if not sub:
             (m,) = nodes.UNETLoader().load_unet(FILES[0], "default")
             assert type(m.model.model_config).__name__ == "Flux"
@@ -365,68 +336,35 @@ def main():
             out["components"]["kontext_image_scale"] = scale
             out["components"]["ref_ids"] = {}
             out["components"]["dit_tokens"] = {}
-            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
+            runs = sd1.spread_runs(__file__)
             rec = Record(torch)
         for name in WORKFLOWS:
-            with open(os.path.join(ROOT, "graphs", name + ".json")) as f:
-                prompt = json.load(f)
+            prompt = fr.load_graph(name)
             if not sub:
                 del rec.samples[:], rec.calls[:]
-            del log.records[:]
-            saved, latents = sd1.run_workflow(prompt, node_ns, torch)
-            assert not [w for w in log.warnings() if w.startswith("unet ")], log.warnings()
-            (image,) = saved
-            img = image.float().numpy()
-            (latent,) = latents
-            lat = latent.float().numpy()
-            assert np.isfinite(lat).all() and np.isfinite(img).all(), name
+            lat, img = fr.run(name, prompt, node_ns, torch, log, ff.unet_warnings)
             if sub:
-                out["workflows"][name] = sd1.b64(lat.astype("<f4"))
+                out["workflows"][name] = fr.f32_b64(lat)
                 continue
             print(name)
             entry, tokens, _ = check_calls(name, rec, torch, model)
             out["components"]["ref_ids"][name] = entry
             out["components"]["dit_tokens"][name] = tokens
-            # Not flat, not saturated.
-            assert img.std() > 0.02, (name, float(img.std()))
-            clipped = float(((img <= 0.0) | (img >= 1.0)).mean())
-            assert clipped < 0.2, (name, clipped)
-
-            def rel_to(other):
-                return float(np.abs(lat.reshape(-1) - other.reshape(-1)).max() / np.abs(other).max())
-
-            def spread_to(latents):
-                return rel_to(np.frombuffer(base64.b64decode(latents[name]), "<f4"))
-            w = {"f32_vs_f64_unet_rel": spread_to(f64_latents),
-                 "unet_rounding_rel": spread_to(perturbed_latents)}
+            clipped = fr.check_image(name, img)
+            w = fr.spreads(name, lat, runs)
             del rec.samples[:], rec.calls[:]
             _, plain = sd1.run_workflow(without_refs(prompt), node_ns, torch)
             assert all(c["refs"] is None for c in rec.calls)
             n_plain = len(rec.calls)
             batch_plain = sorted({c["x"].shape[0] for c in rec.calls})
-            w["without_refs_rel"] = rel_to(plain[0].float().numpy())
+            w["without_refs_rel"] = fr.rel(lat, plain[0].float().numpy())
             spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
             assert w["without_refs_rel"] > max(1e-3, 100 * spread), (name, w)
-            w.update({
-                "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
-                "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
-                "image_range": [float(img.min()), float(img.max()), float(img.std())],
-            })
+            w.update(fr.outputs(lat, img))
             out["workflows"][name] = w
-            print("   latent", lat.shape, "abs mean", float(np.abs(lat).mean()),
-                  "std", float(lat.std()), "image", img.shape, "min/max/std", w["image_range"],
-                  "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
-                  "rounding", w["unet_rounding_rel"], "without refs", w["without_refs_rel"],
+            print("  ", *fr.summary(lat, img, w, clipped), "without refs", w["without_refs_rel"],
                   "(that run:", n_plain, "DiT calls, batch sizes", batch_plain, ")")
-        if sub:
-            print(json.dumps(out["workflows"]))
-            return
-        sd1.write_expected("flux_kontext", out)
-        path = os.path.join(ROOT, "tests", "reference", "flux_kontext", "expected.json")
-        print("wrote", path, os.path.getsize(path), "bytes")
-    finally:
-        logging.getLogger().removeHandler(log)
-        shutil.rmtree(tmp, ignore_errors=True)
+        fr.finish("flux_kontext", out, sub)
 
 
 if __name__ == "__main__":

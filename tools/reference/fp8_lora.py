@@ -188,9 +188,10 @@ ComfyUI does (asserted, recorded under "loaded" and per workflow
   a Rust port must reproduce the exact bytes.
 
 files: the entries the Rust test writes with tests/support
-write_fixture_entry (folder/name under the models dir), copied verbatim
-from the existing fixtures and asserted equal to what this script rebuilds
-(same keys, shapes, scaled, alphas, checksum_f16):
+write_fixture_entry (folder/name under the models dir), the existing
+fixtures' entries unchanged: this script rebuilds each file and asserts
+its entry equal to the fixture's (same keys, shapes, scaled, alphas,
+checksum_f16):
   files_from["flux/expected.json"]: unet/tiny_flux_dev.safetensors,
     clip/tiny_clip_l.safetensors, clip/tiny_t5xxl.safetensors,
     vae/tiny_flux_ae.safetensors (all plain f16, no "dtype");
@@ -200,16 +201,13 @@ No new file formats: the fp8 weights are made by the loader.
     COMFY_DIR=/path/to/ComfyUI python tools/reference/fp8_lora.py
 (media-only imports are stubbed as in sd1_pipeline.py; relaxations for the
 tiny parts as flux_pipeline.py; the flux / flux_lora fixtures are read,
-not rewritten.)
+not rewritten; fixture_runs.py has the steps shared with the other Flux
+fixture scripts: model folders, fixture checks, workflow runs, spreads,
+per-workflow fields.)
 """
-import base64
 import json
-import logging
 import os
-import shutil
 import sys
-import tempfile
-import types
 import zlib
 
 import numpy as np
@@ -219,8 +217,8 @@ import sd1_pipeline as sd1  # noqa: E402
 import flux_pipeline as fp  # noqa: E402
 import flux_lora as fl  # noqa: E402
 import lora_pipeline as lp  # noqa: E402
+import fixture_runs as fr  # noqa: E402
 
-ROOT = sd1.ROOT
 BASE_GRAPH = "tiny_flux_lora_kohya"
 WORKFLOWS = {"tiny_flux_fp8_lora": "fp8_e4m3fn", "tiny_flux_fp8_e5m2_lora": "fp8_e5m2"}
 LORA_STRENGTH = 0.8
@@ -250,8 +248,7 @@ RAND_N = 64 * 33
 FORMATS = {"float8_e4m3fn": (4, 3, 7, 448.0), "float8_e5m2": (5, 2, 15, 57344.0)}
 
 
-def b64(a):
-    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
+b64 = sd1.b64
 
 
 # ----------------------------------------------------------------- numpy side
@@ -647,8 +644,7 @@ def nan_mask(a, b, name):
 # ----------------------------------------------------------------- workflows
 
 def graph_for(name):
-    with open(os.path.join(ROOT, "graphs", BASE_GRAPH + ".json")) as f:
-        g = json.load(f)
+    g = fr.load_graph(BASE_GRAPH)
     assert g["1"]["class_type"] == "UNETLoader"
     assert g["1"]["inputs"] == {"unet_name": "tiny_flux_dev.safetensors", "weight_dtype": "default"}
     assert g["20"]["inputs"]["lora_name"] == fl.KOHYA
@@ -709,6 +705,17 @@ class Trace:
     def reset(self):
         self.patched, self.lowvram, self.rounded, self.current = [], [], [], None
 
+    def nearest_latent(self, prompt, node_ns, torch):
+        """The workflow run again (after reset()) with the patched weights
+        rounded to nearest instead of stochastically (rne): its latent."""
+        self.reset()
+        self.rne = True
+        try:
+            _, latents = sd1.run_workflow(prompt, node_ns, torch)
+        finally:
+            self.rne = False
+        return latents[0].float().numpy()
+
     def close(self):
         self.mp.ModelPatcher.patch_weight_to_device = self.orig[0]
         self.mp.LowVramPatch.__call__ = self.orig[1]
@@ -749,7 +756,6 @@ F64_CASTS = []
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
     import nodes
     import comfy.model_management as mm
     import comfy.model_patcher
@@ -768,56 +774,19 @@ def main():
         mm.unet_manual_cast = f64_cast
 
     log = lp.LogCapture()
-    logging.getLogger().addHandler(log)
-    tmp = tempfile.mkdtemp()
-    try:
-        fp.patch_comfy(tmp, torch)
-        for folder, kind in {"unet": "diffusion_models", "clip": "text_encoders",
-                             "vae": "vae", "loras": "loras"}.items():
-            d = os.path.join(tmp, folder)
-            os.makedirs(d, exist_ok=True)
-            folder_paths.add_model_folder_path(kind, d, is_default=True)
-        folder_paths.set_input_directory(os.path.join(ROOT, "graphs", "input"))
-        with open(os.path.join(ROOT, "tests", "reference", "flux", "expected.json")) as f:
-            flux_ref = json.load(f)
-        with open(os.path.join(ROOT, "tests", "reference", "flux_lora", "expected.json")) as f:
-            lora_ref = json.load(f)
-        ref_files = {x["name"]: x for x in flux_ref["files"]}
-        (kohya_ref,) = [x for x in lora_ref["files"] if x["name"] == fl.KOHYA]
-
+    with fr.comfy_tmp(torch, ["unet", "clip", "vae", "loras"], log) as tmp:
         out = {"files_from": {"flux/expected.json": fl.BASE_FILES,
                               "flux_lora/expected.json": [fl.KOHYA]},
-               "files": [], "components": {}, "loaded": {}, "workflows": {}}
-        for folder, name, keys, dtype in fp.file_specs(torch):
-            if name not in fl.BASE_FILES:
-                continue
-            keys = sorted(keys)
-            digest, _ = fp.write_file(os.path.join(tmp, folder, name), keys, dtype, torch)
-            ref = ref_files[name]
-            assert dtype is None and "dtype" not in ref
-            assert [list(k) for k in keys] == ref["keys"], name
-            assert str(digest) == ref["checksum_f16"], name
-            out["files"].append(ref)
-        (model,) = nodes.UNETLoader().load_unet("tiny_flux_dev.safetensors", "default")
-        (clip,) = nodes.DualCLIPLoader().load_clip("tiny_clip_l.safetensors",
-                                                   "tiny_t5xxl.safetensors", "flux")
-        specs = fl.lora_specs(model, clip)
-        del model, clip
-        keys, scaled, alphas = fl.file_keys(specs[fl.KOHYA])
-        digest = lp.write_lora(os.path.join(tmp, "loras", fl.KOHYA), keys, scaled, alphas, torch)
-        assert [list(k) for k in keys] == kohya_ref["keys"]
-        assert scaled == kohya_ref["scaled"] and alphas == kohya_ref["alphas"]
-        assert str(digest) == kohya_ref["checksum_f16"]
+               "files": fr.write_flux_files(tmp, fl.BASE_FILES, torch),
+               "components": {}, "loaded": {}, "workflows": {}}
+        specs = fr.lora_specs(nodes)
+        kohya_ref, _, _ = fr.write_flux_lora(tmp, specs, fl.KOHYA, torch)
         out["files"].append(kohya_ref)
         lora_targets = sorted(t.key for t in specs[fl.KOHYA])
 
-        for name in WORKFLOWS:
-            path = os.path.join(ROOT, "graphs", name + ".json")
-            if not sub:
-                with open(path, "w") as f:
-                    f.write(fl.graph_text(graph_for(name)))
-
         if not sub:
+            for name in WORKFLOWS:
+                fr.write_graph(name, graph_for(name))
             seeds = seed_component()
             half, anomalies = half_ops_check(torch)
             out["components"]["string_to_seed"] = seeds
@@ -826,35 +795,25 @@ def main():
             out["components"]["log2_floor_anomalies_f16_bits"] = anomalies
             out["components"]["stochastic_rounding"] = stochastic_component(torch)
             out["loaded"] = check_loaded(nodes, torch)
-            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
+            runs = sd1.spread_runs(__file__)
 
-        node_ns = types.SimpleNamespace(
-            NODE_CLASS_MAPPINGS={**nodes.NODE_CLASS_MAPPINGS, **fp.v3_nodes()})
+        node_ns = fr.node_classes(nodes, fp.v3_nodes())
         trace = Trace(torch)
-        kohya_lat = np.frombuffer(base64.b64decode(
-            lora_ref["workflows"][BASE_GRAPH]["latent_f32"]), "<f4")
+        kohya_lat = fr.latent_of(fr.fixture("flux_lora")["workflows"][BASE_GRAPH])
         try:
             for name, wd in WORKFLOWS.items():
-                with open(os.path.join(ROOT, "graphs", name + ".json")) as f:
-                    prompt = json.load(f)
+                prompt = fr.load_graph(name)
                 assert prompt == graph_for(name), name
-                del log.records[:]
                 trace.reset()
                 trace.rne = False
-                saved, latents = sd1.run_workflow(prompt, node_ns, torch)
-                assert not log.problems(), (name, log.problems())
-                (image,) = saved
-                img = image.float().numpy()
-                (latent,) = latents
-                lat = latent.float().numpy()
-                assert np.isfinite(lat).all() and np.isfinite(img).all(), name
+                lat, img = fr.run(name, prompt, node_ns, torch, log)
                 unet_rounded = [r for r in trace.rounded if r["key"] is not None]
                 assert len(unet_rounded) == len(trace.rounded), "stochastic_rounding outside patching"
                 if sub:
                     if fp64:
                         assert F64_CASTS, "the f64 run did not cast to f64"
                         del F64_CASTS[:]
-                    out["workflows"][name] = sd1.b64(lat.astype("<f4"))
+                    out["workflows"][name] = fr.f32_b64(lat)
                     continue
                 fp8name = {"fp8_e4m3fn": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[wd]
                 # the patching, as it happened
@@ -898,39 +857,20 @@ def main():
                     "differs_from_round_to_nearest": {p["key"]: p["differs_from_rne"] for p in trace.patched},
                     "recorded": recorded,
                 }
-                # the same run, patched weights rounded to nearest
-                trace.reset()
-                trace.rne = True
-                _, rne_latents = sd1.run_workflow(prompt, node_ns, torch)
-                trace.rne = False
+                rne_rel = fr.rel(lat, trace.nearest_latent(prompt, node_ns, torch))
                 assert len(trace.rounded) == len(pkeys)
-                rne_lat = rne_latents[0].float().numpy().reshape(-1)
-                rne_rel = float(np.abs(lat.reshape(-1) - rne_lat).max() / np.abs(rne_lat).max())
-                kohya_rel = float(np.abs(lat.reshape(-1) - kohya_lat).max() / np.abs(kohya_lat).max())
-
-                assert img.std() > 0.02, (name, float(img.std()))
-                clipped = float(((img <= 0.0) | (img >= 1.0)).mean())
-                assert clipped < 0.2, (name, clipped)
-
-                def spread_to(latents):
-                    other = np.frombuffer(base64.b64decode(latents[name]), "<f4")
-                    return float(np.abs(lat.reshape(-1) - other).max() / np.abs(other).max())
-                out["workflows"][name] = {
+                kohya_rel = fr.rel(lat, kohya_lat)
+                clipped = fr.check_image(name, img)
+                w = out["workflows"][name] = {
                     "weight_dtype": wd,
                     "loras": [["LoraLoaderModelOnly", fl.KOHYA, LORA_STRENGTH, None]],
-                    "f32_vs_f64_unet_rel": spread_to(f64_latents),
-                    "unet_rounding_rel": spread_to(perturbed_latents),
+                    **fr.spreads(name, lat, runs),
                     "vs_round_to_nearest_rel": rne_rel,
                     "vs_tiny_flux_lora_kohya_rel": kohya_rel,
-                    "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
-                    "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
-                    "image_range": [float(img.min()), float(img.max()), float(img.std())],
+                    **fr.outputs(lat, img),
                     "patched": patched_info,
                 }
-                w = out["workflows"][name]
-                print(name, "latent", lat.shape, "std", float(lat.std()), "image min/max/std",
-                      w["image_range"], "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
-                      "rounding", w["unet_rounding_rel"], "vs round-to-nearest", rne_rel,
+                print(name, *fr.summary(lat, img, w, clipped), "vs round-to-nearest", rne_rel,
                       "vs f32-weight kohya fixture", kohya_rel)
                 print("   patched {} weights via patch_weight_to_device on cpu, LowVramPatch calls {}, "
                       "codes differing from round-to-nearest: worst fraction {:.4f}; each rebuilt "
@@ -941,16 +881,8 @@ def main():
                           "differs from RNE", e["differs_from_round_to_nearest"])
         finally:
             trace.close()
-        if sub:
-            print(json.dumps(out["workflows"]))
-            return
-        sd1.write_expected("fp8_lora", out)
-        size = os.path.getsize(os.path.join(ROOT, "tests", "reference", "fp8_lora", "expected.json"))
-        print("wrote tests/reference/fp8_lora/expected.json", size, "bytes")
-        assert size < 400000, size
-    finally:
-        logging.getLogger().removeHandler(log)
-        shutil.rmtree(tmp, ignore_errors=True)
+        size = fr.finish("fp8_lora", out, sub)
+        assert sub or size < 400000, size
 
 
 if __name__ == "__main__":

@@ -88,17 +88,14 @@ tests/reference/gguf_lora/expected.json:
 
     COMFY_DIR=/path/to/ComfyUI [COMFY_GGUF_DIR=/path/to/ComfyUI-GGUF] \
         python tools/reference/gguf_lora.py
+(Model folders, fixture checks, workflow runs, spreads and per-workflow
+fields as the other Flux fixture scripts: fixture_runs.py.)
 """
-import base64
 import importlib.util
 import json
-import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-import types
 
 import numpy as np
 
@@ -108,8 +105,8 @@ import flux_pipeline as fp  # noqa: E402
 import lora_pipeline as lp  # noqa: E402
 import flux_lora as fl  # noqa: E402
 import gguf_fixtures as gf  # noqa: E402
+import fixture_runs as fr  # noqa: E402
 
-ROOT = sd1.ROOT
 # graph: (GGUF graph of gguf_fixtures.py, LoRA graph of flux_lora.py)
 WORKFLOWS = {"tiny_flux_gguf_lora": ("tiny_flux_gguf_q8_0", "tiny_flux_lora_kohya"),
              "tiny_flux_gguf_q4_k_lora": ("tiny_flux_gguf_q4_k", "tiny_flux_lora_diffusers")}
@@ -167,8 +164,7 @@ def graph_for(name):
     """flux_lora.py's LoRA graph with gguf_fixtures.py's UnetLoaderGGUF node."""
     gguf_graph, lora_graph = WORKFLOWS[name]
     g = fl.graph_for(lora_graph)
-    with open(os.path.join(ROOT, "graphs", gguf_graph + ".json")) as f:
-        gg = json.load(f)
+    gg = fr.load_graph(gguf_graph)
     assert gg["1"]["class_type"] == "UnetLoaderGGUF"
     g["1"] = gg["1"]
     for node in g.values():
@@ -291,18 +287,8 @@ def workflow_spec(name):
     gguf_graph, lora_graph = WORKFLOWS[name]
     ((cls, lora, sm, sc),) = fl.WORKFLOWS[lora_graph]
     assert cls == "LoraLoaderModelOnly" and sc is None
-    with open(os.path.join(ROOT, "graphs", gguf_graph + ".json")) as f:
-        unet = json.load(f)["1"]["inputs"]["unet_name"]
+    unet = fr.load_graph(gguf_graph)["1"]["inputs"]["unet_name"]
     return unet, lora, sm
-
-
-def latent_of(w):
-    return np.frombuffer(base64.b64decode(w["latent_f32"]), "<f4")
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def main():
@@ -310,35 +296,13 @@ def main():
     torch.set_num_threads(1)
     sub = fp64 or perturb
     import comfy.model_management
-    import folder_paths
     import nodes
 
     log = lp.LogCapture()
-    logging.getLogger().addHandler(log)
-    tmp = tempfile.mkdtemp()
-    try:
-        fp.patch_comfy(tmp, torch)
-        for folder, kind in {"unet": "diffusion_models", "clip": "text_encoders",
-                             "vae": "vae", "loras": "loras"}.items():
-            d = os.path.join(tmp, folder)
-            os.makedirs(d, exist_ok=True)
-            folder_paths.add_model_folder_path(kind, d, is_default=True)
-        folder_paths.set_input_directory(os.path.join(ROOT, "graphs", "input"))
-
-        def fixture(name):
-            with open(os.path.join(ROOT, "tests", "reference", name, "expected.json")) as f:
-                return json.load(f)
-        flux_ref, gguf_ref, lora_ref = fixture("flux"), fixture("gguf"), fixture("flux_lora")
-
+    with fr.comfy_tmp(torch, ["unet", "clip", "vae", "loras"], log) as tmp:
+        gguf_ref, lora_ref = fr.fixture("gguf"), fr.fixture("flux_lora")
         # base files (tiny_flux_dev too: flux_lora.lora_specs loads it)
-        ref_files = {x["name"]: x for x in flux_ref["files"]}
-        for folder, name, keys, dtype in fp.file_specs(torch):
-            if name not in BASE_FILES + ["tiny_flux_dev.safetensors"]:
-                continue
-            keys = sorted(keys)
-            digest, _ = fp.write_file(os.path.join(tmp, folder, name), keys, dtype, torch)
-            assert [list(k) for k in keys] == [list(k) for k in ref_files[name]["keys"]], name
-            assert str(digest) == ref_files[name]["checksum_f16"], name
+        fr.write_flux_files(tmp, BASE_FILES + ["tiny_flux_dev.safetensors"], torch)
 
         # the GGUF files, rebuilt and compared with gguf/expected.json whole
         used = [workflow_spec(n) for n in WORKFLOWS]
@@ -371,23 +335,16 @@ def main():
         gmod, gnodes, gops, dq, commit = load_gguf_nodes()
         assert {"UnetLoaderGGUF", "UnetLoaderGGUFAdvanced"} <= set(gmod.NODE_CLASS_MAPPINGS)
         tracer = Tracer(torch)
-        node_ns = types.SimpleNamespace(NODE_CLASS_MAPPINGS={
-            **nodes.NODE_CLASS_MAPPINGS, **fp.v3_nodes(), **gmod.NODE_CLASS_MAPPINGS})
+        node_ns = fr.node_classes(nodes, fp.v3_nodes(), gmod.NODE_CLASS_MAPPINGS)
 
         for name in WORKFLOWS:
-            path = os.path.join(ROOT, "graphs", name + ".json")
-            if not os.path.exists(path) and not sub:
-                with open(path, "w") as f:
-                    f.write(fl.graph_text(graph_for(name)))
+            if not os.path.exists(fr.graph_path(name)) and not sub:
+                fr.write_graph(name, graph_for(name))
         specs = None
         if not sub:
             # flux_lora's targets (keys looked up in ComfyUI's key maps) give
             # the same files as the fixture entries
-            (model,) = nodes.UNETLoader().load_unet("tiny_flux_dev.safetensors", "default")
-            (clip,) = nodes.DualCLIPLoader().load_clip("tiny_clip_l.safetensors",
-                                                       "tiny_t5xxl.safetensors", "flux")
-            specs = fl.lora_specs(model, clip)
-            del model, clip
+            specs = fr.lora_specs(nodes)
             for lora, (keys, scaled, alphas) in lora_data.items():
                 k2, s2, a2 = fl.file_keys(specs[lora])
                 assert (k2, s2, a2) == (keys, scaled, alphas), lora
@@ -408,7 +365,7 @@ def main():
                 del m, mm
             merges = {n: check_merge(n, gnodes, dq, nodes, torch, specs, lora_data,
                                      made[workflow_spec(n)[0]], tmp, log) for n in WORKFLOWS}
-            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
+            runs = sd1.spread_runs(__file__)
 
         out = {"comfyui_gguf": {"repo": "https://github.com/city96/ComfyUI-GGUF", "commit": commit},
                "gguf_package": gf.gguf_version(),
@@ -418,20 +375,12 @@ def main():
                "gguf_files": gguf_files, "files": files, "patching": PATCHING, "workflows": {}}
         for name, (gguf_graph, lora_graph) in WORKFLOWS.items():
             unet, lora, strength = workflow_spec(name)
-            with open(os.path.join(ROOT, "graphs", name + ".json")) as f:
-                prompt = json.load(f)
+            prompt = fr.load_graph(name)
             assert prompt == graph_for(name), name
             tracer.calls.clear()
-            del log.records[:]
-            saved, latents = sd1.run_workflow(prompt, node_ns, torch)
-            assert not log.problems(), (name, log.problems())
-            (image,) = saved
-            img = image.float().numpy()
-            (latent,) = latents
-            lat = latent.float().numpy()
-            assert np.isfinite(lat).all() and np.isfinite(img).all(), name
+            lat, img = fr.run(name, prompt, node_ns, torch, log)
             if sub:
-                out["workflows"][name] = sd1.b64(lat.astype("<f4"))
+                out["workflows"][name] = fr.f32_b64(lat)
                 continue
             types_ = {t["name"]: t["type"] for t in made[unet]["tensors"]}
             paths = {}
@@ -450,13 +399,12 @@ def main():
                     else:
                         assert caller == "patch_weight_to_device" and w_in == "torch.float32"
                         assert rounded == "torch." + {"F16": "float16", "F32": "float32"}[kind]
-            assert img.std() > 0.02, (name, float(img.std()))
-            assert ((img <= 0.0) | (img >= 1.0)).mean() < 0.2, name
+            clipped = fr.check_image(name, img)
 
             _, plain = sd1.run_workflow(lp.without_loras(prompt), node_ns, torch)
             plain = plain[0].float().numpy()
-            stand_in = latent_of(gguf_ref["workflows"][gguf_graph])
-            plain_vs_fixture = rel(plain, stand_in)
+            stand_in = fr.latent_of(gguf_ref["workflows"][gguf_graph])
+            plain_vs_fixture = fr.rel(plain, stand_in)
             assert plain_vs_fixture < 1e-6, (name, plain_vs_fixture)
             tracer.keep_f16_unrounded = True
             try:
@@ -465,36 +413,24 @@ def main():
                 tracer.keep_f16_unrounded = False
                 comfy.model_management.unload_all_models()
 
-            def spread_to(latents):
-                return rel(lat, np.frombuffer(base64.b64decode(latents[name]), "<f4"))
             w = out["workflows"][name] = {
                 "unet": unet, "loras": [["LoraLoaderModelOnly", lora, strength, None]],
-                "f32_vs_f64_unet_rel": spread_to(f64_latents),
-                "unet_rounding_rel": spread_to(perturbed_latents),
-                "without_lora_rel": rel(lat, plain),
+                **fr.spreads(name, lat, runs),
+                "without_lora_rel": fr.rel(lat, plain),
                 "without_lora_vs_gguf_fixture_rel": plain_vs_fixture,
-                "vs_flux_lora_rel": rel(lat, latent_of(lora_ref["workflows"][lora_graph])),
-                "f16_patch_rounding_rel": rel(unrounded[0].float().numpy(), lat),
+                "vs_flux_lora_rel": fr.rel(lat, fr.latent_of(lora_ref["workflows"][lora_graph])),
+                "f16_patch_rounding_rel": fr.rel(unrounded[0].float().numpy(), lat),
                 "merge": merges[name], "patch_paths": paths, "model": model_info[unet],
-                "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
-                "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
-                "image_range": [float(img.min()), float(img.max()), float(img.std())],
+                **fr.outputs(lat, img),
             }
             spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
             assert w["without_lora_rel"] > 1e-3 and w["without_lora_rel"] > 1000 * spread, w
-            print(name, "latent", lat.shape, "image min/max/std", w["image_range"],
-                  "f32 vs f64", w["f32_vs_f64_unet_rel"], "rounding", w["unet_rounding_rel"],
+            print(name, *fr.summary(lat, img, w, clipped),
                   "without LoRA", w["without_lora_rel"], "(that vs gguf fixture",
                   plain_vs_fixture, ") vs flux_lora", w["vs_flux_lora_rel"],
                   "f16 patch rounding", w["f16_patch_rounding_rel"])
             print("   patch paths", json.dumps(paths))
-        if sub:
-            print(json.dumps(out["workflows"]))
-            return
-        sd1.write_expected("gguf_lora", out)
-    finally:
-        logging.getLogger().removeHandler(log)
-        shutil.rmtree(tmp, ignore_errors=True)
+        fr.finish("gguf_lora", out, sub)
 
 
 if __name__ == "__main__":

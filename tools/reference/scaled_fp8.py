@@ -179,17 +179,14 @@ Everything else is ComfyUI's own.
 
     COMFY_DIR=/path/to/ComfyUI python tools/reference/scaled_fp8.py
 (media-only imports are stubbed as in sd1_pipeline.py; the flux fixtures
-are not rewritten.)
+are not rewritten; model folders, fixture checks, workflow runs, spreads
+and the per-workflow fields shared with the other Flux fixture scripts
+are fixture_runs.py's.)
 """
-import base64
 import json
-import logging
 import os
-import shutil
 import struct
 import sys
-import tempfile
-import types
 
 import numpy as np
 
@@ -199,8 +196,8 @@ import flux_pipeline as fp  # noqa: E402
 import flux_lora as fl  # noqa: E402
 import fp8_lora as fl8  # noqa: E402
 import lora_pipeline as lp  # noqa: E402
+import fixture_runs as fr  # noqa: E402
 
-ROOT = sd1.ROOT
 SCALED = "F8_E4M3_SCALED"
 FP8_MAX = 448.0
 UNET_FILE = "tiny_flux_dev_fp8_scaled.safetensors"
@@ -361,8 +358,7 @@ def patch_t5_detect():
 
 
 def graph():
-    with open(os.path.join(ROOT, "graphs", BASE_GRAPH + ".json")) as f:
-        g = json.load(f)
+    g = fr.load_graph(BASE_GRAPH)
     assert g["1"]["inputs"]["unet_name"] == "tiny_flux_dev_fp8.safetensors"
     assert g["2"]["inputs"]["clip_name2"] == "tiny_t5xxl.safetensors"
     g["1"]["inputs"]["unet_name"] = UNET_FILE
@@ -396,8 +392,7 @@ def graph_lora():
             g[LORA_NODE] = {"class_type": cls, "inputs": {
                 "model": ["1", 0], "lora_name": lora, "strength_model": sm}}
     assert len(g) == len(base) + 1
-    with open(os.path.join(ROOT, "graphs", "tiny_flux_fp8_lora.json")) as f:
-        other = json.load(f)
+    other = fr.load_graph("tiny_flux_fp8_lora")
     assert other["1"]["inputs"] == {"unet_name": "tiny_flux_dev.safetensors",
                                     "weight_dtype": "fp8_e4m3fn"}
     other["1"]["inputs"] = {"unet_name": UNET_FILE, "weight_dtype": "default"}
@@ -784,8 +779,8 @@ def t5_hidden(nodes, flux_ref):
     c, p = cond.float().numpy(), pooled.float().numpy()
     assert np.isfinite(c).all() and np.isfinite(p).all()
     (ref,) = [x for x in flux_ref["components"]["t5_hidden"] if x["text"] == HIDDEN_PROMPT]
-    rc = np.frombuffer(base64.b64decode(ref["cond_f32"]), "<f4").reshape(ref["cond_shape"])
-    rp = np.frombuffer(base64.b64decode(ref["pooled_f32"]), "<f4").reshape(ref["pooled_shape"])
+    rc = fr.decode(ref["cond_f32"]).reshape(ref["cond_shape"])
+    rp = fr.decode(ref["pooled_f32"]).reshape(ref["pooled_shape"])
     assert rc.shape == c.shape and rp.shape == p.shape
     rel = float(np.abs(c - rc).max() / np.abs(rc).max())
     assert 1e-4 < rel < 0.2, rel  # scaled fp8 T5 near the f16 one, not equal
@@ -800,24 +795,13 @@ def t5_hidden(nodes, flux_ref):
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
     import nodes
 
     log = lp.LogCapture()
-    logging.getLogger().addHandler(log)
-    tmp = tempfile.mkdtemp()
-    TMP[0] = tmp
-    try:
-        fp.patch_comfy(tmp, torch)
+    with fr.comfy_tmp(torch, ["unet", "clip", "vae", "loras"], log) as tmp:
+        TMP[0] = tmp
         detect_calls = patch_t5_detect()
-        for folder, kind in {"unet": "diffusion_models", "clip": "text_encoders",
-                             "vae": "vae", "loras": "loras"}.items():
-            d = os.path.join(tmp, folder)
-            os.makedirs(d, exist_ok=True)
-            folder_paths.add_model_folder_path(kind, d, is_default=True)
-        folder_paths.set_input_directory(os.path.join(ROOT, "graphs", "input"))
-        with open(os.path.join(ROOT, "tests", "reference", "flux", "expected.json")) as f:
-            flux_ref = json.load(f)
+        flux_ref = fr.fixture("flux")
         ref_files = {x["name"]: x for x in flux_ref["files"]}
 
         out = {"files": [], "workflows": {}, "components": {}}
@@ -828,9 +812,8 @@ def main():
             digest, raw, sc = write_scaled(os.path.join(tmp, folder, name), keys, torch)
             verify_file(os.path.join(tmp, folder, name), keys, raw)
             scales[name] = sc
-            out["files"].append({"folder": folder, "name": name, "keys": keys, "scaled": {},
-                                 "checksum_f16": str(digest), "dtype": SCALED,
-                                 "checksum_raw": str(raw)})
+            out["files"].append(fr.file_entry(folder, name, keys, digest, dtype=SCALED,
+                                              checksum_raw=str(raw)))
             if not sub:
                 vals = sorted(sc.values())
                 print("file", folder, name, "keys", len(keys), "scaled", len(sc), "checksum", digest,
@@ -845,154 +828,86 @@ def main():
         assert base[UNET_FILE]["checksum_f16"] == ref_files["tiny_flux_dev.safetensors"]["checksum_f16"]
         assert [list(k) for k in base[T5_FILE]["keys"]] == ref_files["tiny_t5xxl.safetensors"]["keys"]
         assert base[T5_FILE]["checksum_f16"] == ref_files["tiny_t5xxl.safetensors"]["checksum_f16"]
-        for folder, name, keys, dtype in fp.file_specs(torch):
-            if name not in COMPANIONS:
-                continue
-            assert dtype is None
-            keys = sorted(keys)
-            digest, _ = fp.write_file(os.path.join(tmp, folder, name), keys, dtype, torch)
-            assert [list(k) for k in keys] == ref_files[name]["keys"], name
-            assert str(digest) == ref_files[name]["checksum_f16"], name
-            out["files"].append({"folder": folder, "name": name, "keys": keys, "scaled": {},
-                                 "checksum_f16": str(digest)})
-            if not sub:
-                print("file", folder, name, "keys", len(keys), "checksum", digest,
-                      "(= flux/expected.json)")
+        out["files"] += fr.write_flux_files(tmp, COMPANIONS, torch, verbose=not sub)
 
         # The kohya LoRA, as flux_lora writes it (names from ComfyUI's key
         # maps of the loaded scaled model: the same as the plain one's).
-        with open(os.path.join(ROOT, "tests", "reference", "flux_lora", "expected.json")) as f:
-            lora_ref = json.load(f)
-        (kohya_ref,) = [x for x in lora_ref["files"] if x["name"] == fl.KOHYA]
-        (model,) = nodes.UNETLoader().load_unet(UNET_FILE, "default")
-        (clip,) = nodes.DualCLIPLoader().load_clip(COMPANIONS[0], T5_FILE, "flux")
-        specs = fl.lora_specs(model, clip)
-        del model, clip
-        lkeys, lscaled, lalphas = fl.file_keys(specs[fl.KOHYA])
-        digest = lp.write_lora(os.path.join(tmp, "loras", fl.KOHYA), lkeys, lscaled, lalphas, torch)
-        assert [list(k) for k in lkeys] == kohya_ref["keys"]
-        assert lscaled == kohya_ref["scaled"] and lalphas == kohya_ref["alphas"]
-        assert str(digest) == kohya_ref["checksum_f16"]
+        specs = fr.lora_specs(nodes, UNET_FILE, T5_FILE)
+        kohya_ref, lora_file, digest = fr.write_flux_lora(tmp, specs, fl.KOHYA, torch)
         out["files"].append(kohya_ref)
-        lora_data = (specs[fl.KOHYA], lkeys, lscaled, lalphas)
+        lora_data = (specs[fl.KOHYA],) + lora_file
         lora_targets = sorted(t.key for t in specs[fl.KOHYA])
         if not sub:
-            print("file loras", fl.KOHYA, "keys", len(lkeys), "checksum", digest,
+            print("file loras", fl.KOHYA, "keys", len(lora_file[0]), "checksum", digest,
                   "(= flux_lora/expected.json)")
 
         graphs = {WORKFLOW: graph(), LORA_WORKFLOW: graph_lora()}
         prompts = {}
         for name, g in graphs.items():
-            path = os.path.join(ROOT, "graphs", name + ".json")
             if not sub:
-                with open(path, "w") as f:
-                    f.write(fl.graph_text(g))
-            with open(path) as f:
-                prompts[name] = json.load(f)
+                fr.write_graph(name, g)
+            prompts[name] = fr.load_graph(name)
             assert prompts[name] == g
 
-        node_ns = types.SimpleNamespace(
-            NODE_CLASS_MAPPINGS={**nodes.NODE_CLASS_MAPPINGS, **fp.v3_nodes()})
+        node_ns = fr.node_classes(nodes, fp.v3_nodes())
         if not sub:
             out["components"]["loaded"] = check_models(nodes, torch, scales, detect_calls, log)
             out["components"]["scales"] = scales
             out["components"]["t5_hidden"] = t5_hidden(nodes, flux_ref)
-            f64_latents, perturbed_latents = sd1.spread_runs(__file__)
+            runs = sd1.spread_runs(__file__)
+        lora_ref = fr.fixture("flux_lora")
         trace = LoraTrace(torch)
         try:
             lats = {}
             for name, prompt in prompts.items():
-                del log.records[:]
                 trace.reset()
                 trace.rne = False
-                saved, latents = sd1.run_workflow(prompt, node_ns, torch)
-                assert not log.problems(), (name, log.problems())
-                (image,) = saved
-                img = image.float().numpy()
-                (latent,) = latents
-                lat = latent.float().numpy()
+                lat, img = fr.run(name, prompt, node_ns, torch, log)
                 lats[name] = lat
-                assert np.isfinite(lat).all() and np.isfinite(img).all(), name
                 if name == WORKFLOW:
                     assert not trace.patched and not trace.rounded and not trace.computed, name
                 else:
                     assert len(trace.patched) == len(lora_targets), len(trace.patched)
                 if sub:
-                    out["workflows"][name] = sd1.b64(lat.astype("<f4"))
+                    out["workflows"][name] = fr.f32_b64(lat)
                     continue
-                # Not flat, not saturated.
-                assert img.std() > 0.02, (name, float(img.std()))
-                clipped = float(((img <= 0.0) | (img >= 1.0)).mean())
-                assert clipped < 0.2, (name, clipped)
-
-                def rel_to(other):
-                    return float(np.abs(lat.reshape(-1) - other).max() / np.abs(other).max())
-
-                def spread_to(latents):
-                    return rel_to(np.frombuffer(base64.b64decode(latents[name]), "<f4"))
+                clipped = fr.check_image(name, img)
 
                 def flux_rel(wf, ref=flux_ref):
-                    return rel_to(np.frombuffer(base64.b64decode(ref["workflows"][wf]["latent_f32"]), "<f4"))
+                    return fr.rel(lat, fr.latent_of(ref["workflows"][wf]))
                 if name == WORKFLOW:
-                    out["workflows"][name] = {
-                        "f32_vs_f64_unet_rel": spread_to(f64_latents),
-                        "unet_rounding_rel": spread_to(perturbed_latents),
+                    w = out["workflows"][name] = {
+                        **fr.spreads(name, lat, runs),
                         "vs_tiny_flux_txt2img_rel": flux_rel("tiny_flux_txt2img"),
                         "vs_tiny_flux_fp8_rel": flux_rel("tiny_flux_fp8"),
-                        "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
-                        "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
-                        "image_range": [float(img.min()), float(img.max()), float(img.std())],
+                        **fr.outputs(lat, img),
                     }
-                    w = out["workflows"][name]
                     assert w["vs_tiny_flux_txt2img_rel"] > 1e-4, w["vs_tiny_flux_txt2img_rel"]
-                    print(name, "latent", lat.shape, "abs mean", float(np.abs(lat).mean()),
-                          "std", float(lat.std()), "image", img.shape, "min/max/std", w["image_range"],
-                          "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
-                          "rounding", w["unet_rounding_rel"], "vs tiny_flux_txt2img",
+                    print(name, *fr.summary(lat, img, w, clipped), "vs tiny_flux_txt2img",
                           w["vs_tiny_flux_txt2img_rel"], "vs tiny_flux_fp8", w["vs_tiny_flux_fp8_rel"])
                     continue
                 print(name, "(LoRA): patching")
                 patched = check_patching(trace, lora_targets, lora_data, scales[UNET_FILE], torch)
-                # the same run, the patched weights' stochastic rounding
-                # replaced by round to nearest
-                trace.reset()
-                trace.rne = True
-                _, rne_latents = sd1.run_workflow(prompt, node_ns, torch)
-                trace.rne = False
+                # vs the same run with the patched weights' stochastic
+                # rounding replaced by round to nearest, as fp8_lora measures it
+                rne_rel = fr.rel(lat, trace.nearest_latent(prompt, node_ns, torch))
                 assert len(trace.rounded) == len(lora_targets)
-                rne_lat = rne_latents[0].float().numpy().reshape(-1)
-                # vs the latent rounded to nearest, as fp8_lora measures it
-                rne_rel = float(np.abs(lat.reshape(-1) - rne_lat).max() / np.abs(rne_lat).max())
-                out["workflows"][name] = {
+                w = out["workflows"][name] = {
                     "loras": LORA_LOADERS,
-                    "f32_vs_f64_unet_rel": spread_to(f64_latents),
-                    "unet_rounding_rel": spread_to(perturbed_latents),
+                    **fr.spreads(name, lat, runs),
                     "vs_round_to_nearest_rel": rne_rel,
-                    "without_lora_rel": rel_to(lats[WORKFLOW].reshape(-1)),
+                    "without_lora_rel": fr.rel(lat, lats[WORKFLOW]),
                     "vs_tiny_flux_lora_kohya_rel": flux_rel("tiny_flux_lora_kohya", lora_ref),
-                    "latent_shape": list(lat.shape), "latent_f32": sd1.b64(lat.astype("<f4")),
-                    "image_shape": list(img.shape), "image_f32": sd1.b64(img.astype("<f4")),
-                    "image_range": [float(img.min()), float(img.max()), float(img.std())],
+                    **fr.outputs(lat, img),
                     "patched": patched,
                 }
-                w = out["workflows"][name]
                 assert w["without_lora_rel"] > 1e-3, w["without_lora_rel"]
-                print(name, "latent", lat.shape, "abs mean", float(np.abs(lat).mean()),
-                      "std", float(lat.std()), "image", img.shape, "min/max/std", w["image_range"],
-                      "clipped", clipped, "f32 vs f64", w["f32_vs_f64_unet_rel"],
-                      "rounding", w["unet_rounding_rel"], "vs round-to-nearest", rne_rel,
+                print(name, *fr.summary(lat, img, w, clipped), "vs round-to-nearest", rne_rel,
                       "without LoRA", w["without_lora_rel"], "vs tiny_flux_lora_kohya (f32 weights)",
                       w["vs_tiny_flux_lora_kohya_rel"])
         finally:
             trace.close()
-        if sub:
-            print(json.dumps(out["workflows"]))
-            return
-        sd1.write_expected("scaled_fp8", out)
-        print("wrote", os.path.join(ROOT, "tests", "reference", "scaled_fp8", "expected.json"))
-    finally:
-        logging.getLogger().removeHandler(log)
-        shutil.rmtree(tmp, ignore_errors=True)
+        fr.finish("scaled_fp8", out, sub)
 
 
 if __name__ == "__main__":
