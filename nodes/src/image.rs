@@ -237,6 +237,26 @@ image_node!(
 );
 
 image_node!(
+    /// ComfyUI's ImageStitch.
+    ImageStitch,
+    |inputs| {
+        let first = image_in(inputs, "image1")?;
+        let second = match inputs.get("image2") {
+            Some(_) => Some(image_in(inputs, "image2")?),
+            None => None,
+        };
+        one(image_out(imageops::stitch(
+            &first,
+            second.as_ref(),
+            inputs.string("direction")?,
+            inputs.bool("match_image_size")?,
+            inputs.usize("spacing_width")?,
+            inputs.string("spacing_color")?,
+        )?))
+    }
+);
+
+image_node!(
     /// ComfyUI's GrowMask.
     GrowMask,
     |inputs| {

@@ -13,7 +13,7 @@
 //!
 //! Two sets: `imageops` (the ops) and `imageops_extra` (node-level cases:
 //! LatentUpscale(By), ImageScaleToTotalPixels, ImageCompositeMasked,
-//! GrowMask, ThresholdMask, ImageFlip, ImageRotate).
+//! GrowMask, ThresholdMask, ImageFlip, ImageRotate, ImageStitch).
 //!
 //! Run with `--nocapture` to see the measured maximum difference per op.
 
@@ -311,6 +311,21 @@ fn run_node_case(fx: &Fixtures, c: &Value, op: &str) -> Result<Got, ImageOpError
                 _ => 0,
             };
             image_out(rotate(&fx.image(input(c, 0)), k)?)
+        }
+        "image_stitch" => {
+            let second = c["inputs"]
+                .as_array()
+                .and_then(|a| a.get(1))
+                .and_then(Value::as_str)
+                .map(|n| fx.image(n));
+            image_out(stitch(
+                &fx.image(input(c, 0)),
+                second.as_ref(),
+                p_str(c, "direction"),
+                p_bool(c, "match_image_size"),
+                p_usize(c, "spacing_width"),
+                p_str(c, "spacing_color"),
+            )?)
         }
         other => panic!("fixture op {other:?} has no handler"),
     })

@@ -15,9 +15,12 @@ error ComfyUI raised). nodes/tests/imageops.rs replays the cases.
   imageops/        resampling, blur/sharpen and the simple image/mask nodes
                    (`build`).
   imageops_extra/  LatentUpscale(By), ImageScaleToTotalPixels, GrowMask,
-                   ThresholdMask, ImageCompositeMasked, ImageFlip and
-                   ImageRotate (`build_extra`). A set of its own so that
-                   adding these did not regenerate imageops/: regenerated
+                   ThresholdMask, ImageCompositeMasked, ImageFlip,
+                   ImageRotate and ImageStitch (`build_extra`). A set of
+                   its own so that adding these did not regenerate
+                   imageops/ (ImageStitch's arrays are named stitch_* so
+                   that they sort, and so sit in data.bin, after the
+                   older ones): regenerated
                    elsewhere (ComfyUI 0.3.64, same torch/numpy/Pillow and
                    CPU capability in the header), imageops/ came out a few
                    ULPs different in gaussian_kernel, blur, sharpen and
@@ -36,7 +39,8 @@ stubbed to CPU:
   nodes.py:                            ImageScale, ImageScaleBy, ImageInvert,
                                        ImageBatch, EmptyImage, LatentUpscale,
                                        LatentUpscaleBy
-  comfy_extras/nodes_images.py:        ImageCrop, ImageFlip, ImageRotate
+  comfy_extras/nodes_images.py:        ImageCrop, ImageFlip, ImageRotate,
+                                       ImageStitch
   comfy_extras/nodes_mask.py:          ImageToMask, MaskToImage, SolidMask,
                                        InvertMask, composite,
                                        ImageCompositeMasked, GrowMask,
@@ -135,7 +139,7 @@ _lift(NS, "node_helpers.py", ["image_alpha_fix"])
 NS["node_helpers"].image_alpha_fix = NS["image_alpha_fix"]
 _lift(NS, "nodes.py", ["ImageScale", "ImageScaleBy", "ImageInvert", "ImageBatch", "EmptyImage",
                        "LatentUpscale", "LatentUpscaleBy"])
-_lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop", "ImageFlip", "ImageRotate"])
+_lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop", "ImageFlip", "ImageRotate", "ImageStitch"])
 _lift(NS, "comfy_extras/nodes_mask.py", ["ImageToMask", "MaskToImage", "SolidMask", "InvertMask",
                                          "composite", "ImageCompositeMasked", "GrowMask",
                                          "ThresholdMask"])
@@ -192,15 +196,16 @@ def put(name, array, dtype="f32"):
     return name
 
 
-def case(name, op, params, inputs, compute, out_dtype="f32"):
-    """Run compute(); record its output, or the error it raises."""
+def case(name, op, params, inputs, compute, out_dtype="f32", out_name=None):
+    """Run compute(); record its output (as out_name, default out_<name>),
+    or the error it raises."""
     entry = {"name": name, "op": op, "params": params, "inputs": inputs}
     try:
         result = compute()
     except Exception as exc:  # ComfyUI/torch/PIL rejects these arguments
         entry["error"] = f"{type(exc).__name__}: {exc}"
     else:
-        entry["output"] = put(f"out_{name}", result, out_dtype)
+        entry["output"] = put(out_name or f"out_{name}", result, out_dtype)
     CASES.append(entry)
 
 
@@ -602,6 +607,98 @@ def build_extra():
         put(f"in_{k}", v)
     for k, v in masks.items():
         put(f"in_{k}", v)
+
+    build_stitch()
+
+
+def build_stitch():
+    """ImageStitch cases, appended to imageops_extra.
+
+    write() lays arrays out sorted by name, so these are all named
+    stitch_*, which sorts after every earlier in_* / out_* array: the
+    older arrays keep their offsets and data.bin only grows at the end.
+
+    Outputs are stored as f32: where match_image_size resizes image2
+    (always with lanczos, through Pillow), that part is k/255 (clipped to
+    0..1 and quantised even when the size does not change: Pillow's
+    same-size resize is a plain copy), but image1, the padding and the
+    spacing keep their float values.
+    """
+    si = {
+        "a": rand_image(171, (1, 5, 7, 3)),    # RGB
+        "b": rand_image(172, (1, 3, 4, 3)),    # RGB, smaller, other aspect
+        "c": rand_image(173, (2, 4, 6, 4)),    # RGBA, batch 2
+        "d": rand_image(174, (1, 6, 3, 4)),    # RGBA, tall
+        "e": rand_image(175, (2, 5, 4, 3)),    # RGB, batch 2, a's height
+        "f": rand_image(176, (1, 4, 2, 3)),    # RGB, c's height
+        "g": rand_image(177, (1, 3, 9, 4)),    # RGBA, width 9
+        "h": rand_image(178, (1, 7, 9, 3)),    # RGB 9x7
+        "k": rand_image(179, (1, 11, 2, 3)),   # RGB, height 11
+        "l": rand_image(180, (1, 11, 15, 3)),  # RGB 15x11
+        "w": rand_image(181, (1, 1, 9, 3)),    # RGB, one row
+    }
+    # (image1, image2, direction, match_image_size, spacing_width, spacing_color)
+    # Without matching, the shorter side is padded centred (pad // 2 before,
+    # the rest after) with 1.0 for white, 0.0 for black and for the tuple
+    # colours -- on every channel, so a padded RGBA image's alpha is the pad
+    # value too. Then the channel counts are evened out with ones, then the
+    # spacing (odd widths rounded up to even) goes between.
+    stitches = [
+        ("a", "b", "right", False, 0, "white"),   # b padded 1 + 1 rows of 1.0
+        ("a", "b", "down", False, 2, "black"),    # b padded 1 + 2 columns of 0
+        ("a", "b", "left", False, 3, "red"),      # spacing 3 -> 4; pad 0 (tuple)
+        ("a", "b", "up", False, 1, "green"),      # spacing 1 -> 2
+        ("b", "a", "right", False, 2, "blue"),    # image1 is the padded one
+        ("b", "a", "down", False, 0, "white"),
+        # match_image_size: image2 -> lanczos to h1 x int(h1 * w2 / h2)
+        # (left/right) or int(w1 / (w2 / h2)) x w1 (up/down).
+        ("a", "b", "right", True, 0, "white"),    # 5 x int(6.67) = 6
+        ("a", "b", "down", True, 2, "red"),       # int(5.25) = 5 x 7
+        ("b", "a", "left", True, 3, "white"),     # 3 x int(4.2) = 4 (down)
+        ("b", "a", "up", True, 0, "black"),       # int(2.857) = 2 x 4
+        # RGB / RGBA and batch 1 / 2 mixes.
+        ("a", "c", "right", False, 2, "white"),   # a repeated, alpha ones; c padded 0 + 1 rows of 1.0
+        ("c", "a", "down", False, 2, "black"),    # c padded 0 + 1 columns of 0.0 (alpha 0 too)
+        ("c", "a", "up", True, 3, "blue"),        # a (repeated) -> 6 x int(4.29) = 4, then alpha ones
+        ("a", "c", "left", True, 2, "green"),     # RGBA image2 resized: 5 x int(7.5) = 7
+        ("d", "c", "right", True, 2, "red"),      # d repeated; c upscaled to 6 x 9
+        ("c", "d", "down", False, 3, "white"),    # d padded 1 + 2 columns of 1.0 (alpha too)
+        ("e", "c", "left", False, 0, "green"),    # batch 2 both, RGB + RGBA
+        ("d", "e", "up", False, 2, "black"),      # d repeated; widths 3 vs 4
+        # Same size after matching: no resize, but still clipped and
+        # quantised to k/255 (RGB, and RGBA with no premultiplication).
+        ("a", "e", "right", True, 2, "black"),    # e: 5 x int(4.0) = 4
+        ("f", "c", "left", True, 0, "white"),     # c: 4 x int(6.0) = 6
+        # int() of an inexact float: 9 / (9 / 7) = 6.999999999999999 -> 6
+        # rows (not 7), 11 * (15 / 11) = 14.999999999999998 -> 14 columns.
+        ("g", "h", "down", True, 2, "blue"),
+        ("k", "l", "right", True, 0, "red"),
+        # int(4 / 9) = 0 rows: Pillow raises "height and width must be > 0".
+        ("b", "w", "down", True, 0, "white"),
+    ]
+    used = set()
+    for i1, i2, direction, match, spacing, color in stitches:
+        name = (f"image_stitch_{i1}_{i2}_{direction}_{'match' if match else 'pad'}"
+                f"_{spacing}_{color}")
+        used.update([i1, i2])
+        case(name, "image_stitch",
+             {"direction": direction, "match_image_size": match, "spacing_width": spacing,
+              "spacing_color": color},
+             [f"stitch_in_{i1}", f"stitch_in_{i2}"],
+             lambda i1=i1, i2=i2, direction=direction, match=match, spacing=spacing, color=color:
+                 image_node("ImageStitch", "stitch", si[i1], direction, match, spacing, color,
+                            si[i2]),
+             out_name=f"stitch_out_{name}")
+    # No image2: image1 comes back unchanged (not clipped, no spacing).
+    case("image_stitch_a_only", "image_stitch",
+         {"direction": "right", "match_image_size": True, "spacing_width": 2,
+          "spacing_color": "red"},
+         ["stitch_in_a"],
+         lambda: image_node("ImageStitch", "stitch", si["a"], "right", True, 2, "red"),
+         out_name="stitch_out_image_stitch_a_only")
+    assert used == set(si), sorted(set(si) - used)
+    for k, v in si.items():
+        put(f"stitch_in_{k}", v)
 
 
 def write(set_name, extra_versions=None):

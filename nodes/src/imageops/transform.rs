@@ -311,3 +311,190 @@ pub fn upscale_latent(
     }
     Ok(out)
 }
+
+/// ComfyUI's ImageStitch: `image2` joined to `image1` on the `direction`
+/// side ("right", "down", "left", "up"). The shorter batch repeats its
+/// last image; with `match_size` image2 is scaled (Lanczos) to image1's
+/// height (or width), its other side `int()` of the aspect; without, the
+/// smaller one is padded, centred, with the colour's value (0 for the
+/// primaries). Fewer channels are padded with ones. `spacing` pixels
+/// (rounded up to even) of `color` go between, alpha 1.
+pub fn stitch(
+    image1: &Tensor4,
+    image2: Option<&Tensor4>,
+    direction: &str,
+    match_size: bool,
+    spacing: usize,
+    color: &str,
+) -> Result<Tensor4> {
+    let copy = |t: &Tensor4| Tensor4::new(t.b, t.h, t.w, t.c, t.data.clone());
+    let Some(image2) = image2 else {
+        return copy(image1);
+    };
+    let horizontal = match direction {
+        "right" | "left" => true,
+        "down" | "up" => false,
+        other => {
+            return Err(ImageOpError::InvalidArgument(format!(
+                "direction {other:?} is not one of right, down, left, up"
+            )))
+        }
+    };
+    let value: Vec<f32> = match color {
+        "white" => vec![1.0],
+        "black" => vec![0.0],
+        "red" => vec![1.0, 0.0, 0.0],
+        "green" => vec![0.0, 1.0, 0.0],
+        "blue" => vec![0.0, 0.0, 1.0],
+        other => {
+            return Err(ImageOpError::InvalidArgument(format!(
+                "spacing_color {other:?} is not one of white, black, red, green, blue"
+            )))
+        }
+    };
+    // Batches: the shorter repeats its last image.
+    let b = image1.b.max(image2.b);
+    let extend = |t: &Tensor4| -> Result<Tensor4> {
+        let per = t.h * t.w * t.c;
+        let mut data = t.data.clone();
+        for _ in t.b..b {
+            data.extend_from_slice(&t.data[(t.b - 1) * per..t.b * per]);
+        }
+        Tensor4::new(b, t.h, t.w, t.c, data)
+    };
+    let mut one = extend(image1)?;
+    let mut two = extend(image2)?;
+    if match_size {
+        let aspect = two.w as f64 / two.h as f64;
+        let (tw, th) = if horizontal {
+            ((one.h as f64 * aspect) as usize, one.h)
+        } else {
+            (one.w, (one.w as f64 / aspect) as usize)
+        };
+        two = common_upscale(
+            &two,
+            tw,
+            th,
+            UpscaleMethod::Lanczos,
+            Crop::Disabled,
+            SourceLayout::ChannelsLastView,
+        )?;
+    } else {
+        let pad_value = if value.len() == 1 { value[0] } else { 0.0 };
+        if horizontal {
+            let h = one.h.max(two.h);
+            one = pad_centred(&one, (h, one.w), pad_value)?;
+            two = pad_centred(&two, (h, two.w), pad_value)?;
+        } else {
+            let w = one.w.max(two.w);
+            one = pad_centred(&one, (one.h, w), pad_value)?;
+            two = pad_centred(&two, (two.h, w), pad_value)?;
+        }
+    }
+    let c = one.c.max(two.c);
+    one = with_channels(&one, c)?;
+    two = with_channels(&two, c)?;
+    let mut parts = if matches!(direction, "left" | "up") {
+        vec![two, one]
+    } else {
+        vec![one, two]
+    };
+    if spacing > 0 {
+        let sw = spacing + spacing % 2;
+        let (sh, sww) = if horizontal {
+            (parts[0].h.max(parts[1].h), sw)
+        } else {
+            (sw, parts[0].w.max(parts[1].w))
+        };
+        let mut px = vec![0.0f32; c];
+        if value.len() == 1 {
+            px.iter_mut().take(3).for_each(|v| *v = value[0]);
+        } else {
+            px.iter_mut().zip(&value).for_each(|(v, &x)| *v = x);
+        }
+        if c == 4 {
+            px[3] = 1.0;
+        }
+        let data = px.iter().copied().cycle().take(b * sh * sww * c).collect();
+        parts.insert(1, Tensor4::new(b, sh, sww, c, data)?);
+    }
+    concat(&parts, horizontal)
+}
+
+/// `t` padded with `value` to `(h, w)`, centred (the extra row or column
+/// after, as `pad // 2` before).
+fn pad_centred(t: &Tensor4, (h, w): (usize, usize), value: f32) -> Result<Tensor4> {
+    if (t.h, t.w) == (h, w) {
+        return Tensor4::new(t.b, t.h, t.w, t.c, t.data.clone());
+    }
+    let (top, left) = ((h - t.h) / 2, (w - t.w) / 2);
+    let mut out = alloc_filled(&[t.b, h, w, t.c], value)?;
+    let row = t.w * t.c;
+    for b in 0..t.b {
+        for y in 0..t.h {
+            let src = (b * t.h + y) * row;
+            let dst = ((b * h + top + y) * w + left) * t.c;
+            out[dst..dst + row].copy_from_slice(&t.data[src..src + row]);
+        }
+    }
+    Tensor4::new(t.b, h, w, t.c, out)
+}
+
+/// `t` with its channels padded with ones to `c`.
+fn with_channels(t: &Tensor4, c: usize) -> Result<Tensor4> {
+    if t.c == c {
+        return Tensor4::new(t.b, t.h, t.w, t.c, t.data.clone());
+    }
+    let data = t
+        .data
+        .chunks(t.c)
+        .flat_map(|px| px.iter().copied().chain(std::iter::repeat_n(1.0, c - t.c)))
+        .collect();
+    Tensor4::new(t.b, t.h, t.w, c, data)
+}
+
+/// `torch.cat` of BHWC images along the width (`horizontal`) or height.
+fn concat(parts: &[Tensor4], horizontal: bool) -> Result<Tensor4> {
+    let first = &parts[0];
+    let (b, c) = (first.b, first.c);
+    let fits = |p: &Tensor4| {
+        p.b == b
+            && p.c == c
+            && if horizontal {
+                p.h == first.h
+            } else {
+                p.w == first.w
+            }
+    };
+    if !parts.iter().all(fits) {
+        return Err(ImageOpError::InvalidArgument(
+            "the images' sizes do not line up for stitching".to_string(),
+        ));
+    }
+    if horizontal {
+        let h = first.h;
+        let w: usize = parts.iter().map(|p| p.w).sum();
+        let mut out = alloc_empty(&[b, h, w, c])?;
+        for bi in 0..b {
+            for y in 0..h {
+                for p in parts {
+                    let row = p.w * c;
+                    let at = (bi * h + y) * row;
+                    out.extend_from_slice(&p.data[at..at + row]);
+                }
+            }
+        }
+        Tensor4::new(b, h, w, c, out)
+    } else {
+        let w = first.w;
+        let h: usize = parts.iter().map(|p| p.h).sum();
+        let mut out = alloc_empty(&[b, h, w, c])?;
+        for bi in 0..b {
+            for p in parts {
+                let per = p.h * w * c;
+                out.extend_from_slice(&p.data[bi * per..(bi + 1) * per]);
+            }
+        }
+        Tensor4::new(b, h, w, c, out)
+    }
+}
