@@ -81,3 +81,17 @@ fn mask_ops_match_comfyui() {
         assert_eq!((max, n), (0, 0), "{out}: max diff {max} over {n} values");
     }
 }
+
+/// GetImageSize's INT outputs drive another node's widgets: a canvas the
+/// size of the input, stitched beside it (64 + 2 + 64 wide).
+#[test]
+fn image_size_outputs_feed_widgets() {
+    let base = run("graphs/image_size.json");
+    let out = image::open(base.path().join("output/image_size_00001_.png"))
+        .expect("output decodes")
+        .to_rgb8();
+    assert_eq!(out.dimensions(), (64 + 2 + 64, 48));
+    // The canvas is EmptyImage's orange (0xFF8000), the spacing white.
+    assert_eq!(out.get_pixel(100, 10).0, [255, 128, 0]);
+    assert_eq!(out.get_pixel(64, 10).0, [255, 255, 255]);
+}

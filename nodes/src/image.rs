@@ -236,6 +236,19 @@ image_node!(
     }
 );
 
+/// ComfyUI's GetImageSize: the image's width, height and batch size.
+pub struct GetImageSize;
+
+impl NodeImpl for GetImageSize {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let [b, h, w, _] = shape_of(inputs, "image")
+            .ok_or_else(|| NodeError::invalid("input \"image\": expected an image [B, H, W, C]"))?;
+        Ok(NodeOutput::values(
+            [w, h, b].map(|v| Value::Int(v as i128)).to_vec(),
+        ))
+    }
+}
+
 image_node!(
     /// ComfyUI's ImageStitch.
     ImageStitch,

@@ -192,6 +192,7 @@ pub fn library() -> NodeLibrary {
     lib.implement("ImageScaleToTotalPixels", image::ImageScaleToTotalPixels);
     lib.implement("ImageFlip", image::ImageFlip);
     lib.implement("ImageStitch", image::ImageStitch);
+    lib.implement("GetImageSize", image::GetImageSize);
     lib.implement("ImageRotate", image::ImageRotate);
     lib.implement("ImageCompositeMasked", image::ImageCompositeMasked);
     lib.implement("GrowMask", image::GrowMask);
