@@ -1001,7 +1001,7 @@ fn prompts_run_their_valid_outputs_and_report_the_rest() {
     p["11"] = json!({"class_type": "EmptyImage", "inputs": {"width": 0, "height": 8, "batch_size": 1, "color": 0}});
     p["13"] = json!({"class_type": "SaveImage", "inputs": {"images": ["11", 0], "filename_prefix": "bad"}});
     // A third through a registered type sdkit does not implement.
-    p["21"] = json!({"class_type": "ImageBlend", "inputs": {"image1": ["1", 0], "image2": ["1", 0], "blend_factor": 0.5, "blend_mode": "normal"}});
+    p["21"] = json!({"class_type": "ImageQuantize", "inputs": {"image": ["1", 0], "colors": 16, "dither": "none"}});
     p["23"] = json!({"class_type": "SaveImage", "inputs": {"images": ["21", 0], "filename_prefix": "pad"}});
     // A cycle no output uses.
     p["31"] = json!({"class_type": "ImageInvert", "inputs": {"image": ["32", 0]}});

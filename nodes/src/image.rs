@@ -270,6 +270,33 @@ image_node!(
 );
 
 image_node!(
+    /// ComfyUI's ImageBlend.
+    ImageBlend,
+    |inputs| {
+        one(image_out(imageops::blend(
+            &image_in(inputs, "image1")?,
+            &image_in(inputs, "image2")?,
+            inputs.float("blend_factor")?,
+            inputs.string("blend_mode")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ResizeAndPadImage.
+    ResizeAndPadImage,
+    |inputs| {
+        let interpolation = UpscaleMethod::from_str(inputs.string("interpolation")?)?;
+        one(image_out(imageops::resize_and_pad(
+            &image_in(inputs, "image")?,
+            (inputs.usize("target_width")?, inputs.usize("target_height")?),
+            inputs.string("padding_color")? == "white",
+            interpolation,
+        )?))
+    }
+);
+
+image_node!(
     /// ComfyUI's GrowMask.
     GrowMask,
     |inputs| {

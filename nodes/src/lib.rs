@@ -193,6 +193,8 @@ pub fn library() -> NodeLibrary {
     lib.implement("ImageFlip", image::ImageFlip);
     lib.implement("ImageStitch", image::ImageStitch);
     lib.implement("GetImageSize", image::GetImageSize);
+    lib.implement("ImageBlend", image::ImageBlend);
+    lib.implement("ResizeAndPadImage", image::ResizeAndPadImage);
     lib.implement("ImageRotate", image::ImageRotate);
     lib.implement("ImageCompositeMasked", image::ImageCompositeMasked);
     lib.implement("GrowMask", image::GrowMask);

@@ -13,7 +13,8 @@
 //!
 //! Two sets: `imageops` (the ops) and `imageops_extra` (node-level cases:
 //! LatentUpscale(By), ImageScaleToTotalPixels, ImageCompositeMasked,
-//! GrowMask, ThresholdMask, ImageFlip, ImageRotate, ImageStitch).
+//! GrowMask, ThresholdMask, ImageFlip, ImageRotate, ImageStitch,
+//! ImageBlend, ResizeAndPadImage).
 //!
 //! Run with `--nocapture` to see the measured maximum difference per op.
 
@@ -145,7 +146,11 @@ fn run_case(fx: &Fixtures, c: &Value) -> Result<Got, ImageOpError> {
                 method,
                 crop,
             )?;
-            if method == UpscaleMethod::Lanczos {
+            if method == UpscaleMethod::Lanczos
+                && c.get("output")
+                    .and_then(Value::as_str)
+                    .is_some_and(|o| matches!(fx.array(o), Array::U8(..)))
+            {
                 // Stored as bytes: every lanczos output is k / 255.
                 Got::U8(out.shape().to_vec(), to_u8(&out))
             } else {
@@ -326,6 +331,28 @@ fn run_node_case(fx: &Fixtures, c: &Value, op: &str) -> Result<Got, ImageOpError
                 p_usize(c, "spacing_width"),
                 p_str(c, "spacing_color"),
             )?)
+        }
+        "image_blend" => image_out(blend(
+            &fx.image(input(c, 0)),
+            &fx.image(input(c, 1)),
+            p_f64(c, "blend_factor"),
+            p_str(c, "blend_mode"),
+        )?),
+        "resize_and_pad" => {
+            let method: UpscaleMethod = p_str(c, "interpolation").parse()?;
+            let out = resize_and_pad(
+                &fx.image(input(c, 0)),
+                (p_usize(c, "target_width"), p_usize(c, "target_height")),
+                p_str(c, "padding_color") == "white",
+                method,
+            )?;
+            if method == UpscaleMethod::Lanczos
+                && matches!(fx.array(c["output"].as_str().unwrap_or("")), Array::U8(..))
+            {
+                Got::U8(out.shape().to_vec(), to_u8(&out))
+            } else {
+                image_out(out)
+            }
         }
         other => panic!("fixture op {other:?} has no handler"),
     })

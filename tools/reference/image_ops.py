@@ -16,11 +16,13 @@ error ComfyUI raised). nodes/tests/imageops.rs replays the cases.
                    (`build`).
   imageops_extra/  LatentUpscale(By), ImageScaleToTotalPixels, GrowMask,
                    ThresholdMask, ImageCompositeMasked, ImageFlip,
-                   ImageRotate and ImageStitch (`build_extra`). A set of
-                   its own so that adding these did not regenerate
-                   imageops/ (ImageStitch's arrays are named stitch_* so
-                   that they sort, and so sit in data.bin, after the
-                   older ones): regenerated
+                   ImageRotate, ImageStitch, ImageBlend and
+                   ResizeAndPadImage (`build_extra`). A set of its own so
+                   that adding these did not regenerate imageops/
+                   (ImageStitch's arrays are named stitch_*, ImageBlend's
+                   and ResizeAndPadImage's zz_blend_* and zz_pad_*, so
+                   that each later addition sorts, and so sits in
+                   data.bin, after the older arrays): regenerated
                    elsewhere (ComfyUI 0.3.64, same torch/numpy/Pillow and
                    CPU capability in the header), imageops/ came out a few
                    ULPs different in gaussian_kernel, blur, sharpen and
@@ -40,13 +42,14 @@ stubbed to CPU:
                                        ImageBatch, EmptyImage, LatentUpscale,
                                        LatentUpscaleBy
   comfy_extras/nodes_images.py:        ImageCrop, ImageFlip, ImageRotate,
-                                       ImageStitch
+                                       ImageStitch, ResizeAndPadImage
   comfy_extras/nodes_mask.py:          ImageToMask, MaskToImage, SolidMask,
                                        InvertMask, composite,
                                        ImageCompositeMasked, GrowMask,
                                        ThresholdMask
   comfy_extras/nodes_post_processing.py: gaussian_kernel, Blur, Sharpen,
-                                       ImageScaleToTotalPixels
+                                       ImageScaleToTotalPixels, Blend
+                                       (ImageBlend)
 
 Only the LoadImage/SaveImage pixel conversions are copied inline (their
 node methods do file I/O); see `save_image_u8` and `load_image_f32`.
@@ -139,12 +142,13 @@ _lift(NS, "node_helpers.py", ["image_alpha_fix"])
 NS["node_helpers"].image_alpha_fix = NS["image_alpha_fix"]
 _lift(NS, "nodes.py", ["ImageScale", "ImageScaleBy", "ImageInvert", "ImageBatch", "EmptyImage",
                        "LatentUpscale", "LatentUpscaleBy"])
-_lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop", "ImageFlip", "ImageRotate", "ImageStitch"])
+_lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop", "ImageFlip", "ImageRotate", "ImageStitch",
+                                           "ResizeAndPadImage"])
 _lift(NS, "comfy_extras/nodes_mask.py", ["ImageToMask", "MaskToImage", "SolidMask", "InvertMask",
                                          "composite", "ImageCompositeMasked", "GrowMask",
                                          "ThresholdMask"])
 _lift(NS, "comfy_extras/nodes_post_processing.py", ["gaussian_kernel", "Blur", "Sharpen",
-                                                    "ImageScaleToTotalPixels"])
+                                                    "ImageScaleToTotalPixels", "Blend"])
 
 
 def save_image_u8(image):
@@ -609,6 +613,8 @@ def build_extra():
         put(f"in_{k}", v)
 
     build_stitch()
+    build_blend()
+    build_resize_and_pad()
 
 
 def build_stitch():
@@ -699,6 +705,163 @@ def build_stitch():
     assert used == set(si), sorted(set(si) - used)
     for k, v in si.items():
         put(f"stitch_in_{k}", v)
+
+
+def blend_image(seed, shape):
+    """Deterministic float32 image in [0, 1) with about a third of the
+    values replaced by ImageBlend's edge values: 0, 1, the `where`
+    thresholds 0.25 and 0.5 and their float32 neighbours, and k/255."""
+    rng = np.random.default_rng(seed)
+    x = rng.random(shape, dtype=np.float32)
+    q, h = np.float32(0.25), np.float32(0.5)
+    special = [np.float32(0.0), np.float32(1.0), q, h,
+               np.nextafter(q, np.float32(1)), np.nextafter(q, np.float32(0)),
+               np.nextafter(h, np.float32(1)), np.nextafter(h, np.float32(0))]
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=max(len(special), flat.size // 3), replace=False)
+    for j, p in enumerate(picks):
+        flat[p] = (special + [np.float32(rng.integers(0, 256)) / np.float32(255.0)])[j % (len(special) + 1)]
+    return torch.from_numpy(x)
+
+
+def build_blend():
+    """ImageBlend (class Blend) cases, appended to imageops_extra; arrays
+    named zz_blend_* so that they sort after every earlier array.
+
+    execute(): image_alpha_fix(image1, image2); if the shapes then differ
+    (size, batch or channels) image2 goes through common_upscale(...,
+    image1's width and height, "bicubic", "center"); then
+    clamp(image1 * (1 - f) + mode(image1, image2) * f, 0, 1), all float32
+    with the Python scalars rounded to float32 (1 - f is taken in double
+    first: f32(1 - 0.09) = 0.91000003 but 1 - f32(0.09) = 0.90999997).
+    """
+    bi = {
+        "a": blend_image(191, (1, 5, 6, 3)),    # RGB
+        "b": blend_image(192, (1, 5, 6, 3)),    # RGB, a's size
+        "c": blend_image(193, (1, 4, 3, 3)),    # RGB, smaller, other aspect (upscaled, cropped)
+        "d": blend_image(194, (2, 4, 5, 3)),    # RGB, batch 2
+        "e": blend_image(195, (2, 7, 6, 3)),    # RGB, batch 2, bigger (downscaled, cropped)
+        "f": blend_image(196, (1, 5, 6, 4)),    # RGBA, a's size
+        "g": blend_image(197, (1, 3, 4, 4)),    # RGBA, smaller
+        "h": blend_image(198, (1, 4, 5, 3)),    # RGB, d's size, batch 1
+        "k": blend_image(199, (3, 4, 5, 3)),    # RGB, d's size, batch 3
+        "o": rand_image(200, (1, 5, 6, 3)),     # RGB, -0.1..1.1 (clamp)
+        "p": rand_image(201, (1, 5, 6, 3)),     # RGB, -0.1..1.1
+    }
+    modes = ["normal", "multiply", "screen", "overlay", "soft_light", "difference"]
+    # (image1, image2, blend modes, blend factors)
+    blends = [
+        # Same size: the thresholds reach the `where`s unchanged. 0.09 is
+        # where f32(1 - f) differs from 1 - f32(f).
+        ("a", "b", modes, [0.0, 0.09, 0.37, 1.0]),
+        ("b", "a", ["overlay", "soft_light"], [0.37]),
+        # image2 bicubic-upscaled 3x4 -> 6x5 with a centre crop (of width).
+        ("a", "c", modes, [0.37, 1.0]),
+        # Batch 2 both; image2 bicubic-downscaled 6x7 -> 5x4, centre crop.
+        ("d", "e", modes, [0.37]),
+        # RGB image1, RGBA image2: image2's alpha is dropped (same size:
+        # no resize; other size: the sliced RGB view is resized).
+        ("a", "f", ["overlay", "soft_light"], [0.37]),
+        ("a", "g", ["soft_light", "difference"], [0.37]),
+        # RGBA both: alpha is blended like the colours (image2 upscaled).
+        ("g", "f", ["normal", "screen"], [0.5]),
+        # RGBA image1, RGB image2: image_alpha_fix pads *image1* with a
+        # fifth channel of ones (not image2 with alpha), so the 5 vs 3
+        # channels do not broadcast: ComfyUI raises.
+        ("f", "a", ["normal"], [0.5]),
+        # Batch 2 vs 1 in either order: the shapes differ, so image2 is
+        # "resized" to its own size (bicubic at scale 1 is exact), then
+        # broadcast; batch 2 vs 3 raises.
+        ("d", "h", ["soft_light"], [0.37]),
+        ("h", "d", ["overlay"], [0.37]),
+        ("d", "k", ["normal"], [0.37]),
+        # Values outside 0..1: clamp, and g() on negatives / above 1.
+        ("o", "p", modes, [0.37]),
+    ]
+    used = set()
+    for i1, i2, bmodes, factors in blends:
+        used.update([i1, i2])
+        for mode in bmodes:
+            for factor in factors:
+                name = f"image_blend_{i1}_{i2}_{mode}_{factor!r}"
+                case(name, "image_blend", {"blend_factor": factor, "blend_mode": mode},
+                     [f"zz_blend_in_{i1}", f"zz_blend_in_{i2}"],
+                     lambda i1=i1, i2=i2, mode=mode, factor=factor:
+                         NS["Blend"].execute(bi[i1], bi[i2], factor, mode)[0],
+                     out_name=f"zz_blend_out_{name}")
+    assert used == set(bi), sorted(set(bi) - used)
+    for k, v in bi.items():
+        put(f"zz_blend_in_{k}", v)
+
+
+def build_resize_and_pad():
+    """ResizeAndPadImage cases, appended to imageops_extra; arrays named
+    zz_pad_* so that they sort after every earlier array.
+
+    scale = min(tw / w, th / h) in double; the image is resized with
+    common_upscale(..., int(w * scale), int(h * scale), interpolation,
+    "disabled") and pasted at ((tw - nw) // 2, (th - nh) // 2) into a
+    canvas of 1.0 (white) or 0.0 (black) on every channel, alpha too.
+
+    Lanczos outputs are stored as u8 like the other lanczos cases: the
+    resized part is k/255 (through Pillow) and the padding 0 or 1, so the
+    whole output is k/255 (checked below).
+    """
+    pi = {
+        "a": rand_image(211, (1, 4, 6, 3)),    # 6x4 RGB
+        "b": rand_image(212, (2, 6, 4, 3)),    # 4x6 RGB, batch 2
+        "c": rand_image(213, (1, 11, 5, 3)),   # 5x11
+        "d": rand_image(214, (1, 4, 13, 3)),   # 13x4
+        "e": rand_image(215, (1, 4, 5, 4)),    # 5x4 RGBA
+        "f": rand_image(216, (1, 2, 9, 3)),    # 9x2
+    }
+    # (image, target_width, target_height) -> resized to nw x nh at (x, y)
+    geometries = [
+        ("a", 8, 8),    # up 4/3: 8 x int(5.33) = 5, at (0, 1): 1 row above, 2 below
+        ("a", 3, 5),    # down 1/2: 3x2 at (0, 1)
+        ("a", 9, 6),    # exact fit, up 1.5
+        ("a", 3, 2),    # exact fit, down 1/2
+        ("a", 6, 4),    # same size: scale 1
+        ("b", 7, 7),    # up 7/6: int(4.67) = 4 x 7 at (1, 0): 1 column left, 2 right
+        ("b", 5, 3),    # down 1/2: 2x3 at (1, 0)
+        # int() truncation: 11 * (15 / 11) = 14.999999999999998 -> 14 rows
+        # in a 15-row target (the last row padding); 13 * (15 / 13) likewise
+        # -> 14 columns of 15.
+        ("c", 8, 15),   # 6x14 at (1, 0)
+        ("d", 15, 7),   # 14x4 at (0, 1)
+        ("e", 7, 7),    # RGBA up 1.4: 7 x int(5.6) = 5 at (0, 1)
+        ("e", 3, 4),    # RGBA down 0.6: 3 x int(2.4) = 2 at (0, 1)
+        # int(2 / 3) = 0 rows: F.interpolate and Pillow raise; area
+        # (adaptive_avg_pool2d) returns an empty tensor: all padding.
+        ("f", 3, 3),
+    ]
+    methods = ["area", "bicubic", "nearest-exact", "bilinear", "lanczos"]
+    used = set()
+    for gi, (src, tw, th) in enumerate(geometries):
+        used.add(src)
+        for mi, method in enumerate(methods):
+            # Both colours for every geometry and for every method.
+            color = ["white", "black"][(gi + mi) % 2]
+            name = f"resize_and_pad_{src}_{tw}x{th}_{method}_{color}"
+            out_dtype = "u8" if method == "lanczos" else "f32"
+
+            def compute(src=src, tw=tw, th=th, method=method, color=color, out_dtype=out_dtype):
+                out = image_node("ResizeAndPadImage", "resize_and_pad", pi[src], tw, th, color,
+                                 method)
+                if out_dtype == "f32":
+                    return out
+                # lanczos output is always k/255; store the byte.
+                u8 = (out * 255.0).round().to(torch.uint8)
+                assert torch.equal(u8.to(torch.float32) / 255.0, out), name
+                return u8
+
+            case(name, "resize_and_pad",
+                 {"target_width": tw, "target_height": th, "padding_color": color,
+                  "interpolation": method},
+                 [f"zz_pad_in_{src}"], compute, out_dtype, out_name=f"zz_pad_out_{name}")
+    assert used == set(pi), sorted(set(pi) - used)
+    for k, v in pi.items():
+        put(f"zz_pad_in_{k}", v)
 
 
 def write(set_name, extra_versions=None):

@@ -498,3 +498,149 @@ fn concat(parts: &[Tensor4], horizontal: bool) -> Result<Tensor4> {
         Tensor4::new(b, h, w, c, out)
     }
 }
+
+/// ComfyUI's ImageBlend: `image2` (channels fixed as ImageCompositeMasked
+/// does; resized bicubically, centre-cropped, to `image1` when the shapes
+/// differ) blended by `mode` ("normal", "multiply", "screen", "overlay",
+/// "soft_light", "difference"), mixed with `image1` by `factor`, clamped
+/// to 0..1; in f32, operation by operation as torch.
+pub fn blend(image1: &Tensor4, image2: &Tensor4, factor: f64, mode: &str) -> Result<Tensor4> {
+    let (one, two) = alpha_fix(image1, image2)?;
+    let two = if (two.b, two.h, two.w, two.c) != (one.b, one.h, one.w, one.c) {
+        common_upscale(
+            &two,
+            one.w,
+            one.h,
+            UpscaleMethod::Bicubic,
+            Crop::Center,
+            SourceLayout::ChannelsLastView,
+        )?
+    } else {
+        two
+    };
+    // torch broadcasts a batch of one against the other batch.
+    let per = one.h * one.w * one.c;
+    let b = one.b.max(two.b);
+    let fits = |t: &Tensor4| t.b == b || t.b == 1;
+    if two.h * two.w * two.c != per || !fits(&one) || !fits(&two) {
+        return Err(ImageOpError::InvalidArgument(format!(
+            "image2 has {} images of {} channels; image1 has {} of {}",
+            two.b, two.c, one.b, one.c
+        )));
+    }
+    let item = |t: &Tensor4, i: usize| -> std::ops::Range<usize> {
+        let i = if t.b == 1 { 0 } else { i };
+        i * per..(i + 1) * per
+    };
+    let g = |x: f32| {
+        if x <= 0.25 {
+            ((16.0 * x - 12.0) * x + 4.0) * x
+        } else {
+            x.sqrt()
+        }
+    };
+    let f: fn(f32, f32, &dyn Fn(f32) -> f32) -> f32 = match mode {
+        "normal" => |_, b, _| b,
+        "multiply" => |a, b, _| a * b,
+        "screen" => |a, b, _| 1.0 - (1.0 - a) * (1.0 - b),
+        "overlay" => |a, b, _| {
+            if a <= 0.5 {
+                2.0 * a * b
+            } else {
+                1.0 - 2.0 * (1.0 - a) * (1.0 - b)
+            }
+        },
+        "soft_light" => |a, b, g| {
+            if b <= 0.5 {
+                a - (1.0 - 2.0 * b) * a * (1.0 - a)
+            } else {
+                a + (2.0 * b - 1.0) * (g(a) - a)
+            }
+        },
+        "difference" => |a, b, _| a - b,
+        other => {
+            return Err(ImageOpError::InvalidArgument(format!(
+                "blend_mode {other:?} is not one of normal, multiply, screen, overlay, soft_light, difference"
+            )))
+        }
+    };
+    let (keep, mix) = ((1.0 - factor) as f32, factor as f32);
+    let mut data = alloc_empty(&[b, one.h, one.w, one.c])?;
+    for i in 0..b {
+        let (x, y) = (&one.data[item(&one, i)], &two.data[item(&two, i)]);
+        data.extend(
+            x.iter()
+                .zip(y)
+                .map(|(&a, &b)| (a * keep + f(a, b, &g) * mix).clamp(0.0, 1.0)),
+        );
+    }
+    Tensor4::new(b, one.h, one.w, one.c, data)
+}
+
+/// `node_helpers.image_alpha_fix(destination, source)`: a source with
+/// more channels loses the extra ones; a destination with fewer gets an
+/// alpha channel of ones.
+fn alpha_fix(destination: &Tensor4, source: &Tensor4) -> Result<(Tensor4, Tensor4)> {
+    let copy = |t: &Tensor4| Tensor4::new(t.b, t.h, t.w, t.c, t.data.clone());
+    if destination.c < source.c {
+        let c = destination.c;
+        let data = source
+            .data
+            .chunks(source.c)
+            .flat_map(|px| px[..c].iter().copied())
+            .collect();
+        Ok((
+            copy(destination)?,
+            Tensor4::new(source.b, source.h, source.w, c, data)?,
+        ))
+    } else if destination.c > source.c {
+        Ok((
+            with_channels(destination, destination.c + 1)?,
+            copy(source)?,
+        ))
+    } else {
+        Ok((copy(destination)?, copy(source)?))
+    }
+}
+
+/// ComfyUI's ResizeAndPadImage: scaled by `interpolation` to fit
+/// `target_w × target_h` (the smaller ratio; sides `int()`-truncated),
+/// centred on a white or black canvas.
+pub fn resize_and_pad(
+    img: &Tensor4,
+    (target_w, target_h): (usize, usize),
+    white: bool,
+    interpolation: UpscaleMethod,
+) -> Result<Tensor4> {
+    let scale = (target_w as f64 / img.w as f64).min(target_h as f64 / img.h as f64);
+    let (nw, nh) = (
+        (img.w as f64 * scale) as usize,
+        (img.h as f64 * scale) as usize,
+    );
+    let value = if white { 1.0 } else { 0.0 };
+    if (nw == 0 || nh == 0) && interpolation == UpscaleMethod::Area {
+        // torch's adaptive pooling gives an empty image here (the other
+        // methods raise): all padding.
+        let out = alloc_filled(&[img.b, target_h, target_w, img.c], value)?;
+        return Tensor4::new(img.b, target_h, target_w, img.c, out);
+    }
+    let resized = common_upscale(
+        img,
+        nw,
+        nh,
+        interpolation,
+        Crop::Disabled,
+        SourceLayout::ChannelsLastView,
+    )?;
+    let (top, left) = ((target_h - nh) / 2, (target_w - nw) / 2);
+    let mut out = alloc_filled(&[img.b, target_h, target_w, img.c], value)?;
+    let row = nw * img.c;
+    for b in 0..img.b {
+        for y in 0..nh {
+            let src = (b * nh + y) * row;
+            let dst = ((b * target_h + top + y) * target_w + left) * img.c;
+            out[dst..dst + row].copy_from_slice(&resized.data[src..src + row]);
+        }
+    }
+    Tensor4::new(img.b, target_h, target_w, img.c, out)
+}
