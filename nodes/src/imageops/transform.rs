@@ -161,25 +161,16 @@ pub fn composite(
     resize_source: bool,
 ) -> Result<Tensor4> {
     // `image_alpha_fix`: a source with more channels (RGBA on RGB) loses
-    // the extra ones; a destination with more would be padded with an
-    // alpha channel and then not match, which ComfyUI raises on.
-    if source.c < destination.c {
+    // the extra ones; a destination with more is given an alpha channel
+    // and then does not match, which ComfyUI raises on.
+    let (dest, source) = alpha_fix(destination, source)?;
+    if dest.c != source.c {
         return Err(ImageOpError::InvalidArgument(format!(
             "the source has {} channels and the destination {}",
             source.c, destination.c
         )));
     }
     let (bd, hd, wd, c) = (destination.b, destination.h, destination.w, destination.c);
-    let source = if source.c > c {
-        let data = source
-            .data
-            .chunks(source.c)
-            .flat_map(|px| px[..c].iter().copied())
-            .collect();
-        Tensor4::new(source.b, source.h, source.w, c, data)?
-    } else {
-        Tensor4::new(source.b, source.h, source.w, c, source.data.clone())?
-    };
     let source = if resize_source {
         common_upscale(
             &source,
