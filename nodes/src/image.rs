@@ -297,6 +297,43 @@ image_node!(
 );
 
 image_node!(
+    /// ComfyUI's FeatherMask.
+    FeatherMask,
+    |inputs| {
+        let m = mask_in(inputs, "mask")?;
+        let side = ["left", "top", "right", "bottom"].map(|k| inputs.usize(k));
+        let [l, t, r, b] = side;
+        one(mask_out(imageops::feather_mask(&m, [l?, t?, r?, b?])))
+    }
+);
+
+image_node!(
+    /// ComfyUI's CropMask.
+    CropMask,
+    |inputs| {
+        let m = mask_in(inputs, "mask")?;
+        one(mask_out(imageops::crop_mask(
+            &m,
+            (inputs.usize("x")?, inputs.usize("y")?),
+            (inputs.usize("width")?, inputs.usize("height")?),
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's MaskComposite.
+    MaskComposite,
+    |inputs| {
+        one(mask_out(imageops::mask_composite(
+            &mask_in(inputs, "destination")?,
+            &mask_in(inputs, "source")?,
+            (inputs.usize("x")?, inputs.usize("y")?),
+            inputs.string("operation")?,
+        )?))
+    }
+);
+
+image_node!(
     /// ComfyUI's GrowMask.
     GrowMask,
     |inputs| {

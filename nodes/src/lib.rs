@@ -194,6 +194,9 @@ pub fn library() -> NodeLibrary {
     lib.implement("ImageStitch", image::ImageStitch);
     lib.implement("GetImageSize", image::GetImageSize);
     lib.implement("ImageBlend", image::ImageBlend);
+    lib.implement("FeatherMask", image::FeatherMask);
+    lib.implement("CropMask", image::CropMask);
+    lib.implement("MaskComposite", image::MaskComposite);
     lib.implement("ResizeAndPadImage", image::ResizeAndPadImage);
     lib.implement("ImageRotate", image::ImageRotate);
     lib.implement("ImageCompositeMasked", image::ImageCompositeMasked);

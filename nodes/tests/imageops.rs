@@ -14,7 +14,7 @@
 //! Two sets: `imageops` (the ops) and `imageops_extra` (node-level cases:
 //! LatentUpscale(By), ImageScaleToTotalPixels, ImageCompositeMasked,
 //! GrowMask, ThresholdMask, ImageFlip, ImageRotate, ImageStitch,
-//! ImageBlend, ResizeAndPadImage).
+//! ImageBlend, ResizeAndPadImage, FeatherMask, CropMask, MaskComposite).
 //!
 //! Run with `--nocapture` to see the measured maximum difference per op.
 
@@ -354,6 +354,21 @@ fn run_node_case(fx: &Fixtures, c: &Value, op: &str) -> Result<Got, ImageOpError
                 image_out(out)
             }
         }
+        "feather_mask" => mask_out(feather_mask(
+            &fx.mask(input(c, 0)),
+            ["left", "top", "right", "bottom"].map(|k| p_usize(c, k)),
+        )),
+        "crop_mask" => mask_out(crop_mask(
+            &fx.mask(input(c, 0)),
+            (p_usize(c, "x"), p_usize(c, "y")),
+            (p_usize(c, "width"), p_usize(c, "height")),
+        )?),
+        "mask_composite" => mask_out(mask_composite(
+            &fx.mask(input(c, 0)),
+            &fx.mask(input(c, 1)),
+            (p_usize(c, "x"), p_usize(c, "y")),
+            p_str(c, "operation"),
+        )?),
         other => panic!("fixture op {other:?} has no handler"),
     })
 }

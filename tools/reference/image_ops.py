@@ -16,11 +16,13 @@ error ComfyUI raised). nodes/tests/imageops.rs replays the cases.
                    (`build`).
   imageops_extra/  LatentUpscale(By), ImageScaleToTotalPixels, GrowMask,
                    ThresholdMask, ImageCompositeMasked, ImageFlip,
-                   ImageRotate, ImageStitch, ImageBlend and
-                   ResizeAndPadImage (`build_extra`). A set of its own so
+                   ImageRotate, ImageStitch, ImageBlend,
+                   ResizeAndPadImage, FeatherMask, MaskComposite and
+                   CropMask (`build_extra`). A set of its own so
                    that adding these did not regenerate imageops/
                    (ImageStitch's arrays are named stitch_*, ImageBlend's
-                   and ResizeAndPadImage's zz_blend_* and zz_pad_*, so
+                   and ResizeAndPadImage's zz_blend_* and zz_pad_*, the
+                   three mask nodes' zzz_mask_*, so
                    that each later addition sorts, and so sits in
                    data.bin, after the older arrays): regenerated
                    elsewhere (ComfyUI 0.3.64, same torch/numpy/Pillow and
@@ -146,7 +148,8 @@ _lift(NS, "comfy_extras/nodes_images.py", ["ImageCrop", "ImageFlip", "ImageRotat
                                            "ResizeAndPadImage"])
 _lift(NS, "comfy_extras/nodes_mask.py", ["ImageToMask", "MaskToImage", "SolidMask", "InvertMask",
                                          "composite", "ImageCompositeMasked", "GrowMask",
-                                         "ThresholdMask"])
+                                         "ThresholdMask", "FeatherMask", "MaskComposite",
+                                         "CropMask"])
 _lift(NS, "comfy_extras/nodes_post_processing.py", ["gaussian_kernel", "Blur", "Sharpen",
                                                     "ImageScaleToTotalPixels", "Blend"])
 
@@ -615,6 +618,7 @@ def build_extra():
     build_stitch()
     build_blend()
     build_resize_and_pad()
+    build_masks()
 
 
 def build_stitch():
@@ -862,6 +866,141 @@ def build_resize_and_pad():
     assert used == set(pi), sorted(set(pi) - used)
     for k, v in pi.items():
         put(f"zz_pad_in_{k}", v)
+
+
+def edge_mask(seed, shape, wide=False):
+    """Deterministic float32 mask in [0, 1) with about a third of the
+    values replaced by MaskComposite's edge values: 0, 1, 0.5 (round half
+    to even -> 0) and its float32 neighbours, 1.5 (-> 2) and, when wide,
+    values outside 0..1 (-0.4, -0.6, 1.3) that the final clamp hits."""
+    rng = np.random.default_rng(seed)
+    x = rng.random(shape, dtype=np.float32)
+    h = np.float32(0.5)
+    special = [np.float32(0.0), np.float32(1.0), h,
+               np.nextafter(h, np.float32(1)), np.nextafter(h, np.float32(0))]
+    if wide:
+        special += [np.float32(1.5), np.float32(-0.4), np.float32(-0.6), np.float32(1.3)]
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=max(len(special), flat.size // 3), replace=False)
+    for j, p in enumerate(picks):
+        flat[p] = special[j % len(special)]
+    return torch.from_numpy(x)
+
+
+def build_masks():
+    """FeatherMask, MaskComposite and CropMask cases, appended to
+    imageops_extra; arrays named zzz_mask_* so that they sort after every
+    earlier array.
+
+    FeatherMask.feather: left/right clamped to w, top/bottom to h; then in
+    place, in this order, column x (x < left) *= (x + 1) / left, column -x
+    (x < right; x = 0 is column 0, not the last one) *= (x + 1) / right,
+    row y *= (y + 1) / top, row -y *= (y + 1) / bottom; each factor a
+    double rounded to float32, each product rounded to float32.
+
+    MaskComposite.combine: right = min(x + sw, dw), bottom likewise; the
+    source's top-left (right - x) x (bottom - y) is combined with the
+    destination there (float32 * + -, or round() half-to-even -> bool ->
+    bitwise and/or/xor -> 0.0/1.0), broadcasting batches, then the whole
+    output is clamped to 0..1.
+
+    CropMask.crop: mask[:, y:y + height, x:x + width] (Python slicing:
+    runs past the edge are cut short, a start at or past it is empty).
+    """
+    mi = {
+        "f": rand_mask(221, (2, 6, 8), 0.8),          # feather / crop, batch 2
+        "a": edge_mask(222, (1, 6, 7)),               # destination, batch 1
+        "b": edge_mask(223, (2, 4, 5), wide=True),    # source, batch 2
+        "c": edge_mask(224, (1, 4, 5), wide=True),    # source, batch 1
+        "d": edge_mask(225, (2, 5, 6), wide=True),    # destination, batch 2, outside 0..1
+        "e": edge_mask(226, (1, 8, 9)),               # source bigger than every destination
+    }
+    used = set()
+
+    # ---- FeatherMask on a 6x8 mask, batch 2 ----------------------------
+    feathers = [
+        (0, 0, 0, 0), (3, 0, 0, 0), (0, 2, 0, 0), (0, 0, 3, 0), (0, 0, 0, 4),
+        (1, 1, 1, 1), (2, 3, 4, 2),
+        (5, 0, 6, 0),       # > half the width: the ramps overlap
+        (0, 4, 0, 5),       # > half the height
+        (6, 5, 7, 4),       # all four overlap
+        (20, 9, 8, 6),      # clamped to the width / height (8 = w, 6 = h)
+    ]
+    used.add("f")
+    for left, top, right, bottom in feathers:
+        name = f"feather_mask_f_{left}_{top}_{right}_{bottom}"
+        case(name, "feather_mask", {"left": left, "top": top, "right": right, "bottom": bottom},
+             ["zzz_mask_in_f"],
+             lambda l=left, t=top, r=right, b=bottom:
+                 image_node("FeatherMask", "feather", mi["f"], l, t, r, b),
+             out_name=f"zzz_mask_out_{name}")
+
+    # Cross-check the feather semantics documented above (float32 factors).
+    src = mi["f"].numpy()
+    for left, top, right, bottom in feathers:
+        o = src.copy()
+        w, h = o.shape[-1], o.shape[-2]
+        l, r, t, b = min(left, w), min(right, w), min(top, h), min(bottom, h)
+        for x in range(l):
+            o[:, :, x] *= np.float32((x + 1.0) / l)
+        for x in range(r):
+            o[:, :, -x] *= np.float32((x + 1) / r)
+        for y in range(t):
+            o[:, y, :] *= np.float32((y + 1) / t)
+        for y in range(b):
+            o[:, -y, :] *= np.float32((y + 1) / b)
+        got = image_node("FeatherMask", "feather", mi["f"], left, top, right, bottom).numpy()
+        assert np.array_equal(o, got), (left, top, right, bottom)
+
+    # ---- MaskComposite -------------------------------------------------
+    ops = ["multiply", "add", "subtract", "and", "or", "xor"]
+    composites = [
+        ("a", "c", 0, 0),   # top-left, inside
+        ("a", "c", 1, 2),   # inside, touches the bottom edge
+        ("a", "c", 4, 3),   # partly outside right and bottom (3x3 visible)
+        ("a", "c", 7, 0),   # x == width: nothing visible, only the clamp
+        ("a", "c", 0, 6),   # y == height: likewise
+        ("a", "c", 8, 1),   # x > width: negative visible width, ComfyUI raises
+        ("d", "b", 2, 3),   # batch 2 both, partly outside
+        ("d", "c", 3, 1),   # batch 2 destination, batch 1 source (broadcast)
+        ("a", "b", 1, 1),   # batch 1 destination, batch 2 source: raises
+        ("a", "e", 0, 0),   # source bigger than the destination
+        ("d", "e", 2, 1),   # bigger source, offset
+    ]
+    for dst, srck, x, y in composites:
+        used.update([dst, srck])
+        for op in ops:
+            name = f"mask_composite_{dst}_{srck}_{x}_{y}_{op}"
+            case(name, "mask_composite", {"x": x, "y": y, "operation": op},
+                 [f"zzz_mask_in_{dst}", f"zzz_mask_in_{srck}"],
+                 lambda dst=dst, srck=srck, x=x, y=y, op=op:
+                     image_node("MaskComposite", "combine", mi[dst], mi[srck], x, y, op),
+                 out_name=f"zzz_mask_out_{name}")
+
+    # ---- CropMask ------------------------------------------------------
+    crops = [
+        ("f", 0, 0, 8, 6),      # whole mask
+        ("f", 0, 0, 1, 1),
+        ("f", 2, 1, 3, 4),      # inside
+        ("f", 7, 5, 1, 1),      # last pixel
+        ("f", 5, 3, 10, 10),    # runs past the right and bottom edges
+        ("f", 0, 0, 512, 512),  # the node's defaults
+        ("f", 8, 0, 2, 2),      # x == width: empty [2, 2, 0]
+        ("f", 3, 6, 2, 2),      # y == height: empty [2, 0, 2]
+        ("a", 4, 2, 5, 9),      # batch 1, past both edges
+    ]
+    for srck, x, y, w, h in crops:
+        used.add(srck)
+        name = f"crop_mask_{srck}_{x}_{y}_{w}x{h}"
+        case(name, "crop_mask", {"x": x, "y": y, "width": w, "height": h},
+             [f"zzz_mask_in_{srck}"],
+             lambda srck=srck, x=x, y=y, w=w, h=h:
+                 image_node("CropMask", "crop", mi[srck], x, y, w, h),
+             out_name=f"zzz_mask_out_{name}")
+
+    assert used == set(mi), sorted(set(mi) - used)
+    for k, v in mi.items():
+        put(f"zzz_mask_in_{k}", v)
 
 
 def write(set_name, extra_versions=None):

@@ -635,3 +635,133 @@ pub fn resize_and_pad(
     }
     Tensor4::new(img.b, target_h, target_w, img.c, out)
 }
+
+/// ComfyUI's FeatherMask: the `left`/`top`/`right`/`bottom` edges (each
+/// at most the mask's side) ramped by `(i + 1) / n`. As ComfyUI indexes
+/// the right and bottom ramps with `-i`, their first step (`i = 0`) lands
+/// on the first column/row, not the last.
+pub fn feather_mask(mask: &Mask3, [left, top, right, bottom]: [usize; 4]) -> Mask3 {
+    let (h, w) = (mask.h, mask.w);
+    let (left, right, top, bottom) = (left.min(w), right.min(w), top.min(h), bottom.min(h));
+    let mut data = mask.data.clone();
+    let from_end = |i: usize, n: usize| if i == 0 { 0 } else { n - i };
+    for plane in data.chunks_mut((h * w).max(1)) {
+        let mut scale_col = |x: usize, rate: f32| {
+            for y in 0..h {
+                plane[y * w + x] *= rate;
+            }
+        };
+        for x in 0..left {
+            scale_col(x, ((x as f64 + 1.0) / left as f64) as f32);
+        }
+        for x in 0..right {
+            scale_col(from_end(x, w), ((x as f64 + 1.0) / right as f64) as f32);
+        }
+        let mut scale_row = |y: usize, rate: f32| {
+            for v in &mut plane[y * w..(y + 1) * w] {
+                *v *= rate;
+            }
+        };
+        for y in 0..top {
+            scale_row(y, ((y as f64 + 1.0) / top as f64) as f32);
+        }
+        for y in 0..bottom {
+            scale_row(from_end(y, h), ((y as f64 + 1.0) / bottom as f64) as f32);
+        }
+    }
+    Mask3 {
+        b: mask.b,
+        h,
+        w,
+        data,
+    }
+}
+
+/// ComfyUI's CropMask: `mask[:, y:y+height, x:x+width]`, clipped to the
+/// mask as Python slices are.
+pub fn crop_mask(
+    mask: &Mask3,
+    (x, y): (usize, usize),
+    (width, height): (usize, usize),
+) -> Result<Mask3> {
+    let (x0, y0) = (x.min(mask.w), y.min(mask.h));
+    let (x1, y1) = (
+        x.saturating_add(width).min(mask.w),
+        y.saturating_add(height).min(mask.h),
+    );
+    let (w, h) = (x1 - x0, y1 - y0);
+    let mut data = alloc_empty(&[mask.b, h, w])?;
+    for b in 0..mask.b {
+        for yy in y0..y1 {
+            let at = (b * mask.h + yy) * mask.w;
+            data.extend_from_slice(&mask.data[at + x0..at + x1]);
+        }
+    }
+    Mask3::new(mask.b, h, w, data)
+}
+
+/// ComfyUI's MaskComposite: `source` combined into `destination` at
+/// `(x, y)` by `operation` (multiply, add, subtract; and, or, xor on the
+/// rounded masks), clipped to the destination, the result clamped to 0..1.
+pub fn mask_composite(
+    destination: &Mask3,
+    source: &Mask3,
+    (x, y): (usize, usize),
+    operation: &str,
+) -> Result<Mask3> {
+    let (hd, wd) = (destination.h, destination.w);
+    let op: fn(f32, f32) -> f32 = match operation {
+        "multiply" => |d, s| d * s,
+        "add" => |d, s| d + s,
+        "subtract" => |d, s| d - s,
+        "and" => |d, s| {
+            f32::from(u8::from(
+                d.round_ties_even() != 0.0 && s.round_ties_even() != 0.0,
+            ))
+        },
+        "or" => |d, s| {
+            f32::from(u8::from(
+                d.round_ties_even() != 0.0 || s.round_ties_even() != 0.0,
+            ))
+        },
+        "xor" => |d, s| {
+            f32::from(u8::from(
+                (d.round_ties_even() != 0.0) != (s.round_ties_even() != 0.0),
+            ))
+        },
+        other => {
+            return Err(ImageOpError::InvalidArgument(format!(
+                "operation {other:?} is not one of multiply, add, subtract, and, or, xor"
+            )))
+        }
+    };
+    if source.b != destination.b && source.b != 1 {
+        return Err(ImageOpError::InvalidArgument(format!(
+            "a batch of {} source masks cannot be composited onto {}",
+            source.b, destination.b
+        )));
+    }
+    // Past the far edge ComfyUI's slices no longer line up and torch
+    // raises; at the edge the region is empty.
+    if x > wd || y > hd {
+        return Err(ImageOpError::InvalidArgument(format!(
+            "the source at ({x}, {y}) lies outside the {wd}×{hd} destination"
+        )));
+    }
+    let mut out = destination.data.clone();
+    let (vw, vh) = (
+        (x + source.w).min(wd).saturating_sub(x),
+        (y + source.h).min(hd).saturating_sub(y),
+    );
+    for b in 0..destination.b {
+        let sb = if source.b == 1 { 0 } else { b };
+        for sy in 0..vh {
+            for sx in 0..vw {
+                let d = &mut out[(b * hd + y + sy) * wd + x + sx];
+                *d = op(*d, source.data[(sb * source.h + sy) * source.w + sx]);
+            }
+        }
+    }
+    out.iter_mut().for_each(|v| *v = v.clamp(0.0, 1.0));
+    Mask3::new(destination.b, hd, wd, out)
+}
