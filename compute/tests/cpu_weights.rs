@@ -1,12 +1,16 @@
-//! A planned SD ResBlock runs on the CPU with bf16 weights from a
-//! safetensors file in the checkpoint's key layout, and equals the
-//! reference evaluation with the same (converted) weights.
+//! Weights as the CPU reads them from files: a planned SD ResBlock runs
+//! with bf16 weights from a safetensors file in the checkpoint's key
+//! layout and equals the reference evaluation with the same (converted)
+//! weights; ComfyUI's scaled-fp8 files read as its scaled ops compute.
 
 use sdkit_compute::backend::cpu;
 use sdkit_compute::plan::{plan, samples::resblock_graph};
 use sdkit_compute::tensor::reference::{evaluate, Array};
 use sdkit_compute::tensor::InputKind;
-use sdkit_compute::weights::{bf16_to_f32, write_safetensors, DType, WeightStore};
+use sdkit_compute::weights::{
+    bf16_to_f32, f16_to_f32, f8_e4m3_to_f32, write_safetensors, DType, SafeTensors, Scaled,
+    TensorData, WeightError, WeightStore,
+};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -125,4 +129,94 @@ fn resblock_runs_on_bf16_checkpoint_weights() {
         .bind_weights(&prog, &empty)
         .expect_err("missing");
     assert!(err.to_string().contains("block."), "{err}");
+}
+
+fn no_meta() -> BTreeMap<String, String> {
+    BTreeMap::new()
+}
+
+fn tensor_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// ComfyUI's scaled-fp8 files: with the `scaled_fp8` marker, a weight
+/// with a `scale_weight` sibling reads as fp8 × scale through every
+/// reader (whole, by range, through a store and a cast), and is not
+/// rounded again by a cast; without the marker the scale is just a tensor.
+#[test]
+fn scaled_fp8_weights_read_times_their_scale() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // e4m3 codes for 1.0, -1.5, 0.5 and 448.
+    let codes = [0x38u8, 0xbc, 0x30, 0x7e];
+    let scale = 0.013_671_875f32 * 1.1;
+    let s = scale.to_le_bytes();
+    let two = tensor_bytes(&[1.0, 2.0]);
+    // f16 0.3 and -0.0517578125: not e4m3 values.
+    let bias_bits = [0x34cdu16, 0xaaa0];
+    let bias: Vec<u8> = bias_bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    let write = |name: &str, marker: bool, scale_shape: &[usize], scale_bytes: &[u8]| {
+        let path = dir.path().join(name);
+        let mut t: Vec<TensorData<'_>> = vec![
+            ("blk.lin.weight", DType::F8E4M3, &[2, 2], &codes),
+            ("blk.lin.scale_weight", DType::F32, scale_shape, scale_bytes),
+            ("blk.lin.bias", DType::F16, &[2], &bias),
+            ("blk.other.weight", DType::F8E4M3, &[4], &codes),
+        ];
+        if marker {
+            t.push(("scaled_fp8", DType::F8E4M3, &[0], &[]));
+        }
+        write_safetensors(&path, &t, &no_meta()).expect("write");
+        path
+    };
+    let plain: Vec<f32> = codes.iter().map(|&c| f8_e4m3_to_f32(c)).collect();
+    let scaled: Vec<f32> = plain.iter().map(|v| v * scale).collect();
+
+    let path = write("scaled.safetensors", true, &[], &s);
+    let file = SafeTensors::open(&path).expect("open");
+    assert_eq!(
+        file.get("blk.lin.weight").expect("w").scaled,
+        Some(Scaled {
+            held_as: DType::F8E4M3,
+            scale
+        })
+    );
+    assert_eq!(file.to_f32("blk.lin.weight").expect("w"), scaled);
+    // The layer's bias is held in fp8 (ComfyUI builds the Linear in fp8),
+    // unscaled.
+    let bias_f32: Vec<f32> = bias_bits.iter().map(|&b| f16_to_f32(b)).collect();
+    let bias_held: Vec<f32> = bias_f32
+        .iter()
+        .map(|&v| sdkit_compute::weights::round_f8_e4m3(v))
+        .collect();
+    assert_ne!(bias_held, bias_f32);
+    assert_eq!(file.to_f32("blk.lin.bias").expect("b"), bias_held);
+    // No scale_weight: read as stored.
+    assert_eq!(file.to_f32("blk.other.weight").expect("w"), plain);
+    let mut store = WeightStore::new();
+    store.mount(Arc::new(file), "blk.", "m.");
+    let w = store.stored("m.lin.weight").expect("stored");
+    assert!(w.scaled());
+    assert_eq!(w.range_f32(2, 2).expect("range"), scaled[2..].to_vec());
+    // A cast (UNETLoader's weight_dtype, a text encoder's f16) leaves the
+    // scaled value as ComfyUI's scaled ops compute it.
+    assert_eq!(w.cast_to(DType::F16).to_f32().expect("cast"), scaled);
+    assert_eq!(store.to_f32("m.lin.weight").expect("w"), scaled);
+
+    // Without the marker nothing is scaled; a [1]-shaped scale is one value.
+    let path = write("unmarked.safetensors", false, &[], &s);
+    let file = SafeTensors::open(&path).expect("open");
+    assert_eq!(file.to_f32("blk.lin.weight").expect("w"), plain);
+    assert_eq!(file.to_f32("blk.lin.bias").expect("b"), bias_f32);
+    let path = write("one.safetensors", true, &[1], &s);
+    let file = SafeTensors::open(&path).expect("open");
+    assert_eq!(file.to_f32("blk.lin.weight").expect("w"), scaled);
+
+    // More than one scale per weight is refused, naming the tensor.
+    let path = write("per_row.safetensors", true, &[2], &two);
+    let err = SafeTensors::open(&path).expect_err("per-row scales");
+    assert!(
+        matches!(&err, WeightError::InvalidTensorEntry { tensor, .. } if tensor == "blk.lin.scale_weight"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("per_row.safetensors"), "{err}");
 }
