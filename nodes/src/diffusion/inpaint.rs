@@ -22,42 +22,22 @@
 //!   ([`concat_cond`]).
 
 use super::{input, opaque, CondEntry, Conditioning, Model, Vae};
-use crate::imageops::{common_upscale, Crop, SourceLayout, Tensor4, UpscaleMethod};
+use crate::imageops::{self, repeat_to_batch, Crop};
 use crate::models::detect::Net;
 use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
 use sdkit_schema::SocketType;
 use std::sync::Arc;
 
-/// Bilinear resize of `n` single-channel planes `[n, h, w]` to `[n, oh,
-/// ow]` (`F.interpolate` when `crop` is disabled, `common_upscale` with
-/// its centre crop otherwise).
+/// [`imageops::resize_planes`] for masks, its error naming what it resized.
 fn resize_planes(
     data: &[f32],
     n: usize,
-    (h, w): (usize, usize),
-    (oh, ow): (usize, usize),
+    from: (usize, usize),
+    to: (usize, usize),
     crop: Crop,
 ) -> Result<Vec<f32>, NodeError> {
-    if (h, w) == (oh, ow) {
-        return Ok(data.to_vec());
-    }
-    let t = Tensor4 {
-        b: n,
-        h,
-        w,
-        c: 1,
-        data: data.to_vec(),
-    };
-    common_upscale(
-        &t,
-        ow,
-        oh,
-        UpscaleMethod::Bilinear,
-        crop,
-        SourceLayout::ContiguousNchw,
-    )
-    .map(|t| t.data)
-    .map_err(|e| NodeError::invalid(format!("resizing a mask: {e}")))
+    imageops::resize_planes(data, n, from, to, crop)
+        .map_err(|e| NodeError::invalid(format!("resizing a mask: {e}")))
 }
 
 /// `(batch, h, w)` of a MASK `[b, h, w]` or a noise mask `[b, 1, h, w]`.
@@ -69,14 +49,6 @@ fn mask_dims(m: &Tensor) -> Result<(usize, usize, usize), NodeError> {
             "a mask of shape {s:?}: expected [batch, height, width]"
         ))),
     }
-}
-
-/// `repeat_to_batch_size`: the first `b` items, the batch tiled as needed.
-fn repeat_to_batch(data: &[f32], per: usize, b: usize) -> Vec<f32> {
-    let n = data.len() / per.max(1);
-    (0..b)
-        .flat_map(|i| data[(i % n) * per..(i % n + 1) * per].iter().copied())
-        .collect()
 }
 
 /// `resize_to_batch_size`: items picked by nearest index.

@@ -116,13 +116,15 @@ pub fn grow_mask(mask: &Mask3, expand: i64, tapered: bool) -> Result<Mask3> {
     })
 }
 
-/// `F.interpolate(mode="bilinear")` of single-channel planes `[n, h, w]`
-/// to `[n, oh, ow]`.
-fn bilinear_planes(
+/// Bilinear resize of `n` single-channel planes `[n, h, w]` to `[n, oh,
+/// ow]` (`F.interpolate` when `crop` is disabled, `common_upscale` with
+/// its centre crop otherwise): masks for the sampler, composites.
+pub fn resize_planes(
     data: &[f32],
     n: usize,
     (h, w): (usize, usize),
     (oh, ow): (usize, usize),
+    crop: Crop,
 ) -> Result<Vec<f32>> {
     if (h, w) == (oh, ow) {
         return Ok(data.to_vec());
@@ -133,7 +135,7 @@ fn bilinear_planes(
         ow,
         oh,
         UpscaleMethod::Bilinear,
-        Crop::Disabled,
+        crop,
         SourceLayout::ContiguousNchw,
     )?
     .data)
@@ -141,8 +143,12 @@ fn bilinear_planes(
 
 /// `repeat_to_batch_size` of `[n, per…]` items to `b`: the first `b`, the
 /// batch tiled as needed.
-fn repeat_items(data: &[f32], per: usize, b: usize) -> Vec<f32> {
-    let n = (data.len() / per.max(1)).max(1);
+pub fn repeat_to_batch(data: &[f32], per: usize, b: usize) -> Vec<f32> {
+    // No whole item to repeat: nothing (the caller's size checks report it).
+    if per == 0 || data.len() < per {
+        return Vec::new();
+    }
+    let n = data.len() / per;
     (0..b)
         .flat_map(|i| data[(i % n) * per..(i % n + 1) * per].iter().copied())
         .collect()
@@ -184,12 +190,12 @@ pub fn composite(
         source
     };
     let (hs, ws) = (source.h, source.w);
-    let src = repeat_items(&source.data, hs * ws * c, bd);
+    let src = repeat_to_batch(&source.data, hs * ws * c, bd);
     let (left, top) = (x.min(wd), y.min(hd));
     let m = match mask {
         Some(m) => {
-            let planes = bilinear_planes(&m.data, m.b, (m.h, m.w), (hs, ws))?;
-            repeat_items(&planes, hs * ws, bd)
+            let planes = resize_planes(&m.data, m.b, (m.h, m.w), (hs, ws), Crop::Disabled)?;
+            repeat_to_batch(&planes, hs * ws, bd)
         }
         None => vec![1.0; bd * hs * ws],
     };
