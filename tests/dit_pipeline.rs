@@ -762,6 +762,15 @@ fn gguf_q4_k_flux_matches_comfyui() {
     gguf_flux_on("tiny_flux_q4_k.gguf", 12, "tiny_flux_gguf_q4_k", "cpu");
 }
 
+/// On wgpu, where the Q4_K blocks stay quantized on the device.
+#[test]
+fn gguf_q4_k_flux_on_wgpu_matches_comfyui() {
+    if !wgpu_here("GGUF Q4_K Flux on wgpu") {
+        return;
+    }
+    gguf_flux_on("tiny_flux_q4_k.gguf", 12, "tiny_flux_gguf_q4_k", "wgpu");
+}
+
 fn gguf_q8_0_flux_on(graph: &str, device: &str) {
     gguf_flux_on("tiny_flux_q8_0.gguf", 8, graph, device);
 }
@@ -773,11 +782,13 @@ fn gguf_flux_on(name: &str, target: u32, graph: &str, device: &str) {
     let base = setup_with(fixture());
     write_gguf_flux(base.path(), name, target);
     run(base.path(), graph, device);
-    // The GPU stores weights as f16 (SHADER_F16), and Q8_0's d·q products
-    // are not all f16 values: they round, moving the latent by about 1e-5
-    // relative (as much as ComfyUI-GGUF's own default f16 dequantization
-    // does). The f16 fixtures' weights are f16 values, so they do not.
-    let tol = (device == "wgpu").then_some(5e-5);
+    // On wgpu the quantized weights stay in their blocks and the kernels
+    // decode them in f32 as the CPU does (the rest of the file holds f16
+    // values, which the device's f16 storage keeps exactly), so what
+    // remains is the GPU's own summation order and transcendentals: about
+    // 2.5e-6, as for the safetensors Flux on wgpu, whose fixture's spread
+    // happens to allow it (this one's allows 2.3e-6).
+    let tol = (device == "wgpu").then_some(5e-6);
     check_graph(base.path(), gguf(), graph, tol);
 }
 

@@ -115,8 +115,8 @@ fn validate(name: &str, src: &str) {
         .unwrap_or_else(|e| panic!("{name}: SPIR-V: {e}\n{src}"));
 }
 
-#[test]
-fn every_kernel_form_compiles_for_every_capability_set() {
+/// Every capability set the backend may pick, by name.
+fn all_caps() -> Vec<(&'static str, Caps)> {
     let coop16 = Some(Coop {
         tile: 16,
         subgroup: 32,
@@ -216,6 +216,12 @@ fn every_kernel_form_compiles_for_every_capability_set() {
             },
         ));
     }
+    caps
+}
+
+#[test]
+fn every_kernel_form_compiles_for_every_capability_set() {
+    let caps = all_caps();
     let mut checked = 0;
     for (gname, g) in graphs() {
         let prog = plan(&g).expect("plan");
@@ -320,4 +326,69 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
             assert!((200..=400).contains(&workgroups), "{workgroups}");
         }
     }
+}
+
+/// A GGUF weight kept in its quant blocks compiles into every kernel that
+/// reads weights (products, with and without the cooperative paths, and
+/// gathers), for every block type and dequantization arithmetic.
+#[test]
+fn quantized_weight_readers_compile() {
+    use sdkit_compute::backend::wgpu::codegen::Quant;
+    use sdkit_compute::plan::BufferKind;
+    use sdkit_compute::weights::{DType, Dequant};
+    let mut graphs = Vec::new();
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[2, 40, 512])
+        .and_then(|a| a.linear(g.weight("w", &[96, 512])?, Some(g.weight("b", &[96])?)));
+    graphs.push(("linear", g.finish(&[y.expect("linear")])));
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[1, 16, 4096])
+        .and_then(|a| a.linear(g.weight("w", &[64, 4096])?, None));
+    graphs.push(("long linear, split-K", g.finish(&[y.expect("linear")])));
+    let g = GraphBuilder::new();
+    let y = g
+        .weight("table", &[300, 256])
+        .and_then(|t| t.gather(g.input("ids", &[7])?));
+    graphs.push(("gather", g.finish(&[y.expect("gather")])));
+    let types = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+    ];
+    let caps = all_caps();
+    let mut checked = 0;
+    for (gname, g) in &graphs {
+        let prog = plan(g).expect("plan");
+        for k in &prog.kernels {
+            let weight = k.inputs.iter().position(
+                |v| matches!(&prog.buffer(v.buffer).kind, BufferKind::Weight(n) if n != "b"),
+            );
+            let Some(weight) = weight else { continue };
+            for dtype in types {
+                for dequant in [Dequant::F32, Dequant::F16, Dequant::Bf16] {
+                    let q = Quant::of(dtype, dequant).expect("a block type");
+                    for (cname, cap) in &caps {
+                        let mut ops = vec![Operand::whole(true); k.inputs.len() + 1];
+                        ops[weight] = Operand::quantized(q);
+                        let name = format!("{gname} [{cname}, {} {dequant:?}]", dtype.name());
+                        let sh = generate(k, &ops, cap).unwrap_or_else(|e| panic!("{name}: {e}"));
+                        assert!(sh.source.contains("array<u32>"), "{name}: not quantized");
+                        validate(&name, &sh.source);
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{checked} quantized shaders validated");
+    assert!(checked >= 3 * 10 * 3, "{checked}");
 }

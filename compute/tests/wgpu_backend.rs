@@ -495,3 +495,271 @@ fn tuned_kernels_persist_and_match_cpu() {
     assert_eq!(damaged.tuning_counts(), (0, 0));
     assert!(damaged.tuned_kernels(&prog).is_empty());
 }
+
+/// GGUF weights stay in their quant blocks on the device and each kernel
+/// decodes what it reads: every block type of the reference file
+/// (tests/reference/gguf, checked against the `gguf` package), in the
+/// f32 and ComfyUI-GGUF's f16 arithmetic, read by a product and by an
+/// elementwise kernel, gives the CPU's values, resident and streamed under
+/// a budget; the device holds the blocks' bytes, not f16 expansions.
+#[test]
+fn gguf_weights_stay_quantized_and_match_cpu() {
+    use sdkit_compute::backend::wgpu::Options;
+    use sdkit_compute::tensor::GraphBuilder;
+    use sdkit_compute::weights::{Dequant, SafeTensors, WeightStore};
+    let Some(gpu) = backend() else { return };
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/reference/gguf/quants.gguf"
+    );
+    // The products on cooperative fragments too (emulated where the
+    // adapter has none), which stage the decoded weight in workgroup
+    // memory.
+    let coop = WgpuBackend::with_options(&Options {
+        emulate_coopmat: true,
+        poison_workgroup_memory: true,
+        ..Options::default()
+    })
+    .expect("the adapter opened above");
+    let mut cases = vec![(&gpu, Dequant::F32), (&gpu, Dequant::F16)];
+    if coop.coop.is_some() {
+        cases.push((&coop, Dequant::F16));
+    } else {
+        eprintln!("skipped: quantized weights on cooperative fragments: no (emulated) cooperative path on this adapter");
+    }
+    for (gpu, dequant) in cases {
+        let mut file = SafeTensors::open(std::path::Path::new(path)).expect("opens");
+        file.set_dequant(dequant);
+        let file = Arc::new(file);
+        let quantized: Vec<(String, usize, usize)> = file
+            .tensors()
+            .filter(|t| t.dtype.block().0 > 1)
+            .map(|t| {
+                let n: usize = t.shape.iter().product();
+                let cols = t.dtype.block().0.max(256);
+                (t.name.clone(), n / cols, cols)
+            })
+            .collect();
+        assert!(quantized.len() >= 11, "{quantized:?}");
+        let mut store = WeightStore::new();
+        store.mount(Arc::clone(&file), "", "");
+        let g = GraphBuilder::new();
+        let gathers = GraphBuilder::new();
+        let mut outs = Vec::new();
+        let mut gathered = Vec::new();
+        let mut bind = cpu::Bindings::default();
+        let mut block_bytes = 0u64;
+        for (i, (name, rows, cols)) in quantized.iter().enumerate() {
+            let shape = file.get(name).expect("tensor").shape.clone();
+            let w = g
+                .weight(name, &shape)
+                .and_then(|w| w.reshape(&[*rows, *cols]))
+                .expect("weight");
+            let x = g.input(&format!("x{i}"), &[3, *cols]).expect("input");
+            outs.push(x.linear(w, None).expect("linear"));
+            let one = g.input(&format!("one{i}"), &[1]).expect("input");
+            outs.push(w.mul(one).expect("read"));
+            // Rows picked by a gather (a text encoder's token table; a
+            // program of its own: gathered tables never stream).
+            let ids = gathers.input(&format!("ids{i}"), &[3]).expect("input");
+            let table = gathers
+                .weight(name, &shape)
+                .and_then(|w| w.reshape(&[*rows, *cols]))
+                .expect("weight");
+            gathered.push(table.gather(ids).expect("gather"));
+            let ids = vec![(*rows - 1) as f32, 0.0, (*rows / 2) as f32];
+            bind.inputs.insert(format!("ids{i}"), Arc::new(ids));
+            bind.stored
+                .insert(name.clone(), store.stored(name).expect("stored"));
+            let x: Vec<f32> = (0..3 * cols)
+                .map(|k| ((k * 37 + i * 11) % 101) as f32 / 50.0 - 1.0)
+                .collect();
+            bind.inputs.insert(format!("x{i}"), Arc::new(x));
+            bind.inputs.insert(format!("one{i}"), Arc::new(vec![1.0]));
+            block_bytes += (file.raw(name).expect("raw").len() as u64).div_ceil(4) * 4;
+        }
+        let graph = g.finish(&outs);
+        let prog = plan(&graph).expect("plans");
+        let want = cpu::run(&prog, &bind).expect("cpu runs");
+        let check = |got: &[sdkit_compute::tensor::reference::Array], how: &str| {
+            for (o, (a, b)) in got.iter().zip(&want).enumerate() {
+                let name = &quantized[o / 2].0;
+                if o % 2 == 1 {
+                    // The decoded values themselves: the CPU's to the
+                    // last bit but for a fused multiply-add.
+                    let off = a
+                        .data
+                        .iter()
+                        .zip(&b.data)
+                        .filter(|(x, y)| (*x - *y).abs() > 1e-6 * y.abs().max(1e-3))
+                        .count();
+                    assert_eq!(off, 0, "{how} {dequant:?} {name}: {off} values differ");
+                } else {
+                    let e = nmse(&a.data, &b.data);
+                    assert!(e < tolerance(gpu), "{how} {dequant:?} {name}: nmse {e}");
+                }
+            }
+        };
+        gpu.free_weights();
+        let before = gpu.bytes_uploaded();
+        check(&gpu.run(&prog, &bind).expect("runs"), "resident");
+        assert_eq!(
+            gpu.bytes_uploaded() - before,
+            block_bytes,
+            "the device holds the blocks"
+        );
+        // Under a budget that holds half of them, the rest stream.
+        gpu.free_weights();
+        let budget = gpu.activation_bytes(&prog) + block_bytes / 2;
+        let prepared = gpu
+            .prepare_within(&prog, &bind, Some(budget))
+            .expect("prepares under a budget");
+        assert!(prepared.streamed_bytes_per_run() > 0, "nothing streamed");
+        check(&prepared.run(&bind).expect("runs streamed"), "streamed");
+        let prog = plan(&gathers.finish(&gathered)).expect("plans");
+        let want = cpu::run(&prog, &bind).expect("cpu runs");
+        let got = gpu.run(&prog, &bind).expect("runs");
+        for (o, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(a.data.len(), b.data.len());
+            let off = a
+                .data
+                .iter()
+                .zip(&b.data)
+                .filter(|(x, y)| (*x - *y).abs() > 1e-6 * y.abs().max(1e-3))
+                .count();
+            let name = &quantized[o].0;
+            assert_eq!(off, 0, "gather {dequant:?} {name}: {off} values differ");
+        }
+    }
+    // Expanded at upload instead (the option off): the same values, in
+    // twice the bytes of f16 (or four of f32).
+    let expand = WgpuBackend::with_options(&Options {
+        quantized_weights: false,
+        ..Options::default()
+    })
+    .expect("the adapter opened above");
+    let mut file = SafeTensors::open(std::path::Path::new(path)).expect("opens");
+    file.set_dequant(Dequant::F32);
+    let mut store = WeightStore::new();
+    store.mount(Arc::new(file), "", "");
+    let g = GraphBuilder::new();
+    let y = g
+        .input("x", &[2, 256])
+        .and_then(|x| x.linear(g.weight("q4_k.weight", &[8, 256])?, None))
+        .expect("linear");
+    let prog = plan(&g.finish(&[y])).expect("plans");
+    let mut bind = cpu::Bindings::default();
+    bind.stored.insert(
+        "q4_k.weight".into(),
+        store.stored("q4_k.weight").expect("stored"),
+    );
+    bind.inputs.insert(
+        "x".into(),
+        Arc::new((0..512).map(|i| i as f32 / 512.0).collect()),
+    );
+    let got = expand.run(&prog, &bind).expect("runs");
+    let elem = if expand.f16_weights { 2 } else { 4 };
+    assert_eq!(expand.bytes_uploaded(), 8 * 256 * elem);
+    let quantized = gpu.run(&prog, &bind).expect("runs");
+    let e = nmse(&got[0].data, &quantized[0].data);
+    assert!(e < 1e-6, "nmse {e}");
+}
+
+/// A GGUF file (v3, no metadata) of one tensor: `shape` in torch order,
+/// ggml type `ty`, `data` its blocks.
+fn one_tensor_gguf(shape: &[usize], ty: u32, data: &[u8]) -> Vec<u8> {
+    let mut out: Vec<u8> = b"GGUF".to_vec();
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&1u64.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&1u64.to_le_bytes());
+    out.push(b'w');
+    out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+    for d in shape.iter().rev() {
+        out.extend_from_slice(&(*d as u64).to_le_bytes());
+    }
+    out.extend_from_slice(&ty.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.resize(out.len().next_multiple_of(32), 0);
+    out.extend_from_slice(data);
+    out
+}
+
+/// Every GGUF block type: (ggml id, elements and bytes per block, byte
+/// offsets of its f16 scales).
+const BLOCK_TYPES: [(u32, usize, usize, &[usize]); 10] = [
+    (8, 32, 34, &[0]),
+    (2, 32, 18, &[0]),
+    (3, 32, 20, &[0, 2]),
+    (6, 32, 22, &[0]),
+    (7, 32, 24, &[0, 2]),
+    (10, 256, 84, &[80, 82]),
+    (11, 256, 110, &[108]),
+    (12, 256, 144, &[0, 2]),
+    (13, 256, 176, &[0, 2]),
+    (14, 256, 210, &[208]),
+];
+
+/// Random blocks of one type whose f16 scales are finite and small.
+fn random_blocks(ty: usize, blocks: usize, seed: u64) -> Vec<u8> {
+    let (_, _, size, scales) = BLOCK_TYPES[ty];
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut out: Vec<u8> = (0..blocks * size).map(|_| next() as u8).collect();
+    for b in 0..blocks {
+        for &at in scales {
+            let v = (next() % 2000) as f32 / 20000.0 - 0.05;
+            let h = sdkit_compute::backend::wgpu::f32_to_f16_bits(v).to_le_bytes();
+            out[b * size + at..b * size + at + 2].copy_from_slice(&h);
+        }
+    }
+    out
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config { cases: 24, ..Default::default() })]
+
+    /// A product whose weight stays quantized on the device gives the
+    /// CPU's result, for random blocks of every type, both arithmetics,
+    /// and random shapes (rows, whole blocks per row, batch rows).
+    #[test]
+    fn quantized_products_match_cpu(
+        ty in 0usize..10, rows in 1usize..40, blocks in 1usize..3, m in 1usize..20,
+        f16_math: bool, seed: u64,
+    ) {
+        use sdkit_compute::tensor::GraphBuilder;
+        use sdkit_compute::weights::{Dequant, SafeTensors, WeightStore};
+        let Some(gpu) = backend() else { return Ok(()) };
+        let (id, per, _, _) = BLOCK_TYPES[ty];
+        let cols = per * blocks;
+        let data = random_blocks(ty, rows * blocks, seed);
+        let mut file = SafeTensors::from_bytes("w.gguf", one_tensor_gguf(&[rows, cols], id, &data))
+            .expect("parses");
+        file.set_dequant(if f16_math { Dequant::F16 } else { Dequant::F32 });
+        let mut store = WeightStore::new();
+        store.mount(Arc::new(file), "", "");
+        let g = GraphBuilder::new();
+        let y = g
+            .input("x", &[m, cols])
+            .and_then(|x| x.linear(g.weight("w", &[rows, cols])?, None))
+            .expect("linear");
+        let prog = plan(&g.finish(&[y])).expect("plans");
+        let mut bind = cpu::Bindings::default();
+        bind.stored.insert("w".into(), store.stored("w").expect("stored"));
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| ((i as u64 ^ seed).wrapping_mul(2_654_435_761) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        bind.inputs.insert("x".into(), Arc::new(x));
+        let want = cpu::run(&prog, &bind).expect("cpu runs");
+        let before = gpu.bytes_uploaded();
+        let got = gpu.run(&prog, &bind).expect("runs");
+        proptest::prop_assert_eq!(gpu.bytes_uploaded() - before, (data.len() as u64).div_ceil(4) * 4);
+        let e = nmse(&got[0].data, &want[0].data);
+        proptest::prop_assert!(e < tolerance(&gpu), "nmse {}", e);
+    }
+}

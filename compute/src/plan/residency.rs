@@ -319,6 +319,16 @@ pub fn stream_reserve(u: &ModelUse, align: u64, max_stream: u64) -> u64 {
 /// The weights a program reads, with the dispatch range reading each, in
 /// bytes of `elem_bytes` per element (the backend's weight storage).
 pub fn weight_uses(prog: &super::Program, elem_bytes: u64) -> Vec<WeightUse> {
+    weight_uses_sized(prog, |_, len| len as u64 * elem_bytes)
+}
+
+/// [`weight_uses`] with each weight's device bytes given by `bytes(name,
+/// elements)`: a backend that keeps some weights quantized sizes them by
+/// their blocks.
+pub fn weight_uses_sized(
+    prog: &super::Program,
+    bytes: impl Fn(&str, usize) -> u64,
+) -> Vec<WeightUse> {
     use super::{BufferKind, Command};
     let mut by_buffer: HashMap<u32, usize> = HashMap::new();
     let mut out: Vec<WeightUse> = Vec::new();
@@ -327,7 +337,7 @@ pub fn weight_uses(prog: &super::Program, elem_bytes: u64) -> Vec<WeightUse> {
             by_buffer.insert(buffer.0, out.len());
             out.push(WeightUse {
                 name: name.clone(),
-                bytes: align_up(prog.buffer(*buffer).len as u64 * elem_bytes, 4),
+                bytes: align_up(bytes(name, prog.buffer(*buffer).len), 4),
                 first: usize::MAX,
                 last: 0,
                 keep: false,

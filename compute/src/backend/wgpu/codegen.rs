@@ -7,6 +7,8 @@
 //! generated from the kernel's [`Expr`]: as the whole body of an elementwise
 //! kernel, or as the `epi` function anchor kernels apply before each store.
 
+use super::quant::quant_reader;
+pub use super::quant::Quant;
 use crate::plan::{Expr, Kernel, KernelKind, View};
 use crate::tensor::{contiguous_strides, BinaryOp, ReduceOp, UnaryOp, UpsampleMode};
 use std::fmt::Write;
@@ -222,6 +224,9 @@ pub struct Operand {
     /// A conv weight stored tap-major, `[out][ky·kw + kx][in / groups]`,
     /// instead of `[out][in / groups][ky][kx]` (see [`conv_taps_first`]).
     pub taps_first: bool,
+    /// A GGUF weight bound as its file's quant blocks and decoded where
+    /// it is read (one binding; `f16` is false).
+    pub quant: Option<Quant>,
 }
 
 impl Operand {
@@ -231,6 +236,15 @@ impl Operand {
             chunks: 1,
             chunk_elems: usize::MAX,
             taps_first: false,
+            quant: None,
+        }
+    }
+
+    /// A weight bound as its quant blocks, in one binding.
+    pub fn quantized(quant: Quant) -> Self {
+        Operand {
+            quant: Some(quant),
+            ..Operand::whole(false)
         }
     }
 }
@@ -834,6 +848,18 @@ fn bind(
         } else {
             format!("in{j}")
         };
+        if let Some(q) = op.quant.filter(|_| !is_out) {
+            if op.chunks != 1 {
+                return Err(format!("quantized operand {j} is split over bindings"));
+            }
+            let _ = writeln!(
+                head,
+                "@group(0) @binding({binding}) var<storage, read_write> {name}_0: array<u32>;"
+            );
+            binding += 1;
+            head.push_str(&quant_reader(j, q)?);
+            continue;
+        }
         let ty = if op.f16 { "f16" } else { "f32" };
         for c in 0..op.chunks {
             let _ = writeln!(

@@ -22,6 +22,7 @@ pub mod codegen;
 mod emulate;
 mod poison;
 pub mod probe;
+mod quant;
 mod required;
 mod tune;
 
@@ -31,6 +32,7 @@ use crate::plan::residency::{self, ResidencyPlan};
 use crate::plan::schedule;
 use crate::plan::{BufferKind, Command, KernelId, Program};
 use crate::tensor::reference::Array;
+use quant::QuantWeights;
 pub use required::{no_adapter, REQUIRE_VAR};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -393,6 +395,11 @@ pub struct Options {
     /// [`WgpuError::OutOfMemory`] as a driver would. Emulates a smaller GPU
     /// than the budget assumes (tests of the out-of-memory re-plan).
     pub device_memory: Option<u64>,
+    /// Keep GGUF weights in their quant blocks on the device (Q4_K: 4.5
+    /// bits a weight), decoded by each kernel where it reads them,
+    /// instead of expanded to f16 at upload. On by default; off to
+    /// compare.
+    pub quantized_weights: bool,
 }
 
 impl Default for Options {
@@ -416,6 +423,7 @@ impl Default for Options {
             tuning: Tuning::Off,
             budget: None,
             device_memory: None,
+            quantized_weights: true,
         }
     }
 }
@@ -457,6 +465,8 @@ pub struct WgpuBackend {
     tuning_observer: Mutex<Option<TuningObserver>>,
     budget: Option<u64>,
     device_memory: Option<u64>,
+    /// [`Options::quantized_weights`].
+    quantized_weights: bool,
     resident: Mutex<Resident>,
     uploaded: std::sync::atomic::AtomicU64,
     /// Device bytes besides weights (activation arenas, inputs, stream
@@ -550,7 +560,8 @@ impl Source {
 }
 
 /// A weight's bytes as the device stores it (f16 or f32, in `layout`'s
-/// order): from the bound vector, or from the file. A stored weight in
+/// order; a quantized one's blocks as the file holds them, padded to
+/// words): from the bound vector, or from the file. A stored weight in
 /// its natural order is decoded a chunk at a time (whole storage units:
 /// a GGUF weight's quant blocks), so no f32 copy of it exists on the
 /// host; a relaid-out one is read whole, encoded and dropped.
@@ -559,6 +570,7 @@ fn device_bytes(
     name: &str,
     layout: Option<&(usize, usize)>,
     half: bool,
+    quantized: bool,
 ) -> Result<Vec<u8>, WgpuError> {
     if let Some(d) = bind.weights.get(name) {
         return Ok(encode(&device_order(d, layout), half));
@@ -568,6 +580,11 @@ fn device_bytes(
         .get(name)
         .ok_or_else(|| BindError::MissingWeight(name.to_string()))?;
     let err = |e: crate::weights::WeightError| WgpuError::Weight(format!("weight \"{name}\": {e}"));
+    if quantized {
+        let mut bytes = w.file().raw(w.key()).map_err(err)?.to_vec();
+        bytes.resize(bytes.len().div_ceil(4) * 4, 0);
+        return Ok(bytes);
+    }
     if layout.is_some() {
         let data = w.to_f32().map_err(err)?;
         return Ok(encode(&device_order(&data, layout), half));
@@ -721,6 +738,7 @@ impl WgpuBackend {
             tuning_observer: Mutex::new(None),
             budget: opts.budget,
             device_memory: opts.device_memory,
+            quantized_weights: opts.quantized_weights,
             resident: Mutex::new(Resident::default()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
             live: std::sync::atomic::AtomicU64::new(0),
@@ -1040,12 +1058,20 @@ impl WgpuBackend {
         let align = u64::from(self.limits.min_storage_buffer_offset_alignment).max(4);
         // Sizing the scratch generates the products' shaders: once.
         let taps = self.taps_first_weights(prog);
-        self.tune_program(prog, &taps)?;
-        let scratch_bytes = self.scratch_bytes_with(prog, &taps);
+        let quant = self.quant_weights(prog, bind, &taps);
+        self.tune_program(prog, &taps, &quant)?;
+        let scratch_bytes = self.scratch_bytes_with(prog, &taps, &quant);
         let activation_bytes = self.arena_io_bytes(prog) + scratch_bytes;
         let mut cache = self.lock_resident();
-        let (residency, step) =
-            self.plan_use(&mut cache, prog, &taps, bind, budget, activation_bytes)?;
+        let (residency, step) = self.plan_use(
+            &mut cache,
+            prog,
+            &taps,
+            &quant,
+            bind,
+            budget,
+            activation_bytes,
+        )?;
         if let Some(memory) = self.device_memory.filter(|&m| step.device_bytes > m) {
             return Err(WgpuError::OutOfMemory(format!(
                 "the use needs {} bytes, the device has {memory}",
@@ -1070,7 +1096,13 @@ impl WgpuBackend {
                 .collect();
             for s in &plan.streamed {
                 let w = &uses[s.weight];
-                let bytes = device_bytes(bind, &w.name, taps.get(&w.name), self.f16_weights)?;
+                let bytes = device_bytes(
+                    bind,
+                    &w.name,
+                    taps.get(&w.name),
+                    self.f16_weights,
+                    quant.contains_key(&w.name),
+                )?;
                 let at = staging_bytes.len() as u64;
                 staging_bytes.extend_from_slice(&bytes);
                 staging_bytes.resize(
@@ -1119,13 +1151,14 @@ impl WgpuBackend {
                     let want = prog.buffer(*buffer).len;
                     BindError::check_len(name, bound_len(bind, name)?, want)?;
                     let layout = taps.get(name);
+                    let quantized = quant.contains_key(name);
                     let source = Source::of(bind, name)?;
-                    let key = resident_key(name, bind, layout.is_some())?;
+                    let key = resident_key(name, bind, layout.is_some(), quantized)?;
                     if let Some(r) = cache.buffers.get(&key) {
                         external.insert(buffer.0, Arc::clone(&r.buffer));
                         continue;
                     }
-                    let bytes = device_bytes(bind, name, layout, self.f16_weights)?;
+                    let bytes = device_bytes(bind, name, layout, self.f16_weights, quantized)?;
                     self.check_binding(bytes.len() as u64)?;
                     let buf = Arc::new(self.device.create_buffer_init(
                         &wgpu::util::BufferInitDescriptor {
@@ -1169,7 +1202,7 @@ impl WgpuBackend {
                 kind: k.kind.name(),
                 message: m,
             };
-            let operands = self.operand_layouts(prog, k, &taps);
+            let operands = self.operand_layouts(prog, k, &taps, &quant);
             self.split_operands.fetch_add(
                 operands.iter().filter(|(o, _)| o.chunks > 1).count(),
                 std::sync::atomic::Ordering::Relaxed,
@@ -1328,6 +1361,8 @@ impl WgpuBackend {
     }
 
     /// Bytes `prog`'s weights take on the device (f16 where stored so).
+    /// Without the bindings this cannot tell GGUF weights, which a prepare
+    /// keeps in their smaller quant blocks: an upper bound for them.
     pub fn weight_bytes(&self, prog: &Program) -> u64 {
         let elem = if self.f16_weights { 2 } else { 4 };
         residency::weight_uses(prog, elem)
@@ -1360,10 +1395,18 @@ impl WgpuBackend {
         prog: &Program,
         k: &crate::plan::Kernel,
         taps: &TapsFirst,
+        quant: &QuantWeights,
     ) -> Vec<(codegen::Operand, u64)> {
         let mut operands = Vec::new();
         for v in k.inputs.iter().chain(std::iter::once(&k.output)) {
             let b = prog.buffer(v.buffer);
+            if let Some(q) = match &b.kind {
+                BufferKind::Weight(n) => quant.get(n),
+                _ => None,
+            } {
+                operands.push((codegen::Operand::quantized(*q), q.bytes(b.len)));
+                continue;
+            }
             let taps_first = matches!(&b.kind, BufferKind::Weight(n) if taps.contains_key(n));
             let half = match b.kind {
                 BufferKind::Weight(_) => self.f16_weights,
@@ -1386,6 +1429,7 @@ impl WgpuBackend {
                     chunks: bytes.div_ceil(chunk_bytes) as usize,
                     chunk_elems: (chunk_bytes / elem) as usize,
                     taps_first,
+                    quant: None,
                 }
             };
             operands.push((op, bytes));
@@ -1435,11 +1479,12 @@ impl WgpuBackend {
     /// group norms share (kernels run one after another, so the largest
     /// one's partial results).
     pub fn scratch_bytes(&self, prog: &Program) -> u64 {
-        self.scratch_bytes_with(prog, &self.taps_first_weights(prog))
+        self.scratch_bytes_with(prog, &self.taps_first_weights(prog), &QuantWeights::new())
     }
 
-    /// [`WgpuBackend::scratch_bytes`] with the tap-major weights known.
-    fn scratch_bytes_with(&self, prog: &Program, taps: &TapsFirst) -> u64 {
+    /// [`WgpuBackend::scratch_bytes`] with the tap-major and quantized
+    /// weights known.
+    fn scratch_bytes_with(&self, prog: &Program, taps: &TapsFirst, quant: &QuantWeights) -> u64 {
         if !self.caps.split_k {
             return 0;
         }
@@ -1448,7 +1493,7 @@ impl WgpuBackend {
             .filter(|k| matches!(k.kind.name(), "matmul" | "conv2d" | "group_norm"))
             .filter_map(|k| {
                 let ops: Vec<codegen::Operand> = self
-                    .operand_layouts(prog, k, taps)
+                    .operand_layouts(prog, k, taps, quant)
                     .iter()
                     .map(|(o, _)| *o)
                     .collect();
@@ -1465,12 +1510,13 @@ impl WgpuBackend {
     /// `budget` and evicts what the plan needs room for
     /// ([`schedule::DeviceWeights::step`]). Returns the plan (with a
     /// budget) and the step.
-    #[allow(clippy::type_complexity)]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn plan_use(
         &self,
         cache: &mut Resident,
         prog: &Program,
         taps: &TapsFirst,
+        quant: &QuantWeights,
         bind: &Bindings,
         budget: Option<u64>,
         activation_bytes: u64,
@@ -1482,7 +1528,10 @@ impl WgpuBackend {
         WgpuError,
     > {
         let elem = if self.f16_weights { 2 } else { 4 };
-        let uses = residency::weight_uses(prog, elem);
+        // Quantized weights take their blocks' bytes on the device.
+        let uses = residency::weight_uses_sized(prog, |name, len| {
+            quant.get(name).map_or(len as u64 * elem, |q| q.bytes(len))
+        });
         // Weights whose host data nobody else holds: their model is gone.
         cache.remove_where(|r| r.source.orphaned());
         // A prepare that failed after planning (out of memory) left
@@ -1514,7 +1563,12 @@ impl WgpuBackend {
         let keyed = uses
             .iter()
             .map(|w| {
-                let name = resident_key(&w.name, bind, taps.contains_key(&w.name))?;
+                let name = resident_key(
+                    &w.name,
+                    bind,
+                    taps.contains_key(&w.name),
+                    quant.contains_key(&w.name),
+                )?;
                 Ok(residency::WeightUse {
                     keep: in_use.contains(&name),
                     name,
@@ -1559,8 +1613,17 @@ impl WgpuBackend {
 /// A resident weight's identity: its name and where its data comes from
 /// (the bound vector, or the file and tensor), so two checkpoints with the
 /// same tensor names stay apart.
-fn resident_key(name: &str, bind: &Bindings, taps_first: bool) -> Result<String, BindError> {
-    let layout = if taps_first { "/taps" } else { "" };
+fn resident_key(
+    name: &str,
+    bind: &Bindings,
+    taps_first: bool,
+    quantized: bool,
+) -> Result<String, BindError> {
+    let layout = match (taps_first, quantized) {
+        (true, _) => "/taps",
+        (false, true) => "/quant",
+        (false, false) => "",
+    };
     if let Some(d) = bind.weights.get(name) {
         return Ok(format!("{name}#{:x}{layout}", Arc::as_ptr(d) as usize));
     }

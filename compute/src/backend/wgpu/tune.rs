@@ -419,7 +419,12 @@ impl WgpuBackend {
 
     /// With [`Tuning::Measure`], measures every kernel of `prog` that has
     /// variants and is not tuned yet, and saves the table.
-    pub(super) fn tune_program(&self, prog: &Program, taps: &TapsFirst) -> Result<(), WgpuError> {
+    pub(super) fn tune_program(
+        &self,
+        prog: &Program,
+        taps: &TapsFirst,
+        quant: &super::QuantWeights,
+    ) -> Result<(), WgpuError> {
         if self.tuning != Tuning::Measure || self.caps.coop.is_none() {
             return Ok(());
         }
@@ -434,7 +439,7 @@ impl WgpuBackend {
             if variants(k.kind.name(), &self.caps).len() < 2 {
                 continue;
             }
-            let layouts = self.operand_layouts(prog, k, taps);
+            let layouts = self.operand_layouts(prog, k, taps, quant);
             let ops: Vec<codegen::Operand> = layouts.iter().map(|(o, _)| *o).collect();
             let Ok(default) = codegen::generate(k, &ops, &self.caps) else {
                 continue;
@@ -519,7 +524,9 @@ impl WgpuBackend {
         // and every variant's output is checked against the default's.
         let inputs = layouts.len().saturating_sub(1);
         for ((op, bytes), buf) in layouts.iter().zip(&buffers).take(inputs) {
-            self.fill_pattern(buf, *bytes, op.f16);
+            // Quant blocks filled with small f16 values decode to finite
+            // numbers: every scale they read is one of those values.
+            self.fill_pattern(buf, *bytes, op.f16 || op.quant.is_some());
         }
         let output = match (layouts.last(), buffers.last()) {
             (Some((op, bytes)), Some(buf)) => Output {
@@ -801,7 +808,7 @@ impl WgpuBackend {
             .enumerate()
             .filter_map(|(i, k)| {
                 let ops: Vec<codegen::Operand> = self
-                    .operand_layouts(prog, k, &taps)
+                    .operand_layouts(prog, k, &taps, &super::QuantWeights::new())
                     .iter()
                     .map(|(o, _)| *o)
                     .collect();
