@@ -20,7 +20,7 @@ use sdkit_compute::weights::SafeTensors;
 use sdkit_nodes::models::flux::{
     chroma_index_table, flux, flux_config, grid, rope_table, FluxInputs, CHROMA_MODULATIONS,
 };
-use sdkit_nodes::models::mmdit::{mmdit, mmdit_config};
+use sdkit_nodes::models::mmdit::{mmdit, mmdit_config, MmditInputs};
 use sdkit_nodes::models::t5::{bucket_ids, encoder, t5_config};
 use sdkit_nodes::t5_tokenizer::{Padding, T5Tokenizer};
 use std::collections::BTreeMap;
@@ -50,6 +50,7 @@ fixtures! {
     fp8_lora => "fp8_lora/expected.json",
     flux_lora => "flux_lora/expected.json",
     sd3_lora => "sd3_lora/expected.json",
+    dit_guidance => "dit_guidance/expected.json",
 }
 
 /// A base folder with every tiny model file of `fx` and the input image.
@@ -138,6 +139,7 @@ fn forward_case(
         context: g.input("context", &cs).expect("input"),
         y: (cfg.vec_in > 0).then(|| g.input("y", &[1, cfg.vec_in]).expect("input")),
         guidance: Some(g.input("guidance", &[1]).expect("input")),
+        guidance_on: None,
         pe: g
             .input("pe", &[1, cs[1] + gh * gw, cfg.head_dim / 2, 2, 2])
             .expect("input"),
@@ -147,7 +149,7 @@ fn forward_case(
         }),
         refs: Vec::new(),
     };
-    let out = flux(&g, cfg, "", x, inputs).expect("builds");
+    let out = flux(&g, cfg, "", x, inputs, &Default::default()).expect("builds");
     assert_eq!(out.shape(), xs);
     let graph = g.finish(&[out]);
     let prog = plan(&graph).expect("plans");
@@ -673,7 +675,12 @@ fn mmdit_forward_matches_comfyui() {
             let t = g.input("t", &[1]).expect("input");
             let c = g.input("context", &cs).expect("input");
             let y = g.input("y", &ys).expect("input");
-            let out = mmdit(&g, &cfg, PREFIX, x, t, c, Some(y)).expect("builds");
+            let inputs = MmditInputs {
+                t,
+                context: c,
+                y: Some(y),
+            };
+            let out = mmdit(&g, &cfg, PREFIX, x, inputs, &Default::default()).expect("builds");
             assert_eq!(out.shape(), xs);
             let graph = g.finish(&[out]);
             let prog = plan(&graph).expect("plans");
@@ -1038,4 +1045,53 @@ fn sd3_kohya_lora_matches_comfyui() {
 #[test]
 fn sd3_clip_lora_matches_comfyui() {
     sd3_lora_matches("tiny_sd3_lora_clip");
+}
+
+/// Skip-layer guidance and FluxDisableGuidance
+/// (tools/reference/dit_guidance.py), on the tiny Flux, SD3 and Chroma
+/// files: ComfyUI's latents and images.
+fn guidance_matches(graph: &str, device: &str) {
+    let base = setup_with(fixture());
+    for fx in [sd3(), chroma()] {
+        for f in fx["files"].as_array().expect("files") {
+            write_fixture_entry(&base.path().join("models"), f);
+        }
+    }
+    run(base.path(), graph, device);
+    check_graph(base.path(), dit_guidance(), graph, None);
+}
+
+/// SkipLayerGuidanceSD3: a second conditional prediction with joint
+/// blocks skipped, added after CFG while the sigma is in range.
+#[test]
+fn sd3_skip_layer_guidance_matches_comfyui() {
+    guidance_matches("tiny_sd3_slg", "cpu");
+}
+
+/// SkipLayerGuidanceDiT on Flux: double and single blocks skipped, the
+/// result rescaled towards the conditional prediction's spread.
+#[test]
+fn flux_skip_layer_guidance_matches_comfyui() {
+    guidance_matches("tiny_flux_slg", "cpu");
+}
+
+#[test]
+fn flux_skip_layer_guidance_on_wgpu_matches_comfyui() {
+    if !wgpu_here("skip-layer guidance on wgpu") {
+        return;
+    }
+    guidance_matches("tiny_flux_slg", "wgpu");
+}
+
+/// FluxDisableGuidance: the dev model without its guidance embedding.
+#[test]
+fn flux_disable_guidance_matches_comfyui() {
+    guidance_matches("tiny_flux_no_guidance", "cpu");
+}
+
+/// SkipLayerGuidanceDiTSimple on Chroma: the negative prediction made
+/// with blocks skipped while in range.
+#[test]
+fn chroma_simple_skip_layer_guidance_matches_comfyui() {
+    guidance_matches("tiny_chroma_slg_simple", "cpu");
 }

@@ -71,6 +71,7 @@ pub fn library() -> NodeLibrary {
         lib.implement("ConditioningSetMask", ConditioningSetMask);
         lib.implement("ConditioningZeroOut", ConditioningZeroOut);
         lib.implement("FluxGuidance", FluxGuidance);
+        lib.implement("FluxDisableGuidance", FluxDisableGuidance);
         lib.implement("ReferenceLatent", ReferenceLatent);
         lib.implement(
             "FluxKontextMultiReferenceLatentMethod",
@@ -113,6 +114,12 @@ pub fn library() -> NodeLibrary {
         diffusion::ksampler::ModelSamplingAuraFlow,
     );
     lib.implement("ModelSamplingFlux", diffusion::ksampler::ModelSamplingFlux);
+    {
+        use diffusion::slg::*;
+        lib.implement("SkipLayerGuidanceDiT", SkipLayerGuidanceDit);
+        lib.implement("SkipLayerGuidanceDiTSimple", SkipLayerGuidanceDitSimple);
+        lib.implement("SkipLayerGuidanceSD3", SkipLayerGuidanceSd3);
+    }
     lib.implement("KSamplerSelect", diffusion::custom::KSamplerSelect);
     lib.implement("BasicScheduler", diffusion::custom::BasicScheduler);
     lib.implement("KarrasScheduler", diffusion::custom::KarrasScheduler);

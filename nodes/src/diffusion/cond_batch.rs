@@ -337,7 +337,17 @@ pub(crate) struct Group {
 /// must be the same length. Within a group ComfyUI adds the outputs
 /// last-first, so the items are listed that way.
 pub(crate) fn groups(items: &[Item<'_>], repeat_context: bool) -> Vec<Group> {
-    let mut left: Vec<usize> = (0..items.len()).collect();
+    groups_where(items, repeat_context, |_| true)
+}
+
+/// [`groups`] of the items `keep` accepts (one conditioning's, as
+/// `calc_cond_batch` runs a list of them), indices into all of `items`.
+pub(crate) fn groups_where(
+    items: &[Item<'_>],
+    repeat_context: bool,
+    keep: impl Fn(&Item<'_>) -> bool,
+) -> Vec<Group> {
+    let mut left: Vec<usize> = (0..items.len()).filter(|&i| keep(&items[i])).collect();
     let mut out = Vec::new();
     while let Some(&first) = left.first() {
         let f = &items[first];

@@ -271,6 +271,22 @@ impl NodeImpl for FluxGuidance {
         let g = inputs.float("guidance")?;
         each(inputs, "conditioning", |e| {
             e.guidance = Some(g);
+            e.guidance_disabled = false;
+            Ok(())
+        })
+    }
+}
+
+/// FluxDisableGuidance: the entries' guidance is unset, so a Flux dev
+/// model runs without its guidance embedding (ComfyUI sets `guidance` to
+/// None; schnell has none anyway).
+pub struct FluxDisableGuidance;
+
+impl NodeImpl for FluxDisableGuidance {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        each(inputs, "conditioning", |e| {
+            e.guidance = None;
+            e.guidance_disabled = true;
             Ok(())
         })
     }

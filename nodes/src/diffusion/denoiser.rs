@@ -15,7 +15,7 @@ use crate::models::flux::{
     chroma_index_table, flux, grid, ref_placements, rope_table_with, FluxConfig, FluxInputs,
     CHROMA_MODULATIONS,
 };
-use crate::models::mmdit::mmdit;
+use crate::models::mmdit::{mmdit, MmditInputs};
 use crate::models::unet::{skip_shapes, timestep_embedding, ControlResiduals};
 use sdkit_compute::plan::{plan, Program};
 use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
@@ -115,7 +115,8 @@ impl Model {
                         Some(a) => Some(g.input("pooled", &[batch, a])?),
                         None => None,
                     };
-                    mmdit(&g, m, &self.prefix, x, t, c, y)
+                    let inputs = MmditInputs { t, context: c, y };
+                    mmdit(&g, m, &self.prefix, x, inputs, &self.skip_layers)
                 })()
                 .map_err(|e| graph_error("MMDiT", e))?;
                 return plan(&g.finish(&[out])).map_err(|e| graph_error("MMDiT", e));
@@ -191,6 +192,11 @@ impl Model {
                 } else {
                     None
                 },
+                guidance_on: if cfg.guidance && cfg.approximator.is_none() {
+                    Some(g.input("guidance_on", &[batch])?)
+                } else {
+                    None
+                },
                 pe: g.input(
                     "pe",
                     &[1, tokens + gh * gw + ref_patches, cfg.head_dim / 2, 2, 2],
@@ -208,7 +214,7 @@ impl Model {
                     })
                     .collect::<Result<_, _>>()?,
             };
-            flux(&g, cfg, &self.prefix, x, inputs)
+            flux(&g, cfg, &self.prefix, x, inputs, &self.skip_layers)
         })()
         .map_err(|e| graph_error("Flux", e))?;
         plan(&g.finish(&[out])).map_err(|e| graph_error("Flux", e))
@@ -394,8 +400,16 @@ fn flux_inputs(
 ) -> Result<HashMap<String, Arc<Vec<f32>>>, NodeError> {
     let mut pooled = Vec::with_capacity(entries.len() * per_entry * cfg.vec_in);
     let mut guidance = Vec::with_capacity(entries.len() * per_entry);
+    let mut guidance_on = Vec::with_capacity(entries.len() * per_entry);
     let default_guidance = if cfg.approximator.is_some() { 0.0 } else { 3.5 };
     for &(e, _) in entries {
+        if e.guidance_disabled && cfg.approximator.is_some() {
+            // ComfyUI's Chroma fails on it too: its modulation approximator
+            // embeds the guidance value.
+            return Err(NodeError::invalid(
+                "FluxDisableGuidance: a Chroma model needs a guidance value (its modulation embeds it)",
+            ));
+        }
         let row = match &e.pooled {
             _ if cfg.vec_in == 0 => Vec::new(),
             Some(p) if p.numel() == cfg.vec_in => p.data.clone(),
@@ -412,6 +426,7 @@ fn flux_inputs(
             pooled.extend_from_slice(&row);
             // torch.FloatTensor([guidance]).
             guidance.push(e.guidance.unwrap_or(default_guidance) as f32);
+            guidance_on.push(if e.guidance_disabled { 0.0 } else { 1.0 });
         }
     }
     let (gh, gw) = grid(ah, aw);
@@ -421,6 +436,9 @@ fn flux_inputs(
     }
     if cfg.guidance {
         out.insert("guidance".to_string(), Arc::new(guidance));
+        if cfg.approximator.is_none() {
+            out.insert("guidance_on".to_string(), Arc::new(guidance_on));
+        }
     }
     if cfg.approximator.is_some() {
         out.insert("chroma_index".to_string(), Arc::new(chroma_index_table()));

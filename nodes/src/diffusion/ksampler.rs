@@ -21,6 +21,7 @@
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
 use super::cond_batch::{self, Item};
+use super::slg::{SkipLayerGuidance, SlgMode};
 use super::{control, inpaint};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
 use crate::models::detect::Net;
@@ -361,7 +362,8 @@ pub fn sample(
         .filter(|i| i.cond < slots)
         .collect();
     // The transformers' contexts are `CONDRegular`: only equal lengths batch.
-    let groups = cond_batch::groups(&items, matches!(model.net, Net::Unet(_)));
+    let is_unet = matches!(model.net, Net::Unet(_));
+    let groups = cond_batch::groups(&items, is_unet);
     // The control programs, and per group the UNet inputs its chain
     // feeds and their shapes (zeros where no model of it is active).
     let mut plans = control::Plans::default();
@@ -395,78 +397,63 @@ pub fn sample(
             }
         })
         .collect();
-    let progs: Vec<Program> = groups
-        .iter()
-        .zip(&control_slots)
-        .map(|(g, slots)| {
-            let [ah, aw, ..] = items[g.items[0]].area;
-            let refs = super::denoiser::ref_shapes(items[g.items[0]].model);
-            model.program(
-                g.items.len() * b,
-                ah,
-                aw,
-                g.tokens,
-                dim,
-                slots.as_ref(),
-                &refs,
-            )
-        })
-        .collect::<Result<_, _>>()?;
+    let progs = group_programs(model, &items, &groups, b, dim, &control_slots)?;
     let bind = match progs.first() {
         Some(p) => model.file.bindings(p, Some(&model.patches), None)?,
         None => return Err(NodeError::invalid("nothing to sample")),
     };
-    // The model inputs of each group besides x and t (the context and,
-    // for SDXL, the ADM vector's parts), fixed for the whole sampling.
     let pixels = ((h * 8) as f64, (w * 8) as f64);
-    let feeds: Vec<HashMap<String, Arc<Vec<f32>>>> = groups
-        .iter()
-        .map(|g| {
-            let mut v = Vec::with_capacity(g.items.len() * b * g.tokens * dim);
-            for &i in &g.items {
-                let c = &items[i].model.cross_attn;
-                let reps = g.tokens / c.dim(1);
-                for _ in 0..b {
-                    for _ in 0..reps {
-                        v.extend_from_slice(&c.data);
-                    }
-                }
+    let feeds = group_feeds(model, &items, &groups, b, pixels, dim)?;
+    let concats = group_concats(
+        model,
+        &items,
+        &groups,
+        denoise_mask.as_deref(),
+        &latent_in,
+        dims,
+    )?;
+    // Skip-layer guidance's passes (DiTs only), each with the groups of the
+    // items it runs.
+    let mut slg_passes: Vec<SlgPass> = Vec::new();
+    if !matches!(model.net, Net::Unet(_)) {
+        for slg in &model.slg {
+            // The Simple form replaces the negative prediction: without one
+            // (cfg 1, BasicGuider) ComfyUI leaves the step alone.
+            let runs = match slg.mode {
+                SlgMode::PostCfg => 0,
+                SlgMode::Uncond if use_uncond && negative.is_some() => 1,
+                SlgMode::Uncond => continue,
+            };
+            let skipping = Model {
+                skip_layers: slg.layers.clone(),
+                ..model.clone()
+            };
+            let mut passes = vec![(runs, Arc::new(skipping))];
+            if slg.mode == SlgMode::Uncond {
+                // The positive prediction alone, unskipped, while active.
+                passes.push((0, Arc::new(model.clone())));
             }
-            let entries: Vec<(&CondEntry, bool)> = g
-                .items
-                .iter()
-                .map(|&i| (items[i].model, items[i].model_negative))
-                .collect();
-            let [ah, aw, ..] = items[g.items[0]].area;
-            let mut feed = model.cond_inputs(&entries, b, pixels, (g.tokens, ah, aw))?;
-            feed.insert("context".to_string(), Arc::new(v));
-            Ok(feed)
-        })
-        .collect::<Result<_, NodeError>>()?;
-    // An inpainting model's extra input channels per group, cropped to
-    // each entry's area: [entries × b, extra, ah, aw].
-    let concats: Vec<Option<(usize, Vec<f32>)>> = groups
-        .iter()
-        .map(|g| {
-            let mut out: Option<(usize, Vec<f32>)> = None;
-            for &i in &g.items {
-                let Some(cc) = inpaint::concat_cond(
-                    model,
-                    items[i].model,
-                    denoise_mask.as_deref(),
-                    &latent_in,
-                    dims,
-                )?
-                else {
-                    return Ok(None);
-                };
-                let extra = cc.len() / (b * h * w);
-                let (_, buf) = out.get_or_insert_with(|| (extra, Vec::new()));
-                cond_batch::crop_into(buf, &cc, [b, extra, h, w], items[i].area);
+            for (cond, m) in passes {
+                let groups = cond_batch::groups_where(&items, is_unet, |i| i.cond == cond);
+                let progs = group_programs(&m, &items, &groups, b, dim, &vec![None; groups.len()])?;
+                slg_passes.push(SlgPass {
+                    slg: Arc::clone(slg),
+                    cond,
+                    feeds: group_feeds(&m, &items, &groups, b, pixels, dim)?,
+                    concats: group_concats(
+                        &m,
+                        &items,
+                        &groups,
+                        denoise_mask.as_deref(),
+                        &latent_in,
+                        dims,
+                    )?,
+                    groups,
+                    progs,
+                });
             }
-            Ok(out)
-        })
-        .collect::<Result<_, NodeError>>()?;
+        }
+    }
     let before_prepare = ctx.runtime.bytes_uploaded();
     let mut controls = control::Runner::new(ctx, &plans)?;
     let mut sessions: Vec<Session<'_>> = ctx
@@ -475,6 +462,16 @@ pub fn sample(
             ctx.runtime.prepare_many(&progs, &bind)
         })
         .map_err(|e| run_error("UNet", e))?;
+    let mut slg_sessions: Vec<Vec<Session<'_>>> = slg_passes
+        .iter()
+        .map(|p| {
+            ctx.runtime
+                .with_tuning_progress(ctx.progress_sink(), || {
+                    ctx.runtime.prepare_many(&p.progs, &bind)
+                })
+                .map_err(|e| run_error("UNet", e))
+        })
+        .collect::<Result<_, _>>()?;
 
     let total = sigmas.len() - 1;
     let denoise = |x: &[f32], sigma: f32| -> Result<Vec<f32>, NodeError> {
@@ -486,6 +483,11 @@ pub fn sample(
             x.iter().map(|v| v / c_in).collect()
         };
         let t = model.schedule.timestep(sigma);
+        // The Simple skip-layer guidance, while active, runs the
+        // predictions as passes of their own.
+        let simple_active = slg_passes
+            .iter()
+            .any(|p| p.slg.mode == SlgMode::Uncond && p.slg.active(sigma));
         // Per conditioning: Σ denoised·mult and 1e-37 + Σ mult.
         let mut sums = vec![vec![0f32; per_item]; slots];
         let mut counts = vec![vec![1e-37f32; per_item]; slots];
@@ -497,18 +499,12 @@ pub fn sample(
             .enumerate()
         {
             let first = &items[g.items[0]];
-            if !first.active(sigma) {
+            if !first.active(sigma) || simple_active {
                 continue;
             }
             let [ah, aw, ..] = first.area;
-            let crop = b * shape[1] * ah * aw;
             let n = g.items.len();
-            let mut xs = Vec::with_capacity(n * crop);
-            let mut raw = Vec::with_capacity(n * crop);
-            for &i in &g.items {
-                cond_batch::crop_into(&mut xs, &xin, dims, items[i].area);
-                cond_batch::crop_into(&mut raw, x, dims, items[i].area);
-            }
+            let (xs, raw) = group_crops(&items, g, x, &xin, dims);
             let mut residuals = None;
             if let Some(chain) = &first.control {
                 residuals = controls.residuals(
@@ -527,63 +523,94 @@ pub fn sample(
                     },
                 )?;
             }
-            // c_concat follows x along channels, row by row.
-            let xs = match concat {
-                Some((extra, cc)) => {
-                    let (ci, ce) = (shape[1] * ah * aw, extra * ah * aw);
-                    let mut joined = Vec::with_capacity(xs.len() + cc.len());
-                    for (xr, cr) in xs.chunks(ci).zip(cc.chunks(ce)) {
-                        joined.extend_from_slice(xr);
-                        joined.extend_from_slice(cr);
-                    }
-                    joined
-                }
-                None => xs,
-            };
             let mut feed = fixed.clone();
-            feed.insert("x".to_string(), Arc::new(xs));
             if let Some(slots) = &control_slots[gi] {
                 residuals
                     .unwrap_or_default()
                     .feed(slots, &slot_shapes[gi], &mut feed);
             }
-            feed.insert("t".to_string(), Arc::new(vec![t; n * b]));
-            let out = session.run(feed).map_err(|e| run_error("UNet", e))?;
-            let eps = &out[0].data;
-            for (k, &i) in g.items.iter().enumerate() {
-                let item = &items[i];
-                let part = k * crop..(k + 1) * crop;
-                let d = model
-                    .prediction
-                    .denoised(&eps[part.clone()], &raw[part], sigma, t);
-                cond_batch::accumulate(
-                    &mut sums[item.cond],
-                    &mut counts[item.cond],
-                    &d,
-                    item,
+            run_group(
+                model,
+                &items,
+                g,
+                session,
+                feed,
+                (xs, raw),
+                concat.as_ref(),
+                (sigma, t),
+                dims,
+                &mut sums,
+                &mut counts,
+            )?;
+        }
+        // Skip-layer guidance's passes active at this sigma.
+        // (pass, sums, counts) of each pass run.
+        let mut skipped: Vec<(usize, Sums, Sums)> = Vec::new();
+        for (pi, (pass, pass_sessions)) in
+            slg_passes.iter().zip(slg_sessions.iter_mut()).enumerate()
+        {
+            if !pass.slg.active(sigma) {
+                continue;
+            }
+            let mut s = vec![vec![0f32; per_item]; slots];
+            let mut c = vec![vec![1e-37f32; per_item]; slots];
+            for (((g, session), fixed), concat) in pass
+                .groups
+                .iter()
+                .zip(pass_sessions.iter_mut())
+                .zip(&pass.feeds)
+                .zip(&pass.concats)
+            {
+                if !items[g.items[0]].active(sigma) {
+                    continue;
+                }
+                run_group(
+                    model,
+                    &items,
+                    g,
+                    session,
+                    fixed.clone(),
+                    group_crops(&items, g, x, &xin, dims),
+                    concat.as_ref(),
+                    (sigma, t),
                     dims,
-                );
+                    &mut s,
+                    &mut c,
+                )?;
+            }
+            skipped.push((pi, s, c));
+        }
+        // The Simple form's passes make the predictions themselves.
+        for (pi, s, c) in &mut skipped {
+            let pass = &slg_passes[*pi];
+            if pass.slg.mode == SlgMode::Uncond {
+                sums[pass.cond] = std::mem::take(&mut s[pass.cond]);
+                counts[pass.cond] = std::mem::take(&mut c[pass.cond]);
             }
         }
-        let pred = |ci: usize| -> Vec<f32> {
-            sums[ci]
+        let pred =
+            |s: &[f32], c: &[f32]| -> Vec<f32> { s.iter().zip(c).map(|(s, c)| s / c).collect() };
+        let cond = pred(&sums[0], &counts[0]);
+        let mut out = if use_uncond {
+            let uncond = pred(&sums[1], &counts[1]);
+            let cfg = cfg as f32;
+            let out = uncond
                 .iter()
-                .zip(&counts[ci])
-                .map(|(s, c)| s / c)
-                .collect()
+                .zip(&cond)
+                .map(|(u, c)| u + (c - u) * cfg)
+                .collect();
+            *last_uncond.borrow_mut() = Some(uncond);
+            out
+        } else {
+            cond.clone()
         };
-        let cond = pred(0);
-        if !use_uncond {
-            return Ok(cond);
+        // Post-CFG skip-layer guidance, in the order applied.
+        for (pi, s, c) in &skipped {
+            let pass = &slg_passes[*pi];
+            if pass.slg.mode == SlgMode::PostCfg {
+                pass.slg.post_cfg(&mut out, &cond, &pred(&s[0], &c[0]));
+            }
         }
-        let uncond = pred(1);
-        let cfg = cfg as f32;
-        let out = uncond
-            .iter()
-            .zip(&cond)
-            .map(|(u, c)| u + (c - u) * cfg)
-            .collect();
-        *last_uncond.borrow_mut() = Some(uncond);
         Ok(out)
     };
     // The TAESD previewer's decoder, when previews are TAESD.
@@ -697,6 +724,188 @@ pub fn sample(
         .map_err(NodeError::invalid)?;
     ctx.warn_non_finite("the sampled latent", &out);
     Ok((Tensor::new(shape, out).map_err(NodeError::invalid)?, x0))
+}
+/// A skip-layer guidance pass: the groups of the items it runs (one
+/// conditioning's), with the programs of the model copy it runs.
+struct SlgPass {
+    slg: Arc<SkipLayerGuidance>,
+    /// The conditioning (0 positive, 1 negative) whose items it runs.
+    cond: usize,
+    groups: Vec<cond_batch::Group>,
+    progs: Vec<Program>,
+    feeds: Vec<Feed>,
+    concats: Vec<Concat>,
+}
+
+/// A program's inputs by name.
+type Feed = HashMap<String, Arc<Vec<f32>>>;
+/// An inpainting model's extra channels of a group: (channels, values).
+type Concat = Option<(usize, Vec<f32>)>;
+/// Per conditioning, one value per latent element.
+type Sums = Vec<Vec<f32>>;
+
+/// Each group's program: its rows (entries × batch), area, context
+/// length, ControlNet slots and reference latents.
+fn group_programs(
+    model: &Model,
+    items: &[Item<'_>],
+    groups: &[cond_batch::Group],
+    b: usize,
+    dim: usize,
+    control_slots: &[Option<control::Slots>],
+) -> Result<Vec<Program>, NodeError> {
+    groups
+        .iter()
+        .zip(control_slots)
+        .map(|(g, slots)| {
+            let [ah, aw, ..] = items[g.items[0]].area;
+            let refs = super::denoiser::ref_shapes(items[g.items[0]].model);
+            model.program(
+                g.items.len() * b,
+                ah,
+                aw,
+                g.tokens,
+                dim,
+                slots.as_ref(),
+                &refs,
+            )
+        })
+        .collect()
+}
+
+/// The model inputs of each group besides x and t (the context and,
+/// for SDXL, the ADM vector's parts), fixed for the whole sampling.
+fn group_feeds(
+    model: &Model,
+    items: &[Item<'_>],
+    groups: &[cond_batch::Group],
+    b: usize,
+    pixels: (f64, f64),
+    dim: usize,
+) -> Result<Vec<Feed>, NodeError> {
+    groups
+        .iter()
+        .map(|g| {
+            let mut v = Vec::with_capacity(g.items.len() * b * g.tokens * dim);
+            for &i in &g.items {
+                let c = &items[i].model.cross_attn;
+                let reps = g.tokens / c.dim(1);
+                for _ in 0..b {
+                    for _ in 0..reps {
+                        v.extend_from_slice(&c.data);
+                    }
+                }
+            }
+            let entries: Vec<(&CondEntry, bool)> = g
+                .items
+                .iter()
+                .map(|&i| (items[i].model, items[i].model_negative))
+                .collect();
+            let [ah, aw, ..] = items[g.items[0]].area;
+            let mut feed = model.cond_inputs(&entries, b, pixels, (g.tokens, ah, aw))?;
+            feed.insert("context".to_string(), Arc::new(v));
+            Ok(feed)
+        })
+        .collect()
+}
+
+/// An inpainting model's extra input channels per group, cropped to
+/// each entry's area: [entries × b, extra, ah, aw].
+fn group_concats(
+    model: &Model,
+    items: &[Item<'_>],
+    groups: &[cond_batch::Group],
+    denoise_mask: Option<&[f32]>,
+    latent_in: &[f32],
+    dims: [usize; 4],
+) -> Result<Vec<Concat>, NodeError> {
+    let [b, _, h, w] = dims;
+    groups
+        .iter()
+        .map(|g| {
+            let mut out: Option<(usize, Vec<f32>)> = None;
+            for &i in &g.items {
+                let Some(cc) =
+                    inpaint::concat_cond(model, items[i].model, denoise_mask, latent_in, dims)?
+                else {
+                    return Ok(None);
+                };
+                let extra = cc.len() / (b * h * w);
+                let (_, buf) = out.get_or_insert_with(|| (extra, Vec::new()));
+                cond_batch::crop_into(buf, &cc, [b, extra, h, w], items[i].area);
+            }
+            Ok(out)
+        })
+        .collect()
+}
+
+/// Group `g`'s items' crops of `x` (`raw`) and of the model input `xin`
+/// (`xs`), entry after entry.
+fn group_crops(
+    items: &[Item<'_>],
+    g: &cond_batch::Group,
+    x: &[f32],
+    xin: &[f32],
+    dims: [usize; 4],
+) -> (Vec<f32>, Vec<f32>) {
+    let [b, c, ..] = dims;
+    let [ah, aw, ..] = items[g.items[0]].area;
+    let crop = b * c * ah * aw;
+    let mut xs = Vec::with_capacity(g.items.len() * crop);
+    let mut raw = Vec::with_capacity(g.items.len() * crop);
+    for &i in &g.items {
+        cond_batch::crop_into(&mut xs, xin, dims, items[i].area);
+        cond_batch::crop_into(&mut raw, x, dims, items[i].area);
+    }
+    (xs, raw)
+}
+
+/// Runs one group on `session`: `xs` joined with the group's c_concat
+/// channels, row by row, as `x`, with `feed` (its fixed inputs and any
+/// controls) and `t`; adds each item's denoised prediction into its
+/// conditioning's `sums` and `counts`.
+#[allow(clippy::too_many_arguments)]
+fn run_group(
+    model: &Model,
+    items: &[Item<'_>],
+    g: &cond_batch::Group,
+    session: &mut Session<'_>,
+    mut feed: HashMap<String, Arc<Vec<f32>>>,
+    (xs, raw): (Vec<f32>, Vec<f32>),
+    concat: Option<&(usize, Vec<f32>)>,
+    (sigma, t): (f32, f32),
+    dims: [usize; 4],
+    sums: &mut [Vec<f32>],
+    counts: &mut [Vec<f32>],
+) -> Result<(), NodeError> {
+    let [b, c, ..] = dims;
+    let [ah, aw, ..] = items[g.items[0]].area;
+    let crop = b * c * ah * aw;
+    let xs = match concat {
+        Some((extra, cc)) => {
+            let (ci, ce) = (c * ah * aw, extra * ah * aw);
+            let mut joined = Vec::with_capacity(xs.len() + cc.len());
+            for (xr, cr) in xs.chunks(ci).zip(cc.chunks(ce)) {
+                joined.extend_from_slice(xr);
+                joined.extend_from_slice(cr);
+            }
+            joined
+        }
+        None => xs,
+    };
+    feed.insert("x".to_string(), Arc::new(xs));
+    feed.insert("t".to_string(), Arc::new(vec![t; g.items.len() * b]));
+    let out = session.run(feed).map_err(|e| run_error("UNet", e))?;
+    let eps = &out[0].data;
+    for (k, &i) in g.items.iter().enumerate() {
+        let item = &items[i];
+        let part = k * crop..(k + 1) * crop;
+        let d = model
+            .prediction
+            .denoised(&eps[part.clone()], &raw[part], sigma, t);
+        cond_batch::accumulate(&mut sums[item.cond], &mut counts[item.cond], &d, item, dims);
+    }
+    Ok(())
 }
 
 /// ComfyUI's ModelSamplingDiscrete: the same model read as another

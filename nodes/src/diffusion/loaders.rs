@@ -130,6 +130,8 @@ fn build_model(
                 latent: spec.latent,
                 prediction: Prediction::Flow,
                 differential: None,
+                skip_layers: Default::default(),
+                slg: Vec::new(),
             });
         }
         Net::Flux(f) => {
@@ -156,6 +158,8 @@ fn build_model(
                 latent: spec.latent,
                 prediction: Prediction::Flow,
                 differential: None,
+                skip_layers: Default::default(),
+                slg: Vec::new(),
             });
         }
     };
@@ -188,6 +192,8 @@ fn build_model(
         latent: spec.latent,
         prediction,
         differential: None,
+        skip_layers: Default::default(),
+        slg: Vec::new(),
     })
 }
 

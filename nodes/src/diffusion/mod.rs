@@ -18,6 +18,7 @@ pub mod inpaint;
 pub mod ksampler;
 pub mod loaders;
 pub mod preview;
+pub mod slg;
 pub mod tiling;
 pub mod vae;
 
@@ -227,6 +228,11 @@ pub struct Model {
     /// DifferentialDiffusion's strength: the sampler thresholds the
     /// denoise mask per step ([`inpaint::Differential`]).
     pub differential: Option<f64>,
+    /// Blocks this model's programs skip (a DiT's; set on the copy that
+    /// skip-layer guidance runs).
+    pub skip_layers: crate::models::SkipLayers,
+    /// SkipLayerGuidanceDiT / SD3 / DiTSimple, in the order applied.
+    pub slg: Vec<Arc<slg::SkipLayerGuidance>>,
 }
 
 impl Model {
@@ -350,6 +356,8 @@ pub struct CondEntry {
     /// FluxGuidance / CLIPTextEncodeFlux: the distilled guidance a Flux
     /// dev model is given (ComfyUI's default 3.5 where unset).
     pub guidance: Option<f64>,
+    /// FluxDisableGuidance: the model gets no guidance embedding at all.
+    pub guidance_disabled: bool,
     /// ReferenceLatent: latents `[b, c, h, w]` (unscaled) an edit model
     /// (Flux Kontext) sees beside the image, in order.
     pub reference_latents: Vec<Arc<Tensor>>,
@@ -398,6 +406,7 @@ impl CondEntry {
             control: None,
             control_apply_to_uncond: false,
             guidance: None,
+            guidance_disabled: false,
             reference_latents: Vec::new(),
             reference_method: None,
         }

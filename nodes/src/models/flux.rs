@@ -523,6 +523,9 @@ pub struct FluxInputs<'a> {
     pub y: Option<T<'a>>,
     /// Guidance `[b]` (dev models and Chroma).
     pub guidance: Option<T<'a>>,
+    /// Dev models: 1 where a row takes the guidance embedding, 0 where
+    /// FluxDisableGuidance left it out (`[b]`; None: every row does).
+    pub guidance_on: Option<T<'a>>,
     /// [`rope_table`] as `[1, txt + patches, head_dim/2, 2, 2]`.
     pub pe: T<'a>,
     /// Chroma: [`chroma_index_table`] as `[344, 32]`.
@@ -576,13 +579,15 @@ fn patchify<'a>(g: &'a GraphBuilder, x: T<'a>) -> Result<T<'a>, ShapeError> {
 
 /// The model: `x` `[b, in_channels, h, w]` → `[b, out_channels, h, w]`.
 /// Odd sides are padded circularly to whole patches and cropped after,
-/// as ComfyUI's `pad_to_patch_size`.
+/// as ComfyUI's `pad_to_patch_size`. The blocks `skip` names pass their
+/// streams through.
 pub fn flux<'a>(
     g: &'a GraphBuilder,
     cfg: &FluxConfig,
     prefix: &str,
     x: T<'a>,
     inp: FluxInputs<'a>,
+    skip: &super::SkipLayers,
 ) -> Result<T<'a>, ShapeError> {
     let s = x.shape();
     let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
@@ -608,7 +613,12 @@ pub fn flux<'a>(
             let mut vec = mlp_embedder(&vb.pp("time_in"), temb, 256, hd)?;
             if let (true, Some(gd)) = (cfg.guidance, inp.guidance) {
                 let gemb = timestep_embedding(g, gd.mul_scalar(1000.0), 256)?;
-                vec = vec.add(mlp_embedder(&vb.pp("guidance_in"), gemb, 256, hd)?)?;
+                let mut emb = mlp_embedder(&vb.pp("guidance_in"), gemb, 256, hd)?;
+                if let Some(on) = inp.guidance_on {
+                    // × 1 keeps a row exact, × 0 drops its embedding.
+                    emb = emb.mul(on.reshape(&[b, 1])?)?;
+                }
+                vec = vec.add(emb)?;
             }
             if let Some(y) = inp.y {
                 vec = vec.add(mlp_embedder(&vb.pp("vector_in"), y, cfg.vec_in, hd)?)?;
@@ -618,11 +628,11 @@ pub fn flux<'a>(
     };
     let mut txt = vb.pp("txt_in").linear(inp.context, cfg.context_in, hd)?;
     let txt_len = txt.shape()[1];
-    for i in 0..cfg.depth {
+    for i in (0..cfg.depth).filter(|i| !skip.double.contains(i)) {
         (img, txt) = double_block(&vb.pp("double_blocks").pp(i), cfg, img, txt, m, i, inp.pe)?;
     }
     let mut joint = g.concat(&[txt, img], 1)?;
-    for i in 0..cfg.depth_single {
+    for i in (0..cfg.depth_single).filter(|i| !skip.single.contains(i)) {
         joint = single_block(&vb.pp("single_blocks").pp(i), cfg, joint, m, i, inp.pe)?;
     }
     let img = joint.slice(1, txt_len, txt_len + gh * gw)?;

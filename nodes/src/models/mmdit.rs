@@ -213,18 +213,28 @@ fn joint_block<'a>(
     Ok((ctx, x))
 }
 
+/// The inputs of [`mmdit`] beside the latent.
+pub struct MmditInputs<'a> {
+    /// ComfyUI's timestep (1000·σ) `[b]`.
+    pub t: T<'a>,
+    /// `[b, tokens, context_in]`.
+    pub context: T<'a>,
+    /// The pooled vector `[b, adm_in]`.
+    pub y: Option<T<'a>>,
+}
+
 /// The model: `x` `[b, in_channels, h, w]`, `t` `[b]` (ComfyUI's timestep,
 /// 1000·σ), `context` `[b, tokens, context_in]`, `y` `[b, adm_in]` →
-/// `[b, out_channels, h, w]`. Odd sides are padded circularly to whole
+/// `[b, out_channels, h, w]`; the joint blocks `skip.double` names pass
+/// their streams through. Odd sides are padded circularly to whole
 /// patches and cropped after.
 pub fn mmdit<'a>(
     g: &'a GraphBuilder,
     cfg: &MmditConfig,
     prefix: &str,
     x: T<'a>,
-    t: T<'a>,
-    context: T<'a>,
-    y: Option<T<'a>>,
+    MmditInputs { t, context, y }: MmditInputs<'a>,
+    skip: &super::SkipLayers,
 ) -> Result<T<'a>, ShapeError> {
     let s = x.shape();
     let (b, h, w, p, hd) = (s[0], s[2], s[3], cfg.patch, cfg.hidden);
@@ -280,6 +290,11 @@ pub fn mmdit<'a>(
             .linear(context, cfg.context_in, hd)?,
     );
     for i in 0..cfg.blocks {
+        if skip.double.contains(&i) {
+            // Both streams pass through (the last block's context is
+            // not read after it).
+            continue;
+        }
         let cur = ctx.ok_or_else(|| ShapeError {
             op: "mmdit",
             message: "a pre-only context block before the last".into(),

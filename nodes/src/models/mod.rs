@@ -41,3 +41,19 @@ pub(crate) fn multi_head_attention<'a>(
     )?;
     o.permute(&[0, 2, 1, 3])?.reshape(&[b, s, c])
 }
+
+/// Transformer blocks a DiT runs as the identity (ComfyUI's "dit"
+/// `double_block` / `single_block` replace patches that return their
+/// input, as skip-layer guidance sets them): SD3's joint blocks and
+/// Flux's double blocks by `double`, Flux's single blocks by `single`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SkipLayers {
+    pub double: Vec<usize>,
+    pub single: Vec<usize>,
+}
+
+impl SkipLayers {
+    pub fn is_empty(&self) -> bool {
+        self.double.is_empty() && self.single.is_empty()
+    }
+}

@@ -67,6 +67,15 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
             .build(),
     );
     v.push(
+        node("FluxDisableGuidance", "advanced/conditioning/flux")
+            .description(
+                "This node completely disables the guidance embed on Flux and Flux like models",
+            )
+            .socket("conditioning", T::Conditioning)
+            .returns(T::Conditioning)
+            .build(),
+    );
+    v.push(
         node("FluxGuidance", "advanced/conditioning/flux")
             .socket("conditioning", T::Conditioning)
             .float("guidance", 3.5, 0.0, 100.0, 0.1)

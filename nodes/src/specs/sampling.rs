@@ -75,6 +75,46 @@ pub(super) fn sampling(v: &mut Vec<NodeSpec>) {
             .returns(T::Model)
             .build(),
     );
+    // comfy_extras/nodes_slg.py and nodes_sd3.py
+    let slg = "Generic version of SkipLayerGuidance node that can be used on every DiT model.";
+    v.push(
+        node("SkipLayerGuidanceDiT", "advanced/guidance")
+            .description(slg)
+            .experimental()
+            .socket("model", T::Model)
+            .string("double_layers", "7, 8, 9")
+            .string("single_layers", "7, 8, 9")
+            .float("scale", 3.0, 0.0, 10.0, 0.1)
+            .float("start_percent", 0.01, 0.0, 1.0, 0.001)
+            .float("end_percent", 0.15, 0.0, 1.0, 0.001)
+            .float("rescaling_scale", 0.0, 0.0, 10.0, 0.01)
+            .returns(T::Model)
+            .build(),
+    );
+    v.push(
+        node("SkipLayerGuidanceDiTSimple", "advanced/guidance")
+            .description("Simple version of the SkipLayerGuidanceDiT node that only modifies the uncond pass.")
+            .experimental()
+            .socket("model", T::Model)
+            .string("double_layers", "7, 8, 9")
+            .string("single_layers", "7, 8, 9")
+            .float("start_percent", 0.0, 0.0, 1.0, 0.001)
+            .float("end_percent", 1.0, 0.0, 1.0, 0.001)
+            .returns(T::Model)
+            .build(),
+    );
+    v.push(
+        node("SkipLayerGuidanceSD3", "advanced/guidance")
+            .description(slg)
+            .experimental()
+            .socket("model", T::Model)
+            .string("layers", "7, 8, 9")
+            .float("scale", 3.0, 0.0, 10.0, 0.1)
+            .float("start_percent", 0.01, 0.0, 1.0, 0.001)
+            .float("end_percent", 0.15, 0.0, 1.0, 0.001)
+            .returns(T::Model)
+            .build(),
+    );
     v.push(
         node("ModelSamplingFlux", "advanced/model")
             .socket("model", T::Model)
