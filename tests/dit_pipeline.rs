@@ -148,6 +148,7 @@ fn forward_case(
                 .expect("input")
         }),
         refs: Vec::new(),
+        control: Default::default(),
     };
     let out = flux(&g, cfg, "", x, inputs, &Default::default()).expect("builds");
     assert_eq!(out.shape(), xs);
@@ -1051,14 +1052,13 @@ fn sd3_clip_lora_matches_comfyui() {
 /// (tools/reference/dit_guidance.py), on the tiny Flux, SD3 and Chroma
 /// files: ComfyUI's latents and images.
 fn guidance_matches(graph: &str, device: &str) {
-    let base = setup_with(fixture());
-    for fx in [sd3(), chroma()] {
-        for f in fx["files"].as_array().expect("files") {
-            write_fixture_entry(&base.path().join("models"), f);
-        }
-    }
+    let base = setup_with(dit_guidance());
     run(base.path(), graph, device);
-    check_graph(base.path(), dit_guidance(), graph, None);
+    // The guidance scales the difference of two predictions (by 2.5
+    // here): the GPU's own rounding, ~2.5e-6 on a plain Flux run, grows
+    // with it.
+    let tol = (device == "wgpu").then_some(2e-5);
+    check_graph(base.path(), dit_guidance(), graph, tol);
 }
 
 /// SkipLayerGuidanceSD3: a second conditional prediction with joint
