@@ -65,6 +65,10 @@ pub enum ControlKind {
     Lora {
         hint_convs: Vec<(usize, usize, usize)>,
     },
+    /// A Flux ControlNet in XLabs' layout ([`super::flux_control`]).
+    Flux {
+        cfg: crate::models::flux::FluxConfig,
+    },
 }
 
 impl ControlNetModel {
@@ -74,6 +78,7 @@ impl ControlNetModel {
             ControlKind::Net { cfg, .. } => cfg.hint_channels(),
             ControlKind::T2i(t) => t.hint_channels(),
             ControlKind::Lora { hint_convs } => hint_convs.first().map_or(3, |c| c.1),
+            ControlKind::Flux { .. } => 3,
         }
     }
 
@@ -90,7 +95,7 @@ impl ControlNetModel {
                 },
                 model.heads,
             )),
-            ControlKind::T2i(_) => None,
+            ControlKind::T2i(_) | ControlKind::Flux { .. } => None,
         }
     }
 
@@ -98,7 +103,9 @@ impl ControlNetModel {
     /// compression ratio 8; an adapter rounds up to its unshuffle factor).
     fn hint_size(&self, h: usize, w: usize) -> (usize, usize) {
         match &self.kind {
-            ControlKind::Net { .. } | ControlKind::Lora { .. } => (8 * h, 8 * w),
+            ControlKind::Net { .. } | ControlKind::Lora { .. } | ControlKind::Flux { .. } => {
+                (8 * h, 8 * w)
+            }
             ControlKind::T2i(t) => {
                 let r = t.unshuffle();
                 ((8 * h).div_ceil(r) * r, (8 * w).div_ceil(r) * r)
@@ -185,6 +192,16 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     }
     let file = Arc::new(file);
     let has = |k: &str| s.contains_key(k);
+    if let Some(kind) = super::flux_control::detect(&path, &s)? {
+        let mut store = WeightStore::new();
+        store.mount(file, "", "");
+        return Ok(ControlNetModel {
+            file: Arc::new(ModelFile::new(name, store)),
+            kind,
+            prefix: String::new(),
+            control_type: Vec::new(),
+        });
+    }
     if has("lora_controlnet") {
         let mut hint_convs = Vec::new();
         for i in (0..32).step_by(2) {
@@ -312,6 +329,7 @@ impl NodeImpl for SetUnionControlNetType {
             ControlKind::Lora { hint_convs } => ControlKind::Lora {
                 hint_convs: hint_convs.clone(),
             },
+            ControlKind::Flux { cfg } => ControlKind::Flux { cfg: cfg.clone() },
         };
         let out = ControlNetModel {
             file: Arc::clone(&n.file),
@@ -475,14 +493,41 @@ pub struct Slots {
     pub middle: bool,
 }
 
-/// One batch's residuals.
+/// One batch's residuals (shared where a net repeats one: a Flux net's
+/// lists cycle through its blocks).
 #[derive(Debug, Default)]
 pub struct Residuals {
-    /// By input block.
-    pub input: BTreeMap<usize, Vec<f32>>,
-    /// One per skip, or none.
-    pub output: Vec<Vec<f32>>,
-    pub middle: Option<Vec<f32>>,
+    /// By input block (a Flux model's double blocks).
+    pub input: BTreeMap<usize, Arc<Vec<f32>>>,
+    /// One per skip (a Flux model's single blocks), or none.
+    pub output: Vec<Arc<Vec<f32>>>,
+    pub middle: Option<Arc<Vec<f32>>>,
+}
+
+/// The shapes of a model's residual inputs: per input slot, per output
+/// slot, and the middle's.
+#[derive(Debug, Clone, Default)]
+pub struct SlotShapes {
+    pub input: Vec<Vec<usize>>,
+    pub output: Vec<Vec<usize>>,
+    pub middle: Vec<usize>,
+}
+
+/// The residual input shapes of `model`'s program for `rows` latents
+/// `h`×`w` (none for models that take no control).
+pub fn slot_shapes(model: &Model, rows: usize, h: usize, w: usize) -> SlotShapes {
+    match &model.net {
+        crate::models::detect::Net::Unet(u) => {
+            let (skips, middle) = skip_shapes(u, rows, h, w);
+            SlotShapes {
+                input: skips.clone(),
+                output: skips,
+                middle,
+            }
+        }
+        crate::models::detect::Net::Flux(f) => super::flux_control::slot_shapes(f, rows, h, w),
+        crate::models::detect::Net::Mmdit(_) => SlotShapes::default(),
+    }
 }
 
 impl Residuals {
@@ -490,27 +535,32 @@ impl Residuals {
     pub fn feed(
         &self,
         slots: &Slots,
-        (skips, mid): &(Vec<Vec<usize>>, Vec<usize>),
+        shapes: &SlotShapes,
         feed: &mut HashMap<String, Arc<Vec<f32>>>,
     ) {
-        let zeros = |s: &[usize]| vec![0f32; s.iter().product()];
+        let zeros = |s: &[usize]| Arc::new(vec![0f32; s.iter().product()]);
         for &k in &slots.input {
-            let v = self
-                .input
-                .get(&k)
-                .cloned()
-                .unwrap_or_else(|| zeros(&skips[k]));
-            feed.insert(format!("ctrl_in.{k}"), Arc::new(v));
+            let v = match self.input.get(&k) {
+                Some(v) => Arc::clone(v),
+                None => zeros(&shapes.input[k]),
+            };
+            feed.insert(format!("ctrl_in.{k}"), v);
         }
         if slots.output {
-            for (i, s) in skips.iter().enumerate() {
-                let v = self.output.get(i).cloned().unwrap_or_else(|| zeros(s));
-                feed.insert(format!("ctrl_out.{i}"), Arc::new(v));
+            for (i, s) in shapes.output.iter().enumerate() {
+                let v = match self.output.get(i) {
+                    Some(v) => Arc::clone(v),
+                    None => zeros(s),
+                };
+                feed.insert(format!("ctrl_out.{i}"), v);
             }
         }
         if slots.middle {
-            let v = self.middle.clone().unwrap_or_else(|| zeros(mid));
-            feed.insert("ctrl_mid".to_string(), Arc::new(v));
+            let v = match &self.middle {
+                Some(v) => Arc::clone(v),
+                None => zeros(&shapes.middle),
+            };
+            feed.insert("ctrl_mid".to_string(), v);
         }
     }
 }
@@ -567,16 +617,40 @@ impl Plans {
         shape: &Shape,
     ) -> Result<Slots, NodeError> {
         let (h, w) = shape.hw;
-        let (skips, _) = skip_shapes(model.unet("ControlNet")?, shape.rows, h, w);
         let mut slots = Slots::default();
         for c in chain.chain() {
             let (_, hb) = self.hint_for(&c, shape)?;
             let key = key(&c, shape, hb);
+            if let ControlKind::Flux { .. } = &c.net.kind {
+                let (input, output) = super::flux_control::slots(model, &c.net)?;
+                for k in input {
+                    if !slots.input.contains(&k) {
+                        slots.input.push(k);
+                    }
+                }
+                slots.output |= output;
+                if !self.index.contains_key(&key) {
+                    let prog = super::flux_control::program(
+                        model,
+                        &c.net,
+                        shape.rows,
+                        (h, w),
+                        (shape.tokens, shape.dim),
+                        hb,
+                    )?;
+                    let bind = c.net.file.bindings(&prog, None, None)?;
+                    self.index.insert(key, self.progs.len());
+                    self.progs.push((prog, bind));
+                }
+                continue;
+            }
+            let (skips, _) = skip_shapes(model.unet("ControlNet")?, shape.rows, h, w);
             match &c.net.kind {
                 ControlKind::Net { .. } | ControlKind::Lora { .. } => {
                     slots.output = true;
                     slots.middle = true;
                 }
+                ControlKind::Flux { .. } => {}
                 ControlKind::T2i(t) => {
                     let (blocks, mid) = t.placement();
                     for (_, k) in blocks {
@@ -589,6 +663,14 @@ impl Plans {
             }
             if !self.index.contains_key(&key) {
                 let prog = match &c.net.kind {
+                    ControlKind::Flux { .. } => super::flux_control::program(
+                        model,
+                        &c.net,
+                        shape.rows,
+                        (h, w),
+                        (shape.tokens, shape.dim),
+                        hb,
+                    )?,
                     ControlKind::Net { .. } | ControlKind::Lora { .. } => model.control_program(
                         &c.net,
                         shape.rows,
@@ -814,7 +896,9 @@ fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
     let (rows, tokens) = match c.net.kind {
         // An adapter depends on its hint alone.
         ControlKind::T2i(_) => (0, 0),
-        ControlKind::Net { .. } | ControlKind::Lora { .. } => (shape.rows, shape.tokens),
+        ControlKind::Net { .. } | ControlKind::Lora { .. } | ControlKind::Flux { .. } => {
+            (shape.rows, shape.tokens)
+        }
     };
     (Arc::as_ptr(&c.net) as usize, rows, h, w, tokens, hb)
 }
@@ -876,7 +960,24 @@ impl<'p> Runner<'p> {
             let Some(&i) = self.plans.index.get(&key) else {
                 return Err(NodeError::invalid("a control program was not planned"));
             };
-            let mut own = match &c.net.kind {
+            // x *= strength, in f32, as ComfyUI scales in place.
+            let scale = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x *= c.strength);
+            let own = match &c.net.kind {
+                ControlKind::Flux { .. } => {
+                    let mut feed = b.fixed.clone();
+                    feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
+                    feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
+                    feed.insert("hint".to_string(), hint);
+                    let mut outs: Vec<Vec<f32>> = self.sessions[i]
+                        .run(feed)
+                        .map_err(|e| run_error("ControlNet", e))?
+                        .into_iter()
+                        .map(|o| o.data)
+                        .collect();
+                    // Each block's residual once, before the lists repeat it.
+                    outs.iter_mut().for_each(scale);
+                    super::flux_control::residuals(&c.net, outs)
+                }
                 ControlKind::Net { .. } | ControlKind::Lora { .. } => {
                     let mut feed = b.fixed.clone();
                     feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
@@ -904,11 +1005,14 @@ impl<'p> Runner<'p> {
                     let mut outs = self.sessions[i]
                         .run(feed)
                         .map_err(|e| run_error("ControlNet", e))?;
-                    let middle = outs.pop().map(|o| o.data);
+                    let mut middle = outs.pop().map(|o| o.data);
+                    let mut output: Vec<Vec<f32>> = outs.into_iter().map(|o| o.data).collect();
+                    output.iter_mut().for_each(scale);
+                    middle.iter_mut().for_each(scale);
                     Residuals {
                         input: BTreeMap::new(),
-                        output: outs.into_iter().map(|o| o.data).collect(),
-                        middle,
+                        output: output.into_iter().map(Arc::new).collect(),
+                        middle: middle.map(Arc::new),
                     }
                 }
                 ControlKind::T2i(t) => {
@@ -935,21 +1039,21 @@ impl<'p> Runner<'p> {
                         }
                     };
                     let (blocks, mid) = t.placement();
+                    let scaled = |v: &Vec<f32>| {
+                        let mut v = rows(v);
+                        scale(&mut v);
+                        Arc::new(v)
+                    };
                     Residuals {
                         input: blocks
                             .into_iter()
-                            .filter_map(|(f, k)| feats.get(f).map(|v| (k, rows(v))))
+                            .filter_map(|(f, k)| feats.get(f).map(|v| (k, scaled(v))))
                             .collect(),
                         output: Vec::new(),
-                        middle: mid.and_then(|f| feats.get(f)).map(rows),
+                        middle: mid.and_then(|f| feats.get(f)).map(scaled),
                     }
                 }
             };
-            // x *= strength, in f32, as ComfyUI scales in place.
-            let scale = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x *= c.strength);
-            own.input.values_mut().for_each(scale);
-            own.output.iter_mut().for_each(scale);
-            own.middle.iter_mut().for_each(scale);
             acc = Some(match acc {
                 None => own,
                 Some(prev) => merge(prev, own),
@@ -980,13 +1084,22 @@ fn broadcast(hint: &[f32], n: usize, rows: usize, entries: usize) -> Vec<f32> {
     one.repeat(entries)
 }
 
-/// `control_merge` with a previous result: `prev + own` where both exist.
+/// `control_merge` with a previous result: `prev + own` where both exist
+/// (each pair of shared residuals summed once).
 fn merge(prev: Residuals, own: Residuals) -> Residuals {
-    let add = |p: Vec<f32>, o: Vec<f32>| -> Vec<f32> {
+    // By the (prev, own) pair of shared residuals summed.
+    type Sums = HashMap<(usize, usize), Arc<Vec<f32>>>;
+    let sums: std::cell::RefCell<Sums> = Default::default();
+    let add = |p: Arc<Vec<f32>>, o: Arc<Vec<f32>>| -> Arc<Vec<f32>> {
         if p.len() != o.len() {
             return o;
         }
-        p.iter().zip(&o).map(|(a, b)| a + b).collect()
+        let key = (Arc::as_ptr(&p) as usize, Arc::as_ptr(&o) as usize);
+        let mut sums = sums.borrow_mut();
+        Arc::clone(
+            sums.entry(key)
+                .or_insert_with(|| Arc::new(p.iter().zip(o.iter()).map(|(a, b)| a + b).collect())),
+        )
     };
     let mut input = prev.input;
     for (k, o) in own.input {

@@ -8,12 +8,13 @@
 //! guidance join here as further inputs of the same program.
 
 use super::control::{ControlNetModel, Slots};
+use super::flux_control;
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
 use crate::models::flux::{
-    chroma_index_table, flux, grid, ref_placements, rope_table_with, FluxConfig, FluxInputs,
-    CHROMA_MODULATIONS,
+    chroma_index_table, flux, grid, ref_placements, rope_table_with, FluxConfig, FluxControl,
+    FluxInputs, CHROMA_MODULATIONS,
 };
 use crate::models::mmdit::{mmdit, MmditInputs};
 use crate::models::unet::{skip_shapes, timestep_embedding, ControlResiduals};
@@ -93,12 +94,7 @@ impl Model {
         let unet = match &self.net {
             Net::Unet(u) => u,
             Net::Flux(f) => {
-                if control.is_some() {
-                    return Err(NodeError::invalid(
-                        "ControlNet with a Flux model is not supported yet",
-                    ));
-                }
-                return self.flux_program(f, batch, (h, w), (tokens, dim), refs);
+                return self.flux_program(f, batch, (h, w), (tokens, dim), refs, control);
             }
             Net::Mmdit(m) => {
                 if control.is_some() {
@@ -167,9 +163,11 @@ impl Model {
         (h, w): (usize, usize),
         (tokens, dim): (usize, usize),
         refs: &[(usize, usize)],
+        control: Option<&Slots>,
     ) -> Result<Program, NodeError> {
         let g = GraphBuilder::new();
         let (gh, gw) = grid(h, w);
+        let residual = |name: String| g.input(&name, &[batch, gh * gw, cfg.hidden]);
         let ref_patches: usize = refs
             .iter()
             .map(|&(rh, rw)| {
@@ -213,6 +211,27 @@ impl Model {
                         g.input(&format!("ref.{i}"), &[batch, cfg.out_channels, rh, rw])
                     })
                     .collect::<Result<_, _>>()?,
+                control: match control {
+                    Some(slots) => FluxControl {
+                        double: (0..cfg.depth)
+                            .map(|i| {
+                                slots
+                                    .input
+                                    .contains(&i)
+                                    .then(|| residual(format!("ctrl_in.{i}")))
+                                    .transpose()
+                            })
+                            .collect::<Result<_, _>>()?,
+                        single: if slots.output {
+                            (0..cfg.depth_single.min(flux_control::MAIN_SINGLE))
+                                .map(|i| residual(format!("ctrl_out.{i}")).map(Some))
+                                .collect::<Result<_, _>>()?
+                        } else {
+                            Vec::new()
+                        },
+                    },
+                    None => FluxControl::default(),
+                },
             };
             flux(&g, cfg, &self.prefix, x, inputs, &self.skip_layers)
         })()

@@ -25,7 +25,6 @@ use super::slg::{SkipLayerGuidance, SlgMode};
 use super::{control, inpaint};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
 use crate::models::detect::Net;
-use crate::models::unet::skip_shapes;
 use crate::noise::{prepare_noise, prepare_noise_indexed, Mt19937};
 use crate::sampling::discrete::{DiscreteSchedule, BUILT_SCHEDULERS};
 use crate::sampling::samplers::{Sampler, Space};
@@ -389,12 +388,7 @@ pub fn sample(
         .iter()
         .map(|g| {
             let [ah, aw, ..] = items[g.items[0]].area;
-            // Control residual shapes: only UNets take them (Plans::add
-            // refuses a ControlNet on anything else).
-            match &model.net {
-                Net::Unet(u) => skip_shapes(u, g.items.len() * b, ah, aw),
-                _ => Default::default(),
-            }
+            control::slot_shapes(model, g.items.len() * b, ah, aw)
         })
         .collect();
     let progs = group_programs(model, &items, &groups, b, dim, &control_slots)?;

@@ -14,6 +14,7 @@ pub mod control;
 pub mod custom;
 pub mod denoiser;
 pub mod embeddings;
+pub mod flux_control;
 pub mod inpaint;
 pub mod ksampler;
 pub mod loaders;

@@ -19,7 +19,7 @@
 
 use super::detect::{shape_of as shape, DetectError, Shapes};
 use super::unet::timestep_embedding;
-use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError, T};
+use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, Scope, ShapeError, T};
 
 /// A Flux model's sizes, all from shapes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,12 +100,17 @@ pub fn flux_config(s: &Shapes, prefix: &str) -> Result<FluxConfig, DetectError> 
             "a head width dividing the hidden width, a multiple of 16 (RoPE axes 16:56:56)",
         ));
     }
-    let out = shape(
-        s,
-        k("final_layer.linear.weight"),
-        2,
-        "[channels × 4, hidden]",
-    )?;
+    // A ControlNet has no final layer: it puts out what it takes.
+    let out = if s.contains_key(&k("final_layer.linear.weight")) {
+        shape(
+            s,
+            k("final_layer.linear.weight"),
+            2,
+            "[channels × 4, hidden]",
+        )?
+    } else {
+        img_in.clone()
+    };
     let mlp = shape(s, k("double_blocks.0.img_mlp.0.weight"), 2, "[mlp, hidden]")?[0];
     let approximator = if s.contains_key(&k("distilled_guidance_layer.in_proj.weight")) {
         let inp = shape(
@@ -534,6 +539,71 @@ pub struct FluxInputs<'a> {
     /// patches follow the image's (the `pe` rows after the image's are
     /// theirs), and only the image's come out.
     pub refs: Vec<T<'a>>,
+    /// ControlNet residuals.
+    pub control: FluxControl<'a>,
+}
+
+/// The ControlNet residuals a Flux model adds (ComfyUI's control
+/// "input" and "output" lists), each `[b, image tokens, hidden]`: after
+/// double block `i`, `double[i]` onto the first image tokens; after single
+/// block `i`, `single[i]` onto the image tokens after the text.
+#[derive(Default)]
+pub struct FluxControl<'a> {
+    pub double: Vec<Option<T<'a>>>,
+    pub single: Vec<Option<T<'a>>>,
+}
+
+/// `x[:, at..at + n] += add` along the tokens (`n`: `add`'s tokens).
+fn add_tokens<'a>(
+    g: &'a GraphBuilder,
+    x: T<'a>,
+    at: usize,
+    add: T<'a>,
+) -> Result<T<'a>, ShapeError> {
+    let (len, n) = (x.shape()[1], add.shape()[1]);
+    if at == 0 && n == len {
+        return x.add(add);
+    }
+    let mut parts = Vec::with_capacity(3);
+    if at > 0 {
+        parts.push(x.slice(1, 0, at)?);
+    }
+    parts.push(x.slice(1, at, at + n)?.add(add)?);
+    if at + n < len {
+        parts.push(x.slice(1, at + n, len)?);
+    }
+    g.concat(&parts, 1)
+}
+
+/// Flux's `vec`: the timestep's embedding, the guidance's (dev; rows whose
+/// `guidance_on` is 0 without it), the pooled vector's.
+#[allow(clippy::too_many_arguments)]
+fn flux_vec<'a>(
+    g: &'a GraphBuilder,
+    vb: &Scope<'a>,
+    cfg: &FluxConfig,
+    t: T<'a>,
+    guidance: Option<T<'a>>,
+    guidance_on: Option<T<'a>>,
+    y: Option<T<'a>>,
+) -> Result<T<'a>, ShapeError> {
+    let hd = cfg.hidden;
+    let b = t.shape()[0];
+    let temb = timestep_embedding(g, t.mul_scalar(1000.0), 256)?;
+    let mut vec = mlp_embedder(&vb.pp("time_in"), temb, 256, hd)?;
+    if let (true, Some(gd)) = (cfg.guidance, guidance) {
+        let gemb = timestep_embedding(g, gd.mul_scalar(1000.0), 256)?;
+        let mut emb = mlp_embedder(&vb.pp("guidance_in"), gemb, 256, hd)?;
+        if let Some(on) = guidance_on {
+            // × 1 keeps a row exact, × 0 drops its embedding.
+            emb = emb.mul(on.reshape(&[b, 1])?)?;
+        }
+        vec = vec.add(emb)?;
+    }
+    if let Some(y) = y {
+        vec = vec.add(mlp_embedder(&vb.pp("vector_in"), y, cfg.vec_in, hd)?)?;
+    }
+    Ok(vec)
 }
 
 /// The row-index embeddings of Chroma's approximator input, `[344, 32]`:
@@ -608,32 +678,35 @@ pub fn flux<'a>(
             })?;
             Mods::Table(approximate(g, &vb, a, hd, inp.t, inp.guidance, index)?)
         }
-        None => {
-            let temb = timestep_embedding(g, inp.t.mul_scalar(1000.0), 256)?;
-            let mut vec = mlp_embedder(&vb.pp("time_in"), temb, 256, hd)?;
-            if let (true, Some(gd)) = (cfg.guidance, inp.guidance) {
-                let gemb = timestep_embedding(g, gd.mul_scalar(1000.0), 256)?;
-                let mut emb = mlp_embedder(&vb.pp("guidance_in"), gemb, 256, hd)?;
-                if let Some(on) = inp.guidance_on {
-                    // × 1 keeps a row exact, × 0 drops its embedding.
-                    emb = emb.mul(on.reshape(&[b, 1])?)?;
-                }
-                vec = vec.add(emb)?;
-            }
-            if let Some(y) = inp.y {
-                vec = vec.add(mlp_embedder(&vb.pp("vector_in"), y, cfg.vec_in, hd)?)?;
-            }
-            Mods::Vec(vec)
-        }
+        None => Mods::Vec(flux_vec(
+            g,
+            &vb,
+            cfg,
+            inp.t,
+            inp.guidance,
+            inp.guidance_on,
+            inp.y,
+        )?),
     };
     let mut txt = vb.pp("txt_in").linear(inp.context, cfg.context_in, hd)?;
     let txt_len = txt.shape()[1];
-    for i in (0..cfg.depth).filter(|i| !skip.double.contains(i)) {
-        (img, txt) = double_block(&vb.pp("double_blocks").pp(i), cfg, img, txt, m, i, inp.pe)?;
+    let control = |list: &[Option<T<'a>>], i: usize| list.get(i).copied().flatten();
+    for i in 0..cfg.depth {
+        if !skip.double.contains(&i) {
+            (img, txt) = double_block(&vb.pp("double_blocks").pp(i), cfg, img, txt, m, i, inp.pe)?;
+        }
+        if let Some(add) = control(&inp.control.double, i) {
+            img = add_tokens(g, img, 0, add)?;
+        }
     }
     let mut joint = g.concat(&[txt, img], 1)?;
-    for i in (0..cfg.depth_single).filter(|i| !skip.single.contains(i)) {
-        joint = single_block(&vb.pp("single_blocks").pp(i), cfg, joint, m, i, inp.pe)?;
+    for i in 0..cfg.depth_single {
+        if !skip.single.contains(&i) {
+            joint = single_block(&vb.pp("single_blocks").pp(i), cfg, joint, m, i, inp.pe)?;
+        }
+        if let Some(add) = control(&inp.control.single, i) {
+            joint = add_tokens(g, joint, txt_len, add)?;
+        }
     }
     let img = joint.slice(1, txt_len, txt_len + gh * gw)?;
     // Final layer: (shift, scale) from SiLU(vec) through adaLN, or
@@ -667,4 +740,97 @@ pub fn flux<'a>(
     } else {
         Ok(out)
     }
+}
+
+/// The 16-channel convolutions of an XLabs ControlNet's `input_hint_block`
+/// (ComfyUI's `nn.Sequential` indices, SiLU between): (index, input
+/// channels, stride), 3×3 with padding 1.
+const XLABS_HINT_CONVS: [(usize, usize, usize); 8] = [
+    (0, 3, 1),
+    (2, 16, 1),
+    (4, 16, 2),
+    (6, 16, 1),
+    (8, 16, 2),
+    (10, 16, 1),
+    (12, 16, 2),
+    (14, 16, 1),
+];
+
+/// Channels of an XLabs hint block's output.
+const XLABS_HINT_OUT: usize = 16;
+
+/// A Flux ControlNet in XLabs' layout (ComfyUI's `ControlNetFlux` with an
+/// image hint): `hint` `[1 or b, 3, 8h, 8w]` in 0..1 goes to −1..1
+/// through the hint convolutions to `[·, 16, h, w]`, is patchified and
+/// projected (`pos_embed_input`) onto the image tokens after `img_in`;
+/// the Flux blocks run as the model's (same `pe`: no references), and
+/// each block's image tokens through its `controlnet_blocks` /
+/// `controlnet_single_blocks` Linear are its residuals. Returns (double
+/// block residuals, single block residuals), one per block of the net.
+pub fn flux_controlnet<'a>(
+    g: &'a GraphBuilder,
+    cfg: &FluxConfig,
+    prefix: &str,
+    x: T<'a>,
+    inp: FluxInputs<'a>,
+    hint: T<'a>,
+) -> Result<(Vec<T<'a>>, Vec<T<'a>>), ShapeError> {
+    let (s, hs) = (x.shape(), hint.shape());
+    let (c, h, w) = (s[1], s[2], s[3]);
+    let vb = Scope::new(g, prefix);
+    let hd = cfg.hidden;
+    if hs.len() != 4 || hs[2] != 8 * h || hs[3] != 8 * w || h % PATCH != 0 || w % PATCH != 0 {
+        return Err(ShapeError {
+            op: "flux controlnet",
+            message: format!(
+                "the hint must be [batch, 3, 8·h, 8·w] for a latent of even sides, got {hs:?} for {s:?}"
+            ),
+            shapes: vec![hs, s],
+        });
+    }
+    let mut hint = hint.mul_scalar(2.0).add_scalar(-1.0);
+    for (k, &(at, cin, stride)) in XLABS_HINT_CONVS.iter().enumerate() {
+        if k > 0 {
+            hint = hint.silu();
+        }
+        let conv = vb.pp("input_hint_block").pp(at);
+        hint = hint.conv2d(
+            conv.get("weight", &[XLABS_HINT_OUT, cin, 3, 3])?,
+            Some(conv.get("bias", &[XLABS_HINT_OUT])?),
+            Conv2dParams {
+                stride: [stride, stride],
+                padding: [1, 1],
+                dilation: [1, 1],
+                groups: 1,
+            },
+        )?;
+    }
+    let cond =
+        vb.pp("pos_embed_input")
+            .linear(patchify(g, hint)?, XLABS_HINT_OUT * PATCH * PATCH, hd)?;
+    let img = vb
+        .pp("img_in")
+        .linear(patchify(g, x)?, c * PATCH * PATCH, hd)?;
+    let mut img = img.add(cond)?;
+    let m = Mods::Vec(flux_vec(g, &vb, cfg, inp.t, inp.guidance, None, inp.y)?);
+    let mut txt = vb.pp("txt_in").linear(inp.context, cfg.context_in, hd)?;
+    let txt_len = txt.shape()[1];
+    let mut double = Vec::with_capacity(cfg.depth);
+    for i in 0..cfg.depth {
+        (img, txt) = double_block(&vb.pp("double_blocks").pp(i), cfg, img, txt, m, i, inp.pe)?;
+        double.push(vb.pp("controlnet_blocks").pp(i).linear(img, hd, hd)?);
+    }
+    let mut joint = g.concat(&[txt, img], 1)?;
+    let len = joint.shape()[1];
+    let mut single = Vec::with_capacity(cfg.depth_single);
+    for i in 0..cfg.depth_single {
+        joint = single_block(&vb.pp("single_blocks").pp(i), cfg, joint, m, i, inp.pe)?;
+        let tokens = joint.slice(1, txt_len, len)?;
+        single.push(
+            vb.pp("controlnet_single_blocks")
+                .pp(i)
+                .linear(tokens, hd, hd)?,
+        );
+    }
+    Ok((double, single))
 }
