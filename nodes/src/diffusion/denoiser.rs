@@ -453,11 +453,11 @@ fn flux_inputs(
     if cfg.vec_in > 0 {
         out.insert("pooled".to_string(), Arc::new(pooled));
     }
-    if cfg.guidance {
-        out.insert("guidance".to_string(), Arc::new(guidance));
-        if cfg.approximator.is_none() {
-            out.insert("guidance_on".to_string(), Arc::new(guidance_on));
-        }
+    // Schnell takes no guidance, but ComfyUI's conditioning carries one
+    // all the same, and a ControlNet with a guidance embedding reads it.
+    out.insert("guidance".to_string(), Arc::new(guidance));
+    if cfg.guidance && cfg.approximator.is_none() {
+        out.insert("guidance_on".to_string(), Arc::new(guidance_on));
     }
     if cfg.approximator.is_some() {
         out.insert("chroma_index".to_string(), Arc::new(chroma_index_table()));

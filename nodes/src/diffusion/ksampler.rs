@@ -370,6 +370,11 @@ pub fn sample(
     for g in &groups {
         let first = &items[g.items[0]];
         control_slots.push(match &first.control {
+            Some(_) if !super::denoiser::ref_shapes(first.model).is_empty() => {
+                return Err(NodeError::invalid(
+                    "a ControlNet together with reference latents (ReferenceLatent) is not supported yet",
+                ));
+            }
             Some(chain) => {
                 let [ah, aw, ..] = first.area;
                 let shape = control::Shape {
