@@ -51,6 +51,7 @@ fixtures! {
     flux_lora => "flux_lora/expected.json",
     sd3_lora => "sd3_lora/expected.json",
     dit_guidance => "dit_guidance/expected.json",
+    flux_controlnet => "flux_controlnet/expected.json",
 }
 
 /// A base folder with every tiny model file of `fx` and the input image.
@@ -1094,4 +1095,27 @@ fn flux_disable_guidance_matches_comfyui() {
 #[test]
 fn chroma_simple_skip_layer_guidance_matches_comfyui() {
     guidance_matches("tiny_chroma_slg_simple", "cpu");
+}
+
+/// A Flux ControlNet in XLabs' layout (tools/reference/flux_controlnet.py)
+/// through ControlNetLoader and ControlNetApplyAdvanced, with cfg and a
+/// range that leaves the last step without it: ComfyUI's image.
+#[test]
+fn flux_controlnet_matches_comfyui() {
+    matches_in(flux_controlnet(), "tiny_flux_controlnet", "cpu");
+}
+
+/// Two applications chained (the second on a resized, inverted hint, in a
+/// narrower range): their residual lists summed position by position.
+#[test]
+fn flux_controlnet_chain_matches_comfyui() {
+    matches_in(flux_controlnet(), "tiny_flux_controlnet_chain", "cpu");
+}
+
+#[test]
+fn flux_controlnet_on_wgpu_matches_comfyui() {
+    if !wgpu_here("Flux ControlNet on wgpu") {
+        return;
+    }
+    matches_in(flux_controlnet(), "tiny_flux_controlnet", "wgpu");
 }
