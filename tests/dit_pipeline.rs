@@ -681,6 +681,7 @@ fn mmdit_forward_matches_comfyui() {
                 t,
                 context: c,
                 y: Some(y),
+                control: Vec::new(),
             };
             let out = mmdit(&g, &cfg, PREFIX, x, inputs, &Default::default()).expect("builds");
             assert_eq!(out.shape(), xs);

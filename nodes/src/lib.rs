@@ -176,6 +176,10 @@ pub fn library() -> NodeLibrary {
         diffusion::control::ControlNetApplyAdvanced,
     );
     lib.implement(
+        "ControlNetApplySD3",
+        diffusion::control::ControlNetApplyAdvanced,
+    );
+    lib.implement(
         "VAEEncodeForInpaint",
         diffusion::inpaint::VaeEncodeForInpaint,
     );

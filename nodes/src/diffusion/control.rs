@@ -69,6 +69,13 @@ pub enum ControlKind {
     Flux {
         cfg: crate::models::flux::FluxConfig,
     },
+    /// Stability's SD3.5 ControlNet ([`super::sd3_control`]): its hint
+    /// is a latent the apply node's VAE encodes.
+    Sd35 {
+        cfg: crate::models::mmdit::Sd35ControlConfig,
+        /// The file's `control_type` (0 blur, 1 canny, 2 depth; −1 none).
+        control_type: i64,
+    },
 }
 
 impl ControlNetModel {
@@ -79,6 +86,7 @@ impl ControlNetModel {
             ControlKind::T2i(t) => t.hint_channels(),
             ControlKind::Lora { hint_convs } => hint_convs.first().map_or(3, |c| c.1),
             ControlKind::Flux { .. } => 3,
+            ControlKind::Sd35 { cfg, .. } => cfg.block.in_channels,
         }
     }
 
@@ -95,7 +103,7 @@ impl ControlNetModel {
                 },
                 model.heads,
             )),
-            ControlKind::T2i(_) | ControlKind::Flux { .. } => None,
+            ControlKind::T2i(_) | ControlKind::Flux { .. } | ControlKind::Sd35 { .. } => None,
         }
     }
 
@@ -106,6 +114,8 @@ impl ControlNetModel {
             ControlKind::Net { .. } | ControlKind::Lora { .. } | ControlKind::Flux { .. } => {
                 (8 * h, 8 * w)
             }
+            // The encoded hint: latent-sized.
+            ControlKind::Sd35 { .. } => (h, w),
             ControlKind::T2i(t) => {
                 let r = t.unshuffle();
                 ((8 * h).div_ceil(r) * r, (8 * w).div_ceil(r) * r)
@@ -125,6 +135,8 @@ pub struct Control {
     /// `(start_percent, end_percent)`.
     pub range: (f64, f64),
     pub previous: Option<Arc<Control>>,
+    /// The apply node's VAE: encodes the hint of a latent-space net.
+    pub vae: Option<Arc<super::Vae>>,
 }
 
 impl Control {
@@ -192,7 +204,11 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     }
     let file = Arc::new(file);
     let has = |k: &str| s.contains_key(k);
-    if let Some(kind) = super::flux_control::detect(&path, &s)? {
+    let dit = match super::sd3_control::detect(&path, &file, &s)? {
+        Some(kind) => Some(kind),
+        None => super::flux_control::detect(&path, &s)?,
+    };
+    if let Some(kind) = dit {
         let mut store = WeightStore::new();
         store.mount(file, "", "");
         return Ok(ControlNetModel {
@@ -330,6 +346,10 @@ impl NodeImpl for SetUnionControlNetType {
                 hint_convs: hint_convs.clone(),
             },
             ControlKind::Flux { cfg } => ControlKind::Flux { cfg: cfg.clone() },
+            ControlKind::Sd35 { cfg, control_type } => ControlKind::Sd35 {
+                cfg: cfg.clone(),
+                control_type: *control_type,
+            },
         };
         let out = ControlNetModel {
             file: Arc::clone(&n.file),
@@ -381,6 +401,7 @@ impl NodeImpl for ControlNetApply {
                 strength,
                 range: (0.0, 1.0),
                 previous: e.control.take(),
+                vae: None,
             }));
             e.control_apply_to_uncond = true;
         }
@@ -391,9 +412,10 @@ impl NodeImpl for ControlNetApply {
     }
 }
 
-/// ControlNetApplyAdvanced: one chain object per previous chain, shared by
-/// positive and negative. The VAE input only matters for ControlNets that
-/// work in latent space (none of the kinds sdkit loads).
+/// ControlNetApplyAdvanced (and ControlNetApplySD3, the same with the VAE
+/// required): one chain object per previous chain, shared by positive and
+/// negative. The VAE encodes the hint of a net that works in latent space
+/// (SD3.5's); nets that take images leave it unused.
 pub struct ControlNetApplyAdvanced;
 
 impl NodeImpl for ControlNetApplyAdvanced {
@@ -410,6 +432,10 @@ impl NodeImpl for ControlNetApplyAdvanced {
         let net = net(inputs)?;
         let hint = Arc::clone(inputs.image("image")?);
         let range = (inputs.float("start_percent")?, inputs.float("end_percent")?);
+        let vae: Option<Arc<super::Vae>> = match inputs.get("vae") {
+            Some(_) => Some(input(inputs, "vae", "VAE")?),
+            None => None,
+        };
         // Keyed by the previous chain's identity (None for none).
         let mut made: Vec<(Option<Arc<Control>>, Arc<Control>)> = Vec::new();
         let mut apply = |c: &Conditioning| -> Conditioning {
@@ -427,6 +453,7 @@ impl NodeImpl for ControlNetApplyAdvanced {
                         strength,
                         range,
                         previous: prev.clone(),
+                        vae: vae.clone(),
                     });
                     made.push((prev, Arc::clone(&c)));
                     c
@@ -526,7 +553,7 @@ pub fn slot_shapes(model: &Model, rows: usize, h: usize, w: usize) -> SlotShapes
             }
         }
         crate::models::detect::Net::Flux(f) => super::flux_control::slot_shapes(f, rows, h, w),
-        crate::models::detect::Net::Mmdit(_) => SlotShapes::default(),
+        crate::models::detect::Net::Mmdit(m) => super::sd3_control::slot_shapes(m, rows, h, w),
     }
 }
 
@@ -593,6 +620,8 @@ pub struct Plans {
     index: HashMap<Key, usize>,
     hints: HashMap<(usize, usize, usize), Arc<Vec<f32>>>,
     fed: HashMap<(usize, usize, usize, usize, usize), FedHint>,
+    /// SD3.5 ControlNets' sin-cos position tables by (width, rows, cols).
+    pos: HashMap<(usize, usize, usize), Arc<Vec<f32>>>,
 }
 
 /// A hint as a batch takes it, and its batch size.
@@ -612,6 +641,7 @@ impl Plans {
     /// UNet inputs the chain feeds.
     pub fn add(
         &mut self,
+        ctx: &NodeContext,
         model: &Model,
         chain: &Arc<Control>,
         shape: &Shape,
@@ -619,8 +649,29 @@ impl Plans {
         let (h, w) = shape.hw;
         let mut slots = Slots::default();
         for c in chain.chain() {
-            let (_, hb) = self.hint_for(&c, shape)?;
+            let (_, hb) = self.hint_for(ctx, model, &c, shape)?;
             let key = key(&c, shape, hb);
+            if let ControlKind::Sd35 { cfg, .. } = &c.net.kind {
+                slots.output = true;
+                let p = cfg.block.patch;
+                let (gh, gw) = (h.div_ceil(p), w.div_ceil(p));
+                self.pos
+                    .entry((cfg.block.hidden, gh, gw))
+                    .or_insert_with(|| {
+                        Arc::new(crate::models::mmdit::sincos_pos_embed(
+                            cfg.block.hidden,
+                            gw,
+                            gh,
+                        ))
+                    });
+                if !self.index.contains_key(&key) {
+                    let prog = super::sd3_control::program(model, &c.net, shape.rows, (h, w), hb)?;
+                    let bind = super::sd3_control::bindings(&prog, &c.net, model)?;
+                    self.index.insert(key, self.progs.len());
+                    self.progs.push((prog, bind));
+                }
+                continue;
+            }
             if let ControlKind::Flux { .. } = &c.net.kind {
                 let (input, output) = super::flux_control::slots(model, &c.net)?;
                 for k in input {
@@ -650,7 +701,7 @@ impl Plans {
                     slots.output = true;
                     slots.middle = true;
                 }
-                ControlKind::Flux { .. } => {}
+                ControlKind::Flux { .. } | ControlKind::Sd35 { .. } => {}
                 ControlKind::T2i(t) => {
                     let (blocks, mid) = t.placement();
                     for (_, k) in blocks {
@@ -663,6 +714,9 @@ impl Plans {
             }
             if !self.index.contains_key(&key) {
                 let prog = match &c.net.kind {
+                    ControlKind::Sd35 { .. } => {
+                        super::sd3_control::program(model, &c.net, shape.rows, (h, w), hb)?
+                    }
                     ControlKind::Flux { .. } => super::flux_control::program(
                         model,
                         &c.net,
@@ -698,6 +752,8 @@ impl Plans {
     /// The control's hint for batches of `shape`, broadcast, and its batch.
     fn hint_for(
         &mut self,
+        ctx: &NodeContext,
+        model: &Model,
         c: &Arc<Control>,
         shape: &Shape,
     ) -> Result<(Arc<Vec<f32>>, usize), NodeError> {
@@ -706,7 +762,7 @@ impl Plans {
         if let Some((v, hb)) = self.fed.get(&key) {
             return Ok((Arc::clone(v), *hb));
         }
-        let hint = self.hint(c, h, w)?;
+        let hint = self.hint(ctx, model, c, h, w)?;
         let (ph, pw) = c.net.hint_size(h, w);
         let per = c.net.hint_channels() * ph * pw;
         let n = hint.len() / per.max(1);
@@ -737,10 +793,22 @@ impl Plans {
     /// The control's hint for a latent of `h`×`w`, NCHW: resized with the
     /// centre crop (nearest-exact), an adapter's grey hint the channels'
     /// mean.
-    fn hint(&mut self, c: &Arc<Control>, h: usize, w: usize) -> Result<Arc<Vec<f32>>, NodeError> {
+    fn hint(
+        &mut self,
+        ctx: &NodeContext,
+        model: &Model,
+        c: &Arc<Control>,
+        h: usize,
+        w: usize,
+    ) -> Result<Arc<Vec<f32>>, NodeError> {
         let key = (Arc::as_ptr(c) as usize, h, w);
         if let Some(v) = self.hints.get(&key) {
             return Ok(Arc::clone(v));
+        }
+        if let ControlKind::Sd35 { control_type, .. } = &c.net.kind {
+            let v = Arc::new(encoded_hint(ctx, model, c, *control_type, h, w)?);
+            self.hints.insert(key, Arc::clone(&v));
+            return Ok(v);
         }
         let img = &c.hint;
         let [n, ih, iw, ic] = img.shape[..] else {
@@ -896,9 +964,10 @@ fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
     let (rows, tokens) = match c.net.kind {
         // An adapter depends on its hint alone.
         ControlKind::T2i(_) => (0, 0),
-        ControlKind::Net { .. } | ControlKind::Lora { .. } | ControlKind::Flux { .. } => {
-            (shape.rows, shape.tokens)
-        }
+        ControlKind::Net { .. }
+        | ControlKind::Lora { .. }
+        | ControlKind::Flux { .. }
+        | ControlKind::Sd35 { .. } => (shape.rows, shape.tokens),
     };
     (Arc::as_ptr(&c.net) as usize, rows, h, w, tokens, hb)
 }
@@ -963,6 +1032,30 @@ impl<'p> Runner<'p> {
             // x *= strength, in f32, as ComfyUI scales in place.
             let scale = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x *= c.strength);
             let own = match &c.net.kind {
+                ControlKind::Sd35 { cfg, .. } => {
+                    let mut feed = HashMap::new();
+                    for k in ["pooled"] {
+                        if let Some(v) = b.fixed.get(k) {
+                            feed.insert(k.to_string(), Arc::clone(v));
+                        }
+                    }
+                    feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
+                    feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
+                    feed.insert("hint".to_string(), hint);
+                    let p = cfg.block.patch;
+                    let pos_key = (cfg.block.hidden, b.hw.0.div_ceil(p), b.hw.1.div_ceil(p));
+                    if let Some(pos) = self.plans.pos.get(&pos_key) {
+                        feed.insert("pos".to_string(), Arc::clone(pos));
+                    }
+                    let mut outs: Vec<Vec<f32>> = self.sessions[i]
+                        .run(feed)
+                        .map_err(|e| run_error("ControlNet", e))?
+                        .into_iter()
+                        .map(|o| o.data)
+                        .collect();
+                    outs.iter_mut().for_each(scale);
+                    super::sd3_control::residuals(&c.net, outs)
+                }
                 ControlKind::Flux { .. } => {
                     let mut feed = b.fixed.clone();
                     feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
@@ -1127,4 +1220,51 @@ fn merge(prev: Residuals, own: Residuals) -> Residuals {
         output,
         middle,
     }
+}
+
+/// An SD3.5 ControlNet's hint as its program takes it: the image resized
+/// to the latent × 8 (nearest-exact, centre crop), preprocessed by the
+/// net's `control_type`, encoded by the apply node's VAE and put in the
+/// model's latent space (`process_in`): `[n, 16, h, w]`.
+fn encoded_hint(
+    ctx: &NodeContext,
+    model: &Model,
+    c: &Arc<Control>,
+    control_type: i64,
+    h: usize,
+    w: usize,
+) -> Result<Vec<f32>, NodeError> {
+    let vae = c.vae.as_ref().ok_or_else(|| {
+        NodeError::invalid(format!(
+            "ControlNet {} needs a VAE but none was provided: connect one to the apply node's vae input (ControlNetApplySD3 or ControlNetApplyAdvanced)",
+            c.net.file.name
+        ))
+    })?;
+    let img = &c.hint;
+    let [n, ih, iw, ic] = img.shape[..] else {
+        return Err(NodeError::invalid(format!(
+            "the control image has shape {:?}; expected [batch, height, width, channels]",
+            img.shape
+        )));
+    };
+    let t = Tensor4 {
+        b: n,
+        h: ih,
+        w: iw,
+        c: ic,
+        data: img.data.clone(),
+    };
+    let (oh, ow) = (8 * h, 8 * w);
+    let mut r = upscale(&t, ow, oh, UpscaleMethod::NearestExact, Crop::Center)
+        .map_err(|e| NodeError::invalid(format!("resizing the control image: {e}")))?;
+    r.data
+        .iter_mut()
+        .for_each(|v| *v = super::sd3_control::preprocess(control_type, *v));
+    let pixels = Tensor::new(vec![n, oh, ow, ic], r.data).map_err(NodeError::invalid)?;
+    let latent = vae.encode(ctx, &pixels)?;
+    Ok(latent
+        .data
+        .iter()
+        .map(|&v| model.latent.process_in(v))
+        .collect())
 }

@@ -97,11 +97,6 @@ impl Model {
                 return self.flux_program(f, batch, (h, w), (tokens, dim), refs, control);
             }
             Net::Mmdit(m) => {
-                if control.is_some() {
-                    return Err(NodeError::invalid(
-                        "ControlNet with an SD3 model is not supported yet",
-                    ));
-                }
                 let g = GraphBuilder::new();
                 let out = (|| {
                     let x = g.input("x", &[batch, m.in_channels, h, w])?;
@@ -111,7 +106,22 @@ impl Model {
                         Some(a) => Some(g.input("pooled", &[batch, a])?),
                         None => None,
                     };
-                    let inputs = MmditInputs { t, context: c, y };
+                    let (gh, gw) = (h.div_ceil(m.patch), w.div_ceil(m.patch));
+                    let control = match control.filter(|s| s.output) {
+                        Some(_) => (0..m.blocks)
+                            .map(|i| {
+                                g.input(&format!("ctrl_out.{i}"), &[batch, gh * gw, m.hidden])
+                                    .map(Some)
+                            })
+                            .collect::<Result<_, _>>()?,
+                        None => Vec::new(),
+                    };
+                    let inputs = MmditInputs {
+                        t,
+                        context: c,
+                        y,
+                        control,
+                    };
                     mmdit(&g, m, &self.prefix, x, inputs, &self.skip_layers)
                 })()
                 .map_err(|e| graph_error("MMDiT", e))?;

@@ -43,7 +43,7 @@ pub fn detect(path: &Path, s: &Shapes) -> Result<Option<ControlKind>, NodeError>
         return Ok(None);
     }
     if has("pos_embed_input.proj.weight") {
-        return refuse("SD3 ControlNets");
+        return refuse("SD3 ControlNets in the diffusers layout");
     }
     if !has("double_blocks.0.img_attn.norm.key_norm.scale") {
         return Ok(None);

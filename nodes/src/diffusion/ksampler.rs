@@ -384,7 +384,7 @@ pub fn sample(
                     tokens: g.tokens,
                     dim,
                 };
-                Some(plans.add(model, chain, &shape)?)
+                Some(plans.add(ctx, model, chain, &shape)?)
             }
             None => None,
         });

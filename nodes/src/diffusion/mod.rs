@@ -19,6 +19,7 @@ pub mod inpaint;
 pub mod ksampler;
 pub mod loaders;
 pub mod preview;
+pub mod sd3_control;
 pub mod slg;
 pub mod tiling;
 pub mod vae;

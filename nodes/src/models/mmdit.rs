@@ -221,6 +221,9 @@ pub struct MmditInputs<'a> {
     pub context: T<'a>,
     /// The pooled vector `[b, adm_in]`.
     pub y: Option<T<'a>>,
+    /// ControlNet residuals `[b, patches, hidden]` added to the image
+    /// stream after joint block `i` (ComfyUI's control "output" list).
+    pub control: Vec<Option<T<'a>>>,
 }
 
 /// The model: `x` `[b, in_channels, h, w]`, `t` `[b]` (ComfyUI's timestep,
@@ -233,7 +236,12 @@ pub fn mmdit<'a>(
     cfg: &MmditConfig,
     prefix: &str,
     x: T<'a>,
-    MmditInputs { t, context, y }: MmditInputs<'a>,
+    MmditInputs {
+        t,
+        context,
+        y,
+        control,
+    }: MmditInputs<'a>,
     skip: &super::SkipLayers,
 ) -> Result<T<'a>, ShapeError> {
     let s = x.shape();
@@ -290,17 +298,19 @@ pub fn mmdit<'a>(
             .linear(context, cfg.context_in, hd)?,
     );
     for i in 0..cfg.blocks {
-        if skip.double.contains(&i) {
-            // Both streams pass through (the last block's context is
-            // not read after it).
-            continue;
+        // A skipped block passes both streams through (the last block's
+        // context is not read after it).
+        if !skip.double.contains(&i) {
+            let cur = ctx.ok_or_else(|| ShapeError {
+                op: "mmdit",
+                message: "a pre-only context block before the last".into(),
+                shapes: Vec::new(),
+            })?;
+            (ctx, x) = joint_block(&vb.pp("joint_blocks").pp(i), cfg, i, cur, x, c)?;
         }
-        let cur = ctx.ok_or_else(|| ShapeError {
-            op: "mmdit",
-            message: "a pre-only context block before the last".into(),
-            shapes: Vec::new(),
-        })?;
-        (ctx, x) = joint_block(&vb.pp("joint_blocks").pp(i), cfg, i, cur, x, c)?;
+        if let Some(add) = control.get(i).copied().flatten() {
+            x = x.add(add)?;
+        }
     }
     let fl = vb.pp("final_layer");
     let m = ada(&fl, c, 2, hd)?;
@@ -318,4 +328,196 @@ pub fn mmdit<'a>(
     } else {
         Ok(out)
     }
+}
+
+/// A Stability SD3.5 ControlNet's sizes, as ComfyUI's
+/// `load_controlnet_sd35` reads them: the width is 64 × `y_embedder`'s
+/// output rows / 64 (its `depth`), one 64-wide head per 64, blocks counted
+/// from `transformer_blocks.N`; `double_y_emb` when `y_embedder` maps the
+/// width to itself (the pooled vector then goes through the main model's
+/// `y_embedder` first).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sd35ControlConfig {
+    /// The blocks' sizes (MMDiT blocks with biased qkv, no QK norm).
+    pub block: MmditConfig,
+    pub blocks: usize,
+    pub double_y_emb: bool,
+    /// The residual list's length before ComfyUI repeats each block's
+    /// (`main_model_double`: the depth above).
+    pub main_double: usize,
+}
+
+/// Infers an SD3.5 ControlNet's config from its file's shapes.
+pub fn sd35_control_config(s: &Shapes) -> Result<Sd35ControlConfig, DetectError> {
+    let y = shape(s, "y_embedder.mlp.0.weight".into(), 2, "[hidden, adm]")?;
+    let depth = y[0] / HEAD;
+    if depth == 0 {
+        return Err(DetectError::BadShape {
+            name: "y_embedder.mlp.0.weight".into(),
+            shape: y,
+            expected: "at least 64 rows",
+        });
+    }
+    let hidden = HEAD * depth;
+    let hint = shape(
+        s,
+        "pos_embed_input.proj.weight".into(),
+        4,
+        "[hidden, channels, p, p]",
+    )?;
+    let mlp = shape(
+        s,
+        "transformer_blocks.0.mlp.fc1.weight".into(),
+        2,
+        "[mlp, hidden]",
+    )?[0];
+    let blocks = (0..)
+        .take_while(|n| s.contains_key(&format!("transformer_blocks.{n}.attn.qkv.weight")))
+        .count();
+    Ok(Sd35ControlConfig {
+        block: MmditConfig {
+            in_channels: hint[1],
+            out_channels: hint[1],
+            patch: hint[2],
+            hidden,
+            heads: depth,
+            blocks,
+            mlp,
+            adm_in: Some(y[1]),
+            context_in: 0,
+            pos_embed_max: 0,
+            qk_norm: false,
+            qkv_bias: true,
+            dual_attention: Vec::new(),
+        },
+        blocks,
+        double_y_emb: y[0] == y[1],
+        main_double: depth,
+    })
+}
+
+/// `x` `[b, c, h, w]` padded circularly to whole `p`×`p` patches, through
+/// the strided convolution `proj`: `[b, patches, hidden]`.
+fn patch_embed<'a>(vb: &Scope<'a>, x: T<'a>, p: usize, hidden: usize) -> Result<T<'a>, ShapeError> {
+    let g = vb.graph();
+    let s = x.shape();
+    let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
+    let (gh, gw) = (h.div_ceil(p), w.div_ceil(p));
+    let mut x = x;
+    if gh * p != h {
+        x = g.concat(&[x, x.slice(2, 0, gh * p - h)?], 2)?;
+    }
+    if gw * p != w {
+        x = g.concat(&[x, x.slice(3, 0, gw * p - w)?], 3)?;
+    }
+    let proj = vb.pp("proj");
+    x.conv2d(
+        proj.get("weight", &[hidden, c, p, p])?,
+        Some(proj.get("bias", &[hidden])?),
+        Conv2dParams {
+            stride: [p, p],
+            padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+        },
+    )?
+    .reshape(&[b, hidden, gh * gw])?
+    .permute(&[0, 2, 1])
+}
+
+/// ComfyUI's `get_2d_sincos_pos_embed_torch(width, gw, gh)` as f32
+/// `[gh·gw, width]`: grids over ±7.5·side/min-side around 7.5 (torch's
+/// f32 `linspace`), each token `[sin, cos](w·ω) ‖ [sin, cos](h·ω)`, ω_i =
+/// 1 / 10000^(i / (width/4)) for i < width/4.
+pub fn sincos_pos_embed(width: usize, gw: usize, gh: usize) -> Vec<f32> {
+    let small = gh.min(gw) as f64;
+    let linspace = |half: f64, n: usize| -> Vec<f32> {
+        let (start, end) = ((7.5 - half) as f32, (7.5 + half) as f32);
+        if n == 1 {
+            return vec![start];
+        }
+        let step = (end - start) / (n - 1) as f32;
+        (0..n)
+            .map(|i| {
+                if i < n / 2 {
+                    start + step * i as f32
+                } else {
+                    end - step * (n - 1 - i) as f32
+                }
+            })
+            .collect()
+    };
+    let hs = linspace(gh as f64 / small * 7.5, gh);
+    let ws = linspace(gw as f64 / small * 7.5, gw);
+    let quarter = width / 4;
+    let omega: Vec<f32> = (0..quarter)
+        .map(|i| 1.0 / 10000f32.powf(i as f32 / quarter as f32))
+        .collect();
+    let mut out = Vec::with_capacity(gh * gw * width);
+    for &py in &hs {
+        for &px in &ws {
+            for pos in [px, py] {
+                out.extend(omega.iter().map(|&o| (pos * o).sin()));
+                out.extend(omega.iter().map(|&o| (pos * o).cos()));
+            }
+        }
+    }
+    out
+}
+
+/// An SD3.5 ControlNet (ComfyUI's `ControlNetEmbedder`): the main model's
+/// `x_embedder` on `x` (under `main`) plus, without a double `y`
+/// embedding, the sin-cos position table `pos` `[1, patches, width]`;
+/// `c` the timestep's embedding plus `y`'s (through the main model's
+/// `y_embedder` first when double); `pos_embed_input` on the encoded
+/// `hint` added; then each block on `(x, c)` (x carried on only without
+/// the double embedding) through its `controlnet_blocks` Linear. Returns
+/// one residual per block.
+#[allow(clippy::too_many_arguments)]
+pub fn sd35_controlnet<'a>(
+    g: &'a GraphBuilder,
+    cfg: &Sd35ControlConfig,
+    main: &str,
+    x: T<'a>,
+    t: T<'a>,
+    y: T<'a>,
+    hint: T<'a>,
+    pos: Option<T<'a>>,
+) -> Result<Vec<T<'a>>, ShapeError> {
+    let vb = Scope::new(g, "");
+    let mv = Scope::new(g, main);
+    let (bc, hd, p) = (&cfg.block, cfg.block.hidden, cfg.block.patch);
+    let mut x = patch_embed(&mv.pp("x_embedder"), x, p, hd)?;
+    if let Some(pos) = pos.filter(|_| !cfg.double_y_emb) {
+        x = x.add(pos)?;
+    }
+    let mlp = |vb: &Scope<'a>, v: T<'a>, cin: usize| -> Result<T<'a>, ShapeError> {
+        let h = vb.pp("mlp.0").linear(v, cin, hd)?.silu();
+        vb.pp("mlp.2").linear(h, hd, hd)
+    };
+    let te = timestep_embedding(g, t, 256)?;
+    let mut c = mlp(&vb.pp("t_embedder"), te, 256)?;
+    let adm = bc.adm_in.unwrap_or(hd);
+    let y = if cfg.double_y_emb {
+        let main_adm = y.shape()[1];
+        let y = mlp(&mv.pp("y_embedder"), y, main_adm)?;
+        mlp(&vb.pp("y_embedder"), y, hd)?
+    } else {
+        mlp(&vb.pp("y_embedder"), y, adm)?
+    };
+    c = c.add(y)?;
+    let x0 = x.add(patch_embed(&vb.pp("pos_embed_input"), hint, p, hd)?)?;
+    let mut x = x0;
+    let mut outs = Vec::with_capacity(cfg.blocks);
+    for i in 0..cfg.blocks {
+        let blk = vb.pp("transformer_blocks").pp(i);
+        let m = ada(&blk, c, 6, hd)?;
+        let [q, k, v] = qkv(&blk.pp("attn"), bc, modulate(x, m[0], m[1])?)?;
+        let out = post(&blk, bc, x, attend(q, k, v)?, &m, None)?;
+        outs.push(vb.pp("controlnet_blocks").pp(i).linear(out, hd, hd)?);
+        if !cfg.double_y_emb {
+            x = out;
+        }
+    }
+    Ok(outs)
 }

@@ -241,6 +241,23 @@ pub(super) fn conditioning(v: &mut Vec<NodeSpec>) {
             .output("negative", T::Conditioning)
             .build(),
     );
+    // comfy_extras/nodes_sd3.py
+    v.push(
+        node("ControlNetApplySD3", "conditioning/controlnet")
+            .display("Apply Controlnet with VAE")
+            .deprecated()
+            .socket("positive", T::Conditioning)
+            .socket("negative", T::Conditioning)
+            .socket("control_net", T::ControlNet)
+            .socket("vae", T::Vae)
+            .socket("image", T::Image)
+            .float("strength", 1.0, 0.0, 10.0, 0.01)
+            .float("start_percent", 0.0, 0.0, 1.0, 0.001)
+            .float("end_percent", 1.0, 0.0, 1.0, 0.001)
+            .output("positive", T::Conditioning)
+            .output("negative", T::Conditioning)
+            .build(),
+    );
     v.push(
         node("CLIPVisionEncode", "conditioning")
             .display("CLIP Vision Encode")
