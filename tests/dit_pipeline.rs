@@ -52,6 +52,7 @@ fixtures! {
     sd3_lora => "sd3_lora/expected.json",
     dit_guidance => "dit_guidance/expected.json",
     flux_controlnet => "flux_controlnet/expected.json",
+    sd3_controlnet => "sd3_controlnet/expected.json",
 }
 
 /// A base folder with every tiny model file of `fx` and the input image.
@@ -1119,4 +1120,28 @@ fn flux_controlnet_on_wgpu_matches_comfyui() {
         return;
     }
     matches_in(flux_controlnet(), "tiny_flux_controlnet", "wgpu");
+}
+
+/// Stability's SD3.5 ControlNet layout (tools/reference/sd3_controlnet.py)
+/// through ControlNetApplySD3: the canny preprocessing, the hint encoded
+/// by the VAE, the model's `x_embedder` borrowed, the sin-cos positions.
+#[test]
+fn sd35_canny_controlnet_matches_comfyui() {
+    matches_in(sd3_controlnet(), "tiny_sd35_controlnet_canny", "cpu");
+}
+
+/// The double-`y`-embedding form (the model's `y_embedder` borrowed, no
+/// positions) through ControlNetApplyAdvanced with its VAE, on a resized
+/// hint, the first step outside its range.
+#[test]
+fn sd35_blur_controlnet_matches_comfyui() {
+    matches_in(sd3_controlnet(), "tiny_sd35_controlnet_blur", "cpu");
+}
+
+#[test]
+fn sd35_controlnet_on_wgpu_matches_comfyui() {
+    if !wgpu_here("SD3.5 ControlNet on wgpu") {
+        return;
+    }
+    matches_in(sd3_controlnet(), "tiny_sd35_controlnet_canny", "wgpu");
 }

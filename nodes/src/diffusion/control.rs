@@ -202,6 +202,9 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
         }
         s = shapes(&file);
     }
+    if super::sd3_control::rename_embedders(&mut file) {
+        s = shapes(&file);
+    }
     let file = Arc::new(file);
     let has = |k: &str| s.contains_key(k);
     let dit = match super::sd3_control::detect(&path, &file, &s)? {

@@ -49,6 +49,54 @@ pub fn detect(
     Ok(Some(ControlKind::Sd35 { cfg, control_type }))
 }
 
+/// ComfyUI's names for the embedders of an SD3.5 ControlNet file, where it
+/// uses diffusers' (`MMDIT_MAP_BASIC`: `time_text_embed.*`, `pos_embed.proj`).
+const EMBEDDER_NAMES: [(&str, &str); 6] = [
+    (
+        "time_text_embed.timestep_embedder.linear_1",
+        "t_embedder.mlp.0",
+    ),
+    (
+        "time_text_embed.timestep_embedder.linear_2",
+        "t_embedder.mlp.2",
+    ),
+    ("time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0"),
+    ("time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2"),
+    ("pos_embed.proj", "x_embedder.proj"),
+    ("context_embedder", "context_embedder"),
+];
+
+/// Gives an SD3.5 ControlNet file's diffusers-named embedders ComfyUI's
+/// names (the rest keep theirs); true when the file is one.
+pub fn rename_embedders(file: &mut SafeTensors) -> bool {
+    let is = ["controlnet_blocks.0.weight", "pos_embed_input.proj.weight"]
+        .iter()
+        .all(|k| file.get(k).is_some())
+        && file
+            .get("transformer_blocks.0.adaLN_modulation.1.bias")
+            .is_some();
+    if !is {
+        return false;
+    }
+    let map: std::collections::HashMap<String, String> = file
+        .tensors()
+        .map(|t| {
+            let new = EMBEDDER_NAMES
+                .iter()
+                .find_map(|(from, to)| {
+                    t.name
+                        .strip_prefix(from)
+                        .filter(|rest| rest.starts_with('.'))
+                        .map(|rest| format!("{to}{rest}"))
+                })
+                .unwrap_or_else(|| t.name.clone());
+            (t.name.clone(), new)
+        })
+        .collect();
+    file.rename(&map);
+    true
+}
+
 /// The hint preprocessing of `control_type`, on 0..1 pixels.
 pub fn preprocess(control_type: i64, v: f32) -> f32 {
     match control_type {

@@ -466,8 +466,9 @@ pub fn sincos_pos_embed(width: usize, gw: usize, gh: usize) -> Vec<f32> {
 }
 
 /// An SD3.5 ControlNet (ComfyUI's `ControlNetEmbedder`): the main model's
-/// `x_embedder` on `x` (under `main`) plus, without a double `y`
-/// embedding, the sin-cos position table `pos` `[1, patches, width]`;
+/// `x_embedder` (under `main`) on `x` plus the sin-cos position table
+/// `pos` `[1, patches, width]`, or with a double `y` embedding its own
+/// `x_embedder` alone;
 /// `c` the timestep's embedding plus `y`'s (through the main model's
 /// `y_embedder` first when double); `pos_embed_input` on the encoded
 /// `hint` added; then each block on `(x, c)` (x carried on only without
@@ -487,7 +488,10 @@ pub fn sd35_controlnet<'a>(
     let vb = Scope::new(g, "");
     let mv = Scope::new(g, main);
     let (bc, hd, p) = (&cfg.block, cfg.block.hidden, cfg.block.patch);
-    let mut x = patch_embed(&mv.pp("x_embedder"), x, p, hd)?;
+    // ComfyUI's pre_run copies the model's `x_embedder` into a net without
+    // the double embedding; one with it keeps its own.
+    let xe = if cfg.double_y_emb { &vb } else { &mv };
+    let mut x = patch_embed(&xe.pp("x_embedder"), x, p, hd)?;
     if let Some(pos) = pos.filter(|_| !cfg.double_y_emb) {
         x = x.add(pos)?;
     }
