@@ -115,6 +115,13 @@ pub fn library() -> NodeLibrary {
     );
     lib.implement("ModelSamplingFlux", diffusion::ksampler::ModelSamplingFlux);
     {
+        use diffusion::vision::*;
+        lib.implement("CLIPVisionLoader", ClipVisionLoader);
+        lib.implement("CLIPVisionEncode", ClipVisionEncode);
+        lib.implement("StyleModelLoader", StyleModelLoader);
+        lib.implement("StyleModelApply", StyleModelApply);
+    }
+    {
         use diffusion::slg::*;
         lib.implement("SkipLayerGuidanceDiT", SkipLayerGuidanceDit);
         lib.implement("SkipLayerGuidanceDiTSimple", SkipLayerGuidanceDitSimple);

@@ -23,6 +23,7 @@ pub mod sd3_control;
 pub mod slg;
 pub mod tiling;
 pub mod vae;
+pub mod vision;
 
 use crate::clip_tokenizer::ClipTokenizer;
 use crate::models::detect::{EncoderArch, Family, Heads, Net, UnetConfig, VaeConfig};

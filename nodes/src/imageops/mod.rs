@@ -21,6 +21,7 @@ use sdkit_engine::memory::{try_filled, try_with_capacity};
 use std::fmt;
 use std::str::FromStr;
 
+pub mod antialias;
 mod canny;
 mod pillow;
 mod resize;

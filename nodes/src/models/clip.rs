@@ -109,22 +109,9 @@ pub fn text_encoder_embedded<'a>(
     let total = if eot.is_some() { cfg.layers } else { run };
     let mut hidden = None;
     for l in 0..total {
+        let act = if cfg.gelu { Act::Gelu } else { Act::QuickGelu };
         let p = vb.pp("encoder.layers").pp(l);
-        let h = p.pp("layer_norm1").layer_norm(x, w, 1e-5)?;
-        let attn = p.pp("self_attn");
-        let q = attn.pp("q_proj").linear(h, w, w)?;
-        let k = attn.pp("k_proj").linear(h, w, w)?;
-        let v = attn.pp("v_proj").linear(h, w, w)?;
-        let a = super::multi_head_attention(q, k, v, heads, Some(mask))?;
-        x = attn.pp("out_proj").linear(a, w, w)?.add(x)?;
-        let h = p.pp("layer_norm2").layer_norm(x, w, 1e-5)?;
-        let h = p.pp("mlp.fc1").linear(h, w, cfg.intermediate)?;
-        let h = if cfg.gelu {
-            h.gelu_erf()
-        } else {
-            h.quick_gelu()
-        };
-        x = p.pp("mlp.fc2").linear(h, cfg.intermediate, w)?.add(x)?;
+        x = encoder_layer(&p, x, (w, heads, cfg.intermediate), act, Some(mask))?;
         if l + 1 == run {
             hidden = Some(x);
         }
@@ -152,4 +139,42 @@ pub fn text_encoder_embedded<'a>(
         _ => None,
     };
     Ok(ClipOut { hidden, pooled })
+}
+
+/// The MLP activation of a CLIP-style encoder layer (ComfyUI's
+/// `ACTIVATIONS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    QuickGelu,
+    /// Exact (erf) GELU.
+    Gelu,
+    /// `gelu_pytorch_tanh`.
+    GeluTanh,
+}
+
+/// One pre-norm encoder layer (`layer_norm1`, `self_attn` with q/k/v/out
+/// projections, `layer_norm2`, `mlp.fc1/fc2`; LayerNorms with ComfyUI's
+/// eps 1e-5) on `x` `[b, len, width]`, `(width, heads, intermediate)`.
+pub(crate) fn encoder_layer<'a>(
+    p: &Scope<'a>,
+    x: T<'a>,
+    (w, heads, inter): (usize, usize, usize),
+    act: Act,
+    mask: Option<T<'a>>,
+) -> Result<T<'a>, ShapeError> {
+    let h = p.pp("layer_norm1").layer_norm(x, w, 1e-5)?;
+    let attn = p.pp("self_attn");
+    let q = attn.pp("q_proj").linear(h, w, w)?;
+    let k = attn.pp("k_proj").linear(h, w, w)?;
+    let v = attn.pp("v_proj").linear(h, w, w)?;
+    let a = super::multi_head_attention(q, k, v, heads, mask)?;
+    let x = attn.pp("out_proj").linear(a, w, w)?.add(x)?;
+    let h = p.pp("layer_norm2").layer_norm(x, w, 1e-5)?;
+    let h = p.pp("mlp.fc1").linear(h, w, inter)?;
+    let h = match act {
+        Act::QuickGelu => h.quick_gelu(),
+        Act::Gelu => h.gelu_erf(),
+        Act::GeluTanh => h.gelu(),
+    };
+    p.pp("mlp.fc2").linear(h, inter, w)?.add(x)
 }

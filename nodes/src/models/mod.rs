@@ -2,6 +2,7 @@
 //! builders (CLIP, UNet, VAE as tensor graphs) join here.
 
 pub mod clip;
+pub mod clip_vision;
 pub mod controlnet;
 pub mod detect;
 pub mod family;
