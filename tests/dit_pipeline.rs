@@ -53,6 +53,7 @@ fixtures! {
     dit_guidance => "dit_guidance/expected.json",
     flux_controlnet => "flux_controlnet/expected.json",
     sd3_controlnet => "sd3_controlnet/expected.json",
+    flux_redux => "flux_redux/expected.json",
 }
 
 /// A base folder with every tiny model file of `fx` and the input image.
@@ -1144,4 +1145,68 @@ fn sd35_controlnet_on_wgpu_matches_comfyui() {
         return;
     }
     matches_in(sd3_controlnet(), "tiny_sd35_controlnet_canny", "wgpu");
+}
+
+/// Flux Redux (tools/reference/flux_redux.py) as ComfyUI's example runs it:
+/// CLIPVisionEncode on a tiny SigLIP (antialiased bicubic resize, centre
+/// crop), StyleModelApply's tokens after the text, SamplerCustomAdvanced.
+#[test]
+fn flux_redux_matches_comfyui() {
+    matches_in(flux_redux(), "tiny_flux_redux", "cpu");
+}
+
+/// Without the crop, two StyleModelApply chained at other strengths.
+#[test]
+fn flux_redux_uncropped_chain_matches_comfyui() {
+    matches_in(flux_redux(), "tiny_flux_redux_nocrop", "cpu");
+}
+
+#[test]
+fn flux_redux_on_wgpu_matches_comfyui() {
+    if !wgpu_here("Flux Redux on wgpu") {
+        return;
+    }
+    matches_in(flux_redux(), "tiny_flux_redux", "wgpu");
+}
+
+/// CLIPVisionEncode's preprocessing (antialiased bicubic up- and
+/// downscaling, centre crop or none, the 1/255 quantisation, SigLIP's
+/// normalisation) gives ComfyUI's pixel values exactly.
+#[test]
+fn clip_vision_preprocessing_matches_comfyui() {
+    use sdkit_nodes::models::clip_vision::{clip_vision_config, preprocess};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write_one(flux_redux(), dir.path(), "tiny_sigclip_vision.safetensors");
+    let cfg =
+        clip_vision_config(&shapes(&SafeTensors::open(&path).expect("opens"))).expect("config");
+    assert_eq!((cfg.image_size, cfg.heads, cfg.siglip), (64, 1, true));
+    let img = sdkit_nodes::imagefile::decode(&support::root().join("graphs/input/example.png"))
+        .expect("decodes");
+    let (image, _) = sdkit_nodes::imagefile::image_to_tensors(&img).expect("tensor");
+    let shape: [usize; 4] = image.shape[..].try_into().expect("rank 4");
+    let runs = flux_redux()["components"]["clip_vision_encode"]
+        .as_object()
+        .expect("runs");
+    let mut checked = 0;
+    for nodes in runs.values() {
+        for run in nodes.as_object().expect("nodes").values() {
+            let data: Vec<f32> = match run["source"].as_str() {
+                Some("example.png") => image.data.clone(),
+                Some("ImageInvert(example.png)") => image.data.iter().map(|v| 1.0 - v).collect(),
+                other => panic!("source {other:?}"),
+            };
+            let crop = run["crop"] == "center";
+            let got = preprocess(&cfg, &data, shape, crop);
+            let want = f32s(run["pixel_values"]["f32"].as_str().expect("values"));
+            assert_eq!(got.len(), want.len());
+            let off = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                off, 0,
+                "{} crop {crop}: {off} pixel values differ",
+                run["source"]
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 3);
 }

@@ -70,10 +70,10 @@ impl NodeImpl for ClipVisionLoader {
         let cfg = clip_vision_config(&s).map_err(|e| NodeError::file(file.path(), e))?;
         Ok(NodeOutput::values(vec![opaque(
             SocketType::ClipVision,
-            Arc::new(ClipVisionModel {
+            ClipVisionModel {
                 file: model_file(name, file),
                 cfg,
-            }),
+            },
         )]))
     }
 
@@ -137,7 +137,7 @@ impl NodeImpl for ClipVisionEncode {
         };
         Ok(NodeOutput::values(vec![opaque(
             SocketType::ClipVisionOutput,
-            Arc::new(value),
+            value,
         )]))
     }
 }
@@ -177,7 +177,7 @@ impl NodeImpl for StyleModelLoader {
         };
         Ok(NodeOutput::values(vec![opaque(
             SocketType::StyleModel,
-            Arc::new(model),
+            model,
         )]))
     }
 

@@ -19,7 +19,10 @@ pub struct ClipVisionConfig {
     pub heads: usize,
     pub intermediate: usize,
     pub patch: usize,
-    /// The square input side: √(position rows, less the class token) × patch.
+    /// The square input side: the smallest multiple of 16 at or above
+    /// the patch grid's pixels (√(position rows, less the class token) ×
+    /// patch): 224 and 336 for CLIP ViTs, 384 for SigLIP so400m's 27 × 14,
+    /// as ComfyUI's configs say (the stride-14 convolution drops the rest).
     pub image_size: usize,
     /// SigLIP: no class token, the output post-normed.
     pub siglip: bool,
@@ -105,7 +108,7 @@ pub fn clip_vision_config(s: &Shapes) -> Result<ClipVisionConfig, DetectError> {
         heads,
         intermediate,
         patch,
-        image_size: side * patch,
+        image_size: (side * patch).div_ceil(16) * 16,
         siglip,
         act,
         projection,
@@ -188,6 +191,7 @@ pub fn clip_vision<'a>(
     let (w, p) = (cfg.width, cfg.patch);
     let b = pixels.shape()[0];
     let grid = cfg.image_size / p;
+    // The convolution covers whole patches only: the rest is cut off.
     let emb = vb.pp("embeddings");
     let pe = emb.pp("patch_embedding");
     let bias = if cfg.siglip {
