@@ -98,7 +98,16 @@ fn every_example_graph_validates_and_image_graphs_run() {
             .filter(|s| (s.ends_with(".safetensors") || s.ends_with(".gguf")) && !s.contains('/'))
             .collect();
         let needs_model = !models.is_empty();
-        for folder in ["checkpoints", "unet", "clip", "vae", "loras", "controlnet"] {
+        for folder in [
+            "checkpoints",
+            "unet",
+            "clip",
+            "vae",
+            "loras",
+            "controlnet",
+            "clip_vision",
+            "style_models",
+        ] {
             let dir = base.path().join("models").join(folder);
             std::fs::create_dir_all(&dir).expect("mkdir");
             for name in &models {
