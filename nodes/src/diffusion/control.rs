@@ -65,10 +65,8 @@ pub enum ControlKind {
     Lora {
         hint_convs: Vec<(usize, usize, usize)>,
     },
-    /// A Flux ControlNet in XLabs' layout ([`super::flux_control`]).
-    Flux {
-        cfg: crate::models::flux::FluxConfig,
-    },
+    /// A Flux ControlNet ([`super::flux_control`]).
+    Flux(Arc<super::flux_control::FluxNet>),
     /// Stability's SD3.5 ControlNet ([`super::sd3_control`]): its hint
     /// is a latent the apply node's VAE encodes.
     Sd35 {
@@ -85,7 +83,7 @@ impl ControlNetModel {
             ControlKind::Net { cfg, .. } => cfg.hint_channels(),
             ControlKind::T2i(t) => t.hint_channels(),
             ControlKind::Lora { hint_convs } => hint_convs.first().map_or(3, |c| c.1),
-            ControlKind::Flux { .. } => 3,
+            ControlKind::Flux(f) => f.hint_channels(),
             ControlKind::Sd35 { cfg, .. } => cfg.block.in_channels,
         }
     }
@@ -103,7 +101,7 @@ impl ControlNetModel {
                 },
                 model.heads,
             )),
-            ControlKind::T2i(_) | ControlKind::Flux { .. } | ControlKind::Sd35 { .. } => None,
+            ControlKind::T2i(_) | ControlKind::Flux(_) | ControlKind::Sd35 { .. } => None,
         }
     }
 
@@ -111,9 +109,9 @@ impl ControlNetModel {
     /// compression ratio 8; an adapter rounds up to its unshuffle factor).
     fn hint_size(&self, h: usize, w: usize) -> (usize, usize) {
         match &self.kind {
-            ControlKind::Net { .. } | ControlKind::Lora { .. } | ControlKind::Flux { .. } => {
-                (8 * h, 8 * w)
-            }
+            ControlKind::Net { .. } | ControlKind::Lora { .. } => (8 * h, 8 * w),
+            ControlKind::Flux(f) if f.latent() => (h, w),
+            ControlKind::Flux(_) => (8 * h, 8 * w),
             // The encoded hint: latent-sized.
             ControlKind::Sd35 { .. } => (h, w),
             ControlKind::T2i(t) => {
@@ -348,7 +346,7 @@ impl NodeImpl for SetUnionControlNetType {
             ControlKind::Lora { hint_convs } => ControlKind::Lora {
                 hint_convs: hint_convs.clone(),
             },
-            ControlKind::Flux { cfg } => ControlKind::Flux { cfg: cfg.clone() },
+            ControlKind::Flux(f) => ControlKind::Flux(Arc::clone(f)),
             ControlKind::Sd35 { cfg, control_type } => ControlKind::Sd35 {
                 cfg: cfg.clone(),
                 control_type: *control_type,
@@ -675,7 +673,7 @@ impl Plans {
                 }
                 continue;
             }
-            if let ControlKind::Flux { .. } = &c.net.kind {
+            if let ControlKind::Flux(_) = &c.net.kind {
                 let (input, output) = super::flux_control::slots(model, &c.net)?;
                 for k in input {
                     if !slots.input.contains(&k) {
@@ -692,7 +690,7 @@ impl Plans {
                         (shape.tokens, shape.dim),
                         hb,
                     )?;
-                    let bind = c.net.file.bindings(&prog, None, None)?;
+                    let bind = super::flux_control::bindings(&prog, &c.net)?;
                     self.index.insert(key, self.progs.len());
                     self.progs.push((prog, bind));
                 }
@@ -704,7 +702,7 @@ impl Plans {
                     slots.output = true;
                     slots.middle = true;
                 }
-                ControlKind::Flux { .. } | ControlKind::Sd35 { .. } => {}
+                ControlKind::Flux(_) | ControlKind::Sd35 { .. } => {}
                 ControlKind::T2i(t) => {
                     let (blocks, mid) = t.placement();
                     for (_, k) in blocks {
@@ -720,7 +718,7 @@ impl Plans {
                     ControlKind::Sd35 { .. } => {
                         super::sd3_control::program(model, &c.net, shape.rows, (h, w), hb)?
                     }
-                    ControlKind::Flux { .. } => super::flux_control::program(
+                    ControlKind::Flux(_) => super::flux_control::program(
                         model,
                         &c.net,
                         shape.rows,
@@ -808,8 +806,14 @@ impl Plans {
         if let Some(v) = self.hints.get(&key) {
             return Ok(Arc::clone(v));
         }
-        if let ControlKind::Sd35 { control_type, .. } = &c.net.kind {
-            let v = Arc::new(encoded_hint(ctx, model, c, *control_type, h, w)?);
+        let latent = match &c.net.kind {
+            ControlKind::Sd35 { control_type, .. } => Some(*control_type),
+            // No preprocessing: the image as it is, encoded.
+            ControlKind::Flux(f) if f.latent() => Some(-1),
+            _ => None,
+        };
+        if let Some(control_type) = latent {
+            let v = Arc::new(encoded_hint(ctx, model, c, control_type, h, w)?);
             self.hints.insert(key, Arc::clone(&v));
             return Ok(v);
         }
@@ -969,7 +973,7 @@ fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
         ControlKind::T2i(_) => (0, 0),
         ControlKind::Net { .. }
         | ControlKind::Lora { .. }
-        | ControlKind::Flux { .. }
+        | ControlKind::Flux(_)
         | ControlKind::Sd35 { .. } => (shape.rows, shape.tokens),
     };
     (Arc::as_ptr(&c.net) as usize, rows, h, w, tokens, hb)
@@ -1059,11 +1063,12 @@ impl<'p> Runner<'p> {
                     outs.iter_mut().for_each(scale);
                     super::sd3_control::residuals(&c.net, outs)
                 }
-                ControlKind::Flux { .. } => {
+                ControlKind::Flux(f) => {
                     let mut feed = b.fixed.clone();
                     feed.insert("x".to_string(), Arc::new(b.x.to_vec()));
                     feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
                     feed.insert("hint".to_string(), hint);
+                    f.feed_modes(&c.net.control_type, &mut feed);
                     let mut outs: Vec<Vec<f32>> = self.sessions[i]
                         .run(feed)
                         .map_err(|e| run_error("ControlNet", e))?

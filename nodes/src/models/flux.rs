@@ -759,61 +759,84 @@ const XLABS_HINT_CONVS: [(usize, usize, usize); 8] = [
 /// Channels of an XLabs hint block's output.
 const XLABS_HINT_OUT: usize = 16;
 
-/// A Flux ControlNet in XLabs' layout (ComfyUI's `ControlNetFlux` with an
-/// image hint): `hint` `[1 or b, 3, 8h, 8w]` in 0..1 goes to −1..1
-/// through the hint convolutions to `[·, 16, h, w]`, is patchified and
-/// projected (`pos_embed_input`) onto the image tokens after `img_in`;
-/// the Flux blocks run as the model's (same `pe`: no references), and
-/// each block's image tokens through its `controlnet_blocks` /
-/// `controlnet_single_blocks` Linear are its residuals. Returns (double
-/// block residuals, single block residuals), one per block of the net.
+/// A Flux ControlNet (ComfyUI's `ControlNetFlux`): `hint` — an image
+/// `[1 or b, 3, 8h, 8w]` in 0..1 taken to −1..1 through XLabs' hint
+/// convolutions to `[·, 16, h, w]`, or (`latent`) the encoded latent
+/// `[·, channels, h, w]` — is patchified and projected (`pos_embed_input`)
+/// onto the image tokens after `img_in`; a union type's embedding
+/// (`mode`: its row index, and the table's rows) goes before the text
+/// tokens (`pe` then has its row); the Flux blocks run as the model's, and each block's image
+/// tokens through its `controlnet_blocks` / `controlnet_single_blocks`
+/// Linear are its residuals. Returns (double block residuals, single block
+/// residuals), one per block of the net.
 pub fn flux_controlnet<'a>(
     g: &'a GraphBuilder,
     cfg: &FluxConfig,
-    prefix: &str,
     x: T<'a>,
     inp: FluxInputs<'a>,
     hint: T<'a>,
+    latent: bool,
+    mode: Option<(T<'a>, usize)>,
 ) -> Result<(Vec<T<'a>>, Vec<T<'a>>), ShapeError> {
     let (s, hs) = (x.shape(), hint.shape());
-    let (c, h, w) = (s[1], s[2], s[3]);
-    let vb = Scope::new(g, prefix);
+    let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
+    let vb = Scope::new(g, "");
     let hd = cfg.hidden;
-    if hs.len() != 4 || hs[2] != 8 * h || hs[3] != 8 * w || h % PATCH != 0 || w % PATCH != 0 {
-        return Err(ShapeError {
-            op: "flux controlnet",
-            message: format!(
-                "the hint must be [batch, 3, 8·h, 8·w] for a latent of even sides, got {hs:?} for {s:?}"
-            ),
-            shapes: vec![hs, s],
-        });
-    }
-    let mut hint = hint.mul_scalar(2.0).add_scalar(-1.0);
-    for (k, &(at, cin, stride)) in XLABS_HINT_CONVS.iter().enumerate() {
-        if k > 0 {
-            hint = hint.silu();
+    let cond = if latent {
+        if hs.len() != 4 || hs[1] != c || hs[2] != h || hs[3] != w {
+            return Err(ShapeError {
+                op: "flux controlnet",
+                message: format!("the latent hint must be [batch, {c}, {h}, {w}], got {hs:?}"),
+                shapes: vec![hs, s],
+            });
         }
-        let conv = vb.pp("input_hint_block").pp(at);
-        hint = hint.conv2d(
-            conv.get("weight", &[XLABS_HINT_OUT, cin, 3, 3])?,
-            Some(conv.get("bias", &[XLABS_HINT_OUT])?),
-            Conv2dParams {
-                stride: [stride, stride],
-                padding: [1, 1],
-                dilation: [1, 1],
-                groups: 1,
-            },
-        )?;
-    }
-    let cond =
         vb.pp("pos_embed_input")
-            .linear(patchify(g, hint)?, XLABS_HINT_OUT * PATCH * PATCH, hd)?;
+            .linear(patchify(g, hint)?, c * PATCH * PATCH, hd)?
+    } else {
+        if hs.len() != 4 || hs[2] != 8 * h || hs[3] != 8 * w || h % PATCH != 0 || w % PATCH != 0 {
+            return Err(ShapeError {
+                op: "flux controlnet",
+                message: format!(
+                    "the hint must be [batch, 3, 8·h, 8·w] for a latent of even sides, got {hs:?} for {s:?}"
+                ),
+                shapes: vec![hs, s],
+            });
+        }
+        let mut hint = hint.mul_scalar(2.0).add_scalar(-1.0);
+        for (k, &(at, cin, stride)) in XLABS_HINT_CONVS.iter().enumerate() {
+            if k > 0 {
+                hint = hint.silu();
+            }
+            let conv = vb.pp("input_hint_block").pp(at);
+            hint = hint.conv2d(
+                conv.get("weight", &[XLABS_HINT_OUT, cin, 3, 3])?,
+                Some(conv.get("bias", &[XLABS_HINT_OUT])?),
+                Conv2dParams {
+                    stride: [stride, stride],
+                    padding: [1, 1],
+                    dilation: [1, 1],
+                    groups: 1,
+                },
+            )?;
+        }
+        vb.pp("pos_embed_input")
+            .linear(patchify(g, hint)?, XLABS_HINT_OUT * PATCH * PATCH, hd)?
+    };
     let img = vb
         .pp("img_in")
         .linear(patchify(g, x)?, c * PATCH * PATCH, hd)?;
     let mut img = img.add(cond)?;
     let m = Mods::Vec(flux_vec(g, &vb, cfg, inp.t, inp.guidance, None, inp.y)?);
     let mut txt = vb.pp("txt_in").linear(inp.context, cfg.context_in, hd)?;
+    if let Some((ids, rows)) = mode {
+        let k = ids.shape()[0];
+        let table = vb.get("controlnet_mode_embedder.weight", &[rows, hd])?;
+        let emb = table
+            .gather(ids)?
+            .reshape(&[1, k, hd])?
+            .expand(&[b, k, hd])?;
+        txt = g.concat(&[emb, txt], 1)?;
+    }
     let txt_len = txt.shape()[1];
     let mut double = Vec::with_capacity(cfg.depth);
     for i in 0..cfg.depth {
