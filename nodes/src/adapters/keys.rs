@@ -346,7 +346,7 @@ fn generic_keys<'a>(
 
 /// ComfyUI's diffusers names of a Flux double block's layers (`attn.to_q`
 /// … are rows of the fused qkv, listed apart) → the model's.
-const FLUX_DOUBLE: [(&str, &str); 8] = [
+pub(crate) const FLUX_DOUBLE: [(&str, &str); 8] = [
     ("attn.to_out.0", "img_attn.proj"),
     ("norm1.linear", "img_mod.lin"),
     ("norm1_context.linear", "txt_mod.lin"),
@@ -359,7 +359,7 @@ const FLUX_DOUBLE: [(&str, &str); 8] = [
 
 /// The same for the layers outside the blocks (`norm_out` is mapped
 /// apart: its halves are swapped).
-const FLUX_BASIC: [(&str, &str); 9] = [
+pub(crate) const FLUX_BASIC: [(&str, &str); 9] = [
     ("proj_out", "final_layer.linear"),
     ("x_embedder", "img_in"),
     (

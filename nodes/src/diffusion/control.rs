@@ -31,7 +31,7 @@ use crate::models::t2i::{t2i_adapter, t2i_config, T2iConfig};
 use crate::models::unet::skip_shapes;
 use sdkit_compute::backend::cpu::Bindings;
 use sdkit_compute::plan::plan;
-use sdkit_compute::plan::{Command, Program};
+use sdkit_compute::plan::Program;
 use sdkit_compute::runtime::Session;
 use sdkit_compute::tensor::GraphBuilder;
 use sdkit_compute::weights::{SafeTensors, WeightStore};
@@ -739,7 +739,9 @@ impl Plans {
                     }
                 };
                 let bind = match &c.net.kind {
-                    ControlKind::Lora { .. } => control_lora_bindings(&prog, &c.net.file, model)?,
+                    ControlKind::Lora { .. } => {
+                        super::control_lora::bindings(&prog, &c.net.file, model)?
+                    }
                     _ => c.net.file.bindings(&prog, None, None)?,
                 };
                 self.index.insert(key, self.progs.len());
@@ -879,93 +881,6 @@ fn adapter_program(
     plan(&g.finish(&feats)).map_err(|e| graph_error(&what, e))
 }
 
-/// A control-LoRA's weights for `prog` (ComfyUI's `ControlLora.pre_run`):
-/// the file's full tensors; where it has `X.up`/`X.down`, the model's
-/// (LoRA-patched) `X.weight` plus `up·down` (in f32, the model's dtype on
-/// the CPU); everything else the model's own weight.
-fn control_lora_bindings(
-    prog: &Program,
-    file: &ModelFile,
-    model: &Model,
-) -> Result<Bindings, NodeError> {
-    let mut b = Bindings::default();
-    let model_weight = |name: &str| -> Result<Option<Arc<Vec<f32>>>, NodeError> {
-        let full = format!("{}{name}", model.prefix);
-        model.patches.patched(&model.file, &full, None)
-    };
-    for c in &prog.commands {
-        let Command::Upload { name, .. } = c else {
-            continue;
-        };
-        if file.store.contains(name) {
-            b.stored.insert(
-                name.clone(),
-                file.store
-                    .stored(name)
-                    .map_err(|e| NodeError::invalid(format!("{}: {e}", file.name)))?,
-            );
-            continue;
-        }
-        let base = name.strip_suffix(".weight");
-        let pair = base.filter(|x| {
-            file.store.contains(&format!("{x}.up")) && file.store.contains(&format!("{x}.down"))
-        });
-        if let Some(x) = pair {
-            let mut w = match model_weight(name)? {
-                Some(p) => p.to_vec(),
-                None => model.file.tensor_f32(&format!("{}{name}", model.prefix))?,
-            };
-            let up = file.tensor_f32(&format!("{x}.up"))?;
-            let down = file.tensor_f32(&format!("{x}.down"))?;
-            // up [out, r(, 1, 1)], down [r, in·kh·kw]: W += up · down.
-            let r = rank_of(&file.store, x)?;
-            let out = up.len() / r;
-            let cols = w.len() / out.max(1);
-            if out * cols != w.len() || down.len() != r * cols {
-                return Err(NodeError::invalid(format!(
-                    "{}: {x}.up/.down do not fit the model's {name}",
-                    file.name
-                )));
-            }
-            for o in 0..out {
-                for (k, wv) in w[o * cols..(o + 1) * cols].iter_mut().enumerate() {
-                    let mut d = 0f32;
-                    for j in 0..r {
-                        d += up[o * r + j] * down[j * cols + k];
-                    }
-                    *wv += d;
-                }
-            }
-            b.weights.insert(name.clone(), Arc::new(w));
-            continue;
-        }
-        match model_weight(name)? {
-            Some(p) => {
-                b.weights.insert(name.clone(), p);
-            }
-            None => {
-                let full = format!("{}{name}", model.prefix);
-                let w = model
-                    .file
-                    .store
-                    .stored(&full)
-                    .map_err(|e| NodeError::invalid(format!("{}: {e}", model.file.name)))?;
-                b.stored.insert(name.clone(), w);
-            }
-        }
-    }
-    Ok(b)
-}
-
-/// The rank of a control-LoRA pair: `X.up`'s second dimension.
-fn rank_of(store: &WeightStore, x: &str) -> Result<usize, NodeError> {
-    store
-        .get(&format!("{x}.up"))
-        .and_then(|r| r.info.shape.get(1).copied())
-        .filter(|&r| r > 0)
-        .ok_or_else(|| NodeError::invalid(format!("{x}.up has no rank dimension")))
-}
-
 fn key(c: &Arc<Control>, shape: &Shape, hb: usize) -> Key {
     let (h, w) = shape.hw;
     let (rows, tokens) = match c.net.kind {
@@ -1054,12 +969,7 @@ impl<'p> Runner<'p> {
                     if let Some(pos) = self.plans.pos.get(&pos_key) {
                         feed.insert("pos".to_string(), Arc::clone(pos));
                     }
-                    let mut outs: Vec<Vec<f32>> = self.sessions[i]
-                        .run(feed)
-                        .map_err(|e| run_error("ControlNet", e))?
-                        .into_iter()
-                        .map(|o| o.data)
-                        .collect();
+                    let mut outs = outputs(&mut self.sessions[i], feed)?;
                     outs.iter_mut().for_each(scale);
                     super::sd3_control::residuals(&c.net, outs)
                 }
@@ -1069,12 +979,7 @@ impl<'p> Runner<'p> {
                     feed.insert("t".to_string(), Arc::new(vec![b.t; b.rows]));
                     feed.insert("hint".to_string(), hint);
                     f.feed_modes(&c.net.control_type, &mut feed);
-                    let mut outs: Vec<Vec<f32>> = self.sessions[i]
-                        .run(feed)
-                        .map_err(|e| run_error("ControlNet", e))?
-                        .into_iter()
-                        .map(|o| o.data)
-                        .collect();
+                    let mut outs = outputs(&mut self.sessions[i], feed)?;
                     // Each block's residual once, before the lists repeat it.
                     outs.iter_mut().for_each(scale);
                     super::flux_control::residuals(&c.net, outs)
@@ -1274,5 +1179,18 @@ fn encoded_hint(
         .data
         .iter()
         .map(|&v| model.latent.process_in(v))
+        .collect())
+}
+
+/// A control program's outputs' values.
+fn outputs(
+    session: &mut Session<'_>,
+    feed: HashMap<String, Arc<Vec<f32>>>,
+) -> Result<Vec<Vec<f32>>, NodeError> {
+    Ok(session
+        .run(feed)
+        .map_err(|e| run_error("ControlNet", e))?
+        .into_iter()
+        .map(|o| o.data)
         .collect())
 }

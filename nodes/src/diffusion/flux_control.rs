@@ -17,6 +17,7 @@
 
 use super::control::{ControlKind, ControlNetModel, Residuals};
 use super::{graph_error, Model};
+use crate::adapters::keys::{FLUX_BASIC, FLUX_DOUBLE};
 use crate::models::detect::Shapes;
 use crate::models::flux::{flux_config, flux_controlnet, grid, FluxConfig, FluxInputs};
 use sdkit_compute::backend::cpu::Bindings;
@@ -194,16 +195,7 @@ fn instantx_names(s: &Shapes) -> (HashMap<String, Vec<String>>, Shapes) {
                     .map(|p| format!("{f}.attn.{p}.{end}"))
                     .collect(),
             );
-            for (d, c) in [
-                ("attn.to_out.0", "img_attn.proj"),
-                ("norm1.linear", "img_mod.lin"),
-                ("norm1_context.linear", "txt_mod.lin"),
-                ("attn.to_add_out", "txt_attn.proj"),
-                ("ff.net.0.proj", "img_mlp.0"),
-                ("ff.net.2", "img_mlp.2"),
-                ("ff_context.net.0.proj", "txt_mlp.0"),
-                ("ff_context.net.2", "txt_mlp.2"),
-            ] {
+            for (d, c) in FLUX_DOUBLE {
                 add(format!("{t}.{c}.{end}"), vec![format!("{f}.{d}.{end}")]);
             }
         }
@@ -223,35 +215,10 @@ fn instantx_names(s: &Shapes) -> (HashMap<String, Vec<String>>, Shapes) {
                 add(format!("{t}.{c}.{end}"), vec![format!("{f}.{d}.{end}")]);
             }
         }
-        for (d, c) in [
-            ("x_embedder", "img_in"),
-            ("context_embedder", "txt_in"),
-            (
-                "time_text_embed.timestep_embedder.linear_1",
-                "time_in.in_layer",
-            ),
-            (
-                "time_text_embed.timestep_embedder.linear_2",
-                "time_in.out_layer",
-            ),
-            (
-                "time_text_embed.text_embedder.linear_1",
-                "vector_in.in_layer",
-            ),
-            (
-                "time_text_embed.text_embedder.linear_2",
-                "vector_in.out_layer",
-            ),
-            (
-                "time_text_embed.guidance_embedder.linear_1",
-                "guidance_in.in_layer",
-            ),
-            (
-                "time_text_embed.guidance_embedder.linear_2",
-                "guidance_in.out_layer",
-            ),
-            ("controlnet_x_embedder", "pos_embed_input"),
-        ] {
+        // ComfyUI's basic map (a ControlNet has no `proj_out`), and the
+        // hint's projection.
+        let hint = [("controlnet_x_embedder", "pos_embed_input")];
+        for (d, c) in FLUX_BASIC.into_iter().chain(hint) {
             add(format!("{c}.{end}"), vec![format!("{d}.{end}")]);
         }
     }

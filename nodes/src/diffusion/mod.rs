@@ -11,6 +11,7 @@ pub mod cond_batch;
 pub mod cond_ops;
 pub mod conditioning;
 pub mod control;
+pub mod control_lora;
 pub mod custom;
 pub mod denoiser;
 pub mod embeddings;
