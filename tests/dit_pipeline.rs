@@ -57,6 +57,7 @@ fixtures! {
     flux_controlnet => "flux_controlnet/expected.json",
     sd3_controlnet => "sd3_controlnet/expected.json",
     flux_redux => "flux_redux/expected.json",
+    flux_instantx => "flux_instantx/expected.json",
 }
 
 /// A base folder with every tiny model file of `fx` and the input image.
