@@ -566,3 +566,54 @@ image_node!(
     InvertMask,
     |inputs| one(mask_out(imageops::invert_mask(&mask_in(inputs, "mask")?)))
 );
+
+image_node!(
+    /// ComfyUI's RepeatImageBatch: the whole batch `amount` times.
+    RepeatImageBatch,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::repeat_image_batch(
+            &img,
+            inputs.usize("amount")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageFromBatch: `length` images from `batch_index`
+    /// (both clamped to the batch).
+    ImageFromBatch,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::image_from_batch(
+            &img,
+            inputs.usize("batch_index")?,
+            inputs.usize("length")?,
+        )?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageColorToMask: 1 where a pixel is `color` (0xRRGGBB).
+    ImageColorToMask,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        let color = i64::try_from(inputs.int("color")?)
+            .map_err(|_| NodeError::invalid("color is out of range"))?;
+        one(mask_out(imageops::image_color_to_mask(&img, color)?))
+    }
+);
+
+image_node!(
+    /// ComfyUI's ImageScaleToMaxDimension: the longer side to
+    /// `largest_size`, the aspect kept.
+    ImageScaleToMaxDimension,
+    |inputs| {
+        let img = image_in(inputs, "image")?;
+        one(image_out(imageops::scale_to_max_dimension(
+            &img,
+            method(inputs)?,
+            inputs.usize("largest_size")?,
+        )?))
+    }
+);

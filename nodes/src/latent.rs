@@ -218,3 +218,169 @@ impl NodeImpl for LatentUpscaleBy {
         )
     }
 }
+
+/// A LATENT as the ops in [`crate::imageops`] take it.
+fn parts(latent: &Latent) -> Result<crate::imageops::LatentParts, NodeError> {
+    let s = &latent.samples.shape;
+    let shape: [usize; 4] = s[..].try_into().map_err(|_| {
+        NodeError::invalid(format!(
+            "a latent of shape {s:?}: expected [batch, channels, height, width]"
+        ))
+    })?;
+    Ok(crate::imageops::LatentParts {
+        shape,
+        samples: latent.samples.data.clone(),
+        noise_mask: latent
+            .noise_mask
+            .as_ref()
+            .map(|m| (m.shape.clone(), m.data.clone())),
+        batch_index: latent.batch_index.clone(),
+    })
+}
+
+fn latent_out(p: crate::imageops::LatentParts) -> Result<NodeOutput, NodeError> {
+    let noise_mask = match p.noise_mask {
+        Some((shape, data)) => Some(Tensor::new(shape, data).map_err(NodeError::invalid)?),
+        None => None,
+    };
+    Ok(NodeOutput::values(vec![Value::Latent(Arc::new(Latent {
+        samples: Tensor::new(p.shape.to_vec(), p.samples).map_err(NodeError::invalid)?,
+        batch_index: p.batch_index,
+        noise_mask,
+    }))]))
+}
+
+/// Declares a latent node whose body maps its inputs to a `LatentParts`.
+macro_rules! latent_node {
+    ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr) => {
+        $(#[$doc])*
+        pub struct $name;
+
+        impl NodeImpl for $name {
+            fn execute(
+                &self,
+                _ctx: &NodeContext,
+                $inputs: &Inputs,
+            ) -> Result<NodeOutput, NodeError> {
+                latent_out($body)
+            }
+        }
+    };
+}
+
+latent_node!(
+    /// ComfyUI's LatentComposite: `samples_from` into `samples_to` at
+    /// `(x, y)` pixels, `feather` pixels of ramps on the inner edges.
+    LatentComposite,
+    |inputs| crate::imageops::latent_composite(
+        &parts(inputs.latent("samples_to")?)?,
+        &parts(inputs.latent("samples_from")?)?,
+        inputs.usize("x")?,
+        inputs.usize("y")?,
+        inputs.usize("feather")?,
+    )?
+);
+
+latent_node!(
+    /// ComfyUI's LatentCompositeMasked: `source` over `destination` at
+    /// `(x, y)` pixels through an optional mask.
+    LatentCompositeMasked,
+    |inputs| {
+        let mask = match inputs.get("mask") {
+            Some(_) => {
+                let t = inputs.mask("mask")?;
+                let (b, h, w) = match t.shape.as_slice() {
+                    [h, w] => (1, *h, *w),
+                    [b, h, w] => (*b, *h, *w),
+                    [b, 1, h, w] => (*b, *h, *w),
+                    s => {
+                        return Err(NodeError::invalid(format!(
+                            "input \"mask\": expected a mask [B, H, W], got shape {s:?}"
+                        )))
+                    }
+                };
+                Some(crate::imageops::Mask3::new(b, h, w, t.data.clone())?)
+            }
+            None => None,
+        };
+        crate::imageops::latent_composite_masked(
+            &parts(inputs.latent("destination")?)?,
+            &parts(inputs.latent("source")?)?,
+            inputs.usize("x")?,
+            inputs.usize("y")?,
+            inputs.bool("resize_source")?,
+            mask.as_ref(),
+        )?
+    }
+);
+
+latent_node!(
+    /// ComfyUI's LatentBlend ("normal").
+    LatentBlend,
+    |inputs| {
+        if let Some(mode) = inputs.get("blend_mode").and(inputs.string("blend_mode").ok()) {
+            if mode != "normal" {
+                return Err(NodeError::invalid(format!("unsupported blend mode: {mode}")));
+            }
+        }
+        crate::imageops::latent_blend(
+            &parts(inputs.latent("samples1")?)?,
+            &parts(inputs.latent("samples2")?)?,
+            inputs.float("blend_factor")?,
+        )?
+    }
+);
+
+latent_node!(
+    /// ComfyUI's LatentFromBatch.
+    LatentFromBatch,
+    |inputs| crate::imageops::latent_from_batch(
+        &parts(inputs.latent("samples")?)?,
+        inputs.usize("batch_index")?,
+        inputs.usize("length")?,
+    )?
+);
+
+latent_node!(
+    /// ComfyUI's RepeatLatentBatch.
+    RepeatLatentBatch,
+    |inputs| crate::imageops::repeat_latent_batch(
+        &parts(inputs.latent("samples")?)?,
+        inputs.usize("amount")?,
+    )
+);
+
+latent_node!(
+    /// ComfyUI's LatentCrop (pixels, in cells of 8).
+    LatentCrop,
+    |inputs| crate::imageops::latent_crop(
+        &parts(inputs.latent("samples")?)?,
+        inputs.usize("width")?,
+        inputs.usize("height")?,
+        inputs.usize("x")?,
+        inputs.usize("y")?,
+    )
+);
+
+latent_node!(
+    /// ComfyUI's LatentFlip.
+    LatentFlip,
+    |inputs| crate::imageops::latent_flip(
+        &parts(inputs.latent("samples")?)?,
+        inputs.string("flip_method")?.starts_with('x'),
+    )
+);
+
+latent_node!(
+    /// ComfyUI's LatentRotate.
+    LatentRotate,
+    |inputs| {
+        let k = match inputs.string("rotation")? {
+            r if r.starts_with("90") => 1,
+            r if r.starts_with("180") => 2,
+            r if r.starts_with("270") => 3,
+            _ => 0,
+        };
+        crate::imageops::latent_rotate(&parts(inputs.latent("samples")?)?, k)
+    }
+);

@@ -218,6 +218,21 @@ pub fn library() -> NodeLibrary {
     lib.implement("ResizeAndPadImage", image::ResizeAndPadImage);
     lib.implement("ImageRotate", image::ImageRotate);
     lib.implement("ImageCompositeMasked", image::ImageCompositeMasked);
+    lib.implement("RepeatImageBatch", image::RepeatImageBatch);
+    lib.implement("ImageFromBatch", image::ImageFromBatch);
+    lib.implement("ImageColorToMask", image::ImageColorToMask);
+    lib.implement("ImageScaleToMaxDimension", image::ImageScaleToMaxDimension);
+    {
+        use latent::*;
+        lib.implement("LatentComposite", LatentComposite);
+        lib.implement("LatentCompositeMasked", LatentCompositeMasked);
+        lib.implement("LatentBlend", LatentBlend);
+        lib.implement("LatentFromBatch", LatentFromBatch);
+        lib.implement("RepeatLatentBatch", RepeatLatentBatch);
+        lib.implement("LatentCrop", LatentCrop);
+        lib.implement("LatentFlip", LatentFlip);
+        lib.implement("LatentRotate", LatentRotate);
+    }
     lib.implement("GrowMask", image::GrowMask);
     lib.implement("ThresholdMask", image::ThresholdMask);
     lib.implement("LatentUpscale", latent::LatentUpscale);

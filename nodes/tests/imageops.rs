@@ -628,3 +628,6 @@ fn pad_for_outpaint_borders_and_ramps() {
         v == if x < 2 { 1.0 } else { 0.0 } || y >= 6
     }));
 }
+
+#[path = "imageops/latent.rs"]
+mod latent;

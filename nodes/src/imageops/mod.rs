@@ -23,11 +23,13 @@ use std::str::FromStr;
 
 pub mod antialias;
 mod canny;
+mod latent;
 mod pillow;
 mod resize;
 mod transform;
 
 pub use canny::canny;
+pub use latent::*;
 use pillow::lanczos;
 pub use pillow::{pil_contain_size, pil_resize_rgb, PilFilter};
 pub use resize::*;
