@@ -65,6 +65,16 @@ fn matches_on_cpu(graph: &str, image_prefix: &str) {
     check(base.path(), &fx, graph, image_prefix);
 }
 
+/// SamplerEulerAncestral at its defaults is KSamplerSelect's
+/// euler_ancestral: the custom-sampling graph with it gives the same
+/// ComfyUI image.
+#[test]
+fn sampler_presets_match_their_ksampler_names() {
+    let (base, fx) = setup();
+    run(base.path(), "tiny_sd1_custom_presets", "cpu");
+    check(base.path(), &fx, "tiny_sd1_custom", "tiny_sd1_custom");
+}
+
 #[test]
 fn txt2img_matches_comfyui() {
     matches_on_cpu("tiny_sd1_txt2img", "tiny_sd1");

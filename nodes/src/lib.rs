@@ -115,6 +115,70 @@ pub fn library() -> NodeLibrary {
     );
     lib.implement("ModelSamplingFlux", diffusion::ksampler::ModelSamplingFlux);
     {
+        use diffusion::custom::{dpmpp_2m_sde_name, er_sde_name, SamplerPreset, ETA_NOISE};
+        let presets: [(&str, SamplerPreset); 8] = [
+            (
+                "SamplerEulerAncestral",
+                SamplerPreset {
+                    name: |_| Ok("euler_ancestral"),
+                    defaults: ETA_NOISE,
+                },
+            ),
+            (
+                "SamplerEulerAncestralCFGPP",
+                SamplerPreset {
+                    name: |_| Ok("euler_ancestral_cfg_pp"),
+                    defaults: ETA_NOISE,
+                },
+            ),
+            (
+                "SamplerDPMPP_2S_Ancestral",
+                SamplerPreset {
+                    name: |_| Ok("dpmpp_2s_ancestral"),
+                    defaults: ETA_NOISE,
+                },
+            ),
+            (
+                "SamplerDPMPP_2M_SDE",
+                SamplerPreset {
+                    name: dpmpp_2m_sde_name,
+                    defaults: ETA_NOISE,
+                },
+            ),
+            (
+                "SamplerDPMPP_3M_SDE",
+                SamplerPreset {
+                    name: |_| Ok("dpmpp_3m_sde"),
+                    defaults: ETA_NOISE,
+                },
+            ),
+            (
+                "SamplerDPMPP_SDE",
+                SamplerPreset {
+                    name: |_| Ok("dpmpp_sde"),
+                    defaults: &[("eta", 1.0), ("s_noise", 1.0), ("r", 0.5)],
+                },
+            ),
+            (
+                "SamplerLMS",
+                SamplerPreset {
+                    name: |_| Ok("lms"),
+                    defaults: &[("order", 4.0)],
+                },
+            ),
+            (
+                "SamplerER_SDE",
+                SamplerPreset {
+                    name: er_sde_name,
+                    defaults: &[("max_stage", 3.0), ("s_noise", 1.0)],
+                },
+            ),
+        ];
+        for (name, preset) in presets {
+            lib.implement(name, preset);
+        }
+    }
+    {
         use diffusion::vision::*;
         lib.implement("CLIPVisionLoader", ClipVisionLoader);
         lib.implement("CLIPVisionEncode", ClipVisionEncode);

@@ -125,6 +125,19 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// A tensor dimension, checked against what the file could hold: a
+    /// block-quantized type packs up to about 3 elements a byte (Q2_K),
+    /// so a dimension may exceed the file's bytes, never 8 times them.
+    fn dim(&mut self) -> Result<usize, WeightError> {
+        let n = self.u64()?;
+        if n > (self.bytes.len() as u64).saturating_mul(8) {
+            return Err(self.err(format!(
+                "a dimension {n} is larger than the file could hold"
+            )));
+        }
+        Ok(n as usize)
+    }
+
     /// A count or length, checked against what the file could hold.
     fn len(&mut self, what: &str) -> Result<usize, WeightError> {
         let n = self.u64()?;
@@ -218,7 +231,7 @@ pub(super) fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed, WeightError> {
         }
         let mut dims = Vec::with_capacity(rank);
         for _ in 0..rank {
-            dims.push(r.len("a dimension")?);
+            dims.push(r.dim()?);
         }
         let id = r.u32()?;
         let dtype = dtype_of(id).ok_or_else(|| {

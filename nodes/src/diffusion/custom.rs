@@ -549,3 +549,58 @@ impl NodeImpl for SdTurboScheduler {
         Ok(NodeOutput::values(vec![sigmas_out(s)]))
     }
 }
+
+/// The parametrised sampler nodes (SamplerEulerAncestral,
+/// SamplerDPMPP_2M_SDE, …) at the settings their KSampler names use:
+/// ComfyUI builds them with `ksampler(name, {eta, s_noise, …})`, and with
+/// every setting at the sampler function's default that is the sampler
+/// KSamplerSelect gives. Other settings are refused by name. The noise
+/// of a "gpu" noise device is drawn as ComfyUI's run on a CPU draws it
+/// (its Brownian tree on the latent's device).
+pub struct SamplerPreset {
+    /// The KSampler name, given the node's inputs.
+    pub name: fn(&Inputs) -> Result<&'static str, NodeError>,
+    /// `(input, the value the KSampler sampler uses)`.
+    pub defaults: &'static [(&'static str, f64)],
+}
+
+impl NodeImpl for SamplerPreset {
+    fn execute(&self, _ctx: &NodeContext, inputs: &Inputs) -> Result<NodeOutput, NodeError> {
+        let name = (self.name)(inputs)?;
+        for &(input, want) in self.defaults {
+            let got = match inputs.get(input) {
+                Some(sdkit_engine::Value::Int(v)) => *v as f64,
+                Some(_) => inputs.float(input)?,
+                None => continue,
+            };
+            if (got - want).abs() > 1e-12 {
+                return Err(NodeError::invalid(format!(
+                    "{input} {got} is not supported yet for {name} (sdkit runs it at {input} {want})"
+                )));
+            }
+        }
+        let s = sampler_named(name)?;
+        Ok(NodeOutput::values(vec![opaque(SocketType::Sampler, s)]))
+    }
+}
+
+/// The settings every eta/s_noise sampler takes by default.
+pub const ETA_NOISE: &[(&str, f64)] = &[("eta", 1.0), ("s_noise", 1.0)];
+
+/// SamplerDPMPP_2M_SDE's KSampler name by solver type.
+pub fn dpmpp_2m_sde_name(inputs: &Inputs) -> Result<&'static str, NodeError> {
+    Ok(match inputs.string("solver_type")? {
+        "heun" => "dpmpp_2m_sde_heun",
+        _ => "dpmpp_2m_sde",
+    })
+}
+
+/// SamplerER_SDE: only its ER-SDE solver type, as `er_sde` runs it.
+pub fn er_sde_name(inputs: &Inputs) -> Result<&'static str, NodeError> {
+    match inputs.string("solver_type")? {
+        "ER-SDE" => Ok("er_sde"),
+        other => Err(NodeError::invalid(format!(
+            "SamplerER_SDE's {other:?} solver type is not supported yet (sdkit runs \"ER-SDE\")"
+        ))),
+    }
+}
