@@ -51,12 +51,13 @@ fn image_in(inputs: &Inputs, name: &str) -> Result<Tensor4, NodeError> {
     )?)
 }
 
-fn mask_in(inputs: &Inputs, name: &str) -> Result<Mask3, NodeError> {
+pub(crate) fn mask_in(inputs: &Inputs, name: &str) -> Result<Mask3, NodeError> {
     let t = inputs.mask(name)?;
-    // ComfyUI accepts [H, W] masks too and treats them as a batch of one.
+    // ComfyUI accepts [H, W] masks too and treats them as a batch of one
+    // (and its composites reshape to [-1, 1, H, W], taking [B, 1, H, W]).
     let (b, h, w) = match t.shape.as_slice() {
         [h, w] => (1, *h, *w),
-        [b, h, w] => (*b, *h, *w),
+        [b, h, w] | [b, 1, h, w] => (*b, *h, *w),
         s => {
             return Err(NodeError::invalid(format!(
                 "input \"{name}\": expected a mask [B, H, W], got shape {s:?}"

@@ -287,20 +287,7 @@ latent_node!(
     LatentCompositeMasked,
     |inputs| {
         let mask = match inputs.get("mask") {
-            Some(_) => {
-                let t = inputs.mask("mask")?;
-                let (b, h, w) = match t.shape.as_slice() {
-                    [h, w] => (1, *h, *w),
-                    [b, h, w] => (*b, *h, *w),
-                    [b, 1, h, w] => (*b, *h, *w),
-                    s => {
-                        return Err(NodeError::invalid(format!(
-                            "input \"mask\": expected a mask [B, H, W], got shape {s:?}"
-                        )))
-                    }
-                };
-                Some(crate::imageops::Mask3::new(b, h, w, t.data.clone())?)
-            }
+            Some(_) => Some(crate::image::mask_in(inputs, "mask")?),
             None => None,
         };
         crate::imageops::latent_composite_masked(

@@ -34,7 +34,7 @@ use sdkit_compute::plan::plan;
 use sdkit_compute::plan::Program;
 use sdkit_compute::runtime::Session;
 use sdkit_compute::tensor::GraphBuilder;
-use sdkit_compute::weights::{SafeTensors, WeightStore};
+use sdkit_compute::weights::SafeTensors;
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
 use sdkit_schema::SocketType;
 use std::collections::{BTreeMap, HashMap};
@@ -210,10 +210,8 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
         None => super::flux_control::detect(&path, &s)?,
     };
     if let Some(kind) = dit {
-        let mut store = WeightStore::new();
-        store.mount(file, "", "");
         return Ok(ControlNetModel {
-            file: Arc::new(ModelFile::new(name, store)),
+            file: Arc::new(ModelFile::whole(name, file)),
             kind,
             prefix: String::new(),
             control_type: Vec::new(),
@@ -233,10 +231,8 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
                 "a control-LoRA without input_hint_block.0.weight",
             ));
         }
-        let mut store = WeightStore::new();
-        store.mount(file, "", "");
         return Ok(ControlNetModel {
-            file: Arc::new(ModelFile::new(name, store)),
+            file: Arc::new(ModelFile::whole(name, file)),
             kind: ControlKind::Lora { hint_convs },
             prefix: String::new(),
             control_type: Vec::new(),
@@ -261,10 +257,8 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
         let Some(t) = t2i_config(&s).map_err(|e| NodeError::file(&path, e))? else {
             return refuse("control models of this layout (not a ControlNet or T2I-Adapter)");
         };
-        let mut store = WeightStore::new();
-        store.mount(file, "", "");
         return Ok(ControlNetModel {
-            file: Arc::new(ModelFile::new(name, store)),
+            file: Arc::new(ModelFile::whole(name, file)),
             kind: ControlKind::T2i(t),
             prefix: String::new(),
             control_type: Vec::new(),
@@ -278,10 +272,8 @@ fn load(ctx: &NodeContext, name: &str) -> Result<ControlNetModel, NodeError> {
     } else {
         Heads::Count(8)
     };
-    let mut store = WeightStore::new();
-    store.mount(file, "", "");
     Ok(ControlNetModel {
-        file: Arc::new(ModelFile::new(name, store)),
+        file: Arc::new(ModelFile::whole(name, file)),
         kind: ControlKind::Net { cfg, heads },
         prefix: prefix.to_string(),
         control_type: Vec::new(),

@@ -70,20 +70,7 @@ pub(crate) fn bindings(
             b.weights.insert(name.clone(), Arc::new(w));
             continue;
         }
-        match model_weight(name)? {
-            Some(p) => {
-                b.weights.insert(name.clone(), p);
-            }
-            None => {
-                let full = format!("{}{name}", model.prefix);
-                let w = model
-                    .file
-                    .store
-                    .stored(&full)
-                    .map_err(|e| NodeError::invalid(format!("{}: {e}", model.file.name)))?;
-                b.stored.insert(name.clone(), w);
-            }
-        }
+        super::bind_model_weight(model, name, name, &mut b)?;
     }
     Ok(b)
 }

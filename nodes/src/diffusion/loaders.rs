@@ -457,9 +457,7 @@ fn load_diffusion_model(
     let file = Arc::new(raw);
     let s = shapes(&file);
     let (family, net, heads, prefix) = detect_unet(&s).map_err(|e| NodeError::file(&path, e))?;
-    let mut store = WeightStore::new();
-    store.mount(file, "", "");
-    let mut mf = ModelFile::new(name, store);
+    let mut mf = ModelFile::whole(name, file);
     mf.cast = cast;
     let shared = Arc::new(mf);
     let model = build_model(&shared, &s, family, net, heads, prefix)

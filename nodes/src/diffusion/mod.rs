@@ -32,7 +32,7 @@ use crate::models::family::{LatentFormat, TextRule};
 use crate::sampling::discrete::DiscreteSchedule;
 use sdkit_compute::backend::cpu::Bindings;
 use sdkit_compute::plan::{Command, Program};
-use sdkit_compute::weights::{DType, WeightStore};
+use sdkit_compute::weights::{DType, SafeTensors, WeightStore};
 use sdkit_engine::{Inputs, NodeError, Tensor, Value};
 use sdkit_schema::SocketType;
 use std::any::Any;
@@ -67,6 +67,13 @@ impl ModelFile {
             cast: None,
             patched: Default::default(),
         }
+    }
+
+    /// One file's tensors under their own names.
+    pub fn whole(name: impl Into<String>, file: Arc<SafeTensors>) -> Self {
+        let mut store = WeightStore::new();
+        store.mount(file, "", "");
+        ModelFile::new(name, store)
     }
 
     fn tensor_error(&self, name: &str, e: impl std::fmt::Display) -> NodeError {
@@ -477,6 +484,33 @@ pub fn input<T: Any + Send + Sync>(
             found: v.socket_type().name().to_string(),
         }),
     }
+}
+
+/// Binds the model's tensor `rest` (under its prefix) as `name` in `b`:
+/// LoRA-patched where the model's patches touch it, else from the file.
+/// For programs that borrow a model's weights (a control-LoRA's or an
+/// SD3.5 ControlNet's).
+pub(crate) fn bind_model_weight(
+    model: &Model,
+    rest: &str,
+    name: &str,
+    b: &mut Bindings,
+) -> Result<(), NodeError> {
+    let full = format!("{}{rest}", model.prefix);
+    match model.patches.patched(&model.file, &full, None)? {
+        Some(p) => {
+            b.weights.insert(name.to_string(), p);
+        }
+        None => {
+            let w = model
+                .file
+                .store
+                .stored(&full)
+                .map_err(|e| NodeError::invalid(format!("{}: {e}", model.file.name)))?;
+            b.stored.insert(name.to_string(), w);
+        }
+    }
+    Ok(())
 }
 
 /// A tensor-graph construction error inside a node: the model's files and

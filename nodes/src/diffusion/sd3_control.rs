@@ -188,21 +188,7 @@ pub fn bindings(
             continue;
         };
         match name.strip_prefix(MAIN) {
-            Some(rest) => {
-                let full = format!("{}{rest}", model.prefix);
-                match model.patches.patched(&model.file, &full, None)? {
-                    Some(p) => {
-                        b.weights.insert(name.clone(), p);
-                    }
-                    None => {
-                        let w =
-                            model.file.store.stored(&full).map_err(|e| {
-                                NodeError::invalid(format!("{}: {e}", model.file.name))
-                            })?;
-                        b.stored.insert(name.clone(), w);
-                    }
-                }
-            }
+            Some(rest) => super::bind_model_weight(model, rest, name, &mut b)?,
             None => {
                 let w = net
                     .file

@@ -10,7 +10,7 @@ use super::{graph_error, input, opaque, run_model, Conditioning, ModelFile};
 use crate::models::clip_vision::{clip_vision, clip_vision_config, preprocess, ClipVisionConfig};
 use sdkit_compute::plan::plan;
 use sdkit_compute::tensor::{GraphBuilder, Scope, ShapeError};
-use sdkit_compute::weights::{SafeTensors, WeightStore};
+use sdkit_compute::weights::SafeTensors;
 use sdkit_engine::{Inputs, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor};
 use sdkit_schema::SocketType;
 use std::sync::Arc;
@@ -48,9 +48,7 @@ fn open(ctx: &NodeContext, folder: &str, name: &str) -> Result<SafeTensors, Node
 }
 
 fn model_file(name: &str, file: SafeTensors) -> Arc<ModelFile> {
-    let mut store = WeightStore::new();
-    store.mount(Arc::new(file), "", "");
-    Arc::new(ModelFile::new(name, store))
+    Arc::new(ModelFile::whole(name, Arc::new(file)))
 }
 
 /// CLIPVisionLoader.

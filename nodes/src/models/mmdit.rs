@@ -248,25 +248,7 @@ pub fn mmdit<'a>(
     let (b, h, w, p, hd) = (s[0], s[2], s[3], cfg.patch, cfg.hidden);
     let (gh, gw) = (h.div_ceil(p), w.div_ceil(p));
     let vb = Scope::new(g, prefix);
-    let mut x = x;
-    if gh * p != h {
-        x = g.concat(&[x, x.slice(2, 0, gh * p - h)?], 2)?;
-    }
-    if gw * p != w {
-        x = g.concat(&[x, x.slice(3, 0, gw * p - w)?], 3)?;
-    }
-    let emb = vb.pp("x_embedder.proj");
-    let x = x.conv2d(
-        emb.get("weight", &[hd, cfg.in_channels, p, p])?,
-        Some(emb.get("bias", &[hd])?),
-        Conv2dParams {
-            stride: [p, p],
-            padding: [0, 0],
-            dilation: [1, 1],
-            groups: 1,
-        },
-    )?;
-    let x = x.reshape(&[b, hd, gh * gw])?.permute(&[0, 2, 1])?;
+    let x = patch_embed(&vb.pp("x_embedder"), x, p, hd)?;
     // The centre crop of the position table.
     let m = cfg.pos_embed_max;
     if gh > m || gw > m {
