@@ -112,8 +112,8 @@ is built and its graph runs.
 
     COMFY_DIR=/work/comfyfull /work/venv-ref/bin/python tools/reference/dit_guidance.py
 (media-only imports are stubbed as in sd1_pipeline.py; the base fixtures
-are not rewritten; model folders, fixture checks, workflow runs, spreads
-and per-workflow fields are fixture_runs.py's.)
+are not rewritten; model folders, fixture checks, the SD3.5 checkpoint,
+workflow runs, spreads and per-workflow fields are fixture_runs.py's.)
 """
 import json
 import os
@@ -127,7 +127,6 @@ import fixture_runs as fr  # noqa: E402
 import inpaint_pipeline as ip  # noqa: E402
 import sd3_pipeline as s3  # noqa: E402
 import chroma_pipeline as cp  # noqa: E402
-import families_pipeline as fam  # noqa: E402
 
 FLUX_FILES = ["tiny_flux_dev.safetensors", "tiny_t5xxl.safetensors", "tiny_clip_l.safetensors",
               "tiny_flux_ae.safetensors"]
@@ -290,25 +289,8 @@ def write_files(tmp, nodes, torch, family, verbose):
     sd3_files = {x["name"]: x for x in fr.fixture("sd3")["files"]}
     flux_files = {x["name"]: x for x in fr.fixture("flux")["files"]}
     assert sd3_files["tiny_clip_l.safetensors"] == flux_files["tiny_clip_l.safetensors"]
-    for folder, name, keys, listed in [
-            ("clip", "tiny_clip_g.safetensors", fam.clip_hf_keys(torch, s3.CLIP_G, True), True),
-            ("clip", "tiny_t5xxl_sd3.safetensors", s3.t5_keys(torch), True),
-            ("vae", "_sd3_vae.safetensors", fp.vae_keys(torch), False),
-            ("unet", "_mmdit_" + SD3_CKPT, s3.mmdit_keys(torch, SD3_CKPT), False)]:
-        keys = sorted(keys)
-        digest = fam.write_file(os.path.join(tmp, folder, name), keys, {}, torch)
-        if listed:
-            assert [list(k) for k in keys] == sd3_files[name]["keys"], name
-            assert str(digest) == sd3_files[name]["checksum_f16"], name
-    keys = sorted(s3.make_checkpoint(nodes, s3.v3_nodes(), tmp, SD3_CKPT, torch))
-    scaled = {s3.POS_EMBED: s3.POS_SCALE[s3.VARIANTS[SD3_CKPT][2]]}
-    digest = fam.write_file(os.path.join(tmp, "checkpoints", SD3_CKPT), keys, scaled, torch)
-    entries.append(fr.file_entry("checkpoints", SD3_CKPT, keys, digest))
-    entries[-1]["scaled"] = dict(scaled)
-    assert json.loads(json.dumps(entries[-1])) == sd3_files[SD3_CKPT], SD3_CKPT
-    if verbose:
-        print("file checkpoints", SD3_CKPT, "keys", len(keys), "checksum", digest,
-              "(= sd3/expected.json)")
+    entries.append(fr.write_sd35(tmp, nodes, SD3_CKPT, torch, ("sd3",), clip_l=False,
+                                 verbose=verbose))
     family.use("tiny_flux")
     return entries
 

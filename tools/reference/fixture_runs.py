@@ -1,5 +1,7 @@
 """What the Flux-based reference-fixture scripts share (scaled_fp8.py,
-flux_fill.py, flux_kontext.py, fp8_lora.py, gguf_lora.py; all built on
+flux_fill.py, flux_kontext.py, fp8_lora.py, gguf_lora.py, flux_redux.py,
+dit_guidance.py and, through control_runs.py or directly, the ControlNet
+scripts flux_controlnet.py, flux_instantx.py, sd3_controlnet.py; all built on
 flux_pipeline.py and sd1_pipeline.py):
 
   * comfy_tmp: a temp dir with ComfyUI's model folders registered,
@@ -7,16 +9,23 @@ flux_pipeline.py and sd1_pipeline.py):
     log handler attached, all undone on exit;
   * fixture / load_graph / write_graph: tests/reference/<name>/expected.json
     and graphs/<name>.json;
-  * file_entry / write_flux_files / lora_specs / write_flux_lora: the
-    "files" entries, flux_pipeline's and flux_lora's files rewritten and
-    asserted equal to their fixtures' entries;
+  * flux_loaders / save_nodes: the graphs' tiny Flux dev loader nodes and
+    their VAEDecode / SaveImage / SaveLatent tail;
+  * file_entry / write_flux_files / write_sd35 / lora_specs /
+    write_flux_lora / print_file: the "files" entries, flux_pipeline's,
+    sd3_pipeline's and flux_lora's files rewritten and asserted equal to
+    their fixtures' entries, a written file's keys printed;
+  * debug_log: the root logger at DEBUG around a model load, its records
+    kept;
   * run: one workflow, its latent and image as f32 arrays, the log
     checked;
-  * check_image, rel, decode, latent_of, spreads, outputs, summary: the
-    per-workflow fields every fixture has (f32_vs_f64_unet_rel and
-    unet_rounding_rel against sd1_pipeline.spread_runs' latents;
+  * check_image, rel, decode, latent_of, spreads, without_rel, outputs,
+    summary: the per-workflow fields every fixture has (f32_vs_f64_unet_rel
+    and unet_rounding_rel against sd1_pipeline.spread_runs' latents;
+    without_rel against the graph without the feature under test;
     latent_shape, latent_f32, image_shape, image_f32, image_range) and the
     line printed for them;
+  * b64t / tensor_entry: a tensor as a component field ({shape, f32});
   * finish: a spread run prints its latents, the main run writes
     expected.json.
 """
@@ -37,11 +46,15 @@ import sd1_pipeline as sd1  # noqa: E402
 import flux_pipeline as fp  # noqa: E402
 import flux_lora as fl  # noqa: E402
 import lora_pipeline as lp  # noqa: E402
+import sd3_pipeline as s3  # noqa: E402
+import families_pipeline as fam  # noqa: E402
 
 ROOT = sd1.ROOT
 # Model folder under the temp dir -> the folder_paths kind it is registered as.
 FOLDER_KINDS = {"checkpoints": "checkpoints", "unet": "diffusion_models",
-                "clip": "text_encoders", "vae": "vae", "loras": "loras"}
+                "clip": "text_encoders", "vae": "vae", "loras": "loras",
+                "controlnet": "controlnet", "clip_vision": "clip_vision",
+                "style_models": "style_models"}
 
 
 def fixture(name):
@@ -64,6 +77,30 @@ def write_graph(name, g):
     """graphs/NAME.json in flux_lora.graph_text's layout."""
     with open(graph_path(name), "w") as f:
         f.write(fl.graph_text(g))
+
+
+def flux_loaders():
+    """The tiny Flux dev's loader nodes: UNETLoader "1", DualCLIPLoader flux
+    "2", VAELoader "13"."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_flux_dev.safetensors",
+                                                     "weight_dtype": "default"}},
+        "2": {"class_type": "DualCLIPLoader", "inputs": {
+            "clip_name1": "tiny_clip_l.safetensors", "clip_name2": "tiny_t5xxl.safetensors",
+            "type": "flux", "device": "default"}},
+        "13": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_flux_ae.safetensors"}},
+    }
+
+
+def save_nodes(name, vae):
+    """VAEDecode "8" (of sampler "7"'s latent with `vae`), SaveImage "9" and
+    SaveLatent "99" of workflow `name`."""
+    return {
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": vae}},
+        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": name}},
+        "99": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0],
+                                                      "filename_prefix": "latents/" + name}},
+    }
 
 
 @contextlib.contextmanager
@@ -130,6 +167,74 @@ def write_flux_files(tmp, names, torch, verbose=False):
                   "(= flux/expected.json)")
     assert sorted(e["name"] for e in entries) == sorted(names), names
     return entries
+
+
+def write_sd35(tmp, nodes, ckpt, torch, fixtures, clip_l=True, verbose=False):
+    """sd3_pipeline's tiny SD3.5 checkpoint `ckpt`, written into tmp's
+    folders as sd3_pipeline builds it: its parts first (clip_l when
+    `clip_l`, clip_g and t5xxl_sd3, keys and checksum_f16 asserted equal to
+    tests/reference/sd3/expected.json; the VAE and MMDiT halves), then the
+    checkpoint. Returns its file_entry (scaled: the positional embedding's
+    scale), asserted equal to its entry in each of `fixtures`'
+    expected.json."""
+    sd3_files = {x["name"]: x for x in fixture("sd3")["files"]}
+    parts = [("clip", "tiny_clip_l.safetensors", fam.clip_hf_keys(torch, s3.CLIP_L, False),
+              True)] if clip_l else []
+    for folder, name, keys, listed in parts + [
+            ("clip", "tiny_clip_g.safetensors", fam.clip_hf_keys(torch, s3.CLIP_G, True), True),
+            ("clip", "tiny_t5xxl_sd3.safetensors", s3.t5_keys(torch), True),
+            ("vae", "_sd3_vae.safetensors", fp.vae_keys(torch), False),
+            ("unet", "_mmdit_" + ckpt, s3.mmdit_keys(torch, ckpt), False)]:
+        keys = sorted(keys)
+        digest = fam.write_file(os.path.join(tmp, folder, name), keys, {}, torch)
+        if listed:
+            assert [list(k) for k in keys] == sd3_files[name]["keys"], name
+            assert str(digest) == sd3_files[name]["checksum_f16"], name
+    keys = sorted(s3.make_checkpoint(nodes, s3.v3_nodes(), tmp, ckpt, torch))
+    scaled = {s3.POS_EMBED: s3.POS_SCALE[s3.VARIANTS[ckpt][2]]}
+    digest = fam.write_file(os.path.join(tmp, "checkpoints", ckpt), keys, scaled, torch)
+    entry = file_entry("checkpoints", ckpt, keys, digest)
+    entry["scaled"] = dict(scaled)
+    as_json = json.loads(json.dumps(entry))
+    for name in fixtures:
+        (ref,) = [x for x in fixture(name)["files"] if x["name"] == ckpt]
+        assert as_json == ref, (name, ckpt)
+    if verbose:
+        print("file checkpoints", ckpt, "keys", len(keys), "checksum", digest,
+              "(= {})".format(" = ".join(n + "/expected.json" for n in fixtures)))
+    return entry
+
+
+def print_file(folder, name, keys, digest):
+    """A written file's line (folder, name, key count, parameters, checksum)
+    and its keys with their shapes."""
+    print("file", folder, name, "keys", len(keys), "params",
+          sum(int(np.prod(s)) for _, s in keys), "checksum", digest)
+    for k, s in keys:
+        print("   ", k, s)
+
+
+@contextlib.contextmanager
+def debug_log(log):
+    """The root logger at DEBUG (where ComfyUI reports unexpected keys),
+    every other handler at INFO or above, `log` (a LogCapture on the root
+    logger) cleared; all restored on exit. Yields a list that, on exit,
+    holds the captured records as (level name, message)."""
+    root = logging.getLogger()
+    level = root.level
+    quiet = [(h, h.level) for h in root.handlers if h is not log]
+    for h, _ in quiet:
+        h.setLevel(max(h.level, logging.INFO))
+    root.setLevel(logging.DEBUG)
+    del log.records[:]
+    msgs = []
+    try:
+        yield msgs
+    finally:
+        root.setLevel(level)
+        for h, lvl in quiet:
+            h.setLevel(lvl)
+        msgs.extend((logging.getLevelName(lvl), m) for lvl, m in log.records)
 
 
 def lora_specs(nodes, unet="tiny_flux_dev.safetensors", t5="tiny_t5xxl.safetensors"):
@@ -211,6 +316,26 @@ def spreads(name, lat, runs):
     f64_latents, perturbed_latents = runs
     return {"f32_vs_f64_unet_rel": rel(lat, decode(f64_latents[name])),
             "unet_rounding_rel": rel(lat, decode(perturbed_latents[name]))}
+
+
+def without_rel(name, lat, w, prompt, node_ns, torch):
+    """w["without_rel"]: max |lat - the latent of `prompt` (workflow `name`
+    without the feature under test)| / max |that latent|, asserted above
+    1e-3 and 100 times the spreads (the feature matters)."""
+    _, plain = sd1.run_workflow(prompt, node_ns, torch)
+    w["without_rel"] = rel(lat, plain[0].float().numpy())
+    spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
+    assert w["without_rel"] > max(1e-3, 100 * spread), (name, w)
+
+
+def b64t(t):
+    """base64 of a tensor as little-endian f32."""
+    return sd1.b64(t.detach().float().numpy().astype("<f4"))
+
+
+def tensor_entry(t):
+    """A tensor as a component field: {shape, f32}."""
+    return {"shape": list(t.shape), "f32": b64t(t)}
 
 
 def outputs(lat, img):

@@ -139,10 +139,10 @@ Relaxed as in flux_pipeline.py (fp.patch_comfy), nothing more.
 (media-only imports are stubbed as in sd1_pipeline.py; the flux fixtures are
 not rewritten; the graphs are written by the main run; the steps shared
 with the other Flux fixture scripts -- model folders, fixture checks,
-workflow runs, spreads, per-workflow fields -- are fixture_runs.py's.)
+workflow runs, spreads, per-workflow fields -- are fixture_runs.py's; the
+recording wrappers, the DiT trace and its add-rule check and the
+per-workflow control fields are control_runs.py's.)
 """
-import inspect
-import logging
 import math
 import os
 import sys
@@ -155,7 +155,7 @@ import flux_pipeline as fp  # noqa: E402
 import flux_fill as ff  # noqa: E402
 import fixture_runs as fr  # noqa: E402
 import inpaint_pipeline as ip  # noqa: E402
-import controlnet_pipeline as cp  # noqa: E402
+import control_runs as cr  # noqa: E402
 
 FILES = ["tiny_flux_dev.safetensors", "tiny_t5xxl.safetensors", "tiny_clip_l.safetensors",
          "tiny_flux_ae.safetensors"]
@@ -179,14 +179,7 @@ CHAIN_PROMPT = ("an old stone lighthouse on a (rocky:1.1) cliff at sunset, waves
 def graph_for(name):
     """The API prompt of workflow `name` (node ids as in
     graphs/tiny_flux_txt2img.json where they play the same part)."""
-    g = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_flux_dev.safetensors",
-                                                     "weight_dtype": "default"}},
-        "2": {"class_type": "DualCLIPLoader", "inputs": {
-            "clip_name1": "tiny_clip_l.safetensors", "clip_name2": "tiny_t5xxl.safetensors",
-            "type": "flux", "device": "default"}},
-        "13": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_flux_ae.safetensors"}},
-    }
+    g = fr.flux_loaders()
     if name == "tiny_flux_controlnet":
         g.update({
             "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT}},
@@ -234,12 +227,7 @@ def graph_for(name):
                 "latent_image": ["6", 0], "seed": 747474, "steps": 4, "cfg": 1.0,
                 "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
         })
-    g.update({
-        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["13", 0]}},
-        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": name}},
-        "99": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0],
-                                                      "filename_prefix": "latents/" + name}},
-    })
+    g.update(fr.save_nodes(name, ["13", 0]))
     return g
 
 
@@ -290,7 +278,6 @@ class Record:
     def __init__(self, torch):
         import comfy.controlnet as cn
         import comfy.ldm.flux.controlnet as fc
-        import comfy.ldm.flux.model as fm
         self.torch = torch
         self.loads = []
         self.trace = False
@@ -304,33 +291,7 @@ class Record:
             return load(sd, mistoline=mistoline, model_options=model_options)
         cn.load_controlnet_flux_xlabs_mistoline = load_wrap
 
-        get_control = cn.ControlNet.get_control
-
-        def gc_wrap(self, x_noisy, t, cond, batched_number, transformer_options):
-            r = self.timestep_range
-            # ids, not objects: a held model makes ComfyUI warn of a leak.
-            prev = self.previous_controlnet
-            entry = {"net": id(self), "prev": None if prev is None else id(prev),
-                     "model": id(self.control_model), "sigma": float(t[0]),
-                     "t": t.clone(), "x": x_noisy.clone(), "strength": self.strength,
-                     "range": None if r is None else (float(r[0]), float(r[1])),
-                     "applied": bool(r is None or not (t[0] > r[0] or t[0] < r[1])),
-                     "batch": int(x_noisy.shape[0]), "batched_number": batched_number,
-                     "cond": {k: cond[k] for k in ("c_crossattn", "y", "guidance") if k in cond},
-                     "forward": None,
-                     "result": None, "prev_entry": None}
-            if rec.stack:
-                rec.stack[-1]["prev_entry"] = entry
-            rec.controls.append(entry)
-            rec.stack.append(entry)
-            try:
-                out = get_control(self, x_noisy, t, cond, batched_number, transformer_options)
-            finally:
-                rec.stack.pop()
-            entry["result"] = None if out is None else {
-                k: [None if v is None else v.clone() for v in out[k]] for k in out}
-            return out
-        cn.ControlNet.get_control = gc_wrap
+        cr.record_get_control(rec, ("c_crossattn", "y", "guidance"))
 
         forward = fc.ControlNetFlux.forward
 
@@ -341,79 +302,18 @@ class Record:
                      "guidance": None if guidance is None else guidance.clone(),
                      "hint": hint.clone(), "kwargs": sorted(kwargs), "keys": sorted(out)}
             for key in ("input", "output", "middle"):
-                if key not in out:
-                    continue
-                ts = list(out[key])
-                groups = []
-                for pos, v in enumerate(ts):
-                    for g in groups:
-                        if g["tensor"] is v:
-                            g["positions"].append(pos)
-                            break
-                    else:
-                        groups.append({"tensor": v, "positions": [pos]})
-                entry[key] = {"count": len(ts), "groups": [
-                    {"positions": g["positions"], "value": g["tensor"].clone()} for g in groups]}
+                if key in out:
+                    entry[key] = cr.groups_of(list(out[key]))
             rec.forwards.append(entry)
             if rec.stack:
                 rec.stack[-1]["forward"] = entry
             return out
         fc.ControlNetFlux.forward = fwd_wrap
 
-        orig = fm.Flux.forward_orig
-        sig = inspect.signature(orig)
-
-        def orig_wrap(self, *args, **kwargs):
-            a = sig.bind(self, *args, **kwargs).arguments
-            control = a.get("control")
-            call = {"sigma": float(a["timesteps"][0]), "batch": int(a["img"].shape[0]),
-                    "txt_len": int(a["txt"].shape[1]), "img_len": int(a["img"].shape[1]),
-                    "control": None if control is None else {
-                        k: [None if v is None else v.clone() for v in control[k]]
-                        for k in control}}
-            rec.dits.append(call)
-            hooks = []
-            if rec.trace and control is not None:
-                rec.trace = False
-                call["trace"] = trace = {}
-                hooks = install_trace(self, trace)
-            try:
-                return orig(self, *args, **kwargs)
-            finally:
-                for hk in hooks:
-                    hk.remove()
-        fm.Flux.forward_orig = orig_wrap
+        cr.record_flux_dit(rec)
 
     def reset(self):
         self.controls, self.forwards, self.dits, self.stack = [], [], [], []
-
-
-def install_trace(dm, trace):
-    """Forward hooks on the DiT's blocks (all copies): each double block's
-    img input / (img, txt) output, each single block's input / output, the
-    final layer's input."""
-    hooks = []
-
-    def pre(tag):
-        def hook(mod, args, kwargs):
-            v = kwargs["img"] if "img" in kwargs else args[0]
-            trace[tag + "_in"] = v.clone()
-        return hook
-
-    def post(tag):
-        def hook(mod, args, kwargs, out):
-            trace[tag + "_out"] = tuple(o.clone() for o in out) if isinstance(out, tuple) \
-                else out.clone()
-        return hook
-    for i, b in enumerate(dm.double_blocks):
-        hooks.append(b.register_forward_pre_hook(pre("double{}".format(i)), with_kwargs=True))
-        hooks.append(b.register_forward_hook(post("double{}".format(i)), with_kwargs=True))
-    for i, b in enumerate(dm.single_blocks):
-        hooks.append(b.register_forward_pre_hook(pre("single{}".format(i)), with_kwargs=True))
-        hooks.append(b.register_forward_hook(post("single{}".format(i)), with_kwargs=True))
-    hooks.append(dm.final_layer.register_forward_pre_hook(pre("final"), with_kwargs=True))
-    trace["double_blocks"], trace["single_blocks"] = len(dm.double_blocks), len(dm.single_blocks)
-    return hooks
 
 
 # --- checks ----------------------------------------------------------------
@@ -422,21 +322,9 @@ def check_loaded(nodes, torch, keys, log, rec):
     """ControlNetLoader on the file, the log captured at DEBUG level (where
     ComfyUI reports unexpected keys)."""
     import comfy.controlnet as cn
-    root = logging.getLogger()
-    level = root.level
-    quiet = [(h, h.level) for h in root.handlers if h is not log]
-    for h, _ in quiet:
-        h.setLevel(max(h.level, logging.INFO))
-    root.setLevel(logging.DEBUG)
-    del log.records[:]
     del rec.loads[:]
-    try:
+    with fr.debug_log(log) as msgs:
         (c,) = nodes.ControlNetLoader().load_controlnet(CN)
-    finally:
-        root.setLevel(level)
-        for h, lvl in quiet:
-            h.setLevel(lvl)
-    msgs = [(logging.getLevelName(lvl), m) for lvl, m in log.records]
     assert not problems(log), problems(log)
     assert rec.loads == [{"mistoline": False}], rec.loads
     m = c.control_model
@@ -463,14 +351,6 @@ def check_loaded(nodes, torch, keys, log, rec):
           m.main_model_single, "tensors", len(sd), "= file keys, every value its f16 value")
     print("   log at DEBUG during the load ({} records):".format(len(msgs)), msgs)
     return c
-
-
-def b64t(t):
-    return sd1.b64(t.detach().float().numpy().astype("<f4"))
-
-
-def tensor_entry(t):
-    return {"shape": list(t.shape), "f32": b64t(t)}
 
 
 def want_hint(image, torch, w, h):
@@ -504,14 +384,7 @@ def check_forward(fwd, gc, torch):
 
 def scaled_lists(fwd, strength):
     """control_merge's lists for one net without a previous one."""
-    out = {}
-    for key in ("input", "output"):
-        lst = [None] * fwd[key]["count"]
-        for g in fwd[key]["groups"]:
-            v = g["value"] * strength
-            for p in g["positions"]:
-                lst[p] = v
-        out[key] = lst
+    out = {key: cr.scaled(fwd[key], strength) for key in ("input", "output")}
     out["middle"] = []
     return out
 
@@ -547,69 +420,20 @@ def check_controls(name, rec, torch):
                                                     for a, b in zip(res[k], want)), (name, k)
     # The outermost call per model call is what the DiT got.
     outer = [e for e in rec.controls if not any(o["prev_entry"] is e for o in rec.controls)]
-    with_control = [d for d in rec.dits if d["control"] is not None]
-    assert len(outer) == len(rec.dits), (len(outer), len(rec.dits))
-    for e, d in zip(outer, rec.dits):
-        assert e["sigma"] == d["sigma"] and e["batch"] == d["batch"]
-        if e["result"] is None:
-            assert d["control"] is None
-        else:
-            for k in ("input", "output"):
-                assert all(torch.equal(a, b) for a, b in zip(d["control"][k], e["result"][k]))
-    assert with_control, name
+    cr.check_flux_dits(outer, rec.dits, torch)
+    assert [d for d in rec.dits if d["control"] is not None], name
     return calls
-
-
-def check_trace(dit, torch):
-    """The Flux add rule on one traced DiT call."""
-    tr, ctl = dit["trace"], dit["control"]
-    nd, ns = tr["double_blocks"], tr["single_blocks"]
-    txt_len = dit["txt_len"]
-    img = None
-    for i in range(nd):
-        out_img, out_txt = tr["double{}_out".format(i)]
-        img = out_img.clone()
-        if i < len(ctl["input"]) and ctl["input"][i] is not None:
-            add = ctl["input"][i]
-            img[:, :add.shape[1]] += add
-        if i + 1 < nd:
-            assert torch.equal(tr["double{}_in".format(i + 1)], img), i
-    x = torch.cat((out_txt, img), 1)
-    assert txt_len == out_txt.shape[1]
-    for i in range(ns):
-        assert torch.equal(tr["single{}_in".format(i)], x), i
-        x = tr["single{}_out".format(i)].clone()
-        if i < len(ctl["output"]) and ctl["output"][i] is not None:
-            add = ctl["output"][i]
-            x[:, txt_len:txt_len + add.shape[1]] += add
-    assert torch.equal(tr["final_in"], x[:, txt_len:])
-    used = (min(nd, len(ctl["input"])), min(ns, len(ctl["output"])))
-    print("   Flux add rule checked on the first DiT call with control: double blocks", nd,
-          "single blocks", ns, "-> input[0:{}] and output[0:{}] used".format(*used),
-          "txt tokens", txt_len, "img tokens", dit["img_len"])
 
 
 def forward_component(name, rec, strength):
     fwd = rec.forwards[0]
     (gc,) = [e for e in rec.controls if e["forward"] is fwd]
-    inputs = {k: tensor_entry(fwd[k]) for k in ("x", "timesteps", "context", "y", "guidance",
-                                                 "hint")}
+    inputs = {k: fr.tensor_entry(fwd[k]) for k in ("x", "timesteps", "context", "y",
+                                                    "guidance", "hint")}
     out = {"graph": name, "sigma": gc["sigma"], "strength": strength, "inputs": inputs}
     for key in ("input", "output"):
-        out[key] = {"count": fwd[key]["count"],
-                    "tensors": [dict(positions=g["positions"], **tensor_entry(g["value"]))
-                                for g in fwd[key]["groups"]]}
+        out[key] = cr.groups_entry(fwd[key])
     return out
-
-
-def percent_to_sigma(p, shift=1.15):
-    """ModelSamplingFlux.percent_to_sigma, written out."""
-    if p <= 0.0:
-        return 1.0
-    if p >= 1.0:
-        return 0.0
-    t = 1.0 - p
-    return math.exp(shift) / (math.exp(shift) + (1 / t - 1))
 
 
 def check_ranges(rec, nets):
@@ -619,30 +443,22 @@ def check_ranges(rec, nets):
     assert len(by_strength) == len(nets)
     for e in rec.controls:
         i = by_strength[e["strength"]]
-        want = (percent_to_sigma(i["start_percent"]), percent_to_sigma(i["end_percent"]))
+        want = (cr.flux_percent_to_sigma(i["start_percent"]),
+                cr.flux_percent_to_sigma(i["end_percent"]))
         assert all(abs(a - b) <= 1e-12 for a, b in zip(e["range"], want)), (e["range"], want)
         assert e["applied"] == (not (e["sigma"] > want[0] or e["sigma"] < want[1]))
-    return {s: [percent_to_sigma(i["start_percent"]), percent_to_sigma(i["end_percent"])]
-            for s, i in by_strength.items()}
-
-
-def without_control(prompt):
-    g = cp.without_control(prompt)
-    assert not [n for n in g.values() if n["class_type"] == "ControlNetApplyAdvanced"]
-    return g
+    return {s: [cr.flux_percent_to_sigma(i["start_percent"]),
+                cr.flux_percent_to_sigma(i["end_percent"])] for s, i in by_strength.items()}
 
 
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
     import nodes
 
     log = ip.LogCapture()
-    with fr.comfy_tmp(torch, ["unet", "clip", "vae"], log) as tmp:
+    with fr.comfy_tmp(torch, ["unet", "clip", "vae", "controlnet"], log) as tmp:
         cdir = os.path.join(tmp, "controlnet")
-        os.makedirs(cdir)
-        folder_paths.add_model_folder_path("controlnet", cdir, is_default=True)
         out = {"files": fr.write_flux_files(tmp, FILES, torch, verbose=not sub),
                "workflows": {}, "components": {}}
         assert [f["name"] for f in out["files"]] == FILES
@@ -654,10 +470,7 @@ def main():
         rec = Record(torch)
         node_ns = fr.node_classes(nodes, fp.v3_nodes())
         if not sub:
-            print("file controlnet", CN, "keys", len(keys), "params",
-                  sum(int(np.prod(s)) for _, s in keys), "checksum", digest)
-            for k, s in keys:
-                print("   ", k, s)
+            fr.print_file("controlnet", CN, keys, digest)
             for name in WORKFLOWS:
                 fr.write_graph(name, graph_for(name))
             check_loaded(nodes, torch, keys, log, rec)
@@ -676,21 +489,16 @@ def main():
             calls = check_controls(name, rec, torch)
             nets = [n for n in prompt.values() if n["class_type"] == "ControlNetApplyAdvanced"]
             ranges = check_ranges(rec, nets)
-            dit_control = [[d["sigma"], d["batch"],
-                            0 if d["control"] is None else len(d["control"]["input"]),
-                            0 if d["control"] is None else len(d["control"]["output"])]
-                           for d in rec.dits]
-            print("   get_control calls [strength, sigma, applied, batch, batched_number]:")
-            for c in calls:
-                print("     ", c)
-            print("   DiT calls [sigma, batch, input entries, output entries]:", dit_control)
+            dit_control = cr.flux_dit_control(rec)
+            cr.print_calls(calls, "DiT calls [sigma, batch, input entries, output entries]:",
+                           dit_control)
             print("   timestep ranges (sigma) by strength:", ranges)
             models = {f["model"] for f in rec.forwards}
             assert len(models) == 1, "one loaded net, shared by every apply node's copy"
             if name == "tiny_flux_controlnet":
                 (traced,) = [d for d in rec.dits if "trace" in d]
                 assert traced is next(d for d in rec.dits if d["control"] is not None)
-                check_trace(traced, torch)
+                cr.check_flux_trace(traced, torch)
                 fwd = rec.forwards[0]
                 assert torch.equal(fwd["hint"], want_hint(example, torch, 64, 48))
                 assert torch.equal(fwd["hint"], example.movedim(-1, 1)), "64x48: identity"
@@ -708,7 +516,7 @@ def main():
                       len(fwd["output"]["groups"]), "abs max",
                       max(float(g["value"].abs().max()) for g in fwd["input"]["groups"]))
             else:
-                imgs = [example, 1.0 - want_image_scale(example, torch, 40, 40)]
+                imgs = [example, 1.0 - cr.want_image_scale(example, torch, 40, 40)]
                 hints = []
                 for node, image in zip(nets, imgs):
                     st = node["inputs"]["strength"]
@@ -719,34 +527,18 @@ def main():
                     hints.append({"strength": st, "start_percent": node["inputs"]["start_percent"],
                                   "end_percent": node["inputs"]["end_percent"],
                                   "image_shape": list(image.shape),
-                                  "hint_shape": list(hint.shape), "hint_f32": b64t(hint)})
+                                  "hint_shape": list(hint.shape), "hint_f32": fr.b64t(hint)})
                     print("   hint of net", st, "image", list(image.shape), "-> hint",
                           list(hint.shape), "mean", float(hint.mean()))
                 out["components"]["chain_hints"] = hints
                 assert [c[2] for c in calls] == [False, True, True, True, True, True, True, True], \
                     calls
-            clipped = fr.check_image(name, img)
-            w = fr.spreads(name, lat, runs)
-            rec.reset()
-            _, plain = sd1.run_workflow(without_control(prompt), node_ns, torch)
-            assert not rec.controls and all(d["control"] is None for d in rec.dits)
-            w["without_rel"] = fr.rel(lat, plain[0].float().numpy())
-            spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
-            assert w["without_rel"] > max(1e-3, 100 * spread), (name, w)
-            w["control_calls"] = calls
-            w["dit_control"] = dit_control
-            w.update(fr.outputs(lat, img))
-            out["workflows"][name] = w
-            print("  ", *fr.summary(lat, img, w, clipped), "without control", w["without_rel"])
+            out["workflows"][name] = cr.workflow_entry(
+                name, lat, img, runs, rec, cr.without_control(prompt), node_ns, torch, calls,
+                dit_control)
         size = fr.finish("flux_controlnet", out, sub)
         if size is not None:
             assert size < 2_000_000, size
-
-
-def want_image_scale(image, torch, w, h):
-    import comfy.utils
-    return comfy.utils.common_upscale(image.movedim(-1, 1), w, h, "bilinear",
-                                      "disabled").movedim(1, -1)
 
 
 if __name__ == "__main__":

@@ -234,10 +234,9 @@ repetition targets are ControlNetFlux's, kept).
 not rewritten; the graphs are written by the main run; the steps shared
 with the other Flux fixture scripts -- model folders, fixture checks,
 workflow runs, spreads, per-workflow fields -- are fixture_runs.py's; the
-DiT trace and its add-rule check are flux_controlnet.py's.)
+recording wrappers, the DiT trace and its add-rule check, the range and
+hint checks and the per-workflow control fields are control_runs.py's.)
 """
-import inspect
-import logging
 import math
 import os
 import sys
@@ -250,7 +249,7 @@ import flux_pipeline as fp  # noqa: E402
 import flux_fill as ff  # noqa: E402
 import fixture_runs as fr  # noqa: E402
 import inpaint_pipeline as ip  # noqa: E402
-import flux_controlnet as fxc  # noqa: E402
+import control_runs as cr  # noqa: E402
 
 FILES = ["tiny_flux_dev.safetensors", "tiny_t5xxl.safetensors", "tiny_clip_l.safetensors",
          "tiny_flux_ae.safetensors"]
@@ -281,20 +280,15 @@ AUTO_PROMPT = ("a glass greenhouse full of ferns and orchids, (misty:1.1) mornin
 def graph_for(name):
     """The API prompt of workflow `name` (node ids as in
     graphs/tiny_flux_controlnet.json where they play the same part)."""
-    g = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_flux_dev.safetensors",
-                                                     "weight_dtype": "default"}},
-        "2": {"class_type": "DualCLIPLoader", "inputs": {
-            "clip_name1": "tiny_clip_l.safetensors", "clip_name2": "tiny_t5xxl.safetensors",
-            "type": "flux", "device": "default"}},
-        "13": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_flux_ae.safetensors"}},
+    g = fr.flux_loaders()
+    g.update({
         "4": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["3", 0],
                                                        "guidance": 3.0}},
         "10": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
         "20": {"class_type": "ControlNetLoader", "inputs": {"control_net_name": CN}},
         "6": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 48,
                                                               "batch_size": 1}},
-    }
+    })
     if name == UNION:
         g.update({
             "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": PROMPT}},
@@ -327,12 +321,7 @@ def graph_for(name):
                 "latent_image": ["6", 0], "seed": 828282, "steps": 4, "cfg": 1.0,
                 "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
         })
-    g.update({
-        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["13", 0]}},
-        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": name}},
-        "99": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0],
-                                                      "filename_prefix": "latents/" + name}},
-    })
+    g.update(fr.save_nodes(name, ["13", 0]))
     return {nid: g[nid] for nid in ORDER if nid in g}
 
 
@@ -447,20 +436,6 @@ def problems(log):
 
 # --- recording -------------------------------------------------------------
 
-def groups_of(ts):
-    """The distinct tensors of a tuple with the positions they occupy."""
-    groups = []
-    for pos, v in enumerate(ts):
-        for g in groups:
-            if g["tensor"] is v:
-                g["positions"].append(pos)
-                break
-        else:
-            groups.append({"tensor": v, "positions": [pos]})
-    return {"count": len(ts), "groups": [{"positions": g["positions"],
-                                          "value": g["tensor"].clone()} for g in groups]}
-
-
 class Record:
     """The instantx loader's calls; every ControlNet.get_control call (stack
     order kept, result copied, the VAE.encode it made); every
@@ -472,8 +447,6 @@ class Record:
     def __init__(self, torch):
         import comfy.controlnet as cn
         import comfy.ldm.flux.controlnet as fc
-        import comfy.ldm.flux.model as fm
-        import comfy.sd
         self.torch = torch
         self.loads = []
         self.trace = False
@@ -488,49 +461,9 @@ class Record:
             return load(sd, model_options=model_options)
         cn.load_controlnet_flux_instantx = load_wrap
 
-        encode = comfy.sd.VAE.encode
-
-        def encode_wrap(self, pixel_samples):
-            out = encode(self, pixel_samples)
-            if rec.stack:
-                rec.stack[-1]["encode"] = {"pixels": pixel_samples.clone(), "latent": out.clone(),
-                                           "vae": id(self)}
-            else:
-                rec.other_encodes += 1
-            return out
-        comfy.sd.VAE.encode = encode_wrap
-
-        get_control = cn.ControlNet.get_control
-
-        def gc_wrap(self, x_noisy, t, cond, batched_number, transformer_options):
-            r = self.timestep_range
-            prev = self.previous_controlnet
-            entry = {"net": id(self), "prev": None if prev is None else id(prev),
-                     "model": id(self.control_model), "sigma": float(t[0]),
-                     "t": t.clone(), "x": x_noisy.clone(), "strength": self.strength,
-                     "range": None if r is None else (float(r[0]), float(r[1])),
-                     "applied": bool(r is None or not (t[0] > r[0] or t[0] < r[1])),
-                     "batch": int(x_noisy.shape[0]), "batched_number": batched_number,
-                     "cond": {k: cond[k] for k in ("c_crossattn", "y", "guidance") if k in cond},
-                     "extra_args": dict(self.extra_args), "forward": None, "encode": None,
-                     "result": None, "prev_entry": None,
-                     "image": self.cond_hint_original.clone(),
-                     "vae": None if self.vae is None else id(self.vae),
-                     "latent_format": type(self.latent_format).__name__,
-                     "latent_factors": (self.latent_format.scale_factor,
-                                        self.latent_format.shift_factor)}
-            if rec.stack:
-                rec.stack[-1]["prev_entry"] = entry
-            rec.controls.append(entry)
-            rec.stack.append(entry)
-            try:
-                out = get_control(self, x_noisy, t, cond, batched_number, transformer_options)
-            finally:
-                rec.stack.pop()
-            entry["result"] = None if out is None else {
-                k: [None if v is None else v.clone() for v in out[k]] for k in out}
-            return out
-        cn.ControlNet.get_control = gc_wrap
+        cr.record_encode(rec)
+        cr.record_get_control(rec, ("c_crossattn", "y", "guidance"), lambda net: dict(
+            cr.hint_fields(net), extra_args=dict(net.extra_args)))
 
         forward = fc.ControlNetFlux.forward
 
@@ -576,7 +509,7 @@ class Record:
                      "img_tokens": int(blocks["double0_in"]["img"].shape[1])}
             for key in ("input", "output", "middle"):
                 if key in out:
-                    entry[key] = groups_of(list(out[key]))
+                    entry[key] = cr.groups_of(list(out[key]))
             if rec.check:
                 check_net(self, entry, torch)
             del entry["blocks"]
@@ -586,29 +519,7 @@ class Record:
             return out
         fc.ControlNetFlux.forward = fwd_wrap
 
-        orig = fm.Flux.forward_orig
-        sig = inspect.signature(orig)
-
-        def orig_wrap(self, *args, **kwargs):
-            a = sig.bind(self, *args, **kwargs).arguments
-            control = a.get("control")
-            call = {"sigma": float(a["timesteps"][0]), "batch": int(a["img"].shape[0]),
-                    "txt_len": int(a["txt"].shape[1]), "img_len": int(a["img"].shape[1]),
-                    "control": None if control is None else {
-                        k: [None if v is None else v.clone() for v in control[k]]
-                        for k in control}}
-            rec.dits.append(call)
-            hooks = []
-            if rec.trace and control is not None:
-                rec.trace = False
-                call["trace"] = trace = {}
-                hooks = fxc.install_trace(self, trace)
-            try:
-                return orig(self, *args, **kwargs)
-            finally:
-                for hk in hooks:
-                    hk.remove()
-        fm.Flux.forward_orig = orig_wrap
+        cr.record_flux_dit(rec)
 
     def reset(self):
         self.controls, self.forwards, self.dits, self.stack = [], [], [], []
@@ -686,21 +597,9 @@ def check_loaded(nodes, torch, keys, key_map, log, rec):
     ComfyUI reports unexpected keys). Returns (control, log records)."""
     import comfy.controlnet as cn
     import comfy.latent_formats
-    root = logging.getLogger()
-    level = root.level
-    quiet = [(h, h.level) for h in root.handlers if h is not log]
-    for h, _ in quiet:
-        h.setLevel(max(h.level, logging.INFO))
-    root.setLevel(logging.DEBUG)
-    del log.records[:]
     del rec.loads[:]
-    try:
+    with fr.debug_log(log) as msgs:
         (c,) = nodes.ControlNetLoader().load_controlnet(CN)
-    finally:
-        root.setLevel(level)
-        for h, lvl in quiet:
-            h.setLevel(lvl)
-    msgs = [(logging.getLevelName(lvl), m) for lvl, m in log.records]
     assert not problems(log), problems(log)
     assert not [m for m in msgs if "controlnet" in m[1].lower()], msgs
     assert rec.loads == [{"keys": sorted(k for k, _ in keys)}], rec.loads
@@ -751,31 +650,18 @@ def check_loaded(nodes, torch, keys, key_map, log, rec):
     return c, [list(x) for x in msgs]
 
 
-def b64t(t):
-    return sd1.b64(t.detach().float().numpy().astype("<f4"))
-
-
-def tensor_entry(t):
-    return {"shape": list(t.shape), "f32": b64t(t)}
-
-
 def check_controls(name, rec, node, vae, torch):
     """Every get_control call: the range rule, the inputs, the hint chain,
     strength scaling; the outermost call per model call is what the DiT
     got. Returns (control_calls, the first applied entry)."""
-    import comfy.utils
     i = node["inputs"]
-    want_range = (fxc.percent_to_sigma(i["start_percent"]),
-                  fxc.percent_to_sigma(i["end_percent"]))
+    want_range = (cr.flux_percent_to_sigma(i["start_percent"]),
+                  cr.flux_percent_to_sigma(i["end_percent"]))
     want_ct = [TYPE_ID] if name == UNION else None
     calls, first = [], None
     for e in rec.controls:
         calls.append([e["strength"], e["sigma"], e["applied"], e["batch"], e["batched_number"]])
-        assert e["prev"] is None and e["prev_entry"] is None
-        assert e["strength"] == i["strength"]
-        assert all(abs(a - b) <= 1e-12 for a, b in zip(e["range"], want_range)), \
-            (e["range"], want_range)
-        assert e["applied"] == (not (e["sigma"] > want_range[0] or e["sigma"] < want_range[1]))
+        cr.check_range(e, i, want_range)
         assert e["extra_args"] == ({} if want_ct is None else {"control_type": want_ct})
         if not e["applied"]:
             assert e["forward"] is None and e["result"] is None and e["encode"] is None
@@ -791,42 +677,14 @@ def check_controls(name, rec, node, vae, torch):
         assert fwd["hint"].shape[0] == 1 and list(fwd["hint"].shape[1:]) == [
             LATENT_CHANNELS] + list(x.shape[2:]), fwd["hint"].shape
         assert fwd["txt_tokens"] == x_txt(cond) + (0 if want_ct is None else 1)
-        if first is None:
-            first = e
-            enc = e["encode"]
-            assert enc is not None and enc["vae"] == e["vae"] is not None
-            assert e["latent_format"] == "Flux" and e["latent_factors"] == (LATENT_SCALE,
-                                                                            LATENT_SHIFT)
-            resized = comfy.utils.common_upscale(e["image"], x.shape[3] * 8, x.shape[2] * 8,
-                                                 "nearest-exact", "center")
-            pixels = resized.movedim(1, -1)
-            assert torch.equal(enc["pixels"], pixels), name
-            again = vae.encode(pixels)
-            assert torch.equal(enc["latent"], again), float((enc["latent"] - again).abs().max())
-            hint = (enc["latent"] - LATENT_SHIFT) * LATENT_SCALE
-            assert torch.equal(fwd["hint"], hint), float((fwd["hint"] - hint).abs().max())
-            e["hint_parts"] = {"resized": resized, "pixels": pixels}
-        else:
-            assert e["encode"] is None, "the hint is cached"
-            assert torch.equal(fwd["hint"], first["forward"]["hint"])
+        first = cr.check_hint(name, e, first, vae, "Flux", (LATENT_SCALE, LATENT_SHIFT), torch)
         res = e["result"]
         assert sorted(res) == ["input", "middle", "output"] and res["middle"] == [], sorted(res)
         for key in ("input", "output"):
-            want = [None] * fwd[key]["count"]
-            for g in fwd[key]["groups"]:
-                v = g["value"] * e["strength"]
-                for p in g["positions"]:
-                    want[p] = v
+            want = cr.scaled(fwd[key], e["strength"])
             assert len(res[key]) == len(want) and all(
                 torch.equal(a, b) for a, b in zip(res[key], want)), (name, key)
-    assert len(rec.controls) == len(rec.dits), (len(rec.controls), len(rec.dits))
-    for e, d in zip(rec.controls, rec.dits):
-        assert e["sigma"] == d["sigma"] and e["batch"] == d["batch"]
-        if e["result"] is None:
-            assert d["control"] is None
-        else:
-            for k in ("input", "output"):
-                assert all(torch.equal(a, b) for a, b in zip(d["control"][k], e["result"][k]))
+    cr.check_flux_dits(rec.controls, rec.dits, torch)
     assert first is not None, name
     return calls, first
 
@@ -839,36 +697,31 @@ def forward_component(name, e):
     fwd = e["forward"]
     out = {"graph": name, "sigma": e["sigma"], "strength": e["strength"],
            "control_type": list(fwd["kwargs"].get("control_type", [])),
-           "inputs": {k: tensor_entry(fwd[k]) for k in ("x", "timesteps", "context", "y",
-                                                         "guidance", "hint")},
+           "inputs": {k: fr.tensor_entry(fwd[k]) for k in ("x", "timesteps", "context", "y",
+                                                            "guidance", "hint")},
            "context_shape": list(fwd["context"].shape), "txt_tokens": fwd["txt_tokens"],
            "img_tokens": fwd["img_tokens"]}
     for key in ("input", "output"):
-        out[key] = {"count": fwd[key]["count"],
-                    "tensors": [dict(positions=g["positions"], **tensor_entry(g["value"]))
-                                for g in fwd[key]["groups"]]}
+        out[key] = cr.groups_entry(fwd[key])
     return out
 
 
 def hint_component(e, image):
     enc, fwd = e["encode"], e["forward"]
-    return {"image_shape": list(image.shape), "pixels": tensor_entry(enc["pixels"]),
-            "encoded": tensor_entry(enc["latent"]),
+    return {"image_shape": list(image.shape), "pixels": fr.tensor_entry(enc["pixels"]),
+            "encoded": fr.tensor_entry(enc["latent"]),
             "latent_format": {"scale_factor": LATENT_SCALE, "shift_factor": LATENT_SHIFT},
-            "hint": tensor_entry(fwd["hint"])}
+            "hint": fr.tensor_entry(fwd["hint"])}
 
 
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
     import nodes
 
     log = ip.LogCapture()
-    with fr.comfy_tmp(torch, ["unet", "clip", "vae"], log) as tmp:
+    with fr.comfy_tmp(torch, ["unet", "clip", "vae", "controlnet"], log) as tmp:
         cdir = os.path.join(tmp, "controlnet")
-        os.makedirs(cdir)
-        folder_paths.add_model_folder_path("controlnet", cdir, is_default=True)
         out = {"files": fr.write_flux_files(tmp, FILES, torch, verbose=not sub),
                "workflows": {}, "components": {}}
         assert [f["name"] for f in out["files"]] == FILES
@@ -881,10 +734,7 @@ def main():
         rec = Record(torch)
         node_ns = fr.node_classes(nodes, v3_nodes())
         if not sub:
-            print("file controlnet", CN, "keys", len(keys), "params",
-                  sum(int(np.prod(s)) for _, s in keys), "checksum", digest)
-            for k, s in keys:
-                print("   ", k, s)
+            fr.print_file("controlnet", CN, keys, digest)
             print("key map (diffusers -> ComfyUI, [dim, start, length] for a slice):")
             for dk, ck, off in key_map:
                 print("   ", dk, "->", ck, "" if off is None else off)
@@ -911,19 +761,14 @@ def main():
             assert rec.other_encodes == 0, "the only VAE.encode is the hint's"
             (node,) = [n for n in prompt.values() if n["class_type"] == "ControlNetApplyAdvanced"]
             calls, first = check_controls(name, rec, node, vae, torch)
-            dit_control = [[d["sigma"], d["batch"],
-                            0 if d["control"] is None else len(d["control"]["input"]),
-                            0 if d["control"] is None else len(d["control"]["output"])]
-                           for d in rec.dits]
-            print("   get_control calls [strength, sigma, applied, batch, batched_number]:")
-            for c in calls:
-                print("     ", c)
-            print("   DiT calls [sigma, batch, input entries, output entries]:", dit_control)
+            dit_control = cr.flux_dit_control(rec)
+            cr.print_calls(calls, "DiT calls [sigma, batch, input entries, output entries]:",
+                           dit_control)
             models = {f["model"] for f in rec.forwards}
             assert len(models) == 1, "one loaded net"
             (traced,) = [d for d in rec.dits if "trace" in d]
             assert traced is next(d for d in rec.dits if d["control"] is not None)
-            fxc.check_trace(traced, torch)
+            cr.check_flux_trace(traced, torch)
             fwd = first["forward"]
             assert fwd is rec.forwards[0]
             if name == UNION:
@@ -935,7 +780,7 @@ def main():
                     "64x48: identity"
                 out["components"]["controlnet_forward"] = forward_component(name, first)
             else:
-                image = fxc.want_image_scale(example, torch, 40, 40)
+                image = cr.want_image_scale(example, torch, 40, 40)
                 assert fwd["x"].shape[0] == 1, "cfg 1.0: uncond skipped"
                 assert fwd["guidance"].tolist() == [3.0], fwd["guidance"]
                 assert [c[2] for c in calls] == [False, True, True, True], calls
@@ -956,19 +801,9 @@ def main():
                   [float(pix.min()), float(pix.max())], "-> encoded",
                   list(first["encode"]["latent"].shape), "std",
                   float(first["encode"]["latent"].std()), "-> hint std", float(fwd["hint"].std()))
-            clipped = fr.check_image(name, img)
-            w = fr.spreads(name, lat, runs)
-            rec.reset()
-            _, plain = sd1.run_workflow(fxc.without_control(prompt), node_ns, torch)
-            assert not rec.controls and all(d["control"] is None for d in rec.dits)
-            w["without_rel"] = fr.rel(lat, plain[0].float().numpy())
-            spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
-            assert w["without_rel"] > max(1e-3, 100 * spread), (name, w)
-            w["control_calls"] = calls
-            w["dit_control"] = dit_control
-            w.update(fr.outputs(lat, img))
-            out["workflows"][name] = w
-            print("  ", *fr.summary(lat, img, w, clipped), "without control", w["without_rel"])
+            out["workflows"][name] = cr.workflow_entry(
+                name, lat, img, runs, rec, cr.without_control(prompt), node_ns, torch, calls,
+                dit_control)
         if not sub:
             out["components"]["key_map"] = key_map
             out["components"]["load_log"] = comp_log

@@ -207,11 +207,11 @@ ComfyUI only recognises full-size files. Relaxed as in flux_pipeline.py
     COMFY_DIR=/work/comfyfull /work/venv-ref/bin/python tools/reference/flux_redux.py
 (media-only imports are stubbed as in sd1_pipeline.py; the flux fixtures are
 not rewritten; the graphs are written by the main run; model folders,
-fixture checks, workflow runs, spreads and per-workflow fields are
+fixture checks, the graphs' loader and save nodes, the DEBUG log capture,
+workflow runs, spreads and per-workflow fields (without_rel included) are
 fixture_runs.py's.)
 """
 import json
-import logging
 import math
 import os
 import sys
@@ -276,17 +276,12 @@ NOCROP_PROMPT = ("a cozy reading nook by a rainy window, stacked books, a (steam
 def graph_for(name):
     """The API prompt of workflow `name` (node ids as in ComfyUI's Redux
     example / graphs/tiny_flux_custom.json where they play the same part)."""
-    g = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_flux_dev.safetensors",
-                                                     "weight_dtype": "default"}},
-        "2": {"class_type": "DualCLIPLoader", "inputs": {
-            "clip_name1": "tiny_clip_l.safetensors", "clip_name2": "tiny_t5xxl.safetensors",
-            "type": "flux", "device": "default"}},
-        "13": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_flux_ae.safetensors"}},
+    g = fr.flux_loaders()
+    g.update({
         "38": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": VISION}},
         "42": {"class_type": "StyleModelLoader", "inputs": {"style_model_name": REDUX}},
         "40": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
-    }
+    })
     if name == "tiny_flux_redux":
         g.update({
             "30": {"class_type": "ModelSamplingFlux", "inputs": {
@@ -340,12 +335,7 @@ def graph_for(name):
                 "latent_image": ["6", 0], "seed": 626262, "steps": 4, "cfg": 1.0,
                 "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
         })
-    g.update({
-        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["13", 0]}},
-        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": name}},
-        "99": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0],
-                                                      "filename_prefix": "latents/" + name}},
-    })
+    g.update(fr.save_nodes(name, ["13", 0]))
     return g
 
 
@@ -671,21 +661,9 @@ def check_loaded(nodes, torch, log, vkeys, rkeys):
     import comfy.clip_vision as cv
     import comfy.ldm.flux.redux as rx
     import comfy.sd
-    root = logging.getLogger()
-    level = root.level
-    quiet = [(h, h.level) for h in root.handlers if h is not log]
-    for h, _ in quiet:
-        h.setLevel(max(h.level, logging.INFO))
-    root.setLevel(logging.DEBUG)
-    del log.records[:]
-    try:
+    with fr.debug_log(log) as msgs:
         (clip_vision,) = nodes.CLIPVisionLoader().load_clip(VISION)
         (style,) = nodes.StyleModelLoader().load_style_model(REDUX)
-    finally:
-        root.setLevel(level)
-        for h, lvl in quiet:
-            h.setLevel(lvl)
-    msgs = [(logging.getLevelName(lvl), m) for lvl, m in log.records]
     assert not problems(log), problems(log)
     assert type(clip_vision) is cv.ClipVisionModel
     m = clip_vision.model
@@ -787,10 +765,10 @@ def check_encode(e, image, crop, clip_vision, W, torch):
     assert r_last < 1e-5 and max(r_layers) < 1e-5, (r_last, r_layers)
     entry = {"crop": "center" if crop else "none", "image_shape": list(image.shape),
              "size": SIZE, "scale_size": list(scale_size), "crop_offset": [oh, ow],
-             "resized": tensor_entry(resized), "pixel_values": tensor_entry(pix)}
+             "resized": fr.tensor_entry(resized), "pixel_values": fr.tensor_entry(pix)}
     for k in ("last_hidden_state", "image_embeds", "penultimate_hidden_states",
               "all_hidden_states"):
-        entry[k] = tensor_entry(out[k])
+        entry[k] = fr.tensor_entry(out[k])
     entry["resize_formula_max_abs"] = dmax
     entry["pixel_flips"] = flips
     crop_r = resized[:, :, oh:oh + SIZE, ow:ow + SIZE].double().numpy() * 255
@@ -835,7 +813,7 @@ def check_apply(a, enc, style, R, torch):
           float(tok.std()), "f64 rel", r, "context", list(t_in.shape), "->", list(t_out.shape),
           "keys", sorted(k_out))
     return {"strength": s, "strength_type": a["strength_type"],
-            "redux_tokens": tensor_entry(tok), "context_shape_in": list(t_in.shape),
+            "redux_tokens": fr.tensor_entry(tok), "context_shape_in": list(t_in.shape),
             "context_shape_out": list(t_out.shape)}, tok
 
 
@@ -856,27 +834,14 @@ def check_batch_rule(nodes, style, encodes, torch):
           "(one row, image 0's tokens then image 1's)")
 
 
-def b64t(t):
-    return sd1.b64(t.detach().float().numpy().astype("<f4"))
-
-
-def tensor_entry(t):
-    return {"shape": list(t.shape), "f32": b64t(t)}
-
-
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
     import nodes
 
     log = ip.LogCapture()
-    with fr.comfy_tmp(torch, ["unet", "clip", "vae"], log) as tmp:
+    with fr.comfy_tmp(torch, ["unet", "clip", "vae", "clip_vision", "style_models"], log) as tmp:
         patch_comfy(tmp, torch)
-        for folder in ("clip_vision", "style_models"):
-            d = os.path.join(tmp, folder)
-            os.makedirs(d)
-            folder_paths.add_model_folder_path(folder, d, is_default=True)
         out = {"files": fr.write_flux_files(tmp, FILES, torch, verbose=not sub),
                "workflows": {}, "components": {}}
         assert [f["name"] for f in out["files"]] == FILES
@@ -889,10 +854,7 @@ def main():
             digest, _ = fp.write_file(os.path.join(tmp, folder, name), keys, None, torch)
             out["files"].append(fr.file_entry(folder, name, keys, digest, **extra))
             if not sub:
-                print("file", folder, name, "keys", len(keys), "params",
-                      sum(int(np.prod(s)) for _, s in keys), "checksum", digest)
-                for k, s in keys:
-                    print("   ", k, s)
+                fr.print_file(folder, name, keys, digest)
         rec = Record(torch)
         node_ns = fr.node_classes(nodes, fp.v3_nodes())
         if not sub:
@@ -965,12 +927,9 @@ def main():
             clipped = fr.check_image(name, img)
             w = fr.spreads(name, lat, runs)
             rec.reset()
-            _, plain = sd1.run_workflow(without_redux(prompt), node_ns, torch)
+            fr.without_rel(name, lat, w, without_redux(prompt), node_ns, torch)
             assert not rec.encodes and not rec.applies
             assert all(d["txt_len"] == T5_TOKENS for d in rec.dits)
-            w["without_rel"] = fr.rel(lat, plain[0].float().numpy())
-            spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
-            assert w["without_rel"] > max(1e-3, 100 * spread), (name, w)
             w["txt_tokens"] = txt_tokens
             w.update(fr.outputs(lat, img))
             out["workflows"][name] = w

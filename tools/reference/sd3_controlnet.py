@@ -189,11 +189,11 @@ asserted first); the bytecode is ComfyUI's.
     COMFY_DIR=/work/comfyfull /work/venv-ref/bin/python tools/reference/sd3_controlnet.py
 (media-only imports are stubbed as in sd1_pipeline.py; the base fixtures
 are not rewritten; the graphs are written by the main run; model folders,
-fixture checks, workflow runs, spreads and per-workflow fields are
-fixture_runs.py's.)
+fixture checks, the SD3.5 checkpoint, workflow runs, spreads and
+per-workflow fields are fixture_runs.py's; the get_control and VAE.encode
+recording, the range and hint checks and the per-workflow control fields
+are control_runs.py's.)
 """
-import json
-import logging
 import math
 import os
 import sys
@@ -208,7 +208,7 @@ import flux_fill as ff  # noqa: E402
 import fixture_runs as fr  # noqa: E402
 import inpaint_pipeline as ip  # noqa: E402
 import sd3_pipeline as s3  # noqa: E402
-import families_pipeline as fam  # noqa: E402
+import control_runs as cr  # noqa: E402
 
 SD3_CKPT = "tiny_sd35_medium.safetensors"
 CANNY = "tiny_sd35_controlnet_canny.safetensors"
@@ -296,12 +296,7 @@ def graph_for(name):
                 "latent_image": ["6", 0], "seed": 5551212, "steps": 4, "cfg": 3.0,
                 "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
         })
-    g.update({
-        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["1", 2]}},
-        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": name}},
-        "99": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0],
-                                                      "filename_prefix": "latents/" + name}},
-    })
+    g.update(fr.save_nodes(name, ["1", 2]))
     return g
 
 
@@ -344,36 +339,6 @@ def patch_comfy(tmp, torch):
     assert plain == SD35_CONSTS, plain
     consts = tuple(ADM if (type(c) is int and c == 2048) else c for c in code.co_consts)
     cn.load_controlnet_sd35.__code__ = code.replace(co_consts=consts)
-
-
-def write_sd35(tmp, nodes, torch, verbose):
-    """The tiny SD3.5 medium checkpoint, as sd3_pipeline builds it (its parts
-    first); its entry asserted equal to sd3's and dit_guidance's."""
-    sd3_files = {x["name"]: x for x in fr.fixture("sd3")["files"]}
-    for folder, name, keys, listed in [
-            ("clip", "tiny_clip_l.safetensors", fam.clip_hf_keys(torch, s3.CLIP_L, False), True),
-            ("clip", "tiny_clip_g.safetensors", fam.clip_hf_keys(torch, s3.CLIP_G, True), True),
-            ("clip", "tiny_t5xxl_sd3.safetensors", s3.t5_keys(torch), True),
-            ("vae", "_sd3_vae.safetensors", fp.vae_keys(torch), False),
-            ("unet", "_mmdit_" + SD3_CKPT, s3.mmdit_keys(torch, SD3_CKPT), False)]:
-        keys = sorted(keys)
-        digest = fam.write_file(os.path.join(tmp, folder, name), keys, {}, torch)
-        if listed:
-            assert [list(k) for k in keys] == sd3_files[name]["keys"], name
-            assert str(digest) == sd3_files[name]["checksum_f16"], name
-    keys = sorted(s3.make_checkpoint(nodes, s3.v3_nodes(), tmp, SD3_CKPT, torch))
-    scaled = {s3.POS_EMBED: s3.POS_SCALE[s3.VARIANTS[SD3_CKPT][2]]}
-    digest = fam.write_file(os.path.join(tmp, "checkpoints", SD3_CKPT), keys, scaled, torch)
-    entry = fr.file_entry("checkpoints", SD3_CKPT, keys, digest)
-    entry["scaled"] = dict(scaled)
-    as_json = json.loads(json.dumps(entry))
-    assert as_json == sd3_files[SD3_CKPT], SD3_CKPT
-    (dg,) = [x for x in fr.fixture("dit_guidance")["files"] if x["name"] == SD3_CKPT]
-    assert as_json == dg, SD3_CKPT
-    if verbose:
-        print("file checkpoints", SD3_CKPT, "keys", len(keys), "checksum", digest,
-              "(= sd3/expected.json = dit_guidance/expected.json)")
-    return entry
 
 
 def controlnet_keys(torch, name):
@@ -457,20 +422,6 @@ def problems(log):
 
 # --- recording -------------------------------------------------------------
 
-def groups_of(ts):
-    """The distinct tensors of a tuple with the positions they occupy."""
-    groups = []
-    for pos, v in enumerate(ts):
-        for g in groups:
-            if g["tensor"] is v:
-                g["positions"].append(pos)
-                break
-        else:
-            groups.append({"tensor": v, "positions": [pos]})
-    return {"count": len(ts), "groups": [{"positions": g["positions"],
-                                          "value": g["tensor"].clone()} for g in groups]}
-
-
 class Record:
     """The SD3.5 loader's calls; every ControlNetSD35.pre_run (what it
     copied); every ControlNet.get_control call (stack order kept, result
@@ -483,7 +434,6 @@ class Record:
         import comfy.cldm.dit_embedder as de
         import comfy.controlnet as cn
         import comfy.ldm.modules.diffusionmodules.mmdit as mm
-        import comfy.sd
         self.torch = torch
         self.loads = []
         self.trace = False
@@ -518,48 +468,8 @@ class Record:
                 "range": [float(r) for r in self.timestep_range]})
         cn.ControlNetSD35.pre_run = pre_wrap
 
-        encode = comfy.sd.VAE.encode
-
-        def encode_wrap(self, pixel_samples):
-            out = encode(self, pixel_samples)
-            if rec.stack:
-                rec.stack[-1]["encode"] = {"pixels": pixel_samples.clone(), "latent": out.clone(),
-                                           "vae": id(self)}
-            else:
-                rec.other_encodes += 1
-            return out
-        comfy.sd.VAE.encode = encode_wrap
-
-        get_control = cn.ControlNet.get_control
-
-        def gc_wrap(self, x_noisy, t, cond, batched_number, transformer_options):
-            r = self.timestep_range
-            prev = self.previous_controlnet
-            entry = {"net": id(self), "prev": None if prev is None else id(prev),
-                     "model": id(self.control_model), "sigma": float(t[0]),
-                     "t": t.clone(), "x": x_noisy.clone(), "strength": self.strength,
-                     "range": None if r is None else (float(r[0]), float(r[1])),
-                     "applied": bool(r is None or not (t[0] > r[0] or t[0] < r[1])),
-                     "batch": int(x_noisy.shape[0]), "batched_number": batched_number,
-                     "cond": {k: cond[k] for k in ("c_crossattn", "y") if k in cond},
-                     "forward": None, "encode": None, "result": None, "prev_entry": None,
-                     "image": self.cond_hint_original.clone(), "vae": id(self.vae),
-                     "latent_format": type(self.latent_format).__name__,
-                     "latent_factors": (self.latent_format.scale_factor,
-                                        self.latent_format.shift_factor),
-                     "preprocess": self.preprocess_image}
-            if rec.stack:
-                rec.stack[-1]["prev_entry"] = entry
-            rec.controls.append(entry)
-            rec.stack.append(entry)
-            try:
-                out = get_control(self, x_noisy, t, cond, batched_number, transformer_options)
-            finally:
-                rec.stack.pop()
-            entry["result"] = None if out is None else {
-                k: [None if v is None else v.clone() for v in out[k]] for k in out}
-            return out
-        cn.ControlNet.get_control = gc_wrap
+        cr.record_encode(rec)
+        cr.record_get_control(rec, ("c_crossattn", "y"), lambda net: cr.hint_fields(net))
 
         forward = de.ControlNetEmbedder.forward
 
@@ -579,7 +489,7 @@ class Record:
                      "context_shape": None if context is None else list(context.shape),
                      "hint": hint.clone(), "keys": sorted(out), "blocks": blocks,
                      "double_y_emb": bool(self.double_y_emb),
-                     "output": groups_of(list(out["output"]))}
+                     "output": cr.groups_of(list(out["output"]))}
             if rec.check:
                 entry["pos"] = check_embedder(self, entry, torch)
             rec.forwards.append(entry)
@@ -686,21 +596,9 @@ def check_loaded(nodes, torch, log, rec):
     import comfy.latent_formats
     logs = {}
     for name, spec in NETS.items():
-        root = logging.getLogger()
-        level = root.level
-        quiet = [(h, h.level) for h in root.handlers if h is not log]
-        for h, _ in quiet:
-            h.setLevel(max(h.level, logging.INFO))
-        root.setLevel(logging.DEBUG)
-        del log.records[:]
         del rec.loads[:]
-        try:
+        with fr.debug_log(log) as msgs:
             (c,) = nodes.ControlNetLoader().load_controlnet(name)
-        finally:
-            root.setLevel(level)
-            for h, lvl in quiet:
-                h.setLevel(lvl)
-        msgs = [(logging.getLevelName(lvl), m) for lvl, m in log.records]
         assert not problems(log), problems(log)
         relevant = [m for m in msgs if "controlnet" in m[1]]
         assert relevant == [("WARNING", "missing controlnet keys: {}".format(MISSING[name]))], \
@@ -750,14 +648,6 @@ def check_loaded(nodes, torch, log, rec):
     return logs
 
 
-def b64t(t):
-    return sd1.b64(t.detach().float().numpy().astype("<f4"))
-
-
-def tensor_entry(t):
-    return {"shape": list(t.shape), "f32": b64t(t)}
-
-
 def percent_to_sigma(p, shift=SHIFT):
     """ModelSamplingDiscreteFlow.percent_to_sigma, written out."""
     if p <= 0.0:
@@ -768,27 +658,16 @@ def percent_to_sigma(p, shift=SHIFT):
     return shift * t / (1 + (shift - 1) * t)
 
 
-def want_image_scale(image, torch, w, h):
-    import comfy.utils
-    return comfy.utils.common_upscale(image.movedim(-1, 1), w, h, "bilinear",
-                                      "disabled").movedim(1, -1)
-
-
 def check_controls(name, rec, node, vae, torch):
     """Every get_control call: the range rule, the inputs, the hint chain,
     strength scaling; the outermost call per model call is what the MMDiT
     got. Returns (control_calls, the first applied entry)."""
-    import comfy.utils
     i = node["inputs"]
     want_range = (percent_to_sigma(i["start_percent"]), percent_to_sigma(i["end_percent"]))
     calls, first = [], None
     for e in rec.controls:
         calls.append([e["strength"], e["sigma"], e["applied"], e["batch"], e["batched_number"]])
-        assert e["prev"] is None and e["prev_entry"] is None
-        assert e["strength"] == i["strength"]
-        assert all(abs(a - b) <= 1e-12 for a, b in zip(e["range"], want_range)), \
-            (e["range"], want_range)
-        assert e["applied"] == (not (e["sigma"] > want_range[0] or e["sigma"] < want_range[1]))
+        cr.check_range(e, i, want_range)
         if not e["applied"]:
             assert e["forward"] is None and e["result"] is None and e["encode"] is None
             continue
@@ -801,34 +680,12 @@ def check_controls(name, rec, node, vae, torch):
             cond["c_crossattn"].shape)
         assert fwd["hint"].shape[0] == 1 and list(fwd["hint"].shape[1:]) == [16] + list(
             x.shape[2:]), fwd["hint"].shape
-        if first is None:
-            first = e
-            # The hint chain (made on the first applied call, then cached).
-            enc = e["encode"]
-            assert enc is not None and enc["vae"] == e["vae"]
-            assert e["latent_format"] == "SD3" and e["latent_factors"] == (LATENT_SCALE,
-                                                                           LATENT_SHIFT)
-            image = e["image"]
-            resized = comfy.utils.common_upscale(image, x.shape[3] * 8, x.shape[2] * 8,
-                                                 "nearest-exact", "center")
-            pixels = e["preprocess"](resized).movedim(1, -1)
-            assert torch.equal(enc["pixels"], pixels), name
-            again = vae.encode(pixels)
-            assert torch.equal(enc["latent"], again), float((enc["latent"] - again).abs().max())
-            hint = (enc["latent"] - LATENT_SHIFT) * LATENT_SCALE
-            assert torch.equal(fwd["hint"], hint), name
-            e["hint_parts"] = {"resized": resized, "pixels": pixels}
-        else:
-            assert e["encode"] is None, "the hint is cached"
-            assert torch.equal(fwd["hint"], first["forward"]["hint"])
+        # The hint chain (made on the first applied call, then cached).
+        first = cr.check_hint(name, e, first, vae, "SD3", (LATENT_SCALE, LATENT_SHIFT), torch)
         res = e["result"]
         assert sorted(res) == ["input", "middle", "output"] and res["input"] == [] and \
             res["middle"] == [], sorted(res)
-        want = [None] * fwd["output"]["count"]
-        for g in fwd["output"]["groups"]:
-            v = g["value"] * e["strength"]
-            for p in g["positions"]:
-                want[p] = v
+        want = cr.scaled(fwd["output"], e["strength"])
         assert len(res["output"]) == len(want) and all(
             torch.equal(a, b) for a, b in zip(res["output"], want)), name
     assert len(rec.controls) == len(rec.dits), (len(rec.controls), len(rec.dits))
@@ -859,15 +716,13 @@ def check_trace(dit, torch):
 
 def forward_component(e, fwd):
     out = {"sigma": e["sigma"], "strength": e["strength"], "double_y_emb": fwd["double_y_emb"],
-           "inputs": {k: tensor_entry(fwd[k]) for k in ("x", "timesteps", "y", "hint")},
+           "inputs": {k: fr.tensor_entry(fwd[k]) for k in ("x", "timesteps", "y", "hint")},
            "context_shape": fwd["context_shape"],
-           "block_inputs": [tensor_entry(bx) for bx, _ in fwd["blocks"]],
-           "c": tensor_entry(fwd["blocks"][0][1])}
+           "block_inputs": [fr.tensor_entry(bx) for bx, _ in fwd["blocks"]],
+           "c": fr.tensor_entry(fwd["blocks"][0][1])}
     if fwd.get("pos") is not None:
-        out["sincos_pos_embed"] = tensor_entry(fwd["pos"])
-    out["output"] = {"count": fwd["output"]["count"],
-                     "tensors": [dict(positions=g["positions"], **tensor_entry(g["value"]))
-                                 for g in fwd["output"]["groups"]]}
+        out["sincos_pos_embed"] = fr.tensor_entry(fwd["pos"])
+    out["output"] = cr.groups_entry(fwd["output"])
     return out
 
 
@@ -875,25 +730,22 @@ def hint_component(e, image, control_type):
     enc, fwd = e["encode"], e["forward"]
     return {"image_shape": list(image.shape),
             "preprocess": "a * 255 * 0.5 + 0.5" if control_type == 1 else "a",
-            "pixels": tensor_entry(enc["pixels"]), "encoded": tensor_entry(enc["latent"]),
+            "pixels": fr.tensor_entry(enc["pixels"]), "encoded": fr.tensor_entry(enc["latent"]),
             "latent_format": {"scale_factor": LATENT_SCALE, "shift_factor": LATENT_SHIFT},
-            "hint": tensor_entry(fwd["hint"])}
+            "hint": fr.tensor_entry(fwd["hint"])}
 
 
 def main():
     fp64, perturb, torch = sd1.start_comfy()
     sub = fp64 or perturb
-    import folder_paths
     import nodes
 
     log = ip.LogCapture()
-    with fr.comfy_tmp(torch, ["checkpoints", "unet", "clip", "vae"], log) as tmp:
+    with fr.comfy_tmp(torch, ["checkpoints", "unet", "clip", "vae", "controlnet"], log) as tmp:
         patch_comfy(tmp, torch)
         cdir = os.path.join(tmp, "controlnet")
-        os.makedirs(cdir)
-        folder_paths.add_model_folder_path("controlnet", cdir, is_default=True)
-        out = {"files": [write_sd35(tmp, nodes, torch, not sub)], "workflows": {},
-               "components": {}}
+        out = {"files": [fr.write_sd35(tmp, nodes, SD3_CKPT, torch, ("sd3", "dit_guidance"),
+                                       verbose=not sub)], "workflows": {}, "components": {}}
         for name, spec in NETS.items():
             keys = sorted(controlnet_keys(torch, name))
             digest = write_controlnet(os.path.join(cdir, name), keys, spec["control_type"], torch)
@@ -903,10 +755,7 @@ def main():
                 kind="sd35_controlnet", control_type=spec["control_type"],
                 double_y_emb=spec["double_y_emb"], blocks=spec["blocks"], base=SD3_CKPT))
             if not sub:
-                print("file controlnet", name, "keys", len(keys), "params",
-                      sum(int(np.prod(s)) for _, s in keys), "checksum", digest)
-                for k, s in keys:
-                    print("   ", k, s)
+                fr.print_file("controlnet", name, keys, digest)
         rec = Record(torch)
         node_ns = fr.node_classes(nodes, v3_nodes())
         if not sub:
@@ -936,10 +785,7 @@ def main():
             dit_control = [[d["timestep"] / 1000, d["batch"],
                             0 if d["control"] is None else len(d["control"]["output"])]
                            for d in rec.dits]
-            print("   get_control calls [strength, sigma, applied, batch, batched_number]:")
-            for c in calls:
-                print("     ", c)
-            print("   MMDiT calls [sigma, batch, output entries]:", dit_control)
+            cr.print_calls(calls, "MMDiT calls [sigma, batch, output entries]:", dit_control)
             # pre_run: the copy from the main model, once per conditioning
             # holding the net (positive and negative: the same object).
             pres = rec.pre_runs
@@ -963,7 +809,7 @@ def main():
                     "64x48: identity"
                 assert fwd["pos"] is not None
             else:
-                image = want_image_scale(example, torch, 40, 40)
+                image = cr.want_image_scale(example, torch, 40, 40)
                 assert [c[2] for c in calls] == [False, True, True, True], calls
                 assert list(first["hint_parts"]["resized"].shape) == [1, 3, 64, 48]
                 assert fwd["pos"] is None
@@ -980,19 +826,9 @@ def main():
                   [float(pix.min()), float(pix.max())], "-> encoded",
                   list(first["encode"]["latent"].shape), "std",
                   float(first["encode"]["latent"].std()), "-> hint std", float(fwd["hint"].std()))
-            clipped = fr.check_image(name, img)
-            w = fr.spreads(name, lat, runs)
-            rec.reset()
-            _, plain = sd1.run_workflow(without_control(prompt), node_ns, torch)
-            assert not rec.controls and all(d["control"] is None for d in rec.dits)
-            w["without_rel"] = fr.rel(lat, plain[0].float().numpy())
-            spread = max(w["f32_vs_f64_unet_rel"], w["unet_rounding_rel"])
-            assert w["without_rel"] > max(1e-3, 100 * spread), (name, w)
-            w["control_calls"] = calls
-            w["dit_control"] = dit_control
-            w.update(fr.outputs(lat, img))
-            out["workflows"][name] = w
-            print("  ", *fr.summary(lat, img, w, clipped), "without control", w["without_rel"])
+            out["workflows"][name] = cr.workflow_entry(
+                name, lat, img, runs, rec, without_control(prompt), node_ns, torch, calls,
+                dit_control)
         size = fr.finish("sd3_controlnet", out, sub)
         if size is not None:
             assert size < 2_000_000, size

@@ -5,3 +5,4 @@
 pub mod discrete;
 pub mod euler;
 pub mod samplers;
+mod solvers;
