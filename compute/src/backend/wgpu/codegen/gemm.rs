@@ -1,0 +1,599 @@
+//! The matrix products: the portable 64×64-tiled GEMM and the
+//! cooperative-matrix (tensor-core) GEMM with its tilings, staging,
+//! direct fragment loads, prefetch and split-K, over the `load_a` /
+//! `load_b` / `store` functions each kernel kind supplies.
+
+use super::*;
+
+/// A 64x64-tiled GEMM (16x16 threads, 4x4 outputs each, K-steps of 16
+/// through workgroup memory) over `load_a(z, row, k)`, `load_b(z, k0, kr,
+/// col)` (depth k0 + kr, k0 the step's start)
+/// and `store(z, row, col, v)`, which precede it in the shader. Workgroup (x, y, z) = (col tile, row tile,
+/// batch).
+pub(super) fn gemm(m: usize, n: usize, k: usize) -> String {
+    format!(
+        "var<workgroup> As: array<f32, 1024>;
+var<workgroup> Bs: array<f32, 1024>;
+@compute @workgroup_size(16, 16, 1)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {{
+    let z = wg.z;
+    let row0 = wg.y * 64u;
+    let col0 = wg.x * 64u;
+    let tid = lid.y * 16u + lid.x;
+    var acc: array<f32, 16>;
+    for (var k0 = 0u; k0 < {k}u; k0 = k0 + 16u) {{
+        for (var q = 0u; q < 4u; q++) {{
+            let e = tid + q * 256u;
+            let ka = e % 16u; let ma = e / 16u;
+            var va = 0.0;
+            if (row0 + ma < {m}u && k0 + ka < {k}u) {{ va = load_a(z, row0 + ma, k0 + ka); }}
+            As[ka * 64u + ma] = va;
+            let nb = e % 64u; let kb = e / 64u;
+            var vb = 0.0;
+            if (col0 + nb < {n}u && k0 + kb < {k}u) {{ vb = load_b(z, k0, kb, col0 + nb); }}
+            Bs[kb * 64u + nb] = vb;
+        }}
+        workgroupBarrier();
+        for (var kk = 0u; kk < 16u; kk++) {{
+            let a0 = As[kk * 64u + lid.y * 4u];
+            let a1 = As[kk * 64u + lid.y * 4u + 1u];
+            let a2 = As[kk * 64u + lid.y * 4u + 2u];
+            let a3 = As[kk * 64u + lid.y * 4u + 3u];
+            for (var j = 0u; j < 4u; j++) {{
+                let bv = Bs[kk * 64u + lid.x * 4u + j];
+                acc[j] = acc[j] + a0 * bv;
+                acc[4u + j] = acc[4u + j] + a1 * bv;
+                acc[8u + j] = acc[8u + j] + a2 * bv;
+                acc[12u + j] = acc[12u + j] + a3 * bv;
+            }}
+        }}
+        workgroupBarrier();
+    }}
+    for (var i = 0u; i < 4u; i++) {{
+        for (var j = 0u; j < 4u; j++) {{
+            let r = row0 + lid.y * 4u + i;
+            let c = col0 + lid.x * 4u + j;
+            if (r < {m}u && c < {n}u) {{ store(z, r, c, acc[i * 4u + j]); }}
+        }}
+    }}
+}}
+"
+    )
+}
+
+/// One (batched) matrix product as the kernels see it: `m`×`k` by
+/// `k`×`n`, `batch` times, through `load_a`/`load_b`/`store`.
+pub(super) struct Gemm {
+    pub(super) m: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) batch: usize,
+    /// Consecutive depth indices of A are adjacent in memory (else
+    /// consecutive rows are): decides which index neighbouring threads
+    /// walk when staging a tile, so their reads coalesce.
+    pub(super) a_k_contiguous: bool,
+    /// Consecutive columns of B are adjacent in memory (else consecutive
+    /// depth indices are).
+    pub(super) b_n_contiguous: bool,
+    /// A's rows read straight from its f16 binding, where possible.
+    pub(super) direct_a: Option<Direct>,
+    /// B's columns read straight from its f16 binding, where possible.
+    pub(super) direct_b: Option<Direct>,
+}
+
+/// An operand stored as f16 in one binding with its depth index
+/// contiguous: cooperative loads can read its fragments from the buffer,
+/// skipping the workgroup-memory staging.
+pub(super) struct Direct {
+    /// The binding (`inJ_0`).
+    pub(super) binding: String,
+    /// WGSL expression (of the batch index `z`) for the element offset of
+    /// row/column 0, depth 0.
+    pub(super) base: String,
+    /// Elements between consecutive rows (A) or columns (B).
+    pub(super) stride: usize,
+}
+
+impl Direct {
+    /// For operand `j` bound as `op`, with element offset `offset +
+    /// z·z_stride` of its first row/column, when its depth stride is 1 and
+    /// every fragment starts 16-byte aligned (cooperative loads from
+    /// buffers may require it; fragments start at multiples of 8 along the
+    /// depth).
+    pub(super) fn of(
+        j: usize,
+        op: &Operand,
+        depth_stride: usize,
+        (offset, z_stride): (usize, usize),
+        stride: usize,
+    ) -> Option<Self> {
+        let aligned = offset % 8 == 0 && z_stride % 8 == 0 && stride.is_multiple_of(8);
+        (op.f16 && op.chunks == 1 && depth_stride == 1 && aligned).then(|| Direct {
+            binding: format!("in{j}_0"),
+            base: format!("{offset}u + z * {z_stride}u"),
+            stride,
+        })
+    }
+}
+
+/// f16 elements (16 bytes) added to each row of a tile staged in
+/// workgroup memory for cooperative loads. Unpadded, a tile's rows are
+/// 64–256 bytes apart, so the rows of one fragment start in the same few
+/// of the 32 four-byte banks and a fragment load serialises 4–8 ways; 16
+/// more bytes per row spread 8 consecutive rows over all 32 banks. 16
+/// bytes keep every row start as aligned as cooperative loads want.
+/// `sdkit devices --probe` times fragment loads at both strides.
+pub(super) const SMEM_PAD: usize = 8;
+
+/// Workgroups a split-K product aims for: about two per SM of a large GPU.
+pub(super) const SPLIT_TARGET: usize = 256;
+/// Depth steps each split keeps at least, so the partial sums' extra
+/// traffic stays small beside the product.
+pub(super) const SPLIT_MIN_STEPS: usize = 8;
+/// Partial-sum elements a split may write (64 MiB of f32).
+pub(super) const SPLIT_MAX_SCRATCH: usize = 16 << 20;
+
+/// How a cooperative-matrix GEMM workgroup divides its tile:
+/// `sg_rows`×`sg_cols` subgroups, each owning `rows`×`cols` outputs
+/// (multiples of the fragment size), over depth steps of `bk`; `direct`
+/// lets f16 operands skip staging ([`Direct`]). Chosen by size unless
+/// [`Caps::gemm_tiles`] fixes it (for tuning).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CoopTiles {
+    pub sg_rows: usize,
+    pub sg_cols: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub bk: usize,
+    pub direct: bool,
+}
+
+/// The cooperative GEMM tilings worth comparing on a new adapter
+/// (`SDKIT_BENCH_TILINGS=1 cargo bench --bench wgpu_ops`); the default
+/// choice, `Gemm::tiles_for`, picks among them.
+pub fn tilings() -> Vec<CoopTiles> {
+    let t = |sg_rows, sg_cols, rows, cols, bk, direct| CoopTiles {
+        sg_rows,
+        sg_cols,
+        rows,
+        cols,
+        bk,
+        direct,
+    };
+    vec![
+        t(2, 4, 64, 32, 32, true),
+        t(2, 2, 32, 32, 32, true),
+        t(2, 4, 64, 32, 32, false),
+        t(2, 4, 64, 32, 64, true),
+        t(2, 2, 64, 64, 32, true),
+        t(2, 2, 64, 64, 64, true),
+        t(4, 2, 32, 64, 32, true),
+        t(4, 2, 32, 32, 32, true),
+        t(2, 4, 32, 32, 32, true),
+        t(4, 4, 32, 32, 32, true),
+        t(4, 4, 32, 16, 32, true),
+    ]
+}
+
+impl Gemm {
+    /// The shader body and launch grid: cooperative matrices where the
+    /// adapter has them, else the portable register-tiled kernel.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn emit(
+        &self,
+        caps: &Caps,
+        load_a: &str,
+        load_b: &str,
+        store: &str,
+    ) -> (String, [u32; 3], Option<(String, [u32; 3], usize)>) {
+        let funcs = format!("{load_a}\n{load_b}\n{store}\n");
+        let Some(c) = caps.coop else {
+            return (
+                funcs + &gemm(self.m, self.n, self.k),
+                [
+                    self.n.div_ceil(64) as u32,
+                    self.m.div_ceil(64) as u32,
+                    self.batch as u32,
+                ],
+                None,
+            );
+        };
+        let tiles = self.coop_tiles(c, caps);
+        let gx = self.n.div_ceil(tiles.sg_cols * tiles.cols);
+        let gy = self.m.div_ceil(tiles.sg_rows * tiles.rows);
+        let split = if caps.split_k {
+            self.split(gx * gy * self.batch, tiles.bk)
+        } else {
+            None
+        };
+        let code = funcs.clone() + &self.coop(c, tiles, split, caps.prefetch);
+        let groups = [
+            gx as u32,
+            gy as u32,
+            (self.batch * split.map_or(1, |(s, _)| s)) as u32,
+        ];
+        let finish = split.map(|(splits, _)| {
+            let total = self.batch * self.m * self.n;
+            let body = format!(
+                "{funcs}@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{
+    {LINEAR_ID}
+    if (gi >= {total}u) {{ return; }}
+    var v = 0.0;
+    for (var p = 0u; p < {splits}u; p++) {{ v = v + part[p * {total}u + gi]; }}
+    let rc = gi % {mn}u;
+    store(gi / {mn}u, rc / {n}u, rc % {n}u, v);
+}}
+",
+                mn = self.m * self.n,
+                n = self.n,
+            );
+            (body, grid(total), splits * total)
+        });
+        (code, groups, finish)
+    }
+
+    /// The cooperative tiling `emit` uses, in this configuration's
+    /// elements.
+    pub(super) fn coop_tiles(&self, c: Coop, caps: &Caps) -> CoopTiles {
+        let tiles = caps.gemm_tiles.unwrap_or_else(|| self.tiles_for(c));
+        CoopTiles {
+            rows: c.extent(tiles.rows),
+            cols: c.extent(tiles.cols),
+            bk: c.extent(tiles.bk),
+            ..tiles
+        }
+    }
+
+    /// The depth step of the cooperative kernel; None on the portable one.
+    pub(super) fn coop_depth_step(&self, caps: &Caps) -> Option<usize> {
+        caps.coop.map(|c| self.coop_tiles(c, caps).bk)
+    }
+
+    /// Split-K for a grid of `workgroups` over depth steps of `bk`: None
+    /// when the grid already fills a large GPU (an H200 has 132 SMs), else
+    /// (splits, depth per split) so that about [`SPLIT_TARGET`] workgroups
+    /// run, each split keeping at least [`SPLIT_MIN_STEPS`] steps and the
+    /// partial sums within [`SPLIT_MAX_SCRATCH`] elements.
+    pub(super) fn split(&self, workgroups: usize, bk: usize) -> Option<(usize, usize)> {
+        if workgroups >= SPLIT_TARGET / 2 {
+            return None;
+        }
+        let steps = self.k.div_ceil(bk);
+        let outputs = self.batch * self.m * self.n;
+        let want = SPLIT_TARGET
+            .div_ceil(workgroups)
+            .min(steps / SPLIT_MIN_STEPS)
+            .min(SPLIT_MAX_SCRATCH / outputs.max(1));
+        if want < 2 {
+            return None;
+        }
+        let per = steps.div_ceil(want);
+        Some((steps.div_ceil(per), per * bk))
+    }
+
+    /// The tiling by operand kind and size, from the tiling table measured
+    /// on an H200 (benches/gpu/RESULTS.md): with A read directly (conv
+    /// weights) 4×2 subgroups of 32×32 led at every conv size measured;
+    /// with only B direct (linear weights) 2×2 of 32×32; with both staged,
+    /// 128×128 tiles (2×4 of 64×32) where the grid stays large, else 64×64.
+    pub(super) fn tiles_for(&self, c: Coop) -> CoopTiles {
+        let t = c.tile as usize;
+        let whole = |dim: usize| self.k.is_multiple_of(t) && dim.is_multiple_of(t);
+        let a_direct = self.direct_a.is_some() && whole(self.m);
+        let b_direct = self.direct_b.is_some() && whole(self.n);
+        let tiles = |sg_rows, sg_cols, rows, cols| CoopTiles {
+            sg_rows,
+            sg_cols,
+            rows,
+            cols,
+            bk: 32,
+            direct: true,
+        };
+        let big = c.extent(128);
+        let big_tiles = self.m.div_ceil(big) * self.n.div_ceil(big) * self.batch;
+        match (a_direct, b_direct) {
+            (true, false) => tiles(4, 2, 32, 32),
+            (false, true) => tiles(2, 2, 32, 32),
+            _ if self.m >= big && self.n >= big && big_tiles >= 128 => tiles(2, 4, 64, 32),
+            _ => tiles(2, 2, 32, 32),
+        }
+    }
+
+    /// Tensor-core GEMM: each workgroup stages a BM×bk tile of A and a
+    /// bk×BN tile of B in workgroup memory as f16 (or reads an f16 operand
+    /// straight from its binding), and each of its subgroups multiplies its
+    /// `rows`×`cols` share into f32 accumulator fragments. The epilogue
+    /// goes through a per-subgroup f32 scratch fragment, so `store` (bias,
+    /// activation, residual, f16 output, split bindings) stays the same as
+    /// the portable kernel's.
+    pub(super) fn coop<'a>(
+        &'a self,
+        c: Coop,
+        sh: CoopTiles,
+        split: Option<(usize, usize)>,
+        caps_prefetch: bool,
+    ) -> String {
+        let t = c.tile as usize;
+        let s = c.subgroup as usize;
+        let (fm, fnn) = (sh.rows / t, sh.cols / t);
+        let bm = sh.sg_rows * sh.rows;
+        let bn = sh.sg_cols * sh.cols;
+        let bk = sh.bk;
+        let nsg = sh.sg_rows * sh.sg_cols;
+        let threads = nsg * s;
+        let (m, n, k) = (self.m, self.n, self.k);
+        // Direct reads need whole fragments along the depth and along the
+        // rows/columns: a fragment past the end is then wholly outside the
+        // output, so clamping it inside the operand only reads values that
+        // are never stored.
+        let usable = |d: Option<&'a Direct>, dim: usize| {
+            d.filter(|_| sh.direct && k % t == 0 && dim.is_multiple_of(t))
+        };
+        let da = usable(self.direct_a.as_ref(), m);
+        let db = usable(self.direct_b.as_ref(), n);
+        // Staged tiles' row strides, padded (see [`SMEM_PAD`]).
+        let (sa, sb) = (bk + SMEM_PAD, bn + SMEM_PAD);
+        let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
+        // Where the workgroup's depth range starts and ends, and where its
+        // results go: the epilogue, or its split's partial sums.
+        let (prologue, k_begin, k_end, result) = match split {
+            None => (
+                "    let z = wg.z;\n".to_string(),
+                "0u".to_string(),
+                format!("{k}u"),
+                format!("store(z, r, col, Cs[sg * {}u + e])", t * t),
+            ),
+            Some((splits, per)) => (
+                format!(
+                    "    let z = wg.z / {splits}u;\n    let k_begin = (wg.z % {splits}u) * {per}u;\n    let k_end = min(k_begin + {per}u, {k}u);\n"
+                ),
+                "k_begin".to_string(),
+                "k_end".to_string(),
+                format!(
+                    "part[(((wg.z % {splits}u) * {batch}u + z) * {m}u + r) * {n}u + col] = Cs[sg * {tt}u + e]",
+                    batch = self.batch,
+                    tt = t * t
+                ),
+            ),
+        };
+        let mut decl = String::new();
+        let mut mac = String::new();
+        let mut epi = String::new();
+        for i in 0..fm {
+            let load = match da {
+                Some(d) => format!(
+                    "coopLoadT<{}>(&{}[{} + min(row0 + sm * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
+                    ty("A", "f16"),
+                    d.binding,
+                    d.base,
+                    sh.rows,
+                    i * t,
+                    m - t,
+                    d.stride,
+                    d.stride
+                ),
+                None => format!(
+                    "coopLoadT<{}>(&As[(sm * {}u + {}u) * {sa}u + kk], {sa}u)",
+                    ty("A", "f16"),
+                    sh.rows,
+                    i * t
+                ),
+            };
+            let _ = writeln!(mac, "            let a{i} = {load};");
+        }
+        for j in 0..fnn {
+            let load = match db {
+                Some(d) => format!(
+                    "coopLoad<{}>(&{}[{} + min(col0 + sn * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
+                    ty("B", "f16"),
+                    d.binding,
+                    d.base,
+                    sh.cols,
+                    j * t,
+                    n - t,
+                    d.stride,
+                    d.stride
+                ),
+                None => format!(
+                    "coopLoadT<{}>(&Bs[kk * {sb}u + sn * {}u + {}u], {sb}u)",
+                    ty("B", "f16"),
+                    sh.cols,
+                    j * t
+                ),
+            };
+            let _ = writeln!(mac, "            let b{j} = {load};");
+        }
+        for i in 0..fm {
+            for j in 0..fnn {
+                let _ = writeln!(decl, "    var c{i}_{j} = {}();", ty("C", "f32"));
+                let _ = writeln!(
+                    mac,
+                    "            c{i}_{j} = coopMultiplyAdd(a{i}, b{j}, c{i}_{j});"
+                );
+                let _ = write!(
+                    epi,
+                    "    coopStoreT(c{i}_{j}, &Cs[sg * {tt}u], {t}u);
+    workgroupBarrier();
+{copy}    workgroupBarrier();
+",
+                    tt = t * t,
+                    copy = strided(
+                        "    ",
+                        "lane",
+                        t * t,
+                        s,
+                        &format!(
+                            "        let r = row0 + sm * {rows}u + {ri}u + e / {t}u;
+        let col = col0 + sn * {cols}u + {ci}u + e % {t}u;
+        if (r < {m}u && col < {n}u) {{ {result}; }}
+",
+                            rows = sh.rows,
+                            cols = sh.cols,
+                            ri = i * t,
+                            ci = j * t,
+                        )
+                    ),
+                );
+            }
+        }
+        // Staging: neighbouring threads take neighbouring memory. Element
+        // e = tid + se·threads of a tile `width` wide is at (e / width,
+        // e % width); where the threads are a multiple of the width each
+        // thread keeps one position along it for all its elements, said
+        // so, so the driver computes what depends on it once (a conv's
+        // output pixel, from its column).
+        let across = |width: usize| {
+            if threads.is_multiple_of(width) {
+                (
+                    format!("tid / {width}u + se * {}u", threads / width),
+                    format!("tid % {width}u"),
+                )
+            } else {
+                (format!("e / {width}u"), format!("e % {width}u"))
+            }
+        };
+        let (a_r, a_c) = if self.a_k_contiguous {
+            across(bk)
+        } else {
+            let (q, rem) = across(bm);
+            (rem, q)
+        };
+        let (b_r, b_c) = if self.b_n_contiguous {
+            across(bn)
+        } else {
+            let (q, rem) = across(bk);
+            (rem, q)
+        };
+        // The staged operands: register name, elements per step, the
+        // element's row and column, its value at depth step `K`, its slot.
+        type Value = Box<dyn Fn(&str) -> String>;
+        let mut staged: Vec<(&str, usize, String, Value, String)> = Vec::new();
+        let mut shared = String::new();
+        if da.is_none() {
+            let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * sa);
+            staged.push((
+                "a",
+                bm * bk,
+                format!("let r = {a_r}; let kc = {a_c};"),
+                Box::new(move |kv: &str| {
+                    format!("if (row0 + r < {m}u && {kv} + kc < {k}u) {{ v = load_a(z, row0 + r, {kv} + kc); }}")
+                }),
+                format!("As[r * {sa}u + kc]"),
+            ));
+        }
+        if db.is_none() {
+            let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * sb);
+            staged.push((
+                "b",
+                bk * bn,
+                format!("let kr = {b_r}; let c = {b_c};"),
+                Box::new(move |kv: &str| {
+                    format!("if ({kv} + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, {kv}, kr, col0 + c); }}")
+                }),
+                format!("Bs[kr * {sb}u + c]"),
+            ));
+        }
+        // Register prefetch (`Caps::prefetch`): each thread's elements of
+        // the next step load into registers before this step's products,
+        // so global latency overlaps them; written to workgroup memory
+        // after. Needs whole elements per thread.
+        let prefetch = caps_prefetch
+            && !staged.is_empty()
+            && staged.iter().all(|s| s.1.is_multiple_of(threads));
+        let (mut stage, mut fetch, mut commit, mut regs) =
+            (String::new(), String::new(), String::new(), String::new());
+        for (reg, len, idx, value, at) in &staged {
+            // This thread's elements at depth step `kv`, loaded into `into`.
+            let load = |kv: &str, into: &str| {
+                strided(
+                    "        ",
+                    "tid",
+                    *len,
+                    threads,
+                    &format!(
+                        "            {idx}
+            var v = 0.0;
+            {}
+            {into} = f16(v);
+",
+                        value(kv)
+                    ),
+                )
+            };
+            stage.push_str(&load("k0", at));
+            if prefetch {
+                let per = len / threads;
+                let _ = writeln!(regs, "    var p{reg}: array<f16, {per}>;");
+                fetch.push_str(&load("kn", &format!("p{reg}[se]")));
+                commit.push_str(&strided(
+                    "        ",
+                    "tid",
+                    *len,
+                    threads,
+                    &format!(
+                        "            {idx}
+            {at} = p{reg}[se];
+"
+                    ),
+                ));
+            }
+        }
+        let barrier = if !staged.is_empty() {
+            "        workgroupBarrier();\n"
+        } else {
+            ""
+        };
+        // With a direct operand the depth may end inside a step: stop at
+        // it rather than read past the row (k is then a multiple of the
+        // fragment). A loop bound, not an `if`: naga treats branches on
+        // local variables as non-uniform, which cooperative ops forbid.
+        // Where every step is whole (SD's convs and linears: depths are
+        // multiples of 32), the bound stays a constant, so the driver can
+        // unroll the loop and issue the direct fragment loads together.
+        let depth_end = if (da.is_some() || db.is_some()) && !k.is_multiple_of(bk) {
+            format!("min({bk}u, {k_end} - k0)")
+        } else {
+            format!("{bk}u")
+        };
+        let main_loop = if prefetch {
+            // The first step staged as usual, then each step fetches the
+            // next before multiplying.
+            format!(
+                "{regs}    {{
+        let k0 = {k_begin};
+{stage}    }}
+    workgroupBarrier();
+    for (var k0 = {k_begin}; k0 < {k_end}; k0 += {bk}u) {{
+        let kn = k0 + {bk}u;
+{fetch}        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
+{mac}        }}
+        workgroupBarrier();
+{commit}        workgroupBarrier();
+    }}
+"
+            )
+        } else {
+            format!(
+                "    for (var k0 = {k_begin}; k0 < {k_end}; k0 += {bk}u) {{
+{stage}{barrier}        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
+{mac}        }}
+{barrier}    }}
+"
+            )
+        };
+        format!(
+            "{shared}var<workgroup> Cs: array<f32, {c_len}>;
+@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
+{prologue}    let row0 = wg.y * {bm}u;
+    let col0 = wg.x * {bn}u;
+    let sm = sg / {sgc}u;
+    let sn = sg % {sgc}u;
+{decl}{main_loop}{epi}}}
+",
+            c_len = nsg * t * t,
+            sgc = sh.sg_cols,
+        )
+    }
+}

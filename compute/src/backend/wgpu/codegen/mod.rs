@@ -1,0 +1,1028 @@
+//! WGSL generation: one compute shader per Program kernel.
+//!
+//! Shapes, strides and offsets are baked in as constants, so each shader is
+//! specialised to its kernel (the driver folds the index arithmetic) and the
+//! source text itself is the pipeline cache key: a sampling loop that
+//! replays one Program compiles every kernel once. Fused elementwise work is
+//! generated from the kernel's [`Expr`]: as the whole body of an elementwise
+//! kernel, or as the `epi` function anchor kernels apply before each store.
+
+use super::quant::quant_reader;
+use attention::attention;
+pub use gemm::{tilings, CoopTiles};
+use gemm::{Direct, Gemm, SMEM_PAD};
+
+mod attention;
+mod gemm;
+mod rowwise;
+pub use super::quant::Quant;
+use crate::plan::{Expr, Kernel, KernelKind, View};
+use crate::tensor::{contiguous_strides, BinaryOp, ReduceOp, UnaryOp, UpsampleMode};
+use rowwise::*;
+use std::fmt::Write;
+
+/// Threads per workgroup for one-thread-per-element kernels.
+pub const WG: u32 = 256;
+
+/// A generated shader and how to launch it.
+pub struct Shader {
+    pub source: String,
+    /// Workgroups along x, y, z.
+    pub groups: [u32; 3],
+    /// Split kernels ([`Caps::split_k`]): the pass above writes partial
+    /// results (products, or a group norm's chunk statistics) into a
+    /// scratch binding after the operands, and this second pass (same
+    /// bindings) combines them and applies the epilogue.
+    pub finish: Option<Finish>,
+}
+
+/// The second pass of a split-K product.
+#[derive(Clone, Debug)]
+pub struct Finish {
+    pub source: String,
+    pub groups: [u32; 3],
+    /// f32 elements the scratch binding holds.
+    pub scratch_elems: usize,
+}
+
+/// WGSL: `body` for `e = first, first + step, …` below `len`, as a loop
+/// with a trip count fixed at compile time (⌈len / step⌉; a guard only
+/// where `step` does not divide `len`). Drivers unroll fixed-count loops,
+/// so a staging loop issues all its global loads before waiting on the
+/// first; `for (e = tid; e < len; e += step)` has a per-thread count.
+/// `body` is whole lines, indented for inside the loop.
+fn strided(indent: &str, first: &str, len: usize, step: usize, body: &str) -> String {
+    strided_as(indent, "e", "se", first, len, step, body)
+}
+
+/// [`strided`] with the element named `var`, counted by `counter`.
+fn strided_as(
+    indent: &str,
+    var: &str,
+    counter: &str,
+    first: &str,
+    len: usize,
+    step: usize,
+    body: &str,
+) -> String {
+    let trips = len.div_ceil(step);
+    let guarded: String;
+    let (open, body, close) = if len.is_multiple_of(step) {
+        (String::new(), body, String::new())
+    } else {
+        guarded = body.lines().map(|l| format!("    {l}\n")).collect();
+        (
+            format!("{indent}    if ({var} < {len}u) {{\n"),
+            guarded.as_str(),
+            format!("{indent}    }}\n"),
+        )
+    };
+    format!(
+        "{indent}for (var {counter} = 0u; {counter} < {trips}u; {counter}++) {{\n{indent}    let {var} = {first} + {counter} * {step}u;\n{open}{body}{close}{indent}}}\n"
+    )
+}
+
+/// Exact f32 literal: bit pattern, so constants survive formatting and
+/// non-finite values are representable.
+fn lit(v: f32) -> String {
+    format!("bitcast<f32>({}u)", v.to_bits())
+}
+
+fn unary(u: UnaryOp, x: &str) -> String {
+    match u {
+        UnaryOp::Neg => format!("(-({x}))"),
+        UnaryOp::Abs => format!("abs({x})"),
+        UnaryOp::Exp => format!("exp({x})"),
+        UnaryOp::Log => format!("log({x})"),
+        UnaryOp::Sqrt => format!("sqrt({x})"),
+        UnaryOp::Rsqrt => format!("inverseSqrt({x})"),
+        UnaryOp::Recip => format!("(1.0 / ({x}))"),
+        UnaryOp::Tanh => format!("tanh_s({x})"),
+        UnaryOp::Sigmoid => format!("(1.0 / (1.0 + exp(-({x}))))"),
+        UnaryOp::Silu => format!("silu({x})"),
+        UnaryOp::GeluTanh => format!("gelu_tanh({x})"),
+        UnaryOp::GeluErf => format!("gelu_erf({x})"),
+        UnaryOp::QuickGelu => format!("quick_gelu({x})"),
+        UnaryOp::Sin => format!("sin({x})"),
+        UnaryOp::Cos => format!("cos({x})"),
+    }
+}
+
+fn binary(b: BinaryOp, x: &str, y: &str) -> String {
+    match b {
+        BinaryOp::Add => format!("({x} + {y})"),
+        BinaryOp::Sub => format!("({x} - {y})"),
+        BinaryOp::Mul => format!("({x} * {y})"),
+        BinaryOp::Div => format!("({x} / {y})"),
+        BinaryOp::Pow => format!("pow({x}, {y})"),
+        BinaryOp::Max => format!("max({x}, {y})"),
+        BinaryOp::Min => format!("min({x}, {y})"),
+    }
+}
+
+/// Helper functions every shader may use. `tanh` is evaluated on a clamped
+/// argument because some drivers return NaN where exp overflows, and by
+/// its Taylor series near 0, where drivers that build it from exp lose
+/// relative precision (lavapipe: 2e-5 at x = 0.003); the series' first
+/// omitted term is below 1.3e-9 relative for |x| < 0.125.
+const PRELUDE: &str = r#"
+fn tanh_s(x: f32) -> f32 {
+    let c = clamp(x, -15.0, 15.0);
+    let c2 = c * c;
+    let series = c * (1.0 + c2 * (-0.33333334 + c2 * (0.13333334 + c2 * -0.053968254)));
+    return select(tanh(c), series, abs(c) < 0.125);
+}
+fn silu(x: f32) -> f32 { return x / (1.0 + exp(-x)); }
+fn quick_gelu(x: f32) -> f32 { return x / (1.0 + exp(-1.702 * x)); }
+fn gelu_tanh(x: f32) -> f32 {
+    return 0.5 * x * (1.0 + tanh_s(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+}
+// erf with |error| < 1.2e-7 (W. J. Cody's rational form via erfc for large
+// |x|); WGSL has no erf.
+fn erf_s(x: f32) -> f32 {
+    let a = abs(x);
+    let t = 1.0 / (1.0 + 0.5 * a);
+    let y = t * exp(-a * a - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418
+        + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587
+        + t * (-0.82215223 + t * 0.17087277)))))))));
+    return sign(x) * (1.0 - y);
+}
+fn gelu_erf(x: f32) -> f32 { return 0.5 * x * (1.0 + erf_s(x * 0.7071067811865476)); }
+"#;
+
+/// WGSL for an expression; `leaf(k)` gives the code reading input k at the
+/// current output index.
+fn expr(e: &Expr, leaf: &dyn Fn(usize) -> String) -> String {
+    match e {
+        Expr::Input(k) => leaf(*k),
+        Expr::Acc => "acc".into(),
+        Expr::Const(c) => lit(*c),
+        Expr::Unary(u, a) => unary(*u, &expr(a, leaf)),
+        Expr::Binary(b, x, y) => binary(*b, &expr(x, leaf), &expr(y, leaf)),
+        Expr::Where(c, a, b) => format!(
+            "select({}, {}, ({}) != 0.0)",
+            expr(b, leaf),
+            expr(a, leaf),
+            expr(c, leaf)
+        ),
+        Expr::Clamp(a, lo, hi) => format!("clamp({}, {}, {})", expr(a, leaf), lit(*lo), lit(*hi)),
+    }
+}
+
+/// Code for the element offset of `view` at linear index `idx` of `shape`
+/// (the view broadcast to it).
+fn offset_code(view: &View, shape: &[usize], idx: &str) -> String {
+    let Some(v) = view.broadcast_to(shape) else {
+        return format!("{}u", view.offset);
+    };
+    if v.strides == contiguous_strides(shape) {
+        return format!("({}u + {idx})", v.offset);
+    }
+    let inner = contiguous_strides(shape);
+    let mut terms = vec![format!("{}u", v.offset)];
+    for d in 0..shape.len() {
+        if v.strides[d] == 0 || shape[d] == 1 {
+            continue;
+        }
+        let coord = if d == 0 {
+            format!("({idx} / {}u)", inner[0])
+        } else {
+            format!("(({idx} / {}u) % {}u)", inner[d], shape[d])
+        };
+        terms.push(format!("{coord} * {}u", v.strides[d]));
+    }
+    format!("({})", terms.join(" + "))
+}
+
+/// `fn epi(acc, i)`: the kernel's epilogue at output index `i`.
+fn epilogue_fn(k: &Kernel) -> String {
+    let shape = &k.output.shape;
+    let body = match &k.epilogue {
+        None => "acc".to_string(),
+        Some(e) => expr(e, &|j| {
+            format!("in{j}[{}]", offset_code(&k.inputs[j], shape, "i"))
+        }),
+    };
+    format!("fn epi(acc: f32, i: u32) -> f32 {{ return {body}; }}\n")
+}
+
+/// Workgroup counts for `threads` one-per-element threads, folding into y
+/// past the 65535 limit on x.
+fn grid(threads: usize) -> [u32; 3] {
+    let groups = threads.div_ceil(WG as usize).max(1) as u32;
+    if groups <= 65535 {
+        [groups, 1, 1]
+    } else {
+        [65535, groups.div_ceil(65535), 1]
+    }
+}
+
+const LINEAR_ID: &str = "let gi = gid.x + gid.y * (nwg.x * 256u);";
+
+/// Generates the shader for a kernel, or says what is unsupported.
+/// How one kernel operand is bound: its element type and, for tensors larger
+/// than the device's binding limit, how it is split into several bindings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub f16: bool,
+    /// Number of bindings (1 unless the buffer exceeds the binding limit).
+    pub chunks: usize,
+    /// Elements per binding (all but the last are full).
+    pub chunk_elems: usize,
+    /// A conv weight stored tap-major, `[out][ky·kw + kx][in / groups]`,
+    /// instead of `[out][in / groups][ky][kx]` (see [`conv_taps_first`]).
+    pub taps_first: bool,
+    /// A GGUF weight bound as its file's quant blocks and decoded where
+    /// it is read (one binding; `f16` is false).
+    pub quant: Option<Quant>,
+}
+
+impl Operand {
+    pub fn whole(f16: bool) -> Self {
+        Operand {
+            f16,
+            chunks: 1,
+            chunk_elems: usize::MAX,
+            taps_first: false,
+            quant: None,
+        }
+    }
+
+    /// A weight bound as its quant blocks, in one binding.
+    pub fn quantized(quant: Quant) -> Self {
+        Operand {
+            quant: Some(quant),
+            ..Operand::whole(false)
+        }
+    }
+}
+
+/// Whether a conv with these weights (`taps` = kh·kw) takes them
+/// tap-major on the GPU: on cooperative matrices with more than one tap.
+/// The product's depth then runs tap by tap, each tap over the input
+/// channels, so a depth step of the staged im2col operand (32 channels of
+/// one tap) shares one input pixel per output pixel: the pixel's address
+/// and padding test are worked out once per step and each staged element
+/// is one load `channel · H·W` further on, where the channel-major order
+/// divides every element's depth index into (channel, ky, kx).
+pub fn conv_taps_first(coop: bool, taps: usize) -> bool {
+    coop && taps > 1
+}
+
+/// `[out][in][taps]` → `[out][taps][in]` (the tap-major conv weight).
+pub fn taps_first_layout(data: &[f32], per_out: usize, taps: usize) -> Vec<f32> {
+    let ins = per_out / taps.max(1);
+    let mut out = vec![0.0; data.len()];
+    for (o, row) in data.chunks(per_out).enumerate() {
+        let base = o * per_out;
+        for (ci, taps_of) in row.chunks(taps).enumerate() {
+            for (t, &v) in taps_of.iter().enumerate() {
+                out[base + t * ins + ci] = v;
+            }
+        }
+    }
+    out
+}
+
+/// A cooperative-matrix (tensor core) configuration the adapter offers:
+/// square `tile`×`tile`×`tile` products of f16 inputs into f32
+/// accumulators, run by subgroups of exactly `subgroup` lanes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coop {
+    pub tile: u32,
+    pub subgroup: u32,
+    /// Fragments emulated in plain WGSL ([`super::emulate`]): the same
+    /// kernels on an adapter without cooperative matrices, for tests.
+    pub emulated: bool,
+}
+
+impl Coop {
+    /// A tile extent chosen for 16×16 fragments (a multiple of 16), in
+    /// this configuration's elements. Emulated fragments keep the 16×16
+    /// kernels' fragment counts (2×2 fragments per subgroup stay 2×2 on
+    /// emulated 8×8 ones), so tests on them run the structure tensor cores
+    /// run, at the emulation's compile cost per fragment; real 8×8
+    /// hardware keeps the extents.
+    pub(super) fn extent(&self, elems: usize) -> usize {
+        if self.emulated {
+            elems * self.tile as usize / 16
+        } else {
+            elems
+        }
+    }
+}
+
+/// What the adapter lets generated kernels use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caps {
+    /// Subgroup reductions (`SUBGROUP`).
+    pub subgroups: bool,
+    /// Matrix products (matmul, conv) on cooperative matrices.
+    pub coop: Option<Coop>,
+    /// Workgroup memory per workgroup, bytes.
+    pub workgroup_memory: u32,
+    /// Fixes the cooperative GEMM tiling instead of choosing it by size
+    /// (benchmarks compare tilings with it).
+    pub gemm_tiles: Option<CoopTiles>,
+    /// Cooperative attention in two passes over the keys (max, then sums)
+    /// instead of one with per-row rescaling; the conformance suite checks
+    /// both forms.
+    pub two_pass_attention: bool,
+    /// Cooperative products whose grid would leave most of a large GPU
+    /// idle (the deep UNet levels: few output tiles, long depth) split
+    /// the depth over several workgroups and sum in a second pass; group
+    /// norms with few long rows (a workgroup per group: 32 per image)
+    /// split each row's statistics likewise ([`norm_split`]).
+    pub split_k: bool,
+    /// Staged cooperative products load the next depth step into
+    /// registers while multiplying the current one (off by default until
+    /// measured on a GPU: `wgpu_ops` prints both).
+    pub prefetch: bool,
+}
+
+impl Caps {
+    /// The portable path: no optional feature, WebGPU's minimum workgroup
+    /// memory.
+    pub fn plain() -> Self {
+        Caps {
+            subgroups: false,
+            coop: None,
+            workgroup_memory: 16384,
+            gemm_tiles: None,
+            two_pass_attention: false,
+            split_k: true,
+            prefetch: false,
+        }
+    }
+}
+
+/// Generates the shader for a kernel; `operands` describes each input
+/// then the output.
+// Each arm sets the launch grid after emitting its source; a late `let`
+// keeps the arms' long bodies flat.
+#[allow(clippy::needless_late_init)]
+pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader, String> {
+    let subgroups = caps.subgroups;
+    let n_out = k.output.numel();
+    let mut src = String::new();
+    src.push_str(PRELUDE);
+    src.push_str(&epilogue_fn(k));
+    let simple = |body: &str| -> String {
+        format!(
+            "@compute @workgroup_size(256)\nfn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{\n    {LINEAR_ID}\n    if (gi >= {n_out}u) {{ return; }}\n{body}\n}}\n"
+        )
+    };
+    let groups;
+    // The split-K second pass's body, grid and scratch size.
+    let mut finish: Option<(String, [u32; 3], usize)> = None;
+    match &k.kind {
+        KernelKind::Elementwise => {
+            src.push_str(&simple("    dst[gi] = epi(0.0, gi);"));
+            groups = grid(n_out);
+        }
+        KernelKind::MatMul { batch, m, n, k: kk } => {
+            let (a, b) = (&k.inputs[0], &k.inputs[1]);
+            let mv = |v: &View| -> Result<(usize, usize, usize, usize), String> {
+                let r = v.shape.len();
+                let bs = v
+                    .batch_stride(r - 2)
+                    .ok_or("matmul operand batch dims are not uniformly strided")?;
+                Ok((v.offset, bs, v.strides[r - 2], v.strides[r - 1]))
+            };
+            let (ao, abs_, ars, acs) = mv(a)?;
+            let (bo, bbs, brs, bcs) = mv(b)?;
+            let load_a = format!(
+                "fn load_a(z: u32, r: u32, c: u32) -> f32 {{ return in0[{ao}u + z * {abs_}u + r * {ars}u + c * {acs}u]; }}"
+            );
+            let load_b = format!(
+                "fn load_b(z: u32, k0: u32, kr: u32, c: u32) -> f32 {{ let r = k0 + kr; return in1[{bo}u + z * {bbs}u + r * {brs}u + c * {bcs}u]; }}"
+            );
+            let store = format!(
+                "fn store(z: u32, r: u32, c: u32, v: f32) {{ let oi = z * {}u + r * {n}u + c; dst[oi] = epi(v, oi); }}",
+                m * n
+            );
+            if *batch > 65535 {
+                return Err(format!("batch {batch} exceeds 65535 workgroups"));
+            }
+            let g = Gemm {
+                m: *m,
+                n: *n,
+                k: *kk,
+                batch: *batch,
+                a_k_contiguous: acs <= ars,
+                b_n_contiguous: bcs <= brs,
+                direct_a: operands
+                    .first()
+                    .and_then(|o| Direct::of(0, o, acs, (ao, abs_), ars)),
+                direct_b: operands
+                    .get(1)
+                    .and_then(|o| Direct::of(1, o, brs, (bo, bbs), bcs)),
+            };
+            let (code, tiles, split) = g.emit(caps, &load_a, &load_b, &store);
+            src.push_str(&code);
+            groups = tiles;
+            finish = split;
+        }
+        KernelKind::Conv2d {
+            n,
+            c,
+            h,
+            w,
+            o,
+            kh,
+            kw,
+            params,
+            bias,
+        } => {
+            let g = params.groups;
+            let (cg, og) = (c / g, o / g);
+            let eff_h = params.dilation[0] * (kh - 1) + 1;
+            let eff_w = params.dilation[1] * (kw - 1) + 1;
+            let oh = (h + 2 * params.padding[0] - eff_h) / params.stride[0] + 1;
+            let ow = (w + 2 * params.padding[1] - eff_w) / params.stride[1] + 1;
+            let kk = cg * kh * kw;
+            let taps = kh * kw;
+            let bias_term = if *bias { "in2[oc]" } else { "0.0" };
+            let store = format!(
+                "fn store(z: u32, r: u32, c: u32, v: f32) {{ let b = z / {g}u; let g = z % {g}u; let oc = g * {og}u + r; let oi = (b * {o}u + oc) * {ohw}u + c; dst[oi] = epi(v + {bias_term}, oi); }}",
+                ohw = oh * ow
+            );
+            let z = n * g;
+            if z > 65535 {
+                return Err(format!("batch x groups {z} exceeds 65535 workgroups"));
+            }
+            // GEMM per (image, group): rows = output channels of the group,
+            // cols = output pixels, depth = input channels x kernel taps.
+            // Weights are [out][in x taps] (depth contiguous, in either
+            // order); the implicit im2col operand walks pixels contiguously.
+            let gm = Gemm {
+                m: og,
+                n: oh * ow,
+                k: kk,
+                batch: z,
+                a_k_contiguous: true,
+                b_n_contiguous: true,
+                // Batch index z = image·groups + group; the weights repeat
+                // per image, so only groups of one may read them directly.
+                direct_a: operands
+                    .get(1)
+                    .filter(|_| g == 1)
+                    .and_then(|o| Direct::of(1, o, 1, (0, 0), kk)),
+                direct_b: None,
+            };
+            let taps_first = operands.get(1).is_some_and(|o| o.taps_first);
+            let load_a = format!(
+                "fn load_a(z: u32, r: u32, c: u32) -> f32 {{ let g = z % {g}u; return in1[(g * {og}u + r) * {kk}u + c]; }}"
+            );
+            // The depth index r = k0 + kr as (channel, ky, kx). Tap-major
+            // with whole steps of channels (every SD conv but the first),
+            // the tap and first channel come from the step's start alone,
+            // so everything but the final `+ kr·H·W` is the same for all of
+            // a thread's elements in a step and is computed once.
+            let step_whole = gm
+                .coop_depth_step(caps)
+                .is_some_and(|bk| cg.is_multiple_of(bk));
+            let (depth, tail) = match (taps_first, step_whole) {
+                (false, _) => (
+                    format!("let r = k0 + kr; let ci = r / {taps}u; let tap = r % {taps}u;"),
+                    String::new(),
+                ),
+                (true, false) => (
+                    format!("let r = k0 + kr; let tap = r / {cg}u; let ci = r % {cg}u;"),
+                    String::new(),
+                ),
+                (true, true) => (
+                    format!("let tap = k0 / {cg}u; let ci = k0 % {cg}u;"),
+                    format!(" + kr * {}u", h * w),
+                ),
+            };
+            let load_b = format!(
+                "fn load_b(z: u32, k0: u32, kr: u32, c: u32) -> f32 {{
+    let b = z / {g}u; let g = z % {g}u;
+    {depth} let ky = tap / {kw}u; let kx = tap % {kw}u;
+    let oy = c / {ow}u; let ox = c % {ow}u;
+    let iy = i32(oy * {sh}u + ky * {dh}u) - {ph}; let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};
+    if (iy < 0 || ix < 0 || iy >= {h} || ix >= {w}) {{ return 0.0; }}
+    return in0[((b * {c}u + g * {cg}u + ci) * {h}u + u32(iy)) * {w}u + u32(ix){tail}];
+}}",
+                sh = params.stride[0],
+                sw = params.stride[1],
+                dh = params.dilation[0],
+                dw = params.dilation[1],
+                ph = params.padding[0],
+                pw = params.padding[1],
+            );
+            let (code, tiles, split) = gm.emit(caps, &load_a, &load_b, &store);
+            src.push_str(&code);
+            groups = tiles;
+            finish = split;
+        }
+        KernelKind::GroupNorm {
+            n,
+            c,
+            spatial,
+            groups: gr,
+            eps,
+            affine,
+        } => {
+            let per = c / gr * spatial;
+            let affine_code = if *affine {
+                "let ch = (base + j) / SPATIAL % CH; y = y * in1[ch] + in2[ch];"
+            } else {
+                ""
+            };
+            let rows = n * gr;
+            if let Some((chunks, clen)) = norm_split(rows, per).filter(|_| caps.split_k) {
+                // Few long rows (the VAE's and the UNet's outer levels):
+                // each row's statistics in chunks over many workgroups,
+                // then the normalisation on the same grid.
+                let fill = |t: &str| {
+                    with_reductions(&t.replace("CHUNK_SETUP", NORM_CHUNK_SETUP), subgroups)
+                        .replace("TOTAL", &format!("{}u", rows * chunks))
+                        .replace("CHUNKS", &format!("{chunks}u"))
+                        .replace("CLEN", &format!("{clen}u"))
+                        .replace("PER", &format!("{per}u"))
+                        .replace("EPS", &lit(*eps))
+                        .replace("AFFINE", affine_code)
+                        .replace("SPATIAL", &format!("{spatial}u"))
+                        .replace("CH", &format!("{c}u"))
+                };
+                let total = rows * chunks;
+                let grid2 = [total.min(65535) as u32, total.div_ceil(65535) as u32, 1];
+                src.push_str(&fill(NORM_STATS));
+                groups = grid2;
+                finish = Some((fill(NORM_APPLY), grid2, 2 * total));
+            } else {
+                let body = with_reductions(ROW_NORM, subgroups)
+                    .replace("ROW_LEN", &format!("{per}u"))
+                    .replace("READ(j)", "in0[base + j]")
+                    .replace("BASE", &format!("row * {per}u"))
+                    .replace("CENTER", "true")
+                    .replace("EPS", &lit(*eps))
+                    .replace("AFFINE", affine_code)
+                    .replace("SPATIAL", &format!("{spatial}u"))
+                    .replace("ROWS", &format!("{}u", n * gr))
+                    .replace("CH", &format!("{c}u"));
+                src.push_str(&body);
+                groups = [(n * gr) as u32, 1, 1];
+            }
+        }
+        KernelKind::LayerNorm {
+            rows,
+            cols,
+            eps,
+            affine,
+        }
+        | KernelKind::RmsNorm {
+            rows,
+            cols,
+            eps,
+            affine,
+        } => {
+            let rms = matches!(k.kind, KernelKind::RmsNorm { .. });
+            src.push_str(&format!(
+                "fn off0(i: u32) -> u32 {{ return {}; }}\n",
+                offset_code(&k.inputs[0], &k.inputs[0].shape, "i")
+            ));
+            let affine_code = match (affine, rms) {
+                (true, false) => "y = y * in1[j] + in2[j];",
+                (true, true) => "y = y * in1[j];",
+                _ => "",
+            };
+            let body = with_reductions(ROW_NORM, subgroups)
+                .replace("ROW_LEN", &format!("{cols}u"))
+                .replace("READ(j)", "in0[off0(base + j)]")
+                .replace("BASE", &format!("row * {cols}u"))
+                .replace("CENTER", if rms { "false" } else { "true" })
+                .replace("EPS", &lit(*eps))
+                .replace("AFFINE", affine_code)
+                .replace("ROWS", &format!("{rows}u"));
+            src.push_str(&body);
+            if *rows > 65535 * 65535 {
+                return Err("too many rows".into());
+            }
+            groups = [(*rows).min(65535) as u32, rows.div_ceil(65535) as u32, 1];
+        }
+        KernelKind::Softmax { outer, len, inner } => {
+            let body = with_reductions(SOFTMAX, subgroups)
+                .replace("ROWS", &format!("{}u", outer * inner))
+                .replace("LEN", &format!("{len}u"))
+                .replace("INNER", &format!("{inner}u"));
+            src.push_str(&body);
+            let rows = outer * inner;
+            groups = [rows.min(65535) as u32, rows.div_ceil(65535) as u32, 1];
+        }
+        KernelKind::Reduce { op, shape, axes } => {
+            let strides = contiguous_strides(shape);
+            let kept: Vec<usize> = (0..shape.len()).filter(|d| !axes.contains(d)).collect();
+            let red: Vec<usize> = axes.clone();
+            let count: usize = red.iter().map(|&d| shape[d]).product();
+            // Output index → base offset over kept dims.
+            let mut base = vec!["0u".to_string()];
+            let kept_shape: Vec<usize> = kept.iter().map(|&d| shape[d]).collect();
+            let ks = contiguous_strides(&kept_shape);
+            for (j, &d) in kept.iter().enumerate() {
+                base.push(format!(
+                    "((gi / {}u) % {}u) * {}u",
+                    ks[j], shape[d], strides[d]
+                ));
+            }
+            let red_shape: Vec<usize> = red.iter().map(|&d| shape[d]).collect();
+            let rs = contiguous_strides(&red_shape);
+            let mut roff = vec!["0u".to_string()];
+            for (j, &d) in red.iter().enumerate() {
+                roff.push(format!(
+                    "((r / {}u) % {}u) * {}u",
+                    rs[j], shape[d], strides[d]
+                ));
+            }
+            let (init, step, fin) = match op {
+                ReduceOp::Sum => ("0.0", "acc1 = acc1 + x;", "acc1"),
+                ReduceOp::Mean => ("0.0", "acc1 = acc1 + x;", "acc1 / f32(COUNT)"),
+                ReduceOp::Max => ("-3.4028235e38", "acc1 = max(acc1, x);", "acc1"),
+                ReduceOp::Var => (
+                    "0.0",
+                    "let d = x - mean; acc1 = acc1 + d * d;",
+                    "acc1 / f32(COUNT)",
+                ),
+            };
+            let mean_pass = if matches!(op, ReduceOp::Var) {
+                format!(
+                    "    var s = 0.0;\n    for (var r = 0u; r < {count}u; r++) {{ s = s + in0[base + {}]; }}\n    let mean = s / f32({count}u);\n",
+                    roff.join(" + ")
+                )
+            } else {
+                String::new()
+            };
+            let body = format!(
+                "    let base = {};\n{mean_pass}    var acc1: f32 = {init};\n    for (var r = 0u; r < {count}u; r++) {{ let x = in0[base + {}]; {step} }}\n    dst[gi] = epi({}, gi);",
+                base.join(" + "),
+                roff.join(" + "),
+                fin.replace("COUNT", &format!("{count}u"))
+            );
+            src.push_str(&simple(&body));
+            groups = grid(n_out);
+        }
+        KernelKind::Attention {
+            b,
+            h,
+            sq,
+            skv,
+            d,
+            dv,
+            scale,
+            masked,
+        } => {
+            let off = |v: &View, name: &str| -> String {
+                // [b, h, s, t] strides.
+                format!(
+                    "fn {name}(bh: u32, s: u32, t: u32) -> u32 {{ return {}u + (bh / {h}u) * {}u + (bh % {h}u) * {}u + s * {}u + t * {}u; }}\n",
+                    v.offset, v.strides[0], v.strides[1], v.strides[2], v.strides[3]
+                )
+            };
+            src.push_str(&off(&k.inputs[0], "q_off"));
+            src.push_str(&off(&k.inputs[1], "k_off"));
+            src.push_str(&off(&k.inputs[2], "v_off"));
+            let (code, tiles) = attention(*b * *h, *sq, *skv, *d, *dv, *scale, *masked, caps);
+            src.push_str(&code);
+            groups = tiles;
+        }
+        KernelKind::Gather { rows, cols } => {
+            let body = format!(
+                "    let r = gi / {cols}u; let col = gi % {cols}u;\n    let id = min(u32(max(in1[r], 0.0)), {}u);\n    dst[gi] = epi(in0[id * {cols}u + col], gi);",
+                rows - 1
+            );
+            src.push_str(&simple(&body));
+            groups = grid(n_out);
+        }
+        KernelKind::Upsample {
+            c,
+            h,
+            w,
+            oh,
+            ow,
+            mode,
+            ..
+        } => {
+            let head = format!(
+                "    let x = gi % {ow}u; let y = (gi / {ow}u) % {oh}u; let plane = gi / {ohw}u;\n    let base = plane * {hw}u;\n",
+                ohw = oh * ow,
+                hw = h * w
+            );
+            let _ = c;
+            let body = match mode {
+                UpsampleMode::Nearest => format!(
+                    "{head}    let sy = min(u32(floor(f32(y) * (f32({h}u) / f32({oh}u)))), {hm}u);\n    let sx = min(u32(floor(f32(x) * (f32({w}u) / f32({ow}u)))), {wm}u);\n    dst[gi] = epi(in0[base + sy * {w}u + sx], gi);",
+                    hm = h - 1,
+                    wm = w - 1
+                ),
+                UpsampleMode::Bilinear { align_corners } => {
+                    let src_coord = |d: &str, i: usize, o: usize| -> String {
+                        if *align_corners {
+                            if o > 1 {
+                                format!("f32({d}) * (f32({}u) / f32({}u))", i - 1, o - 1)
+                            } else {
+                                "0.0".into()
+                            }
+                        } else {
+                            format!("max((f32({d}) + 0.5) * (f32({i}u) / f32({o}u)) - 0.5, 0.0)")
+                        }
+                    };
+                    format!(
+                        "{head}    let fy = {}; let fx = {};
+    let y0 = min(u32(floor(fy)), {hm}u); let x0 = min(u32(floor(fx)), {wm}u);
+    let y1 = min(y0 + 1u, {hm}u); let x1 = min(x0 + 1u, {wm}u);
+    let ly = fy - f32(y0); let lx = fx - f32(x0);
+    let v = (1.0 - ly) * ((1.0 - lx) * in0[base + y0 * {w}u + x0] + lx * in0[base + y0 * {w}u + x1])
+          + ly * ((1.0 - lx) * in0[base + y1 * {w}u + x0] + lx * in0[base + y1 * {w}u + x1]);
+    dst[gi] = epi(v, gi);",
+                        src_coord("y", *h, *oh),
+                        src_coord("x", *w, *ow),
+                        hm = h - 1,
+                        wm = w - 1
+                    )
+                }
+            };
+            src.push_str(&simple(&body));
+            groups = grid(n_out);
+        }
+        KernelKind::Concat { axis, parts } => {
+            let shape = &k.output.shape;
+            let inner: usize = shape[axis + 1..].iter().product();
+            let len = shape[*axis];
+            let anchors = *parts;
+            let mut body = format!(
+                "    let inner = gi % {inner}u; let a = (gi / {inner}u) % {len}u; let outer = gi / {};\n    var v = 0.0;\n",
+                len * inner
+            );
+            let mut start = 0;
+            for (j, view) in k.inputs.iter().take(anchors).enumerate() {
+                let part = view.shape[*axis];
+                let idx = format!("((outer * {part}u + (a - {start}u)) * {inner}u + inner)");
+                let _ = writeln!(
+                    body,
+                    "    if (a >= {start}u && a < {}u) {{ v = in{j}[{}]; }}",
+                    start + part,
+                    offset_code(view, &view.shape, &idx)
+                );
+                start += part;
+            }
+            body.push_str("    dst[gi] = epi(v, gi);");
+            src.push_str(&simple(&body));
+            groups = grid(n_out);
+        }
+        KernelKind::Pad { pads, value } => {
+            let shape = &k.output.shape;
+            let ins = &k.inputs[0].shape;
+            let os = contiguous_strides(shape);
+            let is = contiguous_strides(ins);
+            let mut body = String::from("    var inside = true; var src = 0u;\n");
+            for d in 0..shape.len() {
+                let _ = writeln!(
+                    body,
+                    "    {{ let c = i32((gi / {}u) % {}u) - {}; if (c < 0 || c >= {}) {{ inside = false; }} else {{ src = src + u32(c) * {}u; }} }}",
+                    os[d], shape[d], pads[d].0, ins[d], is[d]
+                );
+            }
+            let _ = writeln!(
+                body,
+                "    var v = {};\n    if (inside) {{ v = in0[{}]; }}\n    dst[gi] = epi(v, gi);",
+                lit(*value),
+                offset_code(&k.inputs[0], ins, "src")
+            );
+            src.push_str(&simple(&body));
+            groups = grid(n_out);
+        }
+    }
+    if operands.len() != k.inputs.len() + 1 {
+        return Err(format!(
+            "{} operand layouts for {} inputs and an output",
+            operands.len(),
+            k.inputs.len()
+        ));
+    }
+    let split = finish.is_some();
+    let source = bind(&src, k.inputs.len(), operands, caps, split)?;
+    let finish = match finish {
+        Some((body, groups, scratch_elems)) => Some(Finish {
+            source: bind(
+                &format!("{PRELUDE}{}{body}", epilogue_fn(k)),
+                k.inputs.len(),
+                operands,
+                caps,
+                true,
+            )?,
+            groups,
+            scratch_elems,
+        }),
+        None => None,
+    };
+    Ok(Shader {
+        source,
+        groups,
+        finish,
+    })
+}
+
+/// A kernel body made a complete shader: the bindings of its operands
+/// (and of the split-K scratch `part`, after them), their accessors, and
+/// emulated fragments where the caps ask for them.
+fn bind(
+    src: &str,
+    n_inputs: usize,
+    operands: &[Operand],
+    caps: &Caps,
+    scratch: bool,
+) -> Result<String, String> {
+    // Every input read goes through `rd{j}(i)` and every store through
+    // `wr(i, v)`: they widen f16 storage to f32 (arithmetic stays f32) and
+    // pick the binding of a tensor split over several.
+    let body = route_writes(&route_reads(src, n_inputs));
+    let mut head = String::new();
+    let coop = body.contains("coop_mat");
+    if coop || operands.iter().any(|o| o.f16) {
+        head.push_str("enable f16;\n");
+    }
+    if coop {
+        head.push_str("enable wgpu_cooperative_matrix;\n");
+    }
+    // Subgroup builtins need the device's SUBGROUP feature; naga takes no
+    // `enable subgroups;` directive yet.
+    let mut binding = 0;
+    for (j, op) in operands.iter().enumerate() {
+        let is_out = j == n_inputs;
+        let name = if is_out {
+            "dst".to_string()
+        } else {
+            format!("in{j}")
+        };
+        if let Some(q) = op.quant.filter(|_| !is_out) {
+            if op.chunks != 1 {
+                return Err(format!("quantized operand {j} is split over bindings"));
+            }
+            let _ = writeln!(
+                head,
+                "@group(0) @binding({binding}) var<storage, read_write> {name}_0: array<u32>;"
+            );
+            binding += 1;
+            head.push_str(&quant_reader(j, q)?);
+            continue;
+        }
+        let ty = if op.f16 { "f16" } else { "f32" };
+        for c in 0..op.chunks {
+            let _ = writeln!(
+                head,
+                "@group(0) @binding({binding}) var<storage, read_write> {name}_{c}: array<{ty}>;"
+            );
+            binding += 1;
+        }
+        // Chunk selection; a single chunk compiles to a plain access.
+        let mut access = String::new();
+        for c in 0..op.chunks {
+            let lo = c * op.chunk_elems;
+            let stmt = if is_out {
+                format!("{{ {name}_{c}[i - {lo}u] = {ty}(v); return; }}")
+            } else {
+                format!("{{ return f32({name}_{c}[i - {lo}u]); }}")
+            };
+            if c + 1 == op.chunks {
+                let _ = write!(access, "{stmt}");
+            } else {
+                let hi = (c + 1) * op.chunk_elems;
+                let _ = write!(access, "if (i < {hi}u) {stmt} ");
+            }
+        }
+        if is_out {
+            let _ = writeln!(head, "fn wr(i: u32, v: f32) {{ {access} }}");
+        } else {
+            let _ = writeln!(head, "fn rd{j}(i: u32) -> f32 {{ {access} }}");
+        }
+    }
+    if scratch {
+        let _ = writeln!(
+            head,
+            "@group(0) @binding({binding}) var<storage, read_write> part: array<f32>;"
+        );
+    }
+    head.push_str(&body);
+    match caps.coop {
+        Some(c) if c.emulated && coop => {
+            super::emulate::emulate(&head, c.tile as usize, c.subgroup as usize)
+        }
+        _ => Ok(head),
+    }
+}
+
+/// Rewrites every `inJ[expr]` into `rdJ(expr)` (brackets matched).
+fn route_reads(src: &str, n_inputs: usize) -> String {
+    let bytes = src.as_bytes();
+    let mut out = String::with_capacity(src.len());
+    let mut i = 0;
+    // One entry per open `[`: whether it opened a rewritten read.
+    let mut depth_stack: Vec<bool> = Vec::new();
+    while i < bytes.len() {
+        let c = bytes[i] as char;
+        if c == 'i' && src[i..].starts_with("in") && (i == 0 || !is_ident(bytes[i - 1])) {
+            // inN[ ?
+            let mut j = i + 2;
+            while j < bytes.len() && bytes[j].is_ascii_digit() {
+                j += 1;
+            }
+            if j > i + 2 && j < bytes.len() && bytes[j] == b'[' {
+                if let Ok(n) = src[i + 2..j].parse::<usize>() {
+                    if n < n_inputs {
+                        out.push_str(&format!("rd{n}("));
+                        depth_stack.push(true);
+                        i = j + 1;
+                        continue;
+                    }
+                }
+            }
+        }
+        if c == '[' {
+            depth_stack.push(false);
+        } else if c == ']' && depth_stack.pop() == Some(true) {
+            out.push(')');
+            i += 1;
+            continue;
+        }
+        out.push(c);
+        i += 1;
+    }
+    out
+}
+
+/// Rewrites every store `dst[i] = v;` into `wr(i, v);`.
+fn route_writes(src: &str) -> String {
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(p) = rest.find("dst[") {
+        let before_ok = p == 0 || !is_ident(rest.as_bytes()[p - 1]);
+        out.push_str(&rest[..p]);
+        let after = &rest[p + 4..];
+        if !before_ok {
+            out.push_str("dst[");
+            rest = after;
+            continue;
+        }
+        // Index: up to the matching `]`.
+        let mut depth = 1;
+        let mut end = 0;
+        for (i, ch) in after.char_indices() {
+            match ch {
+                '[' => depth += 1,
+                ']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let index = &after[..end];
+        let tail = &after[end + 1..];
+        let Some(eq) = tail.find('=') else {
+            out.push_str("dst[");
+            rest = after;
+            continue;
+        };
+        let value_and_rest = &tail[eq + 1..];
+        let Some(semi) = value_and_rest.find(';') else {
+            out.push_str("dst[");
+            rest = after;
+            continue;
+        };
+        out.push_str(&format!("wr({index}, {});", value_and_rest[..semi].trim()));
+        rest = &value_and_rest[semi + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Whether `b` can be part of a WGSL identifier.
+pub(super) fn is_ident(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_'
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn taps_first_layout_moves_each_tap_before_the_channels() {
+        // Two output channels of 3 input channels × 2 taps, valued
+        // o·100 + ci·10 + tap.
+        let data: Vec<f32> = (0..2)
+            .flat_map(|o| {
+                (0..3).flat_map(move |ci| (0..2).map(move |t| (o * 100 + ci * 10 + t) as f32))
+            })
+            .collect();
+        let got = taps_first_layout(&data, 6, 2);
+        let want = [
+            0.0, 10.0, 20.0, 1.0, 11.0, 21.0, 100.0, 110.0, 120.0, 101.0, 111.0, 121.0,
+        ];
+        assert_eq!(got, want);
+    }
+}
