@@ -1,0 +1,267 @@
+//! A program prepared on the device ([`Prepared`]): its buffers, bind
+//! groups and streamed weights, replayed per run, profiled and timed.
+
+use super::*;
+
+/// The streamed weights of a prepared program.
+pub(super) struct Stream {
+    pub(super) arena: wgpu::Buffer,
+    pub(super) staging: wgpu::Buffer,
+    /// Per dispatch: (staging offset, arena offset, bytes) copied before it.
+    pub(super) copies: Vec<Vec<(u64, u64, u64)>>,
+    pub(super) bytes_per_run: u64,
+}
+
+/// A kernel's passes: one, or a split-K product and its sum.
+pub(super) type Dispatch = Vec<(Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3])>;
+
+/// A Program made resident: weights uploaded, pipelines and bind groups
+/// built. Each [`Prepared::run`] uploads the inputs, records every
+/// dispatch in one compute pass and reads back the outputs.
+pub struct Prepared<'a> {
+    pub(super) backend: &'a WgpuBackend,
+    pub(super) prog: &'a Program,
+    /// Taken back into the backend's pool on drop.
+    pub(super) arena: Option<Arc<wgpu::Buffer>>,
+    /// Split-K partial sums (pooled too).
+    pub(super) scratch: Option<Arc<wgpu::Buffer>>,
+    pub(super) external: HashMap<u32, Arc<wgpu::Buffer>>,
+    pub(super) inputs: Vec<(u32, String, usize)>,
+    /// One mappable buffer per output.
+    pub(super) readback: Vec<wgpu::Buffer>,
+    pub(super) dispatches: Vec<Dispatch>,
+    pub(super) stream: Option<Stream>,
+    pub(super) residency: Option<ResidencyPlan>,
+    pub(super) step: schedule::UseStep,
+    /// What it adds to the backend's live bytes while it exists.
+    pub(super) live_bytes: u64,
+}
+
+impl Drop for Prepared<'_> {
+    fn drop(&mut self) {
+        self.backend
+            .live
+            .fetch_sub(self.live_bytes, std::sync::atomic::Ordering::Relaxed);
+        // The arena and input buffers go back to the pool (queue order
+        // keeps work already submitted ahead of any reuse).
+        for (buf, _, _) in &self.inputs {
+            if let Some(b) = self.external.remove(buf) {
+                self.backend.release(b);
+            }
+        }
+        if let Some(scratch) = self.scratch.take() {
+            self.backend.release(scratch);
+        }
+        if let Some(arena) = self.arena.take() {
+            self.backend.release(arena);
+        }
+    }
+}
+
+impl Prepared<'_> {
+    /// Runs with the inputs in `bind` (weights there are ignored: they
+    /// were uploaded by `prepare`).
+    pub fn run(&self, bind: &Bindings) -> Result<Vec<Array>, WgpuError> {
+        let dev = &self.backend.device;
+        let queue = &self.backend.queue;
+        let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        for (buf, name, len) in &self.inputs {
+            let data = bind
+                .inputs
+                .get(name)
+                .ok_or_else(|| BindError::MissingInput(name.clone()))?;
+            BindError::check_len(name, data.len(), *len)?;
+            let bytes = encode(data, self.backend.f16_activations);
+            if let Some(b) = self.external.get(buf) {
+                queue.write_buffer(b, 0, &bytes);
+            }
+        }
+        let mut encoder =
+            dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        self.record(&mut encoder, 1);
+        // Read back the outputs' whole buffers, then apply their views.
+        for (v, st) in self.prog.outputs.iter().zip(&self.readback) {
+            let b = self.prog.buffer(v.buffer);
+            let size = st.size();
+            let (src, off) = match b.kind {
+                BufferKind::Arena => match &self.arena {
+                    Some(a) => (a.as_ref(), b.offset as u64 * 4),
+                    None => return Err(BindError::MissingInput("the arena".into()).into()),
+                },
+                _ => match self.external.get(&v.buffer.0) {
+                    Some(e) => (e.as_ref(), 0),
+                    None => {
+                        return Err(
+                            BindError::MissingInput(format!("buffer b{}", v.buffer.0)).into()
+                        )
+                    }
+                },
+            };
+            encoder.copy_buffer_to_buffer(src, off, st, 0, size);
+        }
+        queue.submit([encoder.finish()]);
+        let mut outs = Vec::new();
+        for (v, st) in self.prog.outputs.iter().zip(&self.readback) {
+            let half = match self.prog.buffer(v.buffer).kind {
+                BufferKind::Weight(_) => self.backend.f16_weights,
+                _ => self.backend.f16_activations,
+            };
+            let slice = st.slice(..);
+            map_for_reading(dev, &slice)?;
+            // Unmapped on every path: the buffer is reused next run.
+            let data = slice.get_mapped_range().map(|bytes| decode(&bytes, half));
+            st.unmap();
+            let data = data.map_err(|e| WgpuError::Lost(e.to_string()))?;
+            outs.push(Array::new(v.shape.clone(), read_view(v, &data)));
+        }
+        if let Some(e) = pollster::block_on(validation.pop()) {
+            return Err(WgpuError::Validation(e.to_string()));
+        }
+        Ok(outs)
+    }
+
+    /// The residency plan this program runs under (with a budget).
+    pub fn residency(&self) -> Option<&ResidencyPlan> {
+        self.residency.as_ref()
+    }
+
+    /// What preparing did to the device's kept weights: evictions, loads.
+    pub fn use_step(&self) -> &schedule::UseStep {
+        &self.step
+    }
+
+    /// Weight bytes copied host → device each run (streamed weights).
+    pub fn streamed_bytes_per_run(&self) -> u64 {
+        self.stream.as_ref().map_or(0, |s| s.bytes_per_run)
+    }
+
+    /// Records every dispatch `times` times: one compute pass, split where
+    /// streamed weights are copied into their slots.
+    pub(super) fn record(&self, encoder: &mut wgpu::CommandEncoder, times: usize) {
+        for _ in 0..times {
+            // Passes forget the encoder borrow so copies can be recorded
+            // between them.
+            let mut pass = Some(
+                encoder
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("program"),
+                        timestamp_writes: None,
+                    })
+                    .forget_lifetime(),
+            );
+            for (i, passes) in self.dispatches.iter().enumerate() {
+                if let Some(s) = self.stream.as_ref().filter(|s| !s.copies[i].is_empty()) {
+                    drop(pass.take());
+                    for &(from, to, bytes) in &s.copies[i] {
+                        encoder.copy_buffer_to_buffer(&s.staging, from, &s.arena, to, bytes);
+                    }
+                    self.backend.uploaded.fetch_add(
+                        s.copies[i].iter().map(|c| c.2).sum(),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    pass = Some(
+                        encoder
+                            .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                label: Some("program"),
+                                timestamp_writes: None,
+                            })
+                            .forget_lifetime(),
+                    );
+                }
+                if let Some(p) = pass.as_mut() {
+                    for (pipeline, group, g) in passes {
+                        p.set_pipeline(pipeline);
+                        p.set_bind_group(0, group.as_ref(), &[]);
+                        p.dispatch_workgroups(g[0], g[1], g[2]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Seconds each dispatch takes alone, in Program order, each replayed
+    /// `reps` times in one submission (the wall time of that submission
+    /// over `reps`): where a step's time goes, for benchmarks. Streamed
+    /// weights are not copied (their slots keep what they hold).
+    pub fn profile(&self, reps: usize) -> Result<Vec<(KernelId, f64)>, WgpuError> {
+        let kernels = self.prog.commands.iter().filter_map(|c| match c {
+            Command::Dispatch { kernel } => Some(*kernel),
+            _ => None,
+        });
+        let mut out = Vec::new();
+        for (passes, kernel) in self.dispatches.iter().zip(kernels) {
+            self.backend.time_passes(passes, 1)?;
+            let n = reps.max(1);
+            out.push((kernel, self.backend.time_passes(passes, n)? / n as f64));
+        }
+        Ok(out)
+    }
+
+    /// Records and submits every dispatch `times` times and waits, without
+    /// uploads or readback: the kernel time benchmarks measure.
+    pub fn dispatch_only(&self, times: usize) -> Result<(), WgpuError> {
+        let dev = &self.backend.device;
+        let mut encoder =
+            dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        self.record(&mut encoder, times);
+        self.backend.queue.submit([encoder.finish()]);
+        dev.poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgpuError::Lost(e.to_string()))?;
+        Ok(())
+    }
+}
+
+/// One pass of a kernel: pipeline, bind group and workgroups.
+pub(super) type Pass = (Arc<wgpu::ComputePipeline>, Arc<wgpu::BindGroup>, [u32; 3]);
+
+impl WgpuBackend {
+    /// Wall seconds of `n` replays of `passes` recorded in one submission
+    /// and waited for: with `n` large enough the submission's own cost
+    /// vanishes in the kernels' time (profiles and tuning).
+    pub(super) fn time_passes(&self, passes: &[Pass], n: usize) -> Result<f64, WgpuError> {
+        let encoder = self.record_passes(passes, n);
+        let t = std::time::Instant::now();
+        self.queue.submit([encoder.finish()]);
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgpuError::Lost(e.to_string()))?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// An encoder holding `n` replays of `passes` in one compute pass. One
+    /// pass is bound once, so short kernels (the probes) time dispatches
+    /// alone.
+    pub(super) fn record_passes(&self, passes: &[Pass], n: usize) -> wgpu::CommandEncoder {
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("replayed"),
+                timestamp_writes: None,
+            });
+            for rep in 0..n {
+                for (pipeline, group, g) in passes {
+                    if rep == 0 || passes.len() > 1 {
+                        pass.set_pipeline(pipeline);
+                        pass.set_bind_group(0, group.as_ref(), &[]);
+                    }
+                    pass.dispatch_workgroups(g[0], g[1], g[2]);
+                }
+            }
+        }
+        encoder
+    }
+
+    /// Drops the compiled pipelines of these sources from this process's
+    /// cache (tuning's losing variants).
+    pub(super) fn forget_pipelines<'s>(&self, sources: impl Iterator<Item = &'s String>) {
+        let mut cache = self
+            .pipelines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for s in sources {
+            cache.remove(s);
+        }
+    }
+}
