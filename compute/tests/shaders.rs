@@ -258,16 +258,20 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                     if split && cap.split_k {
                         assert!(sh.finish.is_some(), "{gname} {cname}: not split");
                     }
-                    if let Some(f) = &sh.finish {
-                        validate(
-                            &format!("{gname} [{cname}, f16 {f16}, second pass]"),
-                            &f.source,
-                        );
-                    }
                     let name = format!("{gname} [{cname}, f16 {f16}]");
-                    // SDKIT_SHADER_DUMP=substring prints matching shaders.
-                    if std::env::var("SDKIT_SHADER_DUMP").is_ok_and(|d| name.contains(&d)) {
-                        eprintln!("// {name}\n{}", sh.source);
+                    // SDKIT_SHADER_DUMP=substring prints matching shaders
+                    // (an empty one prints all: diff two dumps to prove a
+                    // generator refactor changes no shader).
+                    let dump = std::env::var("SDKIT_SHADER_DUMP").is_ok_and(|d| name.contains(&d));
+                    if let Some(f) = &sh.finish {
+                        let pass = format!("{gname} [{cname}, f16 {f16}, second pass]");
+                        if dump {
+                            eprintln!("// {pass} {:?}\n{}", f.groups, f.source);
+                        }
+                        validate(&pass, &f.source);
+                    }
+                    if dump {
+                        eprintln!("// {name} {:?}\n{}", sh.groups, sh.source);
                     }
                     validate(&name, &sh.source);
                     checked += 1;

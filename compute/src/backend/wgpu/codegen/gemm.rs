@@ -84,12 +84,14 @@ pub(super) struct Gemm {
 /// An operand stored as f16 in one binding with its depth index
 /// contiguous: cooperative loads can read its fragments from the buffer,
 /// skipping the workgroup-memory staging.
+#[derive(Clone, Copy, Debug)]
 pub(super) struct Direct {
-    /// The binding (`inJ_0`).
-    pub(super) binding: String,
-    /// WGSL expression (of the batch index `z`) for the element offset of
-    /// row/column 0, depth 0.
-    pub(super) base: String,
+    /// The input whose binding (its only range) holds it.
+    pub(super) input: usize,
+    /// Element offset of row/column 0, depth 0, in batch 0.
+    pub(super) offset: usize,
+    /// Elements between consecutive batch entries.
+    pub(super) z_stride: usize,
     /// Elements between consecutive rows (A) or columns (B).
     pub(super) stride: usize,
 }
@@ -108,9 +110,10 @@ impl Direct {
         stride: usize,
     ) -> Option<Self> {
         let aligned = offset % 8 == 0 && z_stride % 8 == 0 && stride.is_multiple_of(8);
-        (op.f16 && op.chunks == 1 && depth_stride == 1 && aligned).then(|| Direct {
-            binding: format!("in{j}_0"),
-            base: format!("{offset}u + z * {z_stride}u"),
+        (op.f16 && op.chunks == 1 && depth_stride == 1 && aligned).then_some(Direct {
+            input: j,
+            offset,
+            z_stride,
             stride,
         })
     }
@@ -177,7 +180,8 @@ pub fn tilings() -> Vec<CoopTiles> {
 
 impl Gemm {
     /// The shader body and launch grid: cooperative matrices where the
-    /// adapter has them, else the portable register-tiled kernel.
+    /// adapter has them, else the portable register-tiled kernel; with a
+    /// split-K product's second pass.
     #[allow(clippy::type_complexity)]
     pub(super) fn emit(
         &self,
@@ -187,7 +191,7 @@ impl Gemm {
         store: &str,
     ) -> (String, [u32; 3], Option<(String, [u32; 3], usize)>) {
         let funcs = format!("{load_a}\n{load_b}\n{store}\n");
-        let Some(c) = caps.coop else {
+        let Some(desc) = self.describe(caps) else {
             return (
                 funcs + &gemm(self.m, self.n, self.k),
                 [
@@ -198,21 +202,8 @@ impl Gemm {
                 None,
             );
         };
-        let tiles = self.coop_tiles(c, caps);
-        let gx = self.n.div_ceil(tiles.sg_cols * tiles.cols);
-        let gy = self.m.div_ceil(tiles.sg_rows * tiles.rows);
-        let split = if caps.split_k {
-            self.split(gx * gy * self.batch, tiles.bk)
-        } else {
-            None
-        };
-        let code = funcs.clone() + &self.coop(c, tiles, split, caps.prefetch);
-        let groups = [
-            gx as u32,
-            gy as u32,
-            (self.batch * split.map_or(1, |(s, _)| s)) as u32,
-        ];
-        let finish = split.map(|(splits, _)| {
+        let code = funcs.clone() + &desc.wgsl();
+        let finish = desc.split.map(|(splits, _)| {
             let total = self.batch * self.m * self.n;
             let body = format!(
                 "{funcs}@compute @workgroup_size(256)
@@ -230,7 +221,75 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             );
             (body, grid(total), splits * total)
         });
-        (code, groups, finish)
+        (code, desc.grid(), finish)
+    }
+
+    /// The cooperative kernel for this product as data (None without
+    /// cooperative matrices): the tiling (chosen by size, or fixed by
+    /// `caps`), how each operand reaches the fragments, split-K and
+    /// prefetch.
+    pub(super) fn describe(&self, caps: &Caps) -> Option<CoopGemm> {
+        let c = caps.coop?;
+        let t = c.tile as usize;
+        let tiles = self.coop_tiles(c, caps);
+        let (bm, bn, bk) = (
+            tiles.sg_rows * tiles.rows,
+            tiles.sg_cols * tiles.cols,
+            tiles.bk,
+        );
+        let threads = tiles.sg_rows * tiles.sg_cols * c.subgroup as usize;
+        let gx = self.n.div_ceil(bn);
+        let gy = self.m.div_ceil(bm);
+        let split = if caps.split_k {
+            self.split(gx * gy * self.batch, bk)
+        } else {
+            None
+        };
+        // Direct reads need whole fragments along the depth and along the
+        // rows/columns: a fragment past the end is then wholly outside the
+        // output, so clamping it inside the operand only reads values that
+        // are never stored.
+        let usable = |d: Option<Direct>, dim: usize| {
+            d.filter(|_| tiles.direct && self.k.is_multiple_of(t) && dim.is_multiple_of(t))
+        };
+        // Staged tiles' rows are padded (see [`SMEM_PAD`]); neighbouring
+        // threads walk the operand's contiguous axis.
+        let a = match usable(self.direct_a, self.m) {
+            Some(d) => Feed::Direct(d),
+            None => Feed::Staged(Staging {
+                rows: bm,
+                cols: bk,
+                stride: bk + SMEM_PAD,
+                along_cols: self.a_k_contiguous,
+            }),
+        };
+        let b = match usable(self.direct_b, self.n) {
+            Some(d) => Feed::Direct(d),
+            None => Feed::Staged(Staging {
+                rows: bk,
+                cols: bn,
+                stride: bn + SMEM_PAD,
+                along_cols: self.b_n_contiguous,
+            }),
+        };
+        // Register prefetch needs whole elements per thread.
+        let staged = [&a, &b].into_iter().filter_map(|f| match f {
+            Feed::Staged(s) => Some(s.rows * s.cols),
+            Feed::Direct(_) => None,
+        });
+        let prefetch = caps.prefetch
+            && staged.clone().count() > 0
+            && staged.clone().all(|len| len.is_multiple_of(threads));
+        Some(CoopGemm {
+            shape: [self.m, self.n, self.k, self.batch],
+            frag: t,
+            lanes: c.subgroup as usize,
+            tiles,
+            a,
+            b,
+            split,
+            prefetch,
+        })
     }
 
     /// The cooperative tiling `emit` uses, in this configuration's
@@ -299,45 +358,90 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             _ => tiles(2, 2, 32, 32),
         }
     }
+}
 
-    /// Tensor-core GEMM: each workgroup stages a BM×bk tile of A and a
-    /// bk×BN tile of B in workgroup memory as f16 (or reads an f16 operand
-    /// straight from its binding), and each of its subgroups multiplies its
-    /// `rows`×`cols` share into f32 accumulator fragments. The epilogue
-    /// goes through a per-subgroup f32 scratch fragment, so `store` (bias,
-    /// activation, residual, f16 output, split bindings) stays the same as
-    /// the portable kernel's.
-    pub(super) fn coop<'a>(
-        &'a self,
-        c: Coop,
-        sh: CoopTiles,
-        split: Option<(usize, usize)>,
-        caps_prefetch: bool,
-    ) -> String {
-        let t = c.tile as usize;
-        let s = c.subgroup as usize;
+/// How one operand of a cooperative GEMM reaches its fragments.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Feed {
+    /// Loaded straight from its f16 binding.
+    Direct(Direct),
+    /// Staged through a workgroup tile each depth step.
+    Staged(Staging),
+}
+
+/// An operand tile staged in workgroup memory as f16 each depth step (A:
+/// `rows` = the block's rows × `cols` = the depth step; B: depth step ×
+/// the block's columns).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Staging {
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    /// Row stride in workgroup memory, padded past `cols`.
+    pub(super) stride: usize,
+    /// Neighbouring threads take neighbouring columns (the operand's
+    /// contiguous axis), else neighbouring rows: their reads coalesce.
+    pub(super) along_cols: bool,
+}
+
+/// A cooperative-matrix (tensor-core) GEMM kernel as data: each workgroup
+/// computes a `bm`×`bn` block of the output over depth steps of `bk`,
+/// its `sg_rows`×`sg_cols` subgroups each multiplying `rows`×`cols` of it
+/// as `frag`×`frag` fragments into f32 accumulators; the epilogue goes
+/// through a per-subgroup f32 scratch fragment to `store`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CoopGemm {
+    /// m, n, k, batch.
+    pub(super) shape: [usize; 4],
+    pub(super) frag: usize,
+    /// Lanes per subgroup.
+    pub(super) lanes: usize,
+    pub(super) tiles: CoopTiles,
+    pub(super) a: Feed,
+    pub(super) b: Feed,
+    /// (splits, depth per split): each split of the depth writes partial
+    /// sums, which a second pass adds.
+    pub(super) split: Option<(usize, usize)>,
+    /// Staged operands' next depth step loads into registers while this
+    /// step multiplies.
+    pub(super) prefetch: bool,
+}
+
+impl CoopGemm {
+    fn block(&self) -> (usize, usize, usize) {
+        let t = &self.tiles;
+        (t.sg_rows * t.rows, t.sg_cols * t.cols, t.bk)
+    }
+
+    fn threads(&self) -> usize {
+        self.tiles.sg_rows * self.tiles.sg_cols * self.lanes
+    }
+
+    /// Workgroups along x (column blocks), y (row blocks), z (batch ×
+    /// splits).
+    pub(super) fn grid(&self) -> [u32; 3] {
+        let [m, n, _, batch] = self.shape;
+        let (bm, bn, _) = self.block();
+        [
+            n.div_ceil(bn) as u32,
+            m.div_ceil(bm) as u32,
+            (batch * self.split.map_or(1, |(s, _)| s)) as u32,
+        ]
+    }
+
+    /// The kernel in WGSL, after the `load_a`/`load_b`/`store` functions.
+    pub(super) fn wgsl(&self) -> String {
+        let t = self.frag;
+        let s = self.lanes;
+        let sh = self.tiles;
         let (fm, fnn) = (sh.rows / t, sh.cols / t);
-        let bm = sh.sg_rows * sh.rows;
-        let bn = sh.sg_cols * sh.cols;
-        let bk = sh.bk;
+        let (bm, bn, bk) = self.block();
         let nsg = sh.sg_rows * sh.sg_cols;
-        let threads = nsg * s;
-        let (m, n, k) = (self.m, self.n, self.k);
-        // Direct reads need whole fragments along the depth and along the
-        // rows/columns: a fragment past the end is then wholly outside the
-        // output, so clamping it inside the operand only reads values that
-        // are never stored.
-        let usable = |d: Option<&'a Direct>, dim: usize| {
-            d.filter(|_| sh.direct && k % t == 0 && dim.is_multiple_of(t))
-        };
-        let da = usable(self.direct_a.as_ref(), m);
-        let db = usable(self.direct_b.as_ref(), n);
-        // Staged tiles' row strides, padded (see [`SMEM_PAD`]).
-        let (sa, sb) = (bk + SMEM_PAD, bn + SMEM_PAD);
+        let threads = self.threads();
+        let [m, n, k, batch] = self.shape;
         let ty = |role: &str, scalar: &str| format!("coop_mat{t}x{t}<{scalar}, {role}>");
         // Where the workgroup's depth range starts and ends, and where its
         // results go: the epilogue, or its split's partial sums.
-        let (prologue, k_begin, k_end, result) = match split {
+        let (prologue, k_begin, k_end, result) = match self.split {
             None => (
                 "    let z = wg.z;\n".to_string(),
                 "0u".to_string(),
@@ -352,7 +456,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 "k_end".to_string(),
                 format!(
                     "part[(((wg.z % {splits}u) * {batch}u + z) * {m}u + r) * {n}u + col] = Cs[sg * {tt}u + e]",
-                    batch = self.batch,
                     tt = t * t
                 ),
             ),
@@ -361,45 +464,49 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let mut mac = String::new();
         let mut epi = String::new();
         for i in 0..fm {
-            let load = match da {
-                Some(d) => format!(
-                    "coopLoadT<{}>(&{}[{} + min(row0 + sm * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
+            let load = match self.a {
+                Feed::Direct(d) => format!(
+                    "coopLoadT<{}>(&in{}_0[{}u + z * {}u + min(row0 + sm * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
                     ty("A", "f16"),
-                    d.binding,
-                    d.base,
+                    d.input,
+                    d.offset,
+                    d.z_stride,
                     sh.rows,
                     i * t,
                     m - t,
                     d.stride,
                     d.stride
                 ),
-                None => format!(
+                Feed::Staged(st) => format!(
                     "coopLoadT<{}>(&As[(sm * {}u + {}u) * {sa}u + kk], {sa}u)",
                     ty("A", "f16"),
                     sh.rows,
-                    i * t
+                    i * t,
+                    sa = st.stride,
                 ),
             };
             let _ = writeln!(mac, "            let a{i} = {load};");
         }
         for j in 0..fnn {
-            let load = match db {
-                Some(d) => format!(
-                    "coopLoad<{}>(&{}[{} + min(col0 + sn * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
+            let load = match self.b {
+                Feed::Direct(d) => format!(
+                    "coopLoad<{}>(&in{}_0[{}u + z * {}u + min(col0 + sn * {}u + {}u, {}u) * {}u + k0 + kk], {}u)",
                     ty("B", "f16"),
-                    d.binding,
-                    d.base,
+                    d.input,
+                    d.offset,
+                    d.z_stride,
                     sh.cols,
                     j * t,
                     n - t,
                     d.stride,
                     d.stride
                 ),
-                None => format!(
+                Feed::Staged(st) => format!(
                     "coopLoadT<{}>(&Bs[kk * {sb}u + sn * {}u + {}u], {sb}u)",
                     ty("B", "f16"),
                     sh.cols,
-                    j * t
+                    j * t,
+                    sb = st.stride,
                 ),
             };
             let _ = writeln!(mac, "            let b{j} = {load};");
@@ -453,24 +560,23 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 (format!("e / {width}u"), format!("e % {width}u"))
             }
         };
-        let (a_r, a_c) = if self.a_k_contiguous {
-            across(bk)
-        } else {
-            let (q, rem) = across(bm);
-            (rem, q)
-        };
-        let (b_r, b_c) = if self.b_n_contiguous {
-            across(bn)
-        } else {
-            let (q, rem) = across(bk);
-            (rem, q)
+        // This thread's (row, column) of a staged tile's element.
+        let position = |st: &Staging| {
+            if st.along_cols {
+                across(st.cols)
+            } else {
+                let (q, rem) = across(st.rows);
+                (rem, q)
+            }
         };
         // The staged operands: register name, elements per step, the
         // element's row and column, its value at depth step `K`, its slot.
         type Value = Box<dyn Fn(&str) -> String>;
         let mut staged: Vec<(&str, usize, String, Value, String)> = Vec::new();
         let mut shared = String::new();
-        if da.is_none() {
+        if let Feed::Staged(st) = self.a {
+            let sa = st.stride;
+            let (a_r, a_c) = position(&st);
             let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * sa);
             staged.push((
                 "a",
@@ -482,7 +588,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 format!("As[r * {sa}u + kc]"),
             ));
         }
-        if db.is_none() {
+        if let Feed::Staged(st) = self.b {
+            let sb = st.stride;
+            let (b_r, b_c) = position(&st);
             let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * sb);
             staged.push((
                 "b",
@@ -494,13 +602,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 format!("Bs[kr * {sb}u + c]"),
             ));
         }
-        // Register prefetch (`Caps::prefetch`): each thread's elements of
-        // the next step load into registers before this step's products,
-        // so global latency overlaps them; written to workgroup memory
-        // after. Needs whole elements per thread.
-        let prefetch = caps_prefetch
-            && !staged.is_empty()
-            && staged.iter().all(|s| s.1.is_multiple_of(threads));
+        // Register prefetch: each thread's elements of the next step load
+        // into registers before this step's products, so global latency
+        // overlaps them; written to workgroup memory after.
+        let prefetch = self.prefetch;
         let (mut stage, mut fetch, mut commit, mut regs) =
             (String::new(), String::new(), String::new(), String::new());
         for (reg, len, idx, value, at) in &staged {
@@ -551,7 +656,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         // Where every step is whole (SD's convs and linears: depths are
         // multiples of 32), the bound stays a constant, so the driver can
         // unroll the loop and issue the direct fragment loads together.
-        let depth_end = if (da.is_some() || db.is_some()) && !k.is_multiple_of(bk) {
+        let any_direct = matches!(self.a, Feed::Direct(_)) || matches!(self.b, Feed::Direct(_));
+        let depth_end = if any_direct && !k.is_multiple_of(bk) {
             format!("min({bk}u, {k_end} - k0)")
         } else {
             format!("{bk}u")

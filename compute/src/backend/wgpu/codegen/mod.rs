@@ -9,11 +9,13 @@
 
 use super::quant::quant_reader;
 use attention::attention;
+use gemm::SMEM_PAD;
 pub use gemm::{tilings, CoopTiles};
-use gemm::{Direct, Gemm, SMEM_PAD};
+use product::{Im2col, Product, Sink, Source};
 
 mod attention;
 mod gemm;
+mod product;
 mod rowwise;
 pub use super::quant::Quant;
 use crate::plan::{Expr, Kernel, KernelKind, View};
@@ -381,44 +383,30 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             groups = grid(n_out);
         }
         KernelKind::MatMul { batch, m, n, k: kk } => {
-            let (a, b) = (&k.inputs[0], &k.inputs[1]);
-            let mv = |v: &View| -> Result<(usize, usize, usize, usize), String> {
+            let view = |input: usize| -> Result<Source, String> {
+                let v = &k.inputs[input];
                 let r = v.shape.len();
-                let bs = v
+                let batch = v
                     .batch_stride(r - 2)
                     .ok_or("matmul operand batch dims are not uniformly strided")?;
-                Ok((v.offset, bs, v.strides[r - 2], v.strides[r - 1]))
+                Ok(Source::View {
+                    input,
+                    offset: v.offset,
+                    batch,
+                    row: v.strides[r - 2],
+                    col: v.strides[r - 1],
+                })
             };
-            let (ao, abs_, ars, acs) = mv(a)?;
-            let (bo, bbs, brs, bcs) = mv(b)?;
-            let load_a = format!(
-                "fn load_a(z: u32, r: u32, c: u32) -> f32 {{ return in0[{ao}u + z * {abs_}u + r * {ars}u + c * {acs}u]; }}"
-            );
-            let load_b = format!(
-                "fn load_b(z: u32, k0: u32, kr: u32, c: u32) -> f32 {{ let r = k0 + kr; return in1[{bo}u + z * {bbs}u + r * {brs}u + c * {bcs}u]; }}"
-            );
-            let store = format!(
-                "fn store(z: u32, r: u32, c: u32, v: f32) {{ let oi = z * {}u + r * {n}u + c; dst[oi] = epi(v, oi); }}",
-                m * n
-            );
-            if *batch > 65535 {
-                return Err(format!("batch {batch} exceeds 65535 workgroups"));
-            }
-            let g = Gemm {
+            let product = Product {
                 m: *m,
                 n: *n,
                 k: *kk,
                 batch: *batch,
-                a_k_contiguous: acs <= ars,
-                b_n_contiguous: bcs <= brs,
-                direct_a: operands
-                    .first()
-                    .and_then(|o| Direct::of(0, o, acs, (ao, abs_), ars)),
-                direct_b: operands
-                    .get(1)
-                    .and_then(|o| Direct::of(1, o, brs, (bo, bbs), bcs)),
+                a: view(0)?,
+                b: view(1)?,
+                out: Sink::Dense { rows: *m, cols: *n },
             };
-            let (code, tiles, split) = g.emit(caps, &load_a, &load_b, &store);
+            let (code, tiles, split) = product.emit(operands, caps)?;
             src.push_str(&code);
             groups = tiles;
             finish = split;
@@ -440,79 +428,43 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             let eff_w = params.dilation[1] * (kw - 1) + 1;
             let oh = (h + 2 * params.padding[0] - eff_h) / params.stride[0] + 1;
             let ow = (w + 2 * params.padding[1] - eff_w) / params.stride[1] + 1;
-            let kk = cg * kh * kw;
-            let taps = kh * kw;
-            let bias_term = if *bias { "in2[oc]" } else { "0.0" };
-            let store = format!(
-                "fn store(z: u32, r: u32, c: u32, v: f32) {{ let b = z / {g}u; let g = z % {g}u; let oc = g * {og}u + r; let oi = (b * {o}u + oc) * {ohw}u + c; dst[oi] = epi(v + {bias_term}, oi); }}",
-                ohw = oh * ow
-            );
-            let z = n * g;
-            if z > 65535 {
-                return Err(format!("batch x groups {z} exceeds 65535 workgroups"));
-            }
             // GEMM per (image, group): rows = output channels of the group,
             // cols = output pixels, depth = input channels x kernel taps.
             // Weights are [out][in x taps] (depth contiguous, in either
             // order); the implicit im2col operand walks pixels contiguously.
-            let gm = Gemm {
+            let product = Product {
                 m: og,
                 n: oh * ow,
-                k: kk,
-                batch: z,
-                a_k_contiguous: true,
-                b_n_contiguous: true,
-                // Batch index z = image·groups + group; the weights repeat
-                // per image, so only groups of one may read them directly.
-                direct_a: operands
-                    .get(1)
-                    .filter(|_| g == 1)
-                    .and_then(|o| Direct::of(1, o, 1, (0, 0), kk)),
-                direct_b: None,
+                k: cg * kh * kw,
+                batch: n * g,
+                a: Source::ConvWeights {
+                    input: 1,
+                    groups: g,
+                    per_group: og,
+                    depth: cg * kh * kw,
+                },
+                b: Source::Im2col(Im2col {
+                    input: 0,
+                    groups: g,
+                    channels: *c,
+                    per_group: cg,
+                    h: *h,
+                    w: *w,
+                    out_w: ow,
+                    kw: *kw,
+                    taps: kh * kw,
+                    params: *params,
+                    taps_first: operands.get(1).is_some_and(|o| o.taps_first),
+                }),
+                out: Sink::Conv {
+                    groups: g,
+                    per_group: og,
+                    channels: *o,
+                    pixels: oh * ow,
+                    bias: bias.then_some(2),
+                },
             };
-            let taps_first = operands.get(1).is_some_and(|o| o.taps_first);
-            let load_a = format!(
-                "fn load_a(z: u32, r: u32, c: u32) -> f32 {{ let g = z % {g}u; return in1[(g * {og}u + r) * {kk}u + c]; }}"
-            );
-            // The depth index r = k0 + kr as (channel, ky, kx). Tap-major
-            // with whole steps of channels (every SD conv but the first),
-            // the tap and first channel come from the step's start alone,
-            // so everything but the final `+ kr·H·W` is the same for all of
-            // a thread's elements in a step and is computed once.
-            let step_whole = gm
-                .coop_depth_step(caps)
-                .is_some_and(|bk| cg.is_multiple_of(bk));
-            let (depth, tail) = match (taps_first, step_whole) {
-                (false, _) => (
-                    format!("let r = k0 + kr; let ci = r / {taps}u; let tap = r % {taps}u;"),
-                    String::new(),
-                ),
-                (true, false) => (
-                    format!("let r = k0 + kr; let tap = r / {cg}u; let ci = r % {cg}u;"),
-                    String::new(),
-                ),
-                (true, true) => (
-                    format!("let tap = k0 / {cg}u; let ci = k0 % {cg}u;"),
-                    format!(" + kr * {}u", h * w),
-                ),
-            };
-            let load_b = format!(
-                "fn load_b(z: u32, k0: u32, kr: u32, c: u32) -> f32 {{
-    let b = z / {g}u; let g = z % {g}u;
-    {depth} let ky = tap / {kw}u; let kx = tap % {kw}u;
-    let oy = c / {ow}u; let ox = c % {ow}u;
-    let iy = i32(oy * {sh}u + ky * {dh}u) - {ph}; let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};
-    if (iy < 0 || ix < 0 || iy >= {h} || ix >= {w}) {{ return 0.0; }}
-    return in0[((b * {c}u + g * {cg}u + ci) * {h}u + u32(iy)) * {w}u + u32(ix){tail}];
-}}",
-                sh = params.stride[0],
-                sw = params.stride[1],
-                dh = params.dilation[0],
-                dw = params.dilation[1],
-                ph = params.padding[0],
-                pw = params.padding[1],
-            );
-            let (code, tiles, split) = gm.emit(caps, &load_a, &load_b, &store);
+            let (code, tiles, split) = product.emit(operands, caps)?;
             src.push_str(&code);
             groups = tiles;
             finish = split;
