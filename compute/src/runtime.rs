@@ -201,6 +201,15 @@ impl Runtime {
         }
     }
 
+    /// Bytes of program outputs read back from the device so far (0 on
+    /// the CPU).
+    pub fn bytes_downloaded(&self) -> u64 {
+        match &self.device {
+            Device::Cpu(_) => 0,
+            Device::Wgpu(b) => b.bytes_downloaded(),
+        }
+    }
+
     /// The device memory budget, if one is set (GPU only).
     pub fn budget(&self) -> Option<u64> {
         match &self.device {
@@ -432,6 +441,56 @@ impl Session<'_> {
                 inputs,
                 ..Bindings::default()
             })?),
+        }
+    }
+
+    /// Runs with `inputs`, returning only the outputs in `read` (None for
+    /// the others), and feeds output `o` of each `(o, name)` in `carry`
+    /// to input `name` of the next run, which may then leave it out. On a
+    /// GPU the carried values stay on the device and only `read` is
+    /// downloaded: a sampling loop's latent crosses the bus once.
+    pub fn run_carried(
+        &mut self,
+        inputs: HashMap<String, Arc<Vec<f32>>>,
+        carry: &[(usize, &str)],
+        read: &[usize],
+    ) -> Result<Vec<Option<Array>>, RuntimeError> {
+        match self {
+            Session::Cpu {
+                prog,
+                bind,
+                products,
+            } => {
+                let mut next: HashMap<String, Arc<Vec<f32>>> = carry
+                    .iter()
+                    .filter_map(|(_, n)| bind.inputs.get(*n).map(|v| (n.to_string(), v.clone())))
+                    .collect();
+                next.extend(inputs);
+                bind.inputs = next;
+                let outs = cpu::run_with(prog, bind, *products)?;
+                for &(o, name) in carry {
+                    let out = outs.get(o).ok_or_else(|| {
+                        RuntimeError::Cpu(
+                            crate::backend::BindError::MissingInput(format!("output {o}")).into(),
+                        )
+                    })?;
+                    bind.inputs
+                        .insert(name.to_string(), Arc::new(out.data.clone()));
+                }
+                Ok(outs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, a)| read.contains(&i).then_some(a))
+                    .collect())
+            }
+            Session::Wgpu { prepared: p, .. } => Ok(p.run_carried(
+                &Bindings {
+                    inputs,
+                    ..Bindings::default()
+                },
+                carry,
+                read,
+            )?),
         }
     }
 

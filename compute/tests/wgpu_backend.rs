@@ -774,3 +774,97 @@ fn a_quantized_row_longer_than_its_file_parses() {
         .expect("a 1×512 Q4_0 tensor in a 400-byte file parses");
     assert_eq!(file.get("w").expect("tensor").shape, vec![1, 512]);
 }
+
+/// A loop whose state stays on the device: output 0 feeds input `x` of
+/// the next run without a download, and only what is read comes back.
+/// The CPU session carries the same way; both give the host loop's
+/// values.
+#[test]
+fn carried_outputs_stay_on_the_device_between_runs() {
+    use sdkit_compute::tensor::GraphBuilder;
+    use sdkit_compute::{Bindings, Runtime};
+    use std::collections::HashMap;
+    let Some(gpu) = backend() else { return };
+    let g = GraphBuilder::new();
+    let outs = (|| {
+        let x = g.input("x", &[2, 64])?;
+        let w = g.weight("w", &[64, 64])?;
+        let s = g.input("s", &[1])?;
+        let y = x.matmul(w)?.tanh().mul(s)?.add(x)?;
+        let z = y.mul(s)?;
+        Ok::<_, sdkit_compute::tensor::ShapeError>(vec![y, z])
+    })()
+    .expect("builds");
+    let prog = plan(&g.finish(&outs)).expect("plans");
+    let mut bind = Bindings::default();
+    let w: Vec<f32> = (0..64 * 64)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 400.0)
+        .collect();
+    bind.weights.insert("w".into(), Arc::new(w));
+    let x0: Vec<f32> = (0..128).map(|i| (i as f32 / 64.0).sin()).collect();
+    let feed = |step: usize, first: bool| {
+        let mut f = HashMap::new();
+        f.insert("s".to_string(), Arc::new(vec![0.5 + step as f32 * 0.1]));
+        if first {
+            f.insert("x".to_string(), Arc::new(x0.clone()));
+        }
+        f
+    };
+    // The host loop: every output read back and fed again.
+    let cpu = Runtime::cpu();
+    let mut host = cpu.prepare(&prog, &bind).expect("prepares");
+    let mut x = x0.clone();
+    let mut last = Vec::new();
+    for step in 0..4 {
+        let mut f = feed(step, false);
+        f.insert("x".to_string(), Arc::new(x.clone()));
+        let out = host.run(f).expect("runs");
+        x = out[0].data.clone();
+        last = out[1].data.clone();
+    }
+    let rt = Runtime::wgpu(gpu);
+    for runtime in [&cpu, &rt] {
+        let mut s = runtime.prepare(&prog, &bind).expect("prepares");
+        let before = runtime.bytes_downloaded();
+        for step in 0..3 {
+            let outs = s
+                .run_carried(feed(step, step == 0), &[(0, "x")], &[])
+                .expect("runs");
+            assert!(outs.iter().all(Option::is_none));
+        }
+        assert_eq!(runtime.bytes_downloaded(), before, "nothing read yet");
+        let outs = s
+            .run_carried(feed(3, false), &[(0, "x")], &[1])
+            .expect("runs");
+        let z = outs[1].as_ref().expect("read");
+        assert!(outs[0].is_none());
+        // The CPU replays the host loop's arithmetic exactly; the GPU's
+        // tanh and product order differ in the last bits.
+        let bound = if runtime.is_cpu() { 0.0 } else { 1e-6 };
+        assert!(
+            nmse(&z.data, &last) <= bound,
+            "{} {:?} {:?}",
+            runtime.describe(),
+            &z.data[..4],
+            &last[..4]
+        );
+        if !runtime.is_cpu() {
+            // Only the one output read came back.
+            let read = runtime.bytes_downloaded() - before;
+            assert!(read == 128 * 4 || read == 128 * 2, "{read} bytes read");
+        }
+        // An output that is not the input's size cannot be carried.
+        let wrong = g_mismatch(&mut s);
+        assert!(wrong.is_err() || runtime.is_cpu());
+    }
+}
+
+/// Carries output 1 into an input of another size: refused by the GPU
+/// session (the CPU's only meets it at the next run's shape check).
+fn g_mismatch(s: &mut sdkit_compute::runtime::Session<'_>) -> Result<(), String> {
+    let mut f = std::collections::HashMap::new();
+    f.insert("s".to_string(), Arc::new(vec![1.0f32]));
+    s.run_carried(f, &[(1, "s")], &[])
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}

@@ -122,6 +122,8 @@ pub struct WgpuBackend {
     quantized_weights: bool,
     resident: Mutex<Resident>,
     uploaded: std::sync::atomic::AtomicU64,
+    /// Bytes read back from the device (program outputs).
+    downloaded: std::sync::atomic::AtomicU64,
     /// Device bytes besides weights (activation arenas, inputs, stream
     /// arenas) of the programs prepared and not yet dropped.
     live: std::sync::atomic::AtomicU64,
@@ -270,6 +272,7 @@ impl WgpuBackend {
             quantized_weights: opts.quantized_weights,
             resident: Mutex::new(Resident::default()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
+            downloaded: std::sync::atomic::AtomicU64::new(0),
             live: std::sync::atomic::AtomicU64::new(0),
             pool: Mutex::new(Vec::new()),
             created: std::sync::atomic::AtomicUsize::new(0),
@@ -280,6 +283,11 @@ impl WgpuBackend {
     /// streamed copies).
     pub fn bytes_uploaded(&self) -> u64 {
         self.uploaded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bytes read back from the device so far (program outputs).
+    pub fn bytes_downloaded(&self) -> u64 {
+        self.downloaded.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The device memory budget, if any.

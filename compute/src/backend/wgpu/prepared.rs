@@ -2,6 +2,7 @@
 //! groups and streamed weights, replayed per run, profiled and timed.
 
 use super::*;
+use crate::plan::View;
 
 /// The streamed weights of a prepared program.
 pub(super) struct Stream {
@@ -62,14 +63,33 @@ impl Prepared<'_> {
     /// Runs with the inputs in `bind` (weights there are ignored: they
     /// were uploaded by `prepare`).
     pub fn run(&self, bind: &Bindings) -> Result<Vec<Array>, WgpuError> {
+        let all: Vec<usize> = (0..self.prog.outputs.len()).collect();
+        let outs = self.run_carried(bind, &[], &all)?;
+        Ok(outs.into_iter().flatten().collect())
+    }
+
+    /// Runs with the inputs in `bind`, reading back only the outputs in
+    /// `read` (None for the others), and leaves output `o` of each `(o,
+    /// name)` in `carry` on the device as input `name` of the next run:
+    /// a sampling loop's latent stays on the device between steps. An
+    /// input `bind` leaves out keeps what the previous run carried into
+    /// it.
+    pub fn run_carried(
+        &self,
+        bind: &Bindings,
+        carry: &[(usize, &str)],
+        read: &[usize],
+    ) -> Result<Vec<Option<Array>>, WgpuError> {
         let dev = &self.backend.device;
         let queue = &self.backend.queue;
+        let carried = |name: &str| carry.iter().any(|(_, n)| *n == name);
         let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         for (buf, name, len) in &self.inputs {
-            let data = bind
-                .inputs
-                .get(name)
-                .ok_or_else(|| BindError::MissingInput(name.clone()))?;
+            let data = match bind.inputs.get(name) {
+                Some(data) => data,
+                None if carried(name) => continue,
+                None => return Err(BindError::MissingInput(name.clone()).into()),
+            };
             BindError::check_len(name, data.len(), *len)?;
             let bytes = encode(data, self.backend.f16_activations);
             if let Some(b) = self.external.get(buf) {
@@ -79,29 +99,43 @@ impl Prepared<'_> {
         let mut encoder =
             dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         self.record(&mut encoder, 1);
-        // Read back the outputs' whole buffers, then apply their views.
-        for (v, st) in self.prog.outputs.iter().zip(&self.readback) {
-            let b = self.prog.buffer(v.buffer);
-            let size = st.size();
-            let (src, off) = match b.kind {
-                BufferKind::Arena => match &self.arena {
-                    Some(a) => (a.as_ref(), b.offset as u64 * 4),
-                    None => return Err(BindError::MissingInput("the arena".into()).into()),
-                },
-                _ => match self.external.get(&v.buffer.0) {
-                    Some(e) => (e.as_ref(), 0),
-                    None => {
-                        return Err(
-                            BindError::MissingInput(format!("buffer b{}", v.buffer.0)).into()
-                        )
-                    }
-                },
+        // Carried outputs are copied into their inputs' buffers after
+        // every dispatch of this run has read them.
+        for &(o, name) in carry {
+            let (v, (src, off)) = match self.prog.outputs.get(o) {
+                Some(v) => (v, self.output_buffer(v)?),
+                None => return Err(BindError::MissingInput(format!("output {o}")).into()),
             };
-            encoder.copy_buffer_to_buffer(src, off, st, 0, size);
+            let b = self.prog.buffer(v.buffer);
+            let Some((buf, _, len)) = self.inputs.iter().find(|(_, n, _)| n == name) else {
+                return Err(BindError::MissingInput(name.to_string()).into());
+            };
+            let dense = v.is_contiguous() && v.offset == 0 && v.numel() == b.len;
+            if !dense || *len != b.len || matches!(b.kind, BufferKind::Weight(_)) {
+                return Err(WgpuError::Validation(format!(
+                    "output {o} ({:?}) cannot be carried into input {name} ({len} elements)",
+                    v.shape
+                )));
+            }
+            if let Some(dst) = self.external.get(buf) {
+                let bytes = self
+                    .backend
+                    .stored_bytes(b.len, self.backend.f16_activations);
+                encoder.copy_buffer_to_buffer(src, off, dst, 0, bytes);
+            }
+        }
+        // Read back the outputs' whole buffers, then apply their views.
+        for &o in read {
+            let (Some(v), Some(st)) = (self.prog.outputs.get(o), self.readback.get(o)) else {
+                return Err(BindError::MissingInput(format!("output {o}")).into());
+            };
+            let (src, off) = self.output_buffer(v)?;
+            encoder.copy_buffer_to_buffer(src, off, st, 0, st.size());
         }
         queue.submit([encoder.finish()]);
-        let mut outs = Vec::new();
-        for (v, st) in self.prog.outputs.iter().zip(&self.readback) {
+        let mut outs: Vec<Option<Array>> = vec![None; self.prog.outputs.len()];
+        for &o in read {
+            let (v, st) = (&self.prog.outputs[o], &self.readback[o]);
             let half = match self.prog.buffer(v.buffer).kind {
                 BufferKind::Weight(_) => self.backend.f16_weights,
                 _ => self.backend.f16_activations,
@@ -112,12 +146,30 @@ impl Prepared<'_> {
             let data = slice.get_mapped_range().map(|bytes| decode(&bytes, half));
             st.unmap();
             let data = data.map_err(|e| WgpuError::Lost(e.to_string()))?;
-            outs.push(Array::new(v.shape.clone(), read_view(v, &data)));
+            self.backend
+                .downloaded
+                .fetch_add(st.size(), std::sync::atomic::Ordering::Relaxed);
+            outs[o] = Some(Array::new(v.shape.clone(), read_view(v, &data)));
         }
         if let Some(e) = pollster::block_on(validation.pop()) {
             return Err(WgpuError::Validation(e.to_string()));
         }
         Ok(outs)
+    }
+
+    /// The buffer and byte offset output `v`'s buffer starts at.
+    fn output_buffer(&self, v: &View) -> Result<(&wgpu::Buffer, u64), WgpuError> {
+        let b = self.prog.buffer(v.buffer);
+        match b.kind {
+            BufferKind::Arena => match &self.arena {
+                Some(a) => Ok((a.as_ref(), b.offset as u64 * 4)),
+                None => Err(BindError::MissingInput("the arena".into()).into()),
+            },
+            _ => match self.external.get(&v.buffer.0) {
+                Some(e) => Ok((e.as_ref(), 0)),
+                None => Err(BindError::MissingInput(format!("buffer b{}", v.buffer.0)).into()),
+            },
+        }
     }
 
     /// The residency plan this program runs under (with a budget).
