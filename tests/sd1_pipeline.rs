@@ -252,6 +252,60 @@ fn txt2img_on_wgpu_matches_comfyui() {
     check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
 }
 
+/// On a GPU the sampling loop runs on the device (`Options::device_loops`):
+/// CFG and the Euler step are part of the UNet's program and the latent
+/// stays there between steps, so the sampler reads back only the final
+/// latent and prediction, not each step's two predictions. Both loops
+/// give ComfyUI's image; the bytes downloaded differ by exactly the
+/// per-step reads.
+#[test]
+fn sampling_loop_stays_on_the_device() {
+    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_engine::event::PreviewMethod;
+    use sdkit_engine::{CancelToken, EventSink, Executor, Paths, RunOptions, Runtime};
+    use std::sync::Arc;
+
+    let mut downloaded = Vec::new();
+    for device_loops in [true, false] {
+        let gpu = match WgpuBackend::with_options(&Options {
+            device_loops,
+            ..Options::default()
+        }) {
+            Ok(g) => g,
+            Err(e) => {
+                sdkit_compute::backend::wgpu::no_adapter("sampling loop on the device", e);
+                return;
+            }
+        };
+        let (base, fx) = setup();
+        let lib = Arc::new(sdkit_nodes::library());
+        let paths = Paths::under(base.path());
+        let runtime = Runtime::wgpu(gpu);
+        let exec =
+            Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime.clone());
+        let text =
+            std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
+        let wf = sdkit_schema::workflow::load(&text, &lib.registry).expect("loads");
+        let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+        let events: EventSink = Arc::new(|_| {});
+        let mut opts = RunOptions::new(events, CancelToken::new());
+        opts.preview = PreviewMethod::None;
+        let rt = tokio::runtime::Runtime::new().expect("tokio");
+        rt.block_on(exec.run(&graph, opts)).expect("runs");
+        downloaded.push(runtime.bytes_downloaded());
+        check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
+    }
+    // 4 steps; the latent is 2×4×8×8 f32 (2,048 bytes), each step's UNet
+    // output twice that (positive and negative). On the device: the last
+    // step's latent and prediction only.
+    let latent = 2 * 4 * 8 * 8 * 4;
+    assert_eq!(
+        downloaded[1] - downloaded[0],
+        4 * 2 * latent - 2 * latent,
+        "bytes downloaded, device loop vs host loop: {downloaded:?}"
+    );
+}
+
 /// The workflow with its VAE from VAELoader: a standalone file holding the
 /// checkpoint's VAE without the `first_stage_model.` prefix (as VAE files
 /// are shipped) decodes to the same image.

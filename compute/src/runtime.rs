@@ -201,6 +201,16 @@ impl Runtime {
         }
     }
 
+    /// Whether a loop should keep its state on the device between runs
+    /// ([`Session::run_carried`]): on a GPU unless its options say not;
+    /// never on the CPU, where the host loop costs nothing extra.
+    pub fn device_loops(&self) -> bool {
+        match &self.device {
+            Device::Cpu(_) => false,
+            Device::Wgpu(b) => b.device_loops(),
+        }
+    }
+
     /// Bytes of program outputs read back from the device so far (0 on
     /// the CPU).
     pub fn bytes_downloaded(&self) -> u64 {

@@ -9,6 +9,7 @@
 
 use super::control::{ControlNetModel, Slots};
 use super::flux_control;
+use super::fused::Fused;
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
@@ -85,6 +86,21 @@ impl Model {
         control: Option<&Slots>,
         refs: &[(usize, usize)],
     ) -> Result<Program, NodeError> {
+        self.program_fused(batch, (h, w), (tokens, dim), control, refs, None)
+    }
+
+    /// [`Model::program`], with `fused`: the model's input built from the
+    /// carried latent and the CFG combination and sampler step after its
+    /// output ([`Fused`]).
+    pub(crate) fn program_fused(
+        &self,
+        batch: usize,
+        (h, w): (usize, usize),
+        (tokens, dim): (usize, usize),
+        control: Option<&Slots>,
+        refs: &[(usize, usize)],
+        fused: Option<&Fused>,
+    ) -> Result<Program, NodeError> {
         if !refs.is_empty() && !matches!(self.net, Net::Flux(_)) {
             return Err(NodeError::invalid(format!(
                 "reference latents (ReferenceLatent) with a {} model are not supported (sdkit uses them with Flux Kontext)",
@@ -94,12 +110,12 @@ impl Model {
         let unet = match &self.net {
             Net::Unet(u) => u,
             Net::Flux(f) => {
-                return self.flux_program(f, batch, (h, w), (tokens, dim), refs, control);
+                return self.flux_program(f, batch, (h, w), (tokens, dim), refs, control, fused);
             }
             Net::Mmdit(m) => {
                 let g = GraphBuilder::new();
                 let out = (|| {
-                    let x = g.input("x", &[batch, m.in_channels, h, w])?;
+                    let (x, lat) = model_x(&g, &[batch, m.in_channels, h, w], fused)?;
                     let t = g.input("t", &[batch])?;
                     let c = g.input("context", &[batch, tokens, dim])?;
                     let y = match m.adm_in {
@@ -122,15 +138,16 @@ impl Model {
                         y,
                         control,
                     };
-                    mmdit(&g, m, &self.prefix, x, inputs, &self.skip_layers)
+                    let out = mmdit(&g, m, &self.prefix, x, inputs, &self.skip_layers)?;
+                    tail(&g, fused, lat, out)
                 })()
                 .map_err(|e| graph_error("MMDiT", e))?;
-                return plan(&g.finish(&[out])).map_err(|e| graph_error("MMDiT", e));
+                return plan(&g.finish(&out)).map_err(|e| graph_error("MMDiT", e));
             }
         };
         let g = GraphBuilder::new();
         let out = (|| {
-            let x = g.input("x", &[batch, unet.in_channels, h, w])?;
+            let (x, lat) = model_x(&g, &[batch, unet.in_channels, h, w], fused)?;
             let t = g.input("t", &[batch])?;
             let c = g.input("context", &[batch, tokens, dim])?;
             let y = self.adm_vector(&g, batch)?;
@@ -156,10 +173,21 @@ impl Model {
                 }
                 None => None,
             };
-            crate::models::unet::unet(&g, unet, self.heads, &self.prefix, x, t, c, y, residuals)
+            let out = crate::models::unet::unet(
+                &g,
+                unet,
+                self.heads,
+                &self.prefix,
+                x,
+                t,
+                c,
+                y,
+                residuals,
+            )?;
+            tail(&g, fused, lat, out)
         })()
         .map_err(|e| graph_error("UNet", e))?;
-        plan(&g.finish(&[out])).map_err(|e| graph_error("UNet", e))
+        plan(&g.finish(&out)).map_err(|e| graph_error("UNet", e))
     }
 
     /// The Flux program: inputs `x`, `t` (σ), `context`, `pooled`
@@ -174,6 +202,7 @@ impl Model {
         (tokens, dim): (usize, usize),
         refs: &[(usize, usize)],
         control: Option<&Slots>,
+        fused: Option<&Fused>,
     ) -> Result<Program, NodeError> {
         let g = GraphBuilder::new();
         let (gh, gw) = grid(h, w);
@@ -186,7 +215,7 @@ impl Model {
             })
             .sum();
         let out = (|| {
-            let x = g.input("x", &[batch, cfg.in_channels, h, w])?;
+            let (x, lat) = model_x(&g, &[batch, cfg.in_channels, h, w], fused)?;
             let inputs = FluxInputs {
                 t: g.input("t", &[batch])?,
                 context: g.input("context", &[batch, tokens, dim])?,
@@ -243,10 +272,11 @@ impl Model {
                     None => FluxControl::default(),
                 },
             };
-            flux(&g, cfg, &self.prefix, x, inputs, &self.skip_layers)
+            let out = flux(&g, cfg, &self.prefix, x, inputs, &self.skip_layers)?;
+            tail(&g, fused, lat, out)
         })()
         .map_err(|e| graph_error("Flux", e))?;
-        plan(&g.finish(&[out])).map_err(|e| graph_error("Flux", e))
+        plan(&g.finish(&out)).map_err(|e| graph_error("Flux", e))
     }
 
     /// The ADM vector `y`, built in the graph from the inputs `pooled` and
@@ -543,4 +573,31 @@ fn pooled_rows(
     }
     out.insert("pooled".to_string(), Arc::new(pooled));
     Ok(out)
+}
+
+/// The model's input `x` of `shape`: the program input, or, fused, built
+/// from the carried latent (returned as well).
+fn model_x<'a>(
+    g: &'a GraphBuilder,
+    shape: &[usize],
+    fused: Option<&Fused>,
+) -> Result<(T<'a>, Option<T<'a>>), ShapeError> {
+    match fused {
+        Some(f) => f.model_input(g, shape).map(|(x, lat)| (x, Some(lat))),
+        None => Ok((g.input("x", shape)?, None)),
+    }
+}
+
+/// The program's outputs after the model's `out`: `out` alone, or, fused,
+/// the step's next latent and prediction.
+fn tail<'a>(
+    g: &'a GraphBuilder,
+    fused: Option<&Fused>,
+    lat: Option<T<'a>>,
+    out: T<'a>,
+) -> Result<Vec<T<'a>>, ShapeError> {
+    match (fused, lat) {
+        (Some(f), Some(lat)) => f.outputs(g, lat, out),
+        _ => Ok(vec![out]),
+    }
 }

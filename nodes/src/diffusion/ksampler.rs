@@ -21,6 +21,7 @@
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
 use super::cond_batch::{self, Item};
+use super::fused::{self, Fused};
 use super::slg::{SkipLayerGuidance, SlgMode};
 use super::{control, inpaint};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
@@ -396,7 +397,38 @@ pub fn sample(
             control::slot_shapes(model, g.items.len() * b, ah, aw)
         })
         .collect();
-    let progs = group_programs(model, &items, &groups, b, dim, &control_slots)?;
+    // The common case runs CFG and the sampler's step in the model's
+    // program, the latent staying on the GPU between steps (`fused`).
+    let simple = denoise_mask.is_none()
+        && !sampler.needs_uncond()
+        && groups.len() == 1
+        && control_slots.iter().all(Option::is_none)
+        && (model.slg.is_empty() || is_unet);
+    let fused = match &groups[..] {
+        [g] if simple && ctx.runtime.device_loops() => Fused::of(
+            model,
+            sampler,
+            &items,
+            &g.items,
+            use_uncond.then_some(cfg as f32),
+            dims,
+        ),
+        _ => None,
+    };
+    let progs = match (&fused, &groups[..]) {
+        (Some(f), [g]) => {
+            let refs = super::denoiser::ref_shapes(items[g.items[0]].model);
+            vec![model.program_fused(
+                g.items.len() * b,
+                (h, w),
+                (g.tokens, dim),
+                None,
+                &refs,
+                Some(f),
+            )?]
+        }
+        _ => group_programs(model, &items, &groups, b, dim, &control_slots)?,
+    };
     let bind = match progs.first() {
         Some(p) => model.file.bindings(p, Some(&model.patches), None)?,
         None => return Err(NodeError::invalid("nothing to sample")),
@@ -461,6 +493,11 @@ pub fn sample(
             ctx.runtime.prepare_many(&progs, &bind)
         })
         .map_err(|e| run_error("UNet", e))?;
+    // The fused program's session runs the loop itself (see below).
+    let mut fused_session = match fused {
+        Some(_) => sessions.pop(),
+        None => None,
+    };
     let mut slg_sessions: Vec<Vec<Session<'_>>> = slg_passes
         .iter()
         .map(|p| {
@@ -652,52 +689,73 @@ pub fn sample(
         }
         Ok(out)
     };
-    let x = sampler.run_with_uncond(
-        Space::of(&model.schedule),
-        x0,
-        sigmas,
-        denoise,
-        || last_uncond.borrow().clone(),
-        noise,
-        |i, n| {
-            new_step.set(true);
-            ctx.progress(i as u64, n as u64)?;
-            // The step's prediction, as ComfyUI's sampler callback previews.
-            if ctx.preview == sdkit_engine::event::PreviewMethod::None {
-                return Ok(());
-            }
-            let x0 = step_x0.borrow();
-            let Some(x) = x0.as_deref() else {
-                return Ok(());
-            };
-            let taesd = taesd_session.as_mut().and_then(|s| {
-                let first = x.get(..shape[1] * h * w)?.to_vec();
-                let mut feed = HashMap::new();
-                feed.insert("x0".to_string(), Arc::new(first));
-                match s.run(feed) {
-                    Ok(out) => out
-                        .first()
-                        .map(|o| super::preview::taesd_image(&o.data, 8 * h, 8 * w)),
-                    Err(e) => {
-                        tracing::warn!("TAESD preview failed: {e}");
-                        None
-                    }
+    // After each step: progress, and the step's prediction previewed.
+    let on_step = |i: usize, n: usize| -> Result<(), NodeError> {
+        new_step.set(true);
+        ctx.progress(i as u64, n as u64)?;
+        // The step's prediction, as ComfyUI's sampler callback previews.
+        if ctx.preview == sdkit_engine::event::PreviewMethod::None {
+            return Ok(());
+        }
+        let x0 = step_x0.borrow();
+        let Some(x) = x0.as_deref() else {
+            return Ok(());
+        };
+        let taesd = taesd_session.as_mut().and_then(|s| {
+            let first = x.get(..shape[1] * h * w)?.to_vec();
+            let mut feed = HashMap::new();
+            feed.insert("x0".to_string(), Arc::new(first));
+            match s.run(feed) {
+                Ok(out) => out
+                    .first()
+                    .map(|o| super::preview::taesd_image(&o.data, 8 * h, 8 * w)),
+                Err(e) => {
+                    tracing::warn!("TAESD preview failed: {e}");
+                    None
                 }
-            });
-            if let Some(p) =
-                taesd.or_else(|| super::preview::latent_preview(x, shape[1], h, w, model.latent))
-            {
-                ctx.preview(p);
             }
-            Ok(())
-        },
-    )?;
-    if let Some(first) = sessions.first() {
+        });
+        if let Some(p) =
+            taesd.or_else(|| super::preview::latent_preview(x, shape[1], h, w, model.latent))
+        {
+            ctx.preview(p);
+        }
+        Ok(())
+    };
+    let x = match (&fused, fused_session.as_mut()) {
+        (Some(f), Some(session)) => {
+            let mut noise = noise;
+            let mut on_step = on_step;
+            fused::run(
+                ctx,
+                model,
+                f,
+                session,
+                (&feeds[0], f.conds.len() * b),
+                sigmas,
+                x0,
+                &mut noise,
+                &step_x0,
+                ctx.preview != sdkit_engine::event::PreviewMethod::None,
+                &mut on_step,
+            )?
+        }
+        _ => sampler.run_with_uncond(
+            Space::of(&model.schedule),
+            x0,
+            sigmas,
+            denoise,
+            || last_uncond.borrow().clone(),
+            noise,
+            on_step,
+        )?,
+    };
+    if let Some(first) = fused_session.as_ref().or(sessions.first()) {
         super::report_residency(
             ctx,
             &model.file.name,
             first,
-            (total * sessions.len()) as u64,
+            (total * progs.len()) as u64,
             before_prepare,
         );
     }

@@ -16,6 +16,7 @@ pub mod custom;
 pub mod denoiser;
 pub mod embeddings;
 pub mod flux_control;
+pub(crate) mod fused;
 pub mod inpaint;
 pub mod ksampler;
 pub mod loaders;

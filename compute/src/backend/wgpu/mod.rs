@@ -120,6 +120,8 @@ pub struct WgpuBackend {
     device_memory: Option<u64>,
     /// [`Options::quantized_weights`].
     quantized_weights: bool,
+    /// [`Options::device_loops`].
+    device_loops: bool,
     resident: Mutex<Resident>,
     uploaded: std::sync::atomic::AtomicU64,
     /// Bytes read back from the device (program outputs).
@@ -270,6 +272,7 @@ impl WgpuBackend {
             budget: opts.budget,
             device_memory: opts.device_memory,
             quantized_weights: opts.quantized_weights,
+            device_loops: opts.device_loops,
             resident: Mutex::new(Resident::default()),
             uploaded: std::sync::atomic::AtomicU64::new(0),
             downloaded: std::sync::atomic::AtomicU64::new(0),
@@ -283,6 +286,12 @@ impl WgpuBackend {
     /// streamed copies).
     pub fn bytes_uploaded(&self) -> u64 {
         self.uploaded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether loops may keep their state on the device
+    /// ([`Options::device_loops`]).
+    pub fn device_loops(&self) -> bool {
+        self.device_loops
     }
 
     /// Bytes read back from the device so far (program outputs).

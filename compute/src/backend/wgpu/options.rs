@@ -87,6 +87,12 @@ pub struct Options {
     /// instead of expanded to f16 at upload. On by default; off to
     /// compare.
     pub quantized_weights: bool,
+    /// Loops whose state can stay on the device run there: a sampler
+    /// whose CFG and step fit in the denoiser's program carries its
+    /// latent from step to step on the device and reads back only the
+    /// result (and previews). On by default; off to compare with the
+    /// host loop.
+    pub device_loops: bool,
 }
 
 impl Default for Options {
@@ -111,6 +117,7 @@ impl Default for Options {
             budget: None,
             device_memory: None,
             quantized_weights: true,
+            device_loops: true,
         }
     }
 }

@@ -1,0 +1,299 @@
+//! The sampling loop on the device: for the common case (one batch of
+//! the positive and negative prediction over the whole latent, no
+//! ControlNet, area, mask or guidance pass) the denoiser's program also
+//! combines the predictions (CFG) and takes the sampler's step, and the
+//! latent and the sampler's history stay on the device between steps
+//! ([`sdkit_compute::runtime::Session::run_carried`]). Only the final
+//! latent is read back, and each step's prediction when someone watches
+//! previews; on the CPU the host loop is as fast and stays.
+//!
+//! The arithmetic is the host samplers' (`sampling::samplers`), operation
+//! for operation: the per-step numbers (σ, the step's coefficients) come
+//! from the host as one-element inputs, so one program serves every step.
+
+use super::cond_batch::{Item, Mult};
+use super::{Model, Prediction};
+use crate::sampling::samplers::{ancestral_step, Sampler};
+use sdkit_compute::runtime::Session;
+use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
+use sdkit_engine::{NodeContext, NodeError};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The samplers whose step runs in the program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    Euler,
+    EulerAncestral,
+    DpmPp2m,
+}
+
+/// One denoiser call, the CFG combination and a sampler step, as the
+/// tail and head of the model's program.
+#[derive(Clone, Debug)]
+pub(crate) struct Fused {
+    pub step: Step,
+    pub prediction: Prediction,
+    /// The conditioning (0 positive, 1 negative) of each block of `b`
+    /// rows of the model's batch, in order.
+    pub conds: Vec<usize>,
+    /// CFG scale, when the negative prediction runs.
+    pub cfg: Option<f32>,
+    /// The latent's [b, c, h, w].
+    pub dims: [usize; 4],
+}
+
+/// The program's outputs: the next latent, then the step's denoised
+/// prediction (previews, SamplerCustom's x0, DPM++ 2M's history).
+pub(crate) const NEXT: usize = 0;
+pub(crate) const DENOISED: usize = 1;
+
+impl Fused {
+    /// The fused form of this sampling, where it applies: a GPU-shaped
+    /// runtime is the caller's choice; this checks the sampler, the
+    /// prediction type and that the one group is plain (every item over
+    /// the whole latent at strength one, always active, no ControlNet).
+    pub(crate) fn of(
+        model: &Model,
+        sampler: Sampler,
+        items: &[Item<'_>],
+        group: &[usize],
+        cfg: Option<f32>,
+        dims: [usize; 4],
+    ) -> Option<Fused> {
+        let step = match sampler {
+            Sampler::Euler => Step::Euler,
+            // The flow form of the ancestral step is another update.
+            Sampler::EulerAncestral if model.prediction != Prediction::Flow => Step::EulerAncestral,
+            Sampler::DpmPp2m => Step::DpmPp2m,
+            _ => return None,
+        };
+        if !matches!(
+            model.prediction,
+            Prediction::Eps | Prediction::V | Prediction::Flow
+        ) {
+            return None;
+        }
+        let [_, _, h, w] = dims;
+        let plain = group.iter().all(|&i| {
+            let it = &items[i];
+            it.area == [h, w, 0, 0]
+                && matches!(it.mult, Mult::Scalar(m) if m == 1.0)
+                && it.sigma_start.is_none()
+                && it.sigma_end.is_none()
+                && it.control.is_none()
+        });
+        let conds: Vec<usize> = group.iter().map(|&i| items[i].cond).collect();
+        // Exactly one item per conditioning that runs.
+        let want: &[usize] = if cfg.is_some() { &[0, 1] } else { &[0] };
+        let mut sorted = conds.clone();
+        sorted.sort_unstable();
+        (plain && sorted == want).then_some(Fused {
+            step,
+            prediction: model.prediction,
+            conds,
+            cfg,
+            dims,
+        })
+    }
+
+    /// The model's input `x` ([rows, c, h, w]): the carried latent
+    /// (input `lat`, returned too) divided by c_in (input `c_in`), once
+    /// per conditioning.
+    pub(crate) fn model_input<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        shape: &[usize],
+    ) -> Result<(T<'a>, T<'a>), ShapeError> {
+        let [b, c, h, w] = self.dims;
+        let per = b * c * h * w;
+        let lat = g.input("lat", &self.dims)?;
+        let x = lat
+            .div(g.input("c_in", &[1])?)?
+            .reshape(&[1, per])?
+            .expand(&[self.conds.len(), per])?
+            .reshape(shape)?;
+        Ok((x, lat))
+    }
+
+    /// The outputs after the model's `out` ([rows, c, h, w]) for the
+    /// latent `lat`: the next latent and the denoised prediction.
+    pub(crate) fn outputs<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        lat: T<'a>,
+        out: T<'a>,
+    ) -> Result<Vec<T<'a>>, ShapeError> {
+        let [b, ..] = self.dims;
+        let scalar = |name: &str| g.input(name, &[1]);
+        let sigma = scalar("sigma")?;
+        let v = match self.prediction {
+            Prediction::V => Some((scalar("v_d")?, scalar("v_r")?)),
+            _ => None,
+        };
+        // ComfyUI's calculate_denoised per conditioning, in its order.
+        let of = |cond: usize| -> Result<T<'a>, ShapeError> {
+            let k = self.conds.iter().position(|&c| c == cond).unwrap_or(0);
+            let o = out.slice(0, k * b, (k + 1) * b)?;
+            match v {
+                Some((d, r)) => lat.div(d)?.sub(o.mul(sigma)?.div(r)?),
+                None => lat.sub(o.mul(sigma)?),
+            }
+        };
+        // uncond + (cond − uncond)·cfg.
+        let d = match self.cfg {
+            Some(_) => {
+                let (cond, uncond) = (of(0)?, of(1)?);
+                uncond.add(cond.sub(uncond)?.mul(scalar("cfg")?)?)?
+            }
+            None => of(0)?,
+        };
+        let to_d = || lat.sub(d)?.div(sigma);
+        let next = match self.step {
+            Step::Euler => lat.add(to_d()?.mul(scalar("dt")?)?)?,
+            Step::EulerAncestral => {
+                // keep = 0 on the last step (σ_down = 0): the latent is
+                // the prediction itself.
+                let moved = lat
+                    .add(to_d()?.mul(scalar("dt")?)?)?
+                    .add(g.input("noise", &self.dims)?.mul(scalar("up")?)?)?;
+                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
+            }
+            Step::DpmPp2m => {
+                let dd = d
+                    .mul(scalar("c1")?)?
+                    .sub(g.input("old", &self.dims)?.mul(scalar("c")?)?)?;
+                lat.mul(scalar("a")?)?.sub(dd.mul(scalar("b")?)?)?
+            }
+        };
+        Ok(vec![next, d])
+    }
+
+    /// What output carries into which input between steps.
+    pub(crate) fn carry(&self) -> Vec<(usize, &'static str)> {
+        let mut c = vec![(NEXT, "lat")];
+        if self.step == Step::DpmPp2m {
+            c.push((DENOISED, "old"));
+        }
+        c
+    }
+
+    /// Step `i`'s one-element inputs (and the ancestral step's noise, drawn
+    /// from `noise` only where the host sampler draws it), with the same
+    /// f32 arithmetic as the host samplers.
+    pub(crate) fn step_inputs(
+        &self,
+        sigmas: &[f32],
+        i: usize,
+        c_in: f32,
+        noise: &mut dyn FnMut() -> Vec<f32>,
+    ) -> HashMap<String, Arc<Vec<f32>>> {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let mut f: HashMap<String, Arc<Vec<f32>>> = HashMap::new();
+        let mut put = |name: &str, v: f32| {
+            f.insert(name.to_string(), Arc::new(vec![v]));
+        };
+        put("c_in", c_in);
+        put("sigma", s);
+        if let Some(cfg) = self.cfg {
+            put("cfg", cfg);
+        }
+        if self.prediction == Prediction::V {
+            let d = s * s + 1.0;
+            put("v_d", d);
+            put("v_r", d.sqrt());
+        }
+        let per: usize = self.dims.iter().product();
+        match self.step {
+            Step::Euler => put("dt", s_next - s),
+            Step::EulerAncestral => {
+                let (down, up) = ancestral_step(s, s_next);
+                let last = down == 0.0;
+                put("dt", down - s);
+                put("up", up);
+                put("keep", if last { 0.0 } else { 1.0 });
+                put("take", if last { 1.0 } else { 0.0 });
+                let z = if last { vec![0.0; per] } else { noise() };
+                f.insert("noise".to_string(), Arc::new(z));
+            }
+            Step::DpmPp2m => {
+                let (t, t_next) = (-s.ln(), -s_next.ln());
+                let h = t_next - t;
+                let sig = |t: f32| (-t).exp();
+                put("a", sig(t_next) / sig(t));
+                put("b", (-h).exp_m1());
+                // The second-order correction from the step before, except
+                // on the first and the last step.
+                let (c1, c) = if i > 0 && s_next != 0.0 {
+                    let h_last = t - (-sigmas[i - 1].ln());
+                    let r = h_last / h;
+                    let c = 1.0 / (2.0 * r);
+                    (1.0 + c, c)
+                } else {
+                    (1.0, 0.0)
+                };
+                put("c1", c1);
+                put("c", c);
+                if i == 0 {
+                    f.insert("old".to_string(), Arc::new(vec![0.0; per]));
+                }
+            }
+        }
+        f
+    }
+}
+
+/// The sampling loop on `session` (prepared from the fused program):
+/// `fixed` holds the model's inputs besides x and t, `rows` its batch
+/// rows. Reads back the final latent, and each step's prediction into
+/// `step_x0` where `watch` (previews) or on the last step.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    ctx: &NodeContext,
+    model: &Model,
+    f: &Fused,
+    session: &mut Session<'_>,
+    (fixed, rows): (&HashMap<String, Arc<Vec<f32>>>, usize),
+    sigmas: &[f32],
+    x0: Vec<f32>,
+    noise: &mut dyn FnMut() -> Vec<f32>,
+    step_x0: &RefCell<Option<Vec<f32>>>,
+    watch: bool,
+    on_step: &mut dyn FnMut(usize, usize) -> Result<(), NodeError>,
+) -> Result<Vec<f32>, NodeError> {
+    let total = sigmas.len() - 1;
+    let carry = f.carry();
+    let mut x0 = Some(x0);
+    let mut out = Vec::new();
+    for i in 0..total {
+        ctx.check_cancel()?;
+        let s = sigmas[i];
+        let mut feed = fixed.clone();
+        feed.extend(f.step_inputs(sigmas, i, model.prediction.input_divisor(s), noise));
+        feed.insert(
+            "t".to_string(),
+            Arc::new(vec![model.schedule.timestep(s); rows]),
+        );
+        if let Some(x) = x0.take() {
+            feed.insert("lat".to_string(), Arc::new(x));
+        }
+        let last = i + 1 == total;
+        let read: &[usize] = match (last, watch) {
+            (true, _) => &[NEXT, DENOISED],
+            (false, true) => &[DENOISED],
+            (false, false) => &[],
+        };
+        let mut outs = session
+            .run_carried(feed, &carry, read)
+            .map_err(|e| super::run_error("UNet", e))?;
+        if let Some(d) = outs.get_mut(DENOISED).and_then(Option::take) {
+            *step_x0.borrow_mut() = Some(d.data);
+        }
+        if let Some(x) = outs.get_mut(NEXT).and_then(Option::take) {
+            out = x.data;
+        }
+        on_step(i, total)?;
+    }
+    Ok(out)
+}
