@@ -306,6 +306,28 @@ fn sampling_loop_stays_on_the_device() {
     );
 }
 
+/// The samplers whose loop runs on the device, on wgpu: DPM++ 2M and
+/// Euler ancestral through SamplerCustom (a partial schedule, noise added
+/// once), DPM++ 2M on a v-prediction model, Euler on img2img, and Euler
+/// ancestral split over two KSamplerAdvanced nodes.
+#[test]
+fn device_loops_match_comfyui() {
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("device loops", e);
+        return;
+    }
+    for (graph, prefix) in [
+        ("tiny_sd1_custom", "tiny_sd1_custom"),
+        ("tiny_sd1_vpred", "tiny_sd1_vpred"),
+        ("tiny_sd1_img2img", "tiny_sd1_img2img"),
+        ("tiny_sd1_advanced", "tiny_sd1_advanced"),
+    ] {
+        let (base, fx) = setup();
+        run(base.path(), graph, "wgpu");
+        check(base.path(), &fx, graph, prefix);
+    }
+}
+
 /// The workflow with its VAE from VAELoader: a standalone file holding the
 /// checkpoint's VAE without the `first_stage_model.` prefix (as VAE files
 /// are shipped) decodes to the same image.

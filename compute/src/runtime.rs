@@ -456,9 +456,11 @@ impl Session<'_> {
 
     /// Runs with `inputs`, returning only the outputs in `read` (None for
     /// the others), and feeds output `o` of each `(o, name)` in `carry`
-    /// to input `name` of the next run, which may then leave it out. On a
-    /// GPU the carried values stay on the device and only `read` is
-    /// downloaded: a sampling loop's latent crosses the bus once.
+    /// to input `name` of the next run. An input left out keeps its value
+    /// from the run before (given or carried). On a GPU the carried and
+    /// kept values stay on the device and only `read` is downloaded: a
+    /// sampling loop's latent crosses the bus once, and its fixed inputs
+    /// (the text context) are uploaded once.
     pub fn run_carried(
         &mut self,
         inputs: HashMap<String, Arc<Vec<f32>>>,
@@ -471,12 +473,8 @@ impl Session<'_> {
                 bind,
                 products,
             } => {
-                let mut next: HashMap<String, Arc<Vec<f32>>> = carry
-                    .iter()
-                    .filter_map(|(_, n)| bind.inputs.get(*n).map(|v| (n.to_string(), v.clone())))
-                    .collect();
-                next.extend(inputs);
-                bind.inputs = next;
+                // Inputs left out keep their last value.
+                bind.inputs.extend(inputs);
                 let outs = cpu::run_with(prog, bind, *products)?;
                 for &(o, name) in carry {
                     let out = outs.get(o).ok_or_else(|| {

@@ -822,6 +822,12 @@ fn carried_outputs_stay_on_the_device_between_runs() {
         x = out[0].data.clone();
         last = out[1].data.clone();
     }
+    // One more step with the last step's `s`.
+    let kept = {
+        let mut f = feed(3, false);
+        f.insert("x".to_string(), Arc::new(x.clone()));
+        host.run(f).expect("runs")[0].data.clone()
+    };
     let rt = Runtime::wgpu(gpu);
     for runtime in [&cpu, &rt] {
         let mut s = runtime.prepare(&prog, &bind).expect("prepares");
@@ -853,6 +859,13 @@ fn carried_outputs_stay_on_the_device_between_runs() {
             let read = runtime.bytes_downloaded() - before;
             assert!(read == 128 * 4 || read == 128 * 2, "{read} bytes read");
         }
+        // Inputs left out keep their last value: `s` from step 3, `x`
+        // carried.
+        let outs = s
+            .run_carried(HashMap::new(), &[(0, "x")], &[0])
+            .expect("runs");
+        let y = outs[0].as_ref().expect("read");
+        assert!(nmse(&y.data, &kept) <= bound * 10.0, "kept inputs");
         // An output that is not the input's size cannot be carried.
         let wrong = g_mismatch(&mut s);
         assert!(wrong.is_err() || runtime.is_cpu());

@@ -194,6 +194,7 @@ impl Model {
     /// `[batch, vec_in]`, `guidance` `[batch]` (dev models), `pe` (the
     /// RoPE table of [`rope_table_with`] for these token and patch counts)
     /// and `ref.{i}` `[batch, out_channels, h, w]` per reference latent.
+    #[allow(clippy::too_many_arguments)]
     fn flux_program(
         &self,
         cfg: &FluxConfig,

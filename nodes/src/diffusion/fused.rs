@@ -264,12 +264,18 @@ pub(crate) fn run(
 ) -> Result<Vec<f32>, NodeError> {
     let total = sigmas.len() - 1;
     let carry = f.carry();
+    tracing::debug!("sampling loop on the device: {:?}, {total} steps", f.step);
     let mut x0 = Some(x0);
     let mut out = Vec::new();
     for i in 0..total {
         ctx.check_cancel()?;
         let s = sigmas[i];
-        let mut feed = fixed.clone();
+        // The fixed inputs once: the session keeps them.
+        let mut feed = if i == 0 {
+            fixed.clone()
+        } else {
+            HashMap::new()
+        };
         feed.extend(f.step_inputs(sigmas, i, model.prediction.input_divisor(s), noise));
         feed.insert(
             "t".to_string(),

@@ -294,6 +294,7 @@ impl WgpuBackend {
             arena: Some(arena),
             scratch,
             external,
+            filled: inputs.iter().map(|_| Default::default()).collect(),
             inputs,
             readback,
             dispatches: prepared,

@@ -28,6 +28,9 @@ pub struct Prepared<'a> {
     pub(super) scratch: Option<Arc<wgpu::Buffer>>,
     pub(super) external: HashMap<u32, Arc<wgpu::Buffer>>,
     pub(super) inputs: Vec<(u32, String, usize)>,
+    /// Whether each input holds a value from an earlier run (which a
+    /// [`Prepared::run_carried`] may then leave out).
+    pub(super) filled: Vec<std::sync::atomic::AtomicBool>,
     /// One mappable buffer per output.
     pub(super) readback: Vec<wgpu::Buffer>,
     pub(super) dispatches: Vec<Dispatch>,
@@ -72,8 +75,8 @@ impl Prepared<'_> {
     /// `read` (None for the others), and leaves output `o` of each `(o,
     /// name)` in `carry` on the device as input `name` of the next run:
     /// a sampling loop's latent stays on the device between steps. An
-    /// input `bind` leaves out keeps what the previous run carried into
-    /// it.
+    /// input `bind` leaves out keeps its value from the run before (given
+    /// or carried): inputs fixed for a loop are uploaded once.
     pub fn run_carried(
         &self,
         bind: &Bindings,
@@ -82,14 +85,15 @@ impl Prepared<'_> {
     ) -> Result<Vec<Option<Array>>, WgpuError> {
         let dev = &self.backend.device;
         let queue = &self.backend.queue;
-        let carried = |name: &str| carry.iter().any(|(_, n)| *n == name);
+        use std::sync::atomic::Ordering::Relaxed;
         let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
-        for (buf, name, len) in &self.inputs {
+        for ((buf, name, len), filled) in self.inputs.iter().zip(&self.filled) {
             let data = match bind.inputs.get(name) {
                 Some(data) => data,
-                None if carried(name) => continue,
+                None if filled.load(Relaxed) => continue,
                 None => return Err(BindError::MissingInput(name.clone()).into()),
             };
+            filled.store(true, Relaxed);
             BindError::check_len(name, data.len(), *len)?;
             let bytes = encode(data, self.backend.f16_activations);
             if let Some(b) = self.external.get(buf) {
@@ -122,6 +126,9 @@ impl Prepared<'_> {
                     .backend
                     .stored_bytes(b.len, self.backend.f16_activations);
                 encoder.copy_buffer_to_buffer(src, off, dst, 0, bytes);
+            }
+            if let Some(i) = self.inputs.iter().position(|(_, n, _)| n == name) {
+                self.filled[i].store(true, Relaxed);
             }
         }
         // Read back the outputs' whole buffers, then apply their views.
