@@ -460,6 +460,21 @@ impl CoopGemm {
                 ),
             ),
         };
+        // `if (…) ` testing each index against its extent, leaving out
+        // extents that are whole blocks (every block of them in range:
+        // SD's convs and linears), so full tiles run no bounds tests.
+        let guard = |tests: &[(&str, usize, usize)]| {
+            let live: Vec<String> = tests
+                .iter()
+                .filter(|(_, extent, block)| !extent.is_multiple_of(*block))
+                .map(|(index, extent, _)| format!("{index} < {extent}u"))
+                .collect();
+            if live.is_empty() {
+                String::new()
+            } else {
+                format!("if ({}) ", live.join(" && "))
+            }
+        };
         let mut decl = String::new();
         let mut mac = String::new();
         let mut epi = String::new();
@@ -533,12 +548,13 @@ impl CoopGemm {
                         &format!(
                             "        let r = row0 + sm * {rows}u + {ri}u + e / {t}u;
         let col = col0 + sn * {cols}u + {ci}u + e % {t}u;
-        if (r < {m}u && col < {n}u) {{ {result}; }}
+        {guard}{{ {result}; }}
 ",
                             rows = sh.rows,
                             cols = sh.cols,
                             ri = i * t,
                             ci = j * t,
+                            guard = guard(&[("r", m, bm), ("col", n, bn)]),
                         )
                     ),
                 );
@@ -583,7 +599,8 @@ impl CoopGemm {
                 bm * bk,
                 format!("let r = {a_r}; let kc = {a_c};"),
                 Box::new(move |kv: &str| {
-                    format!("if (row0 + r < {m}u && {kv} + kc < {k}u) {{ v = load_a(z, row0 + r, {kv} + kc); }}")
+                    let g = guard(&[("row0 + r", m, bm), (&format!("{kv} + kc"), k, bk)]);
+                    format!("{g}{{ v = load_a(z, row0 + r, {kv} + kc); }}")
                 }),
                 format!("As[r * {sa}u + kc]"),
             ));
@@ -597,7 +614,8 @@ impl CoopGemm {
                 bk * bn,
                 format!("let kr = {b_r}; let c = {b_c};"),
                 Box::new(move |kv: &str| {
-                    format!("if ({kv} + kr < {k}u && col0 + c < {n}u) {{ v = load_b(z, {kv}, kr, col0 + c); }}")
+                    let g = guard(&[(&format!("{kv} + kr"), k, bk), ("col0 + c", n, bn)]);
+                    format!("{g}{{ v = load_b(z, {kv}, kr, col0 + c); }}")
                 }),
                 format!("Bs[kr * {sb}u + c]"),
             ));
