@@ -249,20 +249,22 @@ fn main() {
             // fallback form.
             // Products without split-K show what splitting the depth buys
             // on the small-grid shapes.
-            // Register prefetch of staged operands is off by default
-            // until these rows show it helps.
-            for (name, f16_activations, two_pass_attention, split_k, prefetch) in [
-                ("coop f16-act", true, false, true, false),
-                ("coop 2-pass", false, true, true, false),
-                ("coop no split-K", false, false, false, false),
-                ("coop prefetch", false, false, true, true),
+            // Register prefetch and two workgroup stages for staged
+            // operands are off by default until these rows show they help.
+            for (name, f16_activations, two_pass_attention, split_k, staging) in [
+                ("coop f16-act", true, false, true, (false, false)),
+                ("coop 2-pass", false, true, true, (false, false)),
+                ("coop no split-K", false, false, false, (false, false)),
+                ("coop prefetch", false, false, true, (true, false)),
+                ("coop two stages", false, false, true, (false, true)),
             ] {
                 if let Ok(g) = WgpuBackend::with_options(&Options {
                     adapter: adapter.clone(),
                     f16_activations,
                     two_pass_attention,
                     split_k,
-                    prefetch,
+                    prefetch: staging.0,
+                    double_buffer: staging.1,
                     ..Options::default()
                 }) {
                     paths.push((name.to_string(), g));

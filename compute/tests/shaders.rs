@@ -146,6 +146,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 two_pass_attention: false,
                 split_k: true,
                 prefetch: false,
+                double_buffer: false,
             },
         ),
         (
@@ -158,6 +159,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 two_pass_attention: false,
                 split_k: true,
                 prefetch: false,
+                double_buffer: false,
             },
         ),
     ];
@@ -197,6 +199,17 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
             Caps {
                 gemm_tiles: Some(tiles),
                 prefetch: true,
+                ..caps[2].1
+            },
+        ));
+    }
+    // Staged tilings with two workgroup stages.
+    for tiles in tilings().into_iter().filter(|t| !t.direct) {
+        caps.push((
+            "coop16, staged, two stages",
+            Caps {
+                gemm_tiles: Some(tiles),
+                double_buffer: true,
                 ..caps[2].1
             },
         ));
@@ -301,6 +314,7 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
         two_pass_attention: false,
         split_k: true,
         prefetch: false,
+        double_buffer: false,
     };
     let p = Conv2dParams {
         stride: [1; 2],

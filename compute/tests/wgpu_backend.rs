@@ -881,3 +881,86 @@ fn g_mismatch(s: &mut sdkit_compute::runtime::Session<'_>) -> Result<(), String>
         .map(|_| ())
         .map_err(|e| e.to_string())
 }
+
+/// Two workgroup stages change when a staged tile is filled, never what
+/// is multiplied: products with partial tiles, a conv and a split-K conv
+/// give the single-stage kernel's bits (emulated fragments on adapters
+/// without cooperative matrices).
+#[test]
+fn double_buffered_staging_matches_one_stage_bit_for_bit() {
+    use sdkit_compute::backend::wgpu::codegen::{self, tilings};
+    use sdkit_compute::backend::wgpu::Options;
+    use sdkit_compute::tensor::{Conv2dParams, GraphBuilder};
+    let staged = tilings().into_iter().find(|t| !t.direct);
+    let open = |double_buffer| {
+        WgpuBackend::with_options(&Options {
+            emulate_coopmat: true,
+            poison_workgroup_memory: true,
+            gemm_tiles: staged,
+            double_buffer,
+            ..Options::default()
+        })
+    };
+    let (one, two) = match (open(false), open(true)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            no_adapter("double-buffered staging", e);
+            return;
+        }
+    };
+    if one.coop.is_none() {
+        no_adapter(
+            "double-buffered staging",
+            "no cooperative fragments, emulated or not",
+        );
+        return;
+    }
+    let p = |padding| Conv2dParams {
+        stride: [1; 2],
+        padding: [padding; 2],
+        dilation: [1; 2],
+        groups: 1,
+    };
+    let mut graphs = Vec::new();
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[2, 200, 72])
+        .and_then(|a| a.linear(g.weight("w", &[130, 72])?, Some(g.weight("b", &[130])?)));
+    graphs.push(g.finish(&[y.expect("linear")]));
+    let g = GraphBuilder::new();
+    let y = g
+        .input("x", &[2, 8, 20, 20])
+        .and_then(|x| x.conv2d(g.weight("w", &[16, 8, 3, 3])?, None, p(1)));
+    graphs.push(g.finish(&[y.expect("conv")]));
+    let g = GraphBuilder::new();
+    let y = g
+        .input("x", &[2, 64, 4, 4])
+        .and_then(|x| x.conv2d(g.weight("w", &[64, 64, 3, 3])?, None, p(1)));
+    graphs.push(g.finish(&[y.expect("deep conv")]));
+    // The kernels compared are the two-stage form, within WebGPU's
+    // minimum workgroup memory.
+    let caps = codegen::Caps {
+        subgroups: true,
+        coop: one.coop,
+        workgroup_memory: 16384,
+        gemm_tiles: staged,
+        double_buffer: true,
+        ..codegen::Caps::plain()
+    };
+    for (i, g) in graphs.iter().enumerate() {
+        let prog = plan(g).expect("plans");
+        let k = prog
+            .kernels
+            .iter()
+            .find(|k| matches!(k.kind.name(), "matmul" | "conv2d"))
+            .expect("a product");
+        let ops = vec![codegen::Operand::whole(false); k.inputs.len() + 1];
+        let src = codegen::generate(k, &ops, &caps).expect("generates").source;
+        assert!(src.contains("let so = 1u - cur;"), "graph {i}: one stage");
+        let b = bindings(g, i as u32);
+        let a = one.run(&prog, &b).expect("one stage");
+        let d = two.run(&prog, &b).expect("two stages");
+        assert_eq!(a[0].data, d[0].data, "graph {i}");
+        assert!(a[0].data.iter().all(|v| v.is_finite()));
+    }
+}

@@ -242,6 +242,7 @@ impl WgpuBackend {
             two_pass_attention: opts.two_pass_attention,
             split_k: opts.split_k,
             prefetch: opts.prefetch,
+            double_buffer: opts.double_buffer,
         };
         Ok(WgpuBackend {
             f16_weights: f16,

@@ -37,6 +37,10 @@ pub struct Options {
     /// Staged cooperative products prefetch the next depth step into
     /// registers ([`codegen::Caps::prefetch`]).
     pub prefetch: bool,
+    /// Two workgroup stages for staged cooperative operands
+    /// ([`codegen::Caps::double_buffer`]); off until a GPU run shows it
+    /// helps.
+    pub double_buffer: bool,
     /// Compile shaders with all of wgpu's runtime checks: index clamping
     /// on every array access, a counter bounding every loop, guarded
     /// integer division and zeroed workgroup memory. Off by default: the
@@ -109,6 +113,7 @@ impl Default for Options {
             emulate_coopmat: false,
             split_k: true,
             prefetch: false,
+            double_buffer: false,
             shader_checks: false,
             bounds_checks: false,
             poison_workgroup_memory: false,

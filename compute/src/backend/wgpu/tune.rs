@@ -46,6 +46,10 @@ pub struct Variant {
     pub split_k: bool,
     /// Register prefetch of staged operands.
     pub prefetch: bool,
+    /// Two workgroup stages for staged operands (tables written before
+    /// it existed read as off).
+    #[serde(default)]
+    pub double_buffer: bool,
     /// Attention in two passes over the keys.
     pub two_pass_attention: bool,
 }
@@ -57,6 +61,7 @@ impl Variant {
             tiles: caps.gemm_tiles,
             split_k: caps.split_k,
             prefetch: caps.prefetch,
+            double_buffer: caps.double_buffer,
             two_pass_attention: caps.two_pass_attention,
         }
     }
@@ -67,6 +72,7 @@ impl Variant {
             gemm_tiles: self.tiles,
             split_k: self.split_k,
             prefetch: self.prefetch,
+            double_buffer: self.double_buffer,
             two_pass_attention: self.two_pass_attention,
             ..*caps
         }
@@ -101,6 +107,8 @@ impl Variant {
         }
         if self.prefetch {
             d += ", prefetch";
+        } else if self.double_buffer {
+            d += ", two stages";
         }
         d
     }
@@ -293,10 +301,11 @@ fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
     }
 }
 
-/// The second round for a product's fastest tilings: split-K and prefetch
-/// each way (split-K stays off where the caller turned it off, a
-/// comparison). Measuring every tiling each way would take four times
-/// as many compiles for what is nearly always the same ranking.
+/// The second round for a product's fastest tilings: split-K each way
+/// (it stays off where the caller turned it off, a comparison) with no
+/// prefetch, register prefetch or two workgroup stages. Measuring every
+/// tiling each way would take six times as many compiles for what is
+/// nearly always the same ranking.
 fn refinements(v: Variant, caps: &codegen::Caps) -> Vec<Variant> {
     let splits: &[bool] = if caps.split_k {
         &[true, false]
@@ -305,10 +314,12 @@ fn refinements(v: Variant, caps: &codegen::Caps) -> Vec<Variant> {
     };
     let mut out = Vec::new();
     for &split_k in splits {
-        for prefetch in [false, true] {
+        // No prefetch, register prefetch, two workgroup stages.
+        for (prefetch, double_buffer) in [(false, false), (true, false), (false, true)] {
             let r = Variant {
                 split_k,
                 prefetch,
+                double_buffer,
                 ..v
             };
             if r != v {

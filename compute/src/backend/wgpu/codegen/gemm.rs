@@ -280,6 +280,25 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let prefetch = caps.prefetch
             && staged.clone().count() > 0
             && staged.clone().all(|len| len.is_multiple_of(threads));
+        // Two stages where asked, without prefetch, and where they fit
+        // beside the epilogue's scratch fragments.
+        let stage_bytes: usize = [&a, &b]
+            .into_iter()
+            .map(|f| match f {
+                Feed::Staged(s) => s.rows * s.stride * 2,
+                Feed::Direct(_) => 0,
+            })
+            .sum();
+        let scratch = tiles.sg_rows * tiles.sg_cols * t * t * 4;
+        let stages = if caps.double_buffer
+            && !prefetch
+            && stage_bytes > 0
+            && 2 * stage_bytes + scratch <= caps.workgroup_memory as usize
+        {
+            2
+        } else {
+            1
+        };
         Some(CoopGemm {
             shape: [self.m, self.n, self.k, self.batch],
             frag: t,
@@ -289,6 +308,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             b,
             split,
             prefetch,
+            stages,
         })
     }
 
@@ -404,6 +424,9 @@ pub(super) struct CoopGemm {
     /// Staged operands' next depth step loads into registers while this
     /// step multiplies.
     pub(super) prefetch: bool,
+    /// Workgroup stages of the staged operands: 2 stages the next depth
+    /// step into one while the other is multiplied.
+    pub(super) stages: usize,
 }
 
 impl CoopGemm {
@@ -475,6 +498,23 @@ impl CoopGemm {
                 format!("if ({}) ", live.join(" && "))
             }
         };
+        // With two stages, the stage a step multiplies (`cur`) and the one
+        // it fills (`so`) start this far into a staged tile's array.
+        let double = self.stages == 2;
+        let current = |st: &Staging| {
+            if double {
+                format!("cur * {}u + ", st.rows * st.stride)
+            } else {
+                String::new()
+            }
+        };
+        let filling = |st: &Staging| {
+            if double {
+                format!("so * {}u + ", st.rows * st.stride)
+            } else {
+                String::new()
+            }
+        };
         let mut decl = String::new();
         let mut mac = String::new();
         let mut epi = String::new();
@@ -493,8 +533,9 @@ impl CoopGemm {
                     d.stride
                 ),
                 Feed::Staged(st) => format!(
-                    "coopLoadT<{}>(&As[(sm * {}u + {}u) * {sa}u + kk], {sa}u)",
+                    "coopLoadT<{}>(&As[{}(sm * {}u + {}u) * {sa}u + kk], {sa}u)",
                     ty("A", "f16"),
+                    current(&st),
                     sh.rows,
                     i * t,
                     sa = st.stride,
@@ -517,8 +558,9 @@ impl CoopGemm {
                     d.stride
                 ),
                 Feed::Staged(st) => format!(
-                    "coopLoadT<{}>(&Bs[kk * {sb}u + sn * {}u + {}u], {sb}u)",
+                    "coopLoadT<{}>(&Bs[{}kk * {sb}u + sn * {}u + {}u], {sb}u)",
                     ty("B", "f16"),
+                    current(&st),
                     sh.cols,
                     j * t,
                     sb = st.stride,
@@ -593,7 +635,11 @@ impl CoopGemm {
         if let Feed::Staged(st) = self.a {
             let sa = st.stride;
             let (a_r, a_c) = position(&st);
-            let _ = writeln!(shared, "var<workgroup> As: array<f16, {}>;", bm * sa);
+            let _ = writeln!(
+                shared,
+                "var<workgroup> As: array<f16, {}>;",
+                self.stages * bm * sa
+            );
             staged.push((
                 "a",
                 bm * bk,
@@ -602,13 +648,17 @@ impl CoopGemm {
                     let g = guard(&[("row0 + r", m, bm), (&format!("{kv} + kc"), k, bk)]);
                     format!("{g}{{ v = load_a(z, row0 + r, {kv} + kc); }}")
                 }),
-                format!("As[r * {sa}u + kc]"),
+                format!("As[{}r * {sa}u + kc]", filling(&st)),
             ));
         }
         if let Feed::Staged(st) = self.b {
             let sb = st.stride;
             let (b_r, b_c) = position(&st);
-            let _ = writeln!(shared, "var<workgroup> Bs: array<f16, {}>;", bk * sb);
+            let _ = writeln!(
+                shared,
+                "var<workgroup> Bs: array<f16, {}>;",
+                self.stages * bk * sb
+            );
             staged.push((
                 "b",
                 bk * bn,
@@ -617,15 +667,20 @@ impl CoopGemm {
                     let g = guard(&[(&format!("{kv} + kr"), k, bk), ("col0 + c", n, bn)]);
                     format!("{g}{{ v = load_b(z, {kv}, kr, col0 + c); }}")
                 }),
-                format!("Bs[kr * {sb}u + c]"),
+                format!("Bs[{}kr * {sb}u + c]", filling(&st)),
             ));
         }
         // Register prefetch: each thread's elements of the next step load
         // into registers before this step's products, so global latency
         // overlaps them; written to workgroup memory after.
         let prefetch = self.prefetch;
-        let (mut stage, mut fetch, mut commit, mut regs) =
-            (String::new(), String::new(), String::new(), String::new());
+        let (mut stage, mut fetch, mut commit, mut regs, mut next) = (
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+        );
         for (reg, len, idx, value, at) in &staged {
             // This thread's elements at depth step `kv`, loaded into `into`.
             let load = |kv: &str, into: &str| {
@@ -645,6 +700,9 @@ impl CoopGemm {
                 )
             };
             stage.push_str(&load("k0", at));
+            if double {
+                next.push_str(&load("kn", at));
+            }
             if prefetch {
                 let per = len / threads;
                 let _ = writeln!(regs, "    var p{reg}: array<f16, {per}>;");
@@ -680,7 +738,30 @@ impl CoopGemm {
         } else {
             format!("{bk}u")
         };
-        let main_loop = if prefetch {
+        let main_loop = if double {
+            // The first step staged into stage 0; then each step stages
+            // the next into the other stage before multiplying this one.
+            // A stage is refilled only after the barrier that ends the
+            // step which read it.
+            format!(
+                "    {{
+        let k0 = {k_begin};
+        let so = 0u;
+{stage}    }}
+    workgroupBarrier();
+    for (var k0 = {k_begin}; k0 < {k_end}; k0 += {bk}u) {{
+        let cur = ((k0 - {k_begin}) / {bk}u) % 2u;
+        let kn = k0 + {bk}u;
+        if (kn < {k_end}) {{
+            let so = 1u - cur;
+{next}        }}
+        for (var kk = 0u; kk < {depth_end}; kk += {t}u) {{
+{mac}        }}
+        workgroupBarrier();
+    }}
+"
+            )
+        } else if prefetch {
             // The first step staged as usual, then each step fetches the
             // next before multiplying.
             format!(

@@ -340,6 +340,12 @@ pub struct Caps {
     /// registers while multiplying the current one (off by default until
     /// measured on a GPU: `wgpu_ops` prints both).
     pub prefetch: bool,
+    /// Staged cooperative products keep two workgroup stages: the next
+    /// depth step is staged into one while the other is multiplied, one
+    /// barrier a step instead of two (off by default until measured on a
+    /// GPU; tuning tries it). Register prefetch, where on, takes
+    /// precedence.
+    pub double_buffer: bool,
 }
 
 impl Caps {
@@ -354,6 +360,7 @@ impl Caps {
             two_pass_attention: false,
             split_k: true,
             prefetch: false,
+            double_buffer: false,
         }
     }
 }
