@@ -95,6 +95,29 @@ fn graphs() -> Vec<(&'static str, TensorGraph)> {
         "group norm, long rows, split",
         g.finish(&[y.expect("group norm")]),
     ));
+    // The other row-wise kernels: an unsplit group norm, layer and RMS
+    // norms (with and without affine terms, one on a transposed view) and
+    // a softmax along a middle axis.
+    let g = GraphBuilder::new();
+    let y = g.input("x", &[2, 8, 6, 6]).and_then(|x| {
+        let a = x.group_norm(
+            4,
+            Some(g.weight("gw", &[8])?),
+            Some(g.weight("gb", &[8])?),
+            1e-6,
+        )?;
+        let t = x.reshape(&[2, 8, 36])?.transpose(1, 2)?;
+        let l = t.layer_norm(
+            Some(g.weight("lw", &[8])?),
+            Some(g.weight("lb", &[8])?),
+            1e-5,
+        )?;
+        let r = t.rms_norm(Some(g.weight("rw", &[8])?), 1e-6)?;
+        let p = x.layer_norm(None, None, 1e-5)?.rms_norm(None, 1e-6)?;
+        let s = x.softmax(1)?;
+        Ok(vec![a, l, r, p, s])
+    });
+    v.push(("row-wise", g.finish(&y.expect("row-wise"))));
     v
 }
 

@@ -485,44 +485,42 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             affine,
         } => {
             let per = c / gr * spatial;
-            let affine_code = if *affine {
-                "let ch = (base + j) / SPATIAL % CH; y = y * in1[ch] + in2[ch];"
+            let affine = if *affine {
+                Affine::Channels {
+                    spatial: *spatial,
+                    channels: *c,
+                }
             } else {
-                ""
+                Affine::None
             };
             let rows = n * gr;
             if let Some((chunks, clen)) = norm_split(rows, per).filter(|_| caps.split_k) {
                 // Few long rows (the VAE's and the UNet's outer levels):
                 // each row's statistics in chunks over many workgroups,
                 // then the normalisation on the same grid.
-                let fill = |t: &str| {
-                    with_reductions(&t.replace("CHUNK_SETUP", NORM_CHUNK_SETUP), subgroups)
-                        .replace("TOTAL", &format!("{}u", rows * chunks))
-                        .replace("CHUNKS", &format!("{chunks}u"))
-                        .replace("CLEN", &format!("{clen}u"))
-                        .replace("PER", &format!("{per}u"))
-                        .replace("EPS", &lit(*eps))
-                        .replace("AFFINE", affine_code)
-                        .replace("SPATIAL", &format!("{spatial}u"))
-                        .replace("CH", &format!("{c}u"))
+                let norm = SplitNorm {
+                    rows,
+                    per,
+                    chunks,
+                    clen,
+                    eps: *eps,
+                    affine,
                 };
                 let total = rows * chunks;
                 let grid2 = [total.min(65535) as u32, total.div_ceil(65535) as u32, 1];
-                src.push_str(&fill(NORM_STATS));
+                src.push_str(&norm.stats_wgsl(subgroups));
                 groups = grid2;
-                finish = Some((fill(NORM_APPLY), grid2, 2 * total));
+                finish = Some((norm.apply_wgsl(subgroups), grid2, 2 * total));
             } else {
-                let body = with_reductions(ROW_NORM, subgroups)
-                    .replace("ROW_LEN", &format!("{per}u"))
-                    .replace("READ(j)", "in0[base + j]")
-                    .replace("BASE", &format!("row * {per}u"))
-                    .replace("CENTER", "true")
-                    .replace("EPS", &lit(*eps))
-                    .replace("AFFINE", affine_code)
-                    .replace("SPATIAL", &format!("{spatial}u"))
-                    .replace("ROWS", &format!("{}u", n * gr))
-                    .replace("CH", &format!("{c}u"));
-                src.push_str(&body);
+                let norm = RowNorm {
+                    rows,
+                    len: per,
+                    viewed: false,
+                    center: true,
+                    eps: *eps,
+                    affine,
+                };
+                src.push_str(&norm.wgsl(subgroups));
                 groups = [(n * gr) as u32, 1, 1];
             }
         }
@@ -543,32 +541,32 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                 "fn off0(i: u32) -> u32 {{ return {}; }}\n",
                 offset_code(&k.inputs[0], &k.inputs[0].shape, "i")
             ));
-            let affine_code = match (affine, rms) {
-                (true, false) => "y = y * in1[j] + in2[j];",
-                (true, true) => "y = y * in1[j];",
-                _ => "",
+            let norm = RowNorm {
+                rows: *rows,
+                len: *cols,
+                viewed: true,
+                center: !rms,
+                eps: *eps,
+                affine: if *affine {
+                    Affine::Columns { bias: !rms }
+                } else {
+                    Affine::None
+                },
             };
-            let body = with_reductions(ROW_NORM, subgroups)
-                .replace("ROW_LEN", &format!("{cols}u"))
-                .replace("READ(j)", "in0[off0(base + j)]")
-                .replace("BASE", &format!("row * {cols}u"))
-                .replace("CENTER", if rms { "false" } else { "true" })
-                .replace("EPS", &lit(*eps))
-                .replace("AFFINE", affine_code)
-                .replace("ROWS", &format!("{rows}u"));
-            src.push_str(&body);
+            src.push_str(&norm.wgsl(subgroups));
             if *rows > 65535 * 65535 {
                 return Err("too many rows".into());
             }
             groups = [(*rows).min(65535) as u32, rows.div_ceil(65535) as u32, 1];
         }
         KernelKind::Softmax { outer, len, inner } => {
-            let body = with_reductions(SOFTMAX, subgroups)
-                .replace("ROWS", &format!("{}u", outer * inner))
-                .replace("LEN", &format!("{len}u"))
-                .replace("INNER", &format!("{inner}u"));
-            src.push_str(&body);
             let rows = outer * inner;
+            let softmax = Softmax {
+                rows,
+                len: *len,
+                inner: *inner,
+            };
+            src.push_str(&softmax.wgsl(subgroups));
             groups = [rows.min(65535) as u32, rows.div_ceil(65535) as u32, 1];
         }
         KernelKind::Reduce { op, shape, axes } => {

@@ -1,6 +1,9 @@
-//! The row-wise kernels' templates: workgroup reductions (a tree in
-//! workgroup memory, or subgroup operations), layer and group norms (with
-//! the split form for few long rows) and softmax.
+//! The row-wise kernels as data and their WGSL: workgroup reductions (a
+//! tree in workgroup memory, or subgroup operations), layer, RMS and
+//! group norms ([`RowNorm`], the split form for few long rows
+//! [`SplitNorm`]) and softmax ([`Softmax`]).
+
+use super::lit;
 
 /// Workgroup-wide sum and max of one value per thread (256 threads). The
 /// portable form reduces a tree in workgroup memory; the subgroup form
@@ -57,52 +60,116 @@ fn wg_max(v: f32, t: u32) -> f32 {
 "#;
 
 /// Entry-point parameters and setup for the subgroup reductions.
-pub(super) const SG_PARAMS: &str = ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_id) sgid: u32, @builtin(num_subgroups) nsg: u32";
-pub(super) const SG_SETUP: &str = "sg_lane = sgi; sg_index = sgid; sg_count = nsg;";
+const SG_PARAMS: &str = ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_id) sgid: u32, @builtin(num_subgroups) nsg: u32";
+const SG_SETUP: &str = "sg_lane = sgi; sg_index = sgid; sg_count = nsg;";
 
-/// Fills a reduction kernel template for the chosen reduction form.
-pub(super) fn with_reductions(template: &str, subgroups: bool) -> String {
+/// The reduction helpers, the entry point's extra parameters and their
+/// setup line, for the chosen reduction form.
+fn reductions(subgroups: bool) -> (&'static str, &'static str, &'static str) {
     if subgroups {
-        template
-            .replace("REDUCE", REDUCE_SUBGROUP)
-            .replace("MAIN_PARAMS", SG_PARAMS)
-            .replace("MAIN_SETUP", SG_SETUP)
+        (REDUCE_SUBGROUP, SG_PARAMS, SG_SETUP)
     } else {
-        template
-            .replace("REDUCE", REDUCE_TREE)
-            .replace("MAIN_PARAMS", "")
-            .replace("MAIN_SETUP", "")
+        (REDUCE_TREE, "", "")
     }
 }
 
-/// A workgroup per row: mean (if CENTER) and variance in two passes for
-/// accuracy, then normalise and store.
-pub(super) const ROW_NORM: &str = r#"
-REDUCE
+/// The entry point of a row-wise kernel: 256 threads, with the
+/// reductions' parameters.
+fn entry(subgroups: bool) -> String {
+    let (reduce, params, _) = reductions(subgroups);
+    format!(
+        "
+{reduce}
 @compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
-    MAIN_SETUP
-    let row = wg.x + wg.y * 65535u;
-    if (row >= ROWS) { return; }
-    let t = lid.x;
-    let base = BASE;
-    var mean = 0.0;
-    if (CENTER) {
-        var s = 0.0;
-        for (var j = t; j < ROW_LEN; j = j + 256u) { s = s + READ(j); }
-        mean = wg_sum(s, t) / f32(ROW_LEN);
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>{params}) {{
+"
+    )
+}
+
+/// The affine step after normalising element `j` of a row (at `base +
+/// j`), into `y`.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Affine {
+    None,
+    /// Per column: weight `in1[j]`, and bias `in2[j]` where `bias`.
+    Columns {
+        bias: bool,
+    },
+    /// A group norm's per-channel weight and bias, channels of `spatial`
+    /// elements, `channels` of them.
+    Channels {
+        spatial: usize,
+        channels: usize,
+    },
+}
+
+impl Affine {
+    fn wgsl(self) -> String {
+        match self {
+            Affine::None => String::new(),
+            Affine::Columns { bias: true } => "y = y * in1[j] + in2[j];".into(),
+            Affine::Columns { bias: false } => "y = y * in1[j];".into(),
+            Affine::Channels { spatial, channels } => format!(
+                "let ch = (base + j) / {spatial}u % {channels}u; y = y * in1[ch] + in2[ch];"
+            ),
+        }
     }
+}
+
+/// A normalisation with a workgroup per row of `len` elements: mean
+/// (where `center`) and variance in two passes for accuracy, then
+/// normalise, the affine step and the epilogue.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RowNorm {
+    pub rows: usize,
+    pub len: usize,
+    /// Elements read through `off0` (a strided view), else dense.
+    pub viewed: bool,
+    pub center: bool,
+    pub eps: f32,
+    pub affine: Affine,
+}
+
+impl RowNorm {
+    pub(super) fn wgsl(&self, subgroups: bool) -> String {
+        let (_, _, setup) = reductions(subgroups);
+        let RowNorm {
+            rows, len, center, ..
+        } = *self;
+        let read = if self.viewed {
+            "in0[off0(base + j)]"
+        } else {
+            "in0[base + j]"
+        };
+        format!(
+            "{entry}    {setup}
+    let row = wg.x + wg.y * 65535u;
+    if (row >= {rows}u) {{ return; }}
+    let t = lid.x;
+    let base = row * {len}u;
+    var mean = 0.0;
+    if ({center}) {{
+        var s = 0.0;
+        for (var j = t; j < {len}u; j = j + 256u) {{ s = s + {read}; }}
+        mean = wg_sum(s, t) / f32({len}u);
+    }}
     var q = 0.0;
-    for (var j = t; j < ROW_LEN; j = j + 256u) { let d = READ(j) - mean; q = q + d * d; }
-    let rstd = inverseSqrt(wg_sum(q, t) / f32(ROW_LEN) + EPS);
-    for (var j = t; j < ROW_LEN; j = j + 256u) {
-        var y = (READ(j) - mean) * rstd;
-        AFFINE
+    for (var j = t; j < {len}u; j = j + 256u) {{ let d = {read} - mean; q = q + d * d; }}
+    let rstd = inverseSqrt(wg_sum(q, t) / f32({len}u) + {eps});
+    for (var j = t; j < {len}u; j = j + 256u) {{
+        var y = ({read} - mean) * rstd;
+        {affine}
         let oi = base + j;
         dst[oi] = epi(y, oi);
+    }}
+}}
+",
+            entry = entry(subgroups),
+            eps = lit(self.eps),
+            affine = self.affine.wgsl(),
+        )
     }
 }
-"#;
 
 /// Workgroups a split group norm aims for: several per SM of a large GPU,
 /// so the loads of enough warps are in flight to hide memory latency.
@@ -129,84 +196,133 @@ pub(super) fn norm_split(rows: usize, per: usize) -> Option<(usize, usize)> {
     Some((per.div_ceil(clen), clen))
 }
 
-/// The start of both split group norm passes: the workgroup's (row,
-/// chunk), its thread, and the chunk's element range within the row.
-pub(super) const NORM_CHUNK_SETUP: &str = "MAIN_SETUP
-    let id = wg.x + wg.y * 65535u;
-    if (id >= TOTAL) { return; }
-    let row = id / CHUNKS;
-    let t = lid.x;
-    let base = row * PER;
-    let lo = id % CHUNKS * CLEN;
-    let hi = min(lo + CLEN, PER);";
+/// A group norm whose few long rows are split into `chunks` chunks of
+/// `clen` elements, a workgroup each, in two passes on one grid
+/// ([`norm_split`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SplitNorm {
+    pub rows: usize,
+    pub per: usize,
+    pub chunks: usize,
+    pub clen: usize,
+    pub eps: f32,
+    pub affine: Affine,
+}
 
-/// Split group norm, first pass: a workgroup per (row, chunk) writes the
-/// chunk's mean and sum of squared deviations (two passes over the chunk,
-/// as `ROW_NORM`, for accuracy) to `part`.
-pub(super) const NORM_STATS: &str = r#"
-REDUCE
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
-    CHUNK_SETUP
+impl SplitNorm {
+    /// The start of both passes: the workgroup's (row, chunk), its thread,
+    /// and the chunk's element range within the row.
+    fn setup(&self, subgroups: bool) -> String {
+        let (_, _, setup) = reductions(subgroups);
+        let SplitNorm {
+            rows,
+            per,
+            chunks,
+            clen,
+            ..
+        } = *self;
+        format!(
+            "{setup}
+    let id = wg.x + wg.y * 65535u;
+    if (id >= {total}u) {{ return; }}
+    let row = id / {chunks}u;
+    let t = lid.x;
+    let base = row * {per}u;
+    let lo = id % {chunks}u * {clen}u;
+    let hi = min(lo + {clen}u, {per}u);",
+            total = rows * chunks
+        )
+    }
+
+    /// First pass: a workgroup per (row, chunk) writes the chunk's mean
+    /// and sum of squared deviations (two passes over the chunk, as
+    /// [`RowNorm`], for accuracy) to `part`.
+    pub(super) fn stats_wgsl(&self, subgroups: bool) -> String {
+        format!(
+            "{}    {}
     var s = 0.0;
-    for (var j = lo + t; j < hi; j = j + 256u) { s = s + in0[base + j]; }
+    for (var j = lo + t; j < hi; j = j + 256u) {{ s = s + in0[base + j]; }}
     let mean = wg_sum(s, t) / f32(hi - lo);
     var q = 0.0;
-    for (var j = lo + t; j < hi; j = j + 256u) { let d = in0[base + j] - mean; q = q + d * d; }
+    for (var j = lo + t; j < hi; j = j + 256u) {{ let d = in0[base + j] - mean; q = q + d * d; }}
     let m2 = wg_sum(q, t);
-    if (t == 0u) { part[id * 2u] = mean; part[id * 2u + 1u] = m2; }
-}
-"#;
+    if (t == 0u) {{ part[id * 2u] = mean; part[id * 2u + 1u] = m2; }}
+}}
+",
+            entry(subgroups),
+            self.setup(subgroups)
+        )
+    }
 
-/// Split group norm, second pass (same grid): each workgroup combines its
-/// row's chunk statistics (Chan et al.'s pairwise update: the row's sum
-/// of squared deviations is the chunks' plus each chunk's count times its
-/// mean's squared distance from the row's) and normalises its chunk.
-pub(super) const NORM_APPLY: &str = r#"
-REDUCE
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
-    CHUNK_SETUP
+    /// Second pass (same grid): each workgroup combines its row's chunk
+    /// statistics (Chan et al.'s pairwise update: the row's sum of
+    /// squared deviations is the chunks' plus each chunk's count times its
+    /// mean's squared distance from the row's) and normalises its chunk.
+    pub(super) fn apply_wgsl(&self, subgroups: bool) -> String {
+        let SplitNorm {
+            per, chunks, clen, ..
+        } = *self;
+        format!(
+            "{entry}    {setup}
     var cnt = 0.0;
     var cm = 0.0;
     var cq = 0.0;
-    if (t < CHUNKS) {
-        cnt = f32(min((t + 1u) * CLEN, PER) - t * CLEN);
-        cm = part[(row * CHUNKS + t) * 2u];
-        cq = part[(row * CHUNKS + t) * 2u + 1u];
-    }
-    let mean = wg_sum(cnt * cm, t) / f32(PER);
+    if (t < {chunks}u) {{
+        cnt = f32(min((t + 1u) * {clen}u, {per}u) - t * {clen}u);
+        cm = part[(row * {chunks}u + t) * 2u];
+        cq = part[(row * {chunks}u + t) * 2u + 1u];
+    }}
+    let mean = wg_sum(cnt * cm, t) / f32({per}u);
     let dm = cm - mean;
-    let rstd = inverseSqrt(wg_sum(cq + cnt * dm * dm, t) / f32(PER) + EPS);
-    for (var j = lo + t; j < hi; j = j + 256u) {
+    let rstd = inverseSqrt(wg_sum(cq + cnt * dm * dm, t) / f32({per}u) + {eps});
+    for (var j = lo + t; j < hi; j = j + 256u) {{
         var y = (in0[base + j] - mean) * rstd;
-        AFFINE
+        {affine}
         let oi = base + j;
         dst[oi] = epi(y, oi);
+    }}
+}}
+",
+            entry = entry(subgroups),
+            setup = self.setup(subgroups),
+            eps = lit(self.eps),
+            affine = self.affine.wgsl(),
+        )
     }
 }
-"#;
 
-/// A workgroup per softmax row (stride INNER between elements).
-pub(super) const SOFTMAX: &str = r#"
-REDUCE
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>MAIN_PARAMS) {
-    MAIN_SETUP
+/// Softmax with a workgroup per row of `len` elements, `inner` apart.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Softmax {
+    pub rows: usize,
+    pub len: usize,
+    pub inner: usize,
+}
+
+impl Softmax {
+    pub(super) fn wgsl(&self, subgroups: bool) -> String {
+        let (_, _, setup) = reductions(subgroups);
+        let Softmax { rows, len, inner } = *self;
+        format!(
+            "{entry}    {setup}
     let row = wg.x + wg.y * 65535u;
-    if (row >= ROWS) { return; }
+    if (row >= {rows}u) {{ return; }}
     let t = lid.x;
-    let o = row / INNER; let i = row % INNER;
-    let base = o * LEN * INNER + i;
+    let o = row / {inner}u; let i = row % {inner}u;
+    let base = o * {len}u * {inner}u + i;
     var m = -3.4028235e38;
-    for (var j = t; j < LEN; j = j + 256u) { m = max(m, in0[base + j * INNER]); }
+    for (var j = t; j < {len}u; j = j + 256u) {{ m = max(m, in0[base + j * {inner}u]); }}
     m = wg_max(m, t);
     var sum = 0.0;
-    for (var j = t; j < LEN; j = j + 256u) { sum = sum + exp(in0[base + j * INNER] - m); }
+    for (var j = t; j < {len}u; j = j + 256u) {{ sum = sum + exp(in0[base + j * {inner}u] - m); }}
     sum = wg_sum(sum, t);
-    for (var j = t; j < LEN; j = j + 256u) {
-        let oi = base + j * INNER;
+    for (var j = t; j < {len}u; j = j + 256u) {{
+        let oi = base + j * {inner}u;
         dst[oi] = epi(exp(in0[oi] - m) / sum, oi);
+    }}
+}}
+",
+            entry = entry(subgroups),
+        )
     }
 }
-"#;
