@@ -309,7 +309,8 @@ fn sampling_loop_stays_on_the_device() {
 /// The samplers whose loop runs on the device, on wgpu: DPM++ 2M and
 /// Euler ancestral through SamplerCustom (a partial schedule, noise added
 /// once), DPM++ 2M on a v-prediction model, Euler on img2img, and Euler
-/// ancestral split over two KSamplerAdvanced nodes.
+/// ancestral split over two KSamplerAdvanced nodes, LCM on an LCM-read
+/// model.
 #[test]
 fn device_loops_match_comfyui() {
     if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
@@ -321,6 +322,7 @@ fn device_loops_match_comfyui() {
         ("tiny_sd1_vpred", "tiny_sd1_vpred"),
         ("tiny_sd1_img2img", "tiny_sd1_img2img"),
         ("tiny_sd1_advanced", "tiny_sd1_advanced"),
+        ("tiny_sd1_lcm", "tiny_sd1_lcm"),
     ] {
         let (base, fx) = setup();
         run(base.path(), graph, "wgpu");

@@ -27,6 +27,11 @@ pub(crate) enum Step {
     Euler,
     EulerAncestral,
     DpmPp2m,
+    /// The prediction, renoised to the next σ (the model's noise
+    /// scaling).
+    Lcm {
+        flow: bool,
+    },
 }
 
 /// One denoiser call, the CFG combination and a sampler step, as the
@@ -63,15 +68,20 @@ impl Fused {
         dims: [usize; 4],
     ) -> Option<Fused> {
         let step = match sampler {
-            Sampler::Euler => Step::Euler,
+            // ddim is Euler but for inpainting's noise, which never
+            // reaches here (no mask).
+            Sampler::Euler | Sampler::Ddim => Step::Euler,
             // The flow form of the ancestral step is another update.
             Sampler::EulerAncestral if model.prediction != Prediction::Flow => Step::EulerAncestral,
             Sampler::DpmPp2m => Step::DpmPp2m,
+            Sampler::Lcm => Step::Lcm {
+                flow: model.prediction == Prediction::Flow,
+            },
             _ => return None,
         };
         if !matches!(
             model.prediction,
-            Prediction::Eps | Prediction::V | Prediction::Flow
+            Prediction::Eps | Prediction::V | Prediction::Flow | Prediction::Lcm
         ) {
             return None;
         }
@@ -128,17 +138,23 @@ impl Fused {
         let [b, ..] = self.dims;
         let scalar = |name: &str| g.input(name, &[1]);
         let sigma = scalar("sigma")?;
-        let v = match self.prediction {
+        // The prediction's per-step factors: v's 1/(σ²+1) and
+        // σ/√(σ²+1) divisors, LCM's c_out and c_skip.
+        let factors = match self.prediction {
             Prediction::V => Some((scalar("v_d")?, scalar("v_r")?)),
+            Prediction::Lcm => Some((scalar("c_out")?, scalar("c_skip")?)),
             _ => None,
         };
         // ComfyUI's calculate_denoised per conditioning, in its order.
         let of = |cond: usize| -> Result<T<'a>, ShapeError> {
             let k = self.conds.iter().position(|&c| c == cond).unwrap_or(0);
             let o = out.slice(0, k * b, (k + 1) * b)?;
-            match v {
-                Some((d, r)) => lat.div(d)?.sub(o.mul(sigma)?.div(r)?),
-                None => lat.sub(o.mul(sigma)?),
+            match (self.prediction, factors) {
+                (Prediction::V, Some((d, r))) => lat.div(d)?.sub(o.mul(sigma)?.div(r)?),
+                (Prediction::Lcm, Some((c_out, c_skip))) => {
+                    c_out.mul(lat.sub(o.mul(sigma)?)?)?.add(c_skip.mul(lat)?)
+                }
+                _ => lat.sub(o.mul(sigma)?),
             }
         };
         // uncond + (cond − uncond)·cfg.
@@ -166,6 +182,15 @@ impl Fused {
                     .sub(g.input("old", &self.dims)?.mul(scalar("c")?)?)?;
                 lat.mul(scalar("a")?)?.sub(dd.mul(scalar("b")?)?)?
             }
+            // Zero noise on the last step (σ_next = 0) leaves the
+            // prediction exactly.
+            Step::Lcm { flow: false } => {
+                d.add(g.input("noise", &self.dims)?.mul(scalar("sn")?)?)?
+            }
+            Step::Lcm { flow: true } => g
+                .input("noise", &self.dims)?
+                .mul(scalar("sn")?)?
+                .add(d.mul(scalar("keep")?)?)?,
         };
         Ok(vec![next, d])
     }
@@ -186,7 +211,7 @@ impl Fused {
         &self,
         sigmas: &[f32],
         i: usize,
-        c_in: f32,
+        (c_in, t): (f32, f32),
         noise: &mut dyn FnMut() -> Vec<f32>,
     ) -> HashMap<String, Arc<Vec<f32>>> {
         let (s, s_next) = (sigmas[i], sigmas[i + 1]);
@@ -199,10 +224,18 @@ impl Fused {
         if let Some(cfg) = self.cfg {
             put("cfg", cfg);
         }
-        if self.prediction == Prediction::V {
-            let d = s * s + 1.0;
-            put("v_d", d);
-            put("v_r", d.sqrt());
+        match self.prediction {
+            Prediction::V => {
+                let d = s * s + 1.0;
+                put("v_d", d);
+                put("v_r", d.sqrt());
+            }
+            Prediction::Lcm => {
+                let ts = t * 10.0;
+                put("c_out", ts / (ts * ts + 0.25).sqrt());
+                put("c_skip", 0.25 / (ts * ts + 0.25));
+            }
+            _ => {}
         }
         let per: usize = self.dims.iter().product();
         match self.step {
@@ -238,6 +271,18 @@ impl Fused {
                 if i == 0 {
                     f.insert("old".to_string(), Arc::new(vec![0.0; per]));
                 }
+            }
+            Step::Lcm { .. } => {
+                put("sn", s_next);
+                if self.step == (Step::Lcm { flow: true }) {
+                    put("keep", 1.0 - s_next);
+                }
+                let z = if s_next > 0.0 {
+                    noise()
+                } else {
+                    vec![0.0; per]
+                };
+                f.insert("noise".to_string(), Arc::new(z));
             }
         }
         f
@@ -276,11 +321,9 @@ pub(crate) fn run(
         } else {
             HashMap::new()
         };
-        feed.extend(f.step_inputs(sigmas, i, model.prediction.input_divisor(s), noise));
-        feed.insert(
-            "t".to_string(),
-            Arc::new(vec![model.schedule.timestep(s); rows]),
-        );
+        let t = model.schedule.timestep(s);
+        feed.extend(f.step_inputs(sigmas, i, (model.prediction.input_divisor(s), t), noise));
+        feed.insert("t".to_string(), Arc::new(vec![t; rows]));
         if let Some(x) = x0.take() {
             feed.insert("lat".to_string(), Arc::new(x));
         }
