@@ -252,6 +252,43 @@ fn txt2img_on_wgpu_matches_comfyui() {
     check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
 }
 
+/// Runs the workflow `text` on wgpu with `device_loops` set, previews
+/// off: the base folder and the bytes the run downloaded (None without an
+/// adapter, after saying why or failing where one is required).
+fn run_on_gpu(
+    text: &str,
+    device_loops: bool,
+) -> Option<(tempfile::TempDir, serde_json::Value, u64)> {
+    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
+    use sdkit_engine::event::PreviewMethod;
+    use sdkit_engine::{CancelToken, EventSink, Executor, Paths, RunOptions, Runtime};
+    use std::sync::Arc;
+
+    let gpu = match WgpuBackend::with_options(&Options {
+        device_loops,
+        ..Options::default()
+    }) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_compute::backend::wgpu::no_adapter("sampling loop on the device", e);
+            return None;
+        }
+    };
+    let (base, fx) = setup();
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = Paths::under(base.path());
+    let runtime = Runtime::wgpu(gpu);
+    let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime.clone());
+    let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
+    let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+    let events: EventSink = Arc::new(|_| {});
+    let mut opts = RunOptions::new(events, CancelToken::new());
+    opts.preview = PreviewMethod::None;
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    rt.block_on(exec.run(&graph, opts)).expect("runs");
+    Some((base, fx, runtime.bytes_downloaded()))
+}
+
 /// On a GPU the sampling loop runs on the device (`Options::device_loops`):
 /// CFG and the Euler step are part of the UNet's program and the latent
 /// stays there between steps, so the sampler reads back only the final
@@ -260,39 +297,13 @@ fn txt2img_on_wgpu_matches_comfyui() {
 /// per-step reads.
 #[test]
 fn sampling_loop_stays_on_the_device() {
-    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
-    use sdkit_engine::event::PreviewMethod;
-    use sdkit_engine::{CancelToken, EventSink, Executor, Paths, RunOptions, Runtime};
-    use std::sync::Arc;
-
+    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
     let mut downloaded = Vec::new();
     for device_loops in [true, false] {
-        let gpu = match WgpuBackend::with_options(&Options {
-            device_loops,
-            ..Options::default()
-        }) {
-            Ok(g) => g,
-            Err(e) => {
-                sdkit_compute::backend::wgpu::no_adapter("sampling loop on the device", e);
-                return;
-            }
+        let Some((base, fx, bytes)) = run_on_gpu(&text, device_loops) else {
+            return;
         };
-        let (base, fx) = setup();
-        let lib = Arc::new(sdkit_nodes::library());
-        let paths = Paths::under(base.path());
-        let runtime = Runtime::wgpu(gpu);
-        let exec =
-            Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime.clone());
-        let text =
-            std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
-        let wf = sdkit_schema::workflow::load(&text, &lib.registry).expect("loads");
-        let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
-        let events: EventSink = Arc::new(|_| {});
-        let mut opts = RunOptions::new(events, CancelToken::new());
-        opts.preview = PreviewMethod::None;
-        let rt = tokio::runtime::Runtime::new().expect("tokio");
-        rt.block_on(exec.run(&graph, opts)).expect("runs");
-        downloaded.push(runtime.bytes_downloaded());
+        downloaded.push(bytes);
         check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
     }
     // 4 steps; the latent is 2×4×8×8 f32 (2,048 bytes), each step's UNet
@@ -304,6 +315,44 @@ fn sampling_loop_stays_on_the_device() {
         4 * 2 * latent - 2 * latent,
         "bytes downloaded, device loop vs host loop: {downloaded:?}"
     );
+}
+
+/// Every sampler with a device loop, on the karras schedule, gives the
+/// host loop's latent on the same GPU (the host samplers are checked
+/// against k-diffusion in `nodes/tests/samplers.rs`): the step's
+/// arithmetic and noise draws are the same.
+#[test]
+fn device_loops_match_host_loops() {
+    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
+    // (Euler's loop is checked against ComfyUI above.)
+    for sampler in [
+        "ddim",
+        "euler_ancestral",
+        "dpmpp_2m",
+        "dpmpp_2m_sde",
+        "dpmpp_2m_sde_heun",
+        "lcm",
+    ] {
+        let graph = text.replace(
+            r#""sampler_name": "euler", "scheduler": "normal""#,
+            &format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#),
+        );
+        assert_ne!(graph, text);
+        let mut latents = Vec::new();
+        for device_loops in [true, false] {
+            let Some((base, _, _)) = run_on_gpu(&graph, device_loops) else {
+                return;
+            };
+            let file =
+                SafeTensors::open(&base.path().join("output/latents/tiny_sd1_00001_.latent"))
+                    .expect("SaveLatent wrote the latent");
+            latents.push(file.to_f32("latent_tensor").expect("f32"));
+        }
+        let d = support::rel_diff(&latents[0], &latents[1]);
+        eprintln!("{sampler}: device loop vs host loop, max rel diff {d:e}");
+        assert!(latents[0].iter().all(|v| v.is_finite()), "{sampler}");
+        assert!(d < 1e-4, "{sampler}: device loop differs by {d}");
+    }
 }
 
 /// The samplers whose loop runs on the device, on wgpu: DPM++ 2M and

@@ -13,7 +13,7 @@
 
 use super::cond_batch::{Item, Mult};
 use super::{Model, Prediction};
-use crate::sampling::samplers::{ancestral_step, Sampler};
+use crate::sampling::samplers::{ancestral_step, Sampler, Space};
 use sdkit_compute::runtime::Session;
 use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
 use sdkit_engine::{NodeContext, NodeError};
@@ -32,6 +32,11 @@ pub(crate) enum Step {
     Lcm {
         flow: bool,
     },
+    /// DPM++ 2M SDE (η = 1) in the model's half-logSNR, midpoint or Heun
+    /// correction.
+    DpmPp2mSde {
+        heun: bool,
+    },
 }
 
 /// One denoiser call, the CFG combination and a sampler step, as the
@@ -47,6 +52,9 @@ pub(crate) struct Fused {
     pub cfg: Option<f32>,
     /// The latent's [b, c, h, w].
     pub dims: [usize; 4],
+    /// The sampler, and the model's sigma space (its half-logSNR).
+    pub sampler: Sampler,
+    pub space: Space,
 }
 
 /// The program's outputs: the next latent, then the step's denoised
@@ -77,6 +85,8 @@ impl Fused {
             Sampler::Lcm => Step::Lcm {
                 flow: model.prediction == Prediction::Flow,
             },
+            Sampler::DpmPp2mSde => Step::DpmPp2mSde { heun: false },
+            Sampler::DpmPp2mSdeHeun => Step::DpmPp2mSde { heun: true },
             _ => return None,
         };
         if !matches!(
@@ -105,6 +115,8 @@ impl Fused {
             conds,
             cfg,
             dims,
+            sampler,
+            space: Space::of(&model.schedule),
         })
     }
 
@@ -191,6 +203,19 @@ impl Fused {
                 .input("noise", &self.dims)?
                 .mul(scalar("sn")?)?
                 .add(d.mul(scalar("keep")?)?)?,
+            Step::DpmPp2mSde { .. } => {
+                // a·x + b·D, the correction c·(D − old), the noise; on the
+                // last step (σ_next = 0) every factor is 0 and the result
+                // is the prediction (keep 0, take 1).
+                let old = g.input("old", &self.dims)?;
+                let noise = g.input("noise", &self.dims)?;
+                let moved = lat
+                    .mul(scalar("a")?)?
+                    .add(d.mul(scalar("b")?)?)?
+                    .add(d.sub(old)?.mul(scalar("c")?)?)?
+                    .add(noise.mul(scalar("sn")?)?.mul(scalar("k")?)?)?;
+                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
+            }
         };
         Ok(vec![next, d])
     }
@@ -198,7 +223,7 @@ impl Fused {
     /// What output carries into which input between steps.
     pub(crate) fn carry(&self) -> Vec<(usize, &'static str)> {
         let mut c = vec![(NEXT, "lat")];
-        if self.step == Step::DpmPp2m {
+        if matches!(self.step, Step::DpmPp2m | Step::DpmPp2mSde { .. }) {
             c.push((DENOISED, "old"));
         }
         c
@@ -272,6 +297,43 @@ impl Fused {
                     f.insert("old".to_string(), Arc::new(vec![0.0; per]));
                 }
             }
+            Step::DpmPp2mSde { heun } => {
+                let sp = self.space;
+                let last = s_next == 0.0;
+                let (mut a, mut b, mut c, mut k) = (0.0, 0.0, 0.0, 0.0);
+                if !last {
+                    let (ls, lt) = (sp.lambda(s), sp.lambda(s_next));
+                    let hv = lt - ls;
+                    let h_eta = hv * 2.0;
+                    let alpha_t = s_next * lt.exp();
+                    a = s_next / s * (-hv).exp();
+                    let em = -(-h_eta).exp_m1();
+                    b = alpha_t * em;
+                    // The previous step's size, where there was one.
+                    if i > 0 {
+                        let h_last = ls - sp.lambda(sigmas[i - 1]);
+                        let r = h_last / hv;
+                        c = if heun {
+                            alpha_t * (em / -h_eta + 1.0) * (1.0 / r)
+                        } else {
+                            0.5 * alpha_t * em * (1.0 / r)
+                        };
+                    }
+                    k = (-(-2.0 * hv).exp_m1()).sqrt();
+                }
+                put("a", a);
+                put("b", b);
+                put("c", c);
+                put("sn", s_next);
+                put("k", k);
+                put("keep", if last { 0.0 } else { 1.0 });
+                put("take", if last { 1.0 } else { 0.0 });
+                let z = if last { vec![0.0; per] } else { noise() };
+                f.insert("noise".to_string(), Arc::new(z));
+                if i == 0 {
+                    f.insert("old".to_string(), Arc::new(vec![0.0; per]));
+                }
+            }
             Step::Lcm { .. } => {
                 put("sn", s_next);
                 if self.step == (Step::Lcm { flow: true }) {
@@ -307,6 +369,13 @@ pub(crate) fn run(
     watch: bool,
     on_step: &mut dyn FnMut(usize, usize) -> Result<(), NodeError>,
 ) -> Result<Vec<f32>, NodeError> {
+    // The SDE samplers step in half-logSNR: a flow model's first σ of 1
+    // moves just below it, as on the host.
+    let sigmas: &[f32] = &if f.sampler.offsets_first_sigma() {
+        f.space.offset_first(sigmas)
+    } else {
+        std::borrow::Cow::Borrowed(sigmas)
+    };
     let total = sigmas.len() - 1;
     let carry = f.carry();
     tracing::debug!("sampling loop on the device: {:?}, {total} steps", f.step);

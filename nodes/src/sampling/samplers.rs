@@ -61,7 +61,7 @@ impl Space {
         }
     }
 
-    fn offset_first<'a>(self, sigmas: &'a [f32]) -> Cow<'a, [f32]> {
+    pub(crate) fn offset_first<'a>(self, sigmas: &'a [f32]) -> Cow<'a, [f32]> {
         if self.flow && sigmas.len() > 1 && sigmas[0] >= 1.0 {
             let mut v = sigmas.to_vec();
             v[0] = self.flow_start;
@@ -264,7 +264,7 @@ impl Sampler {
 
     /// Samplers that step in half-logSNR and so move a flow model's first
     /// sigma of 1 (infinite logit) just below it.
-    fn offsets_first_sigma(self) -> bool {
+    pub(crate) fn offsets_first_sigma(self) -> bool {
         matches!(
             self,
             Sampler::DpmPpSde
