@@ -473,6 +473,15 @@ fn differential_diffusion_on_sd1_matches_comfyui() {
     matches_in(flux_fill(), "tiny_sd1_diffdiff", "cpu");
 }
 
+/// The same on wgpu: the device loop uploads the mask of each step.
+#[test]
+fn differential_diffusion_on_wgpu_matches_comfyui() {
+    if !wgpu_here("differential diffusion on wgpu") {
+        return;
+    }
+    matches_in(flux_fill(), "tiny_sd1_diffdiff", "wgpu");
+}
+
 #[test]
 fn flux_fill_on_wgpu_matches_comfyui() {
     if !wgpu_here("Flux Fill on wgpu") {

@@ -71,3 +71,23 @@ fn inpainting_on_wgpu_matches_comfyui() {
     }
     matches_on("tiny_sd1_inpaint_cond", "wgpu", Some(1e-3));
 }
+
+/// Noise masks on wgpu, where the sampling loop runs on the device with
+/// KSamplerX0Inpaint's blend in the model's program: SetLatentNoiseMask
+/// with Euler, the mask nodes with Euler ancestral, SDXL, and the custom
+/// sampler with a noise mask.
+#[test]
+fn noise_masks_on_wgpu_match_comfyui() {
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("noise masks on wgpu", e);
+        return;
+    }
+    for graph in [
+        "tiny_sd1_inpaint_noise_mask",
+        "tiny_sd1_inpaint_mask_nodes",
+        "tiny_sdxl_inpaint",
+        "tiny_sd1_inpaint_advanced",
+    ] {
+        matches_on(graph, "wgpu", None);
+    }
+}

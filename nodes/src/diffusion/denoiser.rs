@@ -9,7 +9,7 @@
 
 use super::control::{ControlNetModel, Slots};
 use super::flux_control;
-use super::fused::Fused;
+use super::fused::{Fused, Head};
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
@@ -577,14 +577,14 @@ fn pooled_rows(
 }
 
 /// The model's input `x` of `shape`: the program input, or, fused, built
-/// from the carried latent (returned as well).
+/// from the carried latent (with what the tail shares).
 fn model_x<'a>(
     g: &'a GraphBuilder,
     shape: &[usize],
     fused: Option<&Fused>,
-) -> Result<(T<'a>, Option<T<'a>>), ShapeError> {
+) -> Result<(T<'a>, Option<Head<'a>>), ShapeError> {
     match fused {
-        Some(f) => f.model_input(g, shape).map(|(x, lat)| (x, Some(lat))),
+        Some(f) => f.model_input(g, shape).map(|(x, head)| (x, Some(head))),
         None => Ok((g.input("x", shape)?, None)),
     }
 }
@@ -594,11 +594,11 @@ fn model_x<'a>(
 fn tail<'a>(
     g: &'a GraphBuilder,
     fused: Option<&Fused>,
-    lat: Option<T<'a>>,
+    head: Option<Head<'a>>,
     out: T<'a>,
 ) -> Result<Vec<T<'a>>, ShapeError> {
-    match (fused, lat) {
-        (Some(f), Some(lat)) => f.outputs(g, lat, out),
+    match (fused, head) {
+        (Some(f), Some(head)) => f.outputs(g, head, out),
         _ => Ok(vec![out]),
     }
 }

@@ -12,6 +12,7 @@
 //! from the host as one-element inputs, so one program serves every step.
 
 use super::cond_batch::{Item, Mult};
+use super::inpaint::Blend;
 use super::{Model, Prediction};
 use crate::sampling::samplers::{ancestral_step, Sampler, Space};
 use sdkit_compute::runtime::Session;
@@ -55,6 +56,22 @@ pub(crate) struct Fused {
     /// The sampler, and the model's sigma space (its half-logSNR).
     pub sampler: Sampler,
     pub space: Space,
+    /// Inpainting with a denoise mask (`KSamplerX0Inpaint`): the model
+    /// sees the latent outside the mask renoised to σ, and the prediction
+    /// keeps the original latent there. The mask is uploaded once, or
+    /// each step under DifferentialDiffusion.
+    pub inpaint: bool,
+}
+
+/// The inputs the model's head and the step's tail share.
+pub(crate) struct Head<'a> {
+    /// The carried latent.
+    lat: T<'a>,
+    /// The latent as the model sees it (blended where inpainting).
+    seen: T<'a>,
+    sigma: T<'a>,
+    /// Inpainting: the mask, 1 − mask and the original latent.
+    blend: Option<(T<'a>, T<'a>, T<'a>)>,
 }
 
 /// The program's outputs: the next latent, then the step's denoised
@@ -74,6 +91,7 @@ impl Fused {
         group: &[usize],
         cfg: Option<f32>,
         dims: [usize; 4],
+        inpaint: bool,
     ) -> Option<Fused> {
         let step = match sampler {
             // ddim is Euler but for inpainting's noise, which never
@@ -117,39 +135,67 @@ impl Fused {
             dims,
             sampler,
             space: Space::of(&model.schedule),
+            inpaint,
         })
     }
 
     /// The model's input `x` ([rows, c, h, w]): the carried latent
-    /// (input `lat`, returned too) divided by c_in (input `c_in`), once
-    /// per conditioning.
+    /// (input `lat`; where inpainting, blended as `KSamplerX0Inpaint`
+    /// does) divided by c_in (input `c_in`), once per conditioning; and
+    /// the inputs the tail shares.
     pub(crate) fn model_input<'a>(
         &self,
         g: &'a GraphBuilder,
         shape: &[usize],
-    ) -> Result<(T<'a>, T<'a>), ShapeError> {
+    ) -> Result<(T<'a>, Head<'a>), ShapeError> {
         let [b, c, h, w] = self.dims;
         let per = b * c * h * w;
         let lat = g.input("lat", &self.dims)?;
-        let x = lat
+        let sigma = g.input("sigma", &[1])?;
+        let (seen, blend) = if self.inpaint {
+            // x·m + scale_latent_inpaint(σ)·(1 − m), the eps/v form
+            // n·σ + l (a flow model's inpainting stays on the host).
+            let m = g.input("mask", &self.dims)?;
+            let keep = m.neg().add_scalar(1.0);
+            let n = g.input("inoise", &self.dims)?;
+            let l = g.input("ilatent", &self.dims)?;
+            let scaled = n.mul(sigma)?.add(l)?;
+            (lat.mul(m)?.add(scaled.mul(keep)?)?, Some((m, keep, l)))
+        } else {
+            (lat, None)
+        };
+        let x = seen
             .div(g.input("c_in", &[1])?)?
             .reshape(&[1, per])?
             .expand(&[self.conds.len(), per])?
             .reshape(shape)?;
-        Ok((x, lat))
+        Ok((
+            x,
+            Head {
+                lat,
+                seen,
+                sigma,
+                blend,
+            },
+        ))
     }
 
-    /// The outputs after the model's `out` ([rows, c, h, w]) for the
-    /// latent `lat`: the next latent and the denoised prediction.
+    /// The outputs after the model's `out` ([rows, c, h, w]) with the
+    /// inputs of `head`: the next latent and the denoised prediction.
     pub(crate) fn outputs<'a>(
         &self,
         g: &'a GraphBuilder,
-        lat: T<'a>,
+        head: Head<'a>,
         out: T<'a>,
     ) -> Result<Vec<T<'a>>, ShapeError> {
         let [b, ..] = self.dims;
         let scalar = |name: &str| g.input(name, &[1]);
-        let sigma = scalar("sigma")?;
+        let Head {
+            lat,
+            seen,
+            sigma,
+            blend,
+        } = head;
         // The prediction's per-step factors: v's 1/(σ²+1) and
         // σ/√(σ²+1) divisors, LCM's c_out and c_skip.
         let factors = match self.prediction {
@@ -161,12 +207,13 @@ impl Fused {
         let of = |cond: usize| -> Result<T<'a>, ShapeError> {
             let k = self.conds.iter().position(|&c| c == cond).unwrap_or(0);
             let o = out.slice(0, k * b, (k + 1) * b)?;
+            let x = seen;
             match (self.prediction, factors) {
-                (Prediction::V, Some((d, r))) => lat.div(d)?.sub(o.mul(sigma)?.div(r)?),
+                (Prediction::V, Some((d, r))) => x.div(d)?.sub(o.mul(sigma)?.div(r)?),
                 (Prediction::Lcm, Some((c_out, c_skip))) => {
-                    c_out.mul(lat.sub(o.mul(sigma)?)?)?.add(c_skip.mul(lat)?)
+                    c_out.mul(x.sub(o.mul(sigma)?)?)?.add(c_skip.mul(x)?)
                 }
-                _ => lat.sub(o.mul(sigma)?),
+                _ => x.sub(o.mul(sigma)?),
             }
         };
         // uncond + (cond − uncond)·cfg.
@@ -176,6 +223,12 @@ impl Fused {
                 uncond.add(cond.sub(uncond)?.mul(scalar("cfg")?)?)?
             }
             None => of(0)?,
+        };
+        // Inpainting keeps the original latent outside the mask:
+        // out·m + latent·(1 − m).
+        let d = match blend {
+            Some((m, keep, l)) => d.mul(m)?.add(l.mul(keep)?)?,
+            None => d,
         };
         let to_d = || lat.sub(d)?.div(sigma);
         let next = match self.step {
@@ -364,6 +417,7 @@ pub(crate) fn run(
     (fixed, rows): (&HashMap<String, Arc<Vec<f32>>>, usize),
     sigmas: &[f32],
     x0: Vec<f32>,
+    blend: Option<&Blend<'_>>,
     noise: &mut dyn FnMut() -> Vec<f32>,
     step_x0: &RefCell<Option<Vec<f32>>>,
     watch: bool,
@@ -395,6 +449,14 @@ pub(crate) fn run(
         feed.insert("t".to_string(), Arc::new(vec![t; rows]));
         if let Some(x) = x0.take() {
             feed.insert("lat".to_string(), Arc::new(x));
+            if let Some(bl) = blend {
+                feed.insert("inoise".to_string(), Arc::new(bl.noise.to_vec()));
+                feed.insert("ilatent".to_string(), Arc::new(bl.latent.to_vec()));
+            }
+        }
+        // The mask once, or DifferentialDiffusion's each step.
+        if let Some(bl) = blend.filter(|bl| i == 0 || bl.differential.is_some()) {
+            feed.insert("mask".to_string(), Arc::new(bl.mask_at(s).into_owned()));
         }
         let last = i + 1 == total;
         let read: &[usize] = match (last, watch) {

@@ -399,7 +399,18 @@ pub fn sample(
         .collect();
     // The common case runs CFG and the sampler's step in the model's
     // program, the latent staying on the GPU between steps (`fused`).
-    let simple = denoise_mask.is_none()
+    let concats = group_concats(
+        model,
+        &items,
+        &groups,
+        denoise_mask.as_deref(),
+        &latent_in,
+        dims,
+    )?;
+    // Models with extra input channels (inpainting, Fill, Canny/Depth,
+    // InstructPix2Pix) join them on the host.
+    let simple = concats.iter().all(Option::is_none)
+        && !(flow && denoise_mask.is_some())
         && !sampler.needs_uncond()
         && groups.len() == 1
         && control_slots.iter().all(Option::is_none)
@@ -412,6 +423,7 @@ pub fn sample(
             &g.items,
             use_uncond.then_some(cfg as f32),
             dims,
+            blend.is_some(),
         ),
         _ => None,
     };
@@ -435,14 +447,6 @@ pub fn sample(
     };
     let pixels = ((h * 8) as f64, (w * 8) as f64);
     let feeds = group_feeds(model, &items, &groups, b, pixels, dim)?;
-    let concats = group_concats(
-        model,
-        &items,
-        &groups,
-        denoise_mask.as_deref(),
-        &latent_in,
-        dims,
-    )?;
     // Skip-layer guidance's passes (DiTs only), each with the groups of the
     // items it runs.
     let mut slg_passes: Vec<SlgPass> = Vec::new();
@@ -734,6 +738,7 @@ pub fn sample(
                 (&feeds[0], f.conds.len() * b),
                 sigmas,
                 x0,
+                blend.as_ref(),
                 &mut noise,
                 &step_x0,
                 ctx.preview != sdkit_engine::event::PreviewMethod::None,
