@@ -466,6 +466,16 @@ fn flux_canny_matches_comfyui() {
     high_guidance_matches("tiny_flux_canny", "cpu", HIGH_GUIDANCE_TOL);
 }
 
+/// On wgpu: a model with extra input channels samples on the host loop
+/// (the device loop builds the model's input from the latent alone).
+#[test]
+fn flux_canny_on_wgpu_matches_comfyui() {
+    if !wgpu_here("Flux Canny on wgpu") {
+        return;
+    }
+    high_guidance_matches("tiny_flux_canny", "wgpu", 4.0 * HIGH_GUIDANCE_TOL);
+}
+
 /// DifferentialDiffusion on a discrete-time model: the threshold follows
 /// the UNet's timestep index, not sigma.
 #[test]
