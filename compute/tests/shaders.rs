@@ -9,7 +9,7 @@ use sdkit_compute::backend::wgpu::codegen::{
     conv_taps_first, generate, tilings, Caps, Coop, Operand,
 };
 use sdkit_compute::plan::{plan, Command, KernelKind};
-use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, TensorGraph};
+use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, TensorGraph, UpsampleMode};
 
 fn graphs() -> Vec<(&'static str, TensorGraph)> {
     let mut v = Vec::new();
@@ -118,6 +118,36 @@ fn graphs() -> Vec<(&'static str, TensorGraph)> {
         Ok(vec![a, l, r, p, s])
     });
     v.push(("row-wise", g.finish(&y.expect("row-wise"))));
+    // The remaining kinds: reductions over views, a gather, both
+    // upsampling modes, a concat, a pad and RoPE's fused rotation.
+    let g = GraphBuilder::new();
+    let y = g.input("x", &[2, 8, 6, 6]).and_then(|x| {
+        let t = x.transpose(2, 3)?;
+        let r = vec![
+            t.sum(&[1], false)?,
+            t.mean(&[2, 3], true)?,
+            x.max(&[3], false)?,
+            t.var(&[1, 3], false)?,
+        ];
+        let ids = g.input("ids", &[3, 5])?;
+        let e = g.weight("table", &[40, 12])?.gather(ids)?;
+        let near = x.upsample(UpsampleMode::Nearest, 12, 9)?;
+        let bil = x.upsample(
+            UpsampleMode::Bilinear {
+                align_corners: false,
+            },
+            11,
+            13,
+        )?;
+        let cat = g.concat(&[x, t, x.mul_scalar(2.0)], 1)?;
+        let pad = x.pad(&[(0, 0), (1, 2), (3, 0), (0, 1)], -1.0)?;
+        let q = g.input("q", &[2, 3, 7, 8])?;
+        let rope = q.rope(g.input("pe", &[1, 7, 4, 2, 2])?)?;
+        let mut out = r;
+        out.extend([e, near, bil, cat, pad, rope]);
+        Ok(out)
+    });
+    v.push(("other kinds", g.finish(&y.expect("other kinds"))));
     v
 }
 
