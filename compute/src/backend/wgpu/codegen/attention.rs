@@ -43,7 +43,7 @@ pub(super) fn attention(
         kb /= 2;
     }
     let mask = if masked {
-        format!("s = s + in3[qi * {skv}u + j0 + jj];")
+        format!("s = s + rd3(qi * {skv}u + j0 + jj);")
     } else {
         String::new()
     };
@@ -59,7 +59,7 @@ pub(super) fn attention(
             Q,
             &format!(
                 "            let jj = e / {width}u; var v = 0.0;
-            if (j0 + jj < {skv}u) {{ v = {input}[{offset}(bh, j0 + jj, e % {width}u)]; }}
+            if (j0 + jj < {skv}u) {{ v = {input}({offset}(bh, j0 + jj, e % {width}u)); }}
             {array}[e] = v;
 "
             ),
@@ -76,7 +76,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let i = (blk % {qblocks}u) * {Q}u + lid.x;
     let qi = min(i, {sqm}u);
     var qr: array<f32, {d}>;
-    for (var t = 0u; t < {d}u; t++) {{ qr[t] = in0[q_off(bh, qi, t)] * {sc}; }}
+    for (var t = 0u; t < {d}u; t++) {{ qr[t] = rd0(q_off(bh, qi, t)) * {sc}; }}
     var acc: array<f32, {dv}>;
     var m = -3.4028235e38; var l = 0.0;
     for (var j0 = 0u; j0 < {skv}u; j0 += {kb}u) {{
@@ -97,7 +97,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     }}
     if (i < {sq}u) {{
         let row = bh * {sq}u + i;
-        for (var t = 0u; t < {dv}u; t++) {{ let oi = row * {dv}u + t; dst[oi] = epi(acc[t] / l, oi); }}
+        for (var t = 0u; t < {dv}u; t++) {{ let oi = row * {dv}u + t; wr(oi, epi(acc[t] / l, oi)); }}
     }}
 }}
 ",
@@ -105,8 +105,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         vl = kb * dv,
         sqm = sq.saturating_sub(1),
         sc = lit(scale),
-        stage_k = stage("Ks", "in1", "k_off", d),
-        stage_v = stage("Vs", "in2", "v_off", dv),
+        stage_k = stage("Ks", "rd1", "k_off", d),
+        stage_v = stage("Vs", "rd2", "v_off", dv),
     );
     let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
     (code, groups)
@@ -289,7 +289,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 dp,
                 &format!(
                     "        var v = 0.0;
-        if (q0 + kr < {sq}u && t < {d}u) {{ v = in0[q_off(bh, q0 + kr, t)] * {}; }}
+        if (q0 + kr < {sq}u && t < {d}u) {{ v = rd0(q_off(bh, q0 + kr, t)) * {}; }}
         KQ[kr * {ks}u + t] = f16(v);
 ",
                     lit(self.scale),
@@ -303,12 +303,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     /// Stages the key block at `j0` into `KQ` (zeros past the keys and the
     /// head).
     fn stage_k(&self) -> String {
-        self.stage("KQ", "in1", "k_off", (self.dp, self.ks), self.d)
+        self.stage("KQ", "rd1", "k_off", (self.dp, self.ks), self.d)
     }
 
     /// Stages the value block at `j0` into `Vs`.
     fn stage_v(&self) -> String {
-        self.stage("Vs", "in2", "v_off", (self.dvp, self.vs), self.dv)
+        self.stage("Vs", "rd2", "v_off", (self.dvp, self.vs), self.dv)
     }
 
     /// Copies `bk` rows (keys from `j0`) of `input` (rows `width` wide,
@@ -328,7 +328,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             padded,
             &format!(
                 "            var v = 0.0;
-            if (j0 + kr < {skv}u && t < {width}u) {{ v = {input}[{offset}(bh, j0 + kr, t)]; }}
+            if (j0 + kr < {skv}u && t < {width}u) {{ v = {input}({offset}(bh, j0 + kr, t)); }}
             {array}[kr * {stride}u + t] = f16(v);
 ",
                 skv = self.skv,
@@ -366,7 +366,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     /// The additive mask's term for score `s` of key `j0 + j`.
     fn mask(&self, masked: bool) -> String {
         if masked {
-            format!("s = s + in3[qi * {}u + j0 + j];", self.skv)
+            format!("s = s + rd3(qi * {}u + j0 + j);", self.skv)
         } else {
             String::new()
         }
@@ -493,7 +493,7 @@ pub(super) fn attention_coop_single(
         for i in 0..cpl {
             let _ = writeln!(
                 store,
-                "    {{ let col = {}u + part * {cpl}u + {i}u; if (qrow < {sq}u && col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; dst[oi] = epi(Ss[sg * {sub}u + r * {t}u + part * {cpl}u + {i}u] / l, oi); }} }}",
+                "    {{ let col = {}u + part * {cpl}u + {i}u; if (qrow < {sq}u && col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; wr(oi, epi(Ss[sg * {sub}u + r * {t}u + part * {cpl}u + {i}u] / l, oi)); }} }}",
                 f * t,
             );
         }
@@ -628,7 +628,7 @@ pub(super) fn attention_coop(
         let qrow = q0 + sg * {t}u + r;
         if (qrow < {sq}u && col < {dv}u) {{
             let oi = (bh * {sq}u + qrow) * {dv}u + col;
-            dst[oi] = epi(Ss[sg * {sub}u + e] / Ls[sg * {t}u + r], oi);
+            wr(oi, epi(Ss[sg * {sub}u + e] / Ls[sg * {t}u + r], oi));
         }}
 ",
                     sub = t * a.ss,

@@ -202,7 +202,7 @@ fn epilogue_fn(k: &Kernel) -> String {
     let body = match &k.epilogue {
         None => "acc".to_string(),
         Some(e) => expr(e, &|j| {
-            format!("in{j}[{}]", offset_code(&k.inputs[j], shape, "i"))
+            format!("rd{j}({})", offset_code(&k.inputs[j], shape, "i"))
         }),
     };
     format!("fn epi(acc: f32, i: u32) -> f32 {{ return {body}; }}\n")
@@ -386,7 +386,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
     let mut finish: Option<(String, [u32; 3], usize)> = None;
     match &k.kind {
         KernelKind::Elementwise => {
-            src.push_str(&simple("    dst[gi] = epi(0.0, gi);"));
+            src.push_str(&simple("    wr(gi, epi(0.0, gi));"));
             groups = grid(n_out);
         }
         KernelKind::MatMul { batch, m, n, k: kk } => {
@@ -605,14 +605,14 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             };
             let mean_pass = if matches!(op, ReduceOp::Var) {
                 format!(
-                    "    var s = 0.0;\n    for (var r = 0u; r < {count}u; r++) {{ s = s + in0[base + {}]; }}\n    let mean = s / f32({count}u);\n",
+                    "    var s = 0.0;\n    for (var r = 0u; r < {count}u; r++) {{ s = s + rd0(base + {}); }}\n    let mean = s / f32({count}u);\n",
                     roff.join(" + ")
                 )
             } else {
                 String::new()
             };
             let body = format!(
-                "    let base = {};\n{mean_pass}    var acc1: f32 = {init};\n    for (var r = 0u; r < {count}u; r++) {{ let x = in0[base + {}]; {step} }}\n    dst[gi] = epi({}, gi);",
+                "    let base = {};\n{mean_pass}    var acc1: f32 = {init};\n    for (var r = 0u; r < {count}u; r++) {{ let x = rd0(base + {}); {step} }}\n    wr(gi, epi({}, gi));",
                 base.join(" + "),
                 roff.join(" + "),
                 fin.replace("COUNT", &format!("{count}u"))
@@ -646,7 +646,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
         }
         KernelKind::Gather { rows, cols } => {
             let body = format!(
-                "    let r = gi / {cols}u; let col = gi % {cols}u;\n    let id = min(u32(max(in1[r], 0.0)), {}u);\n    dst[gi] = epi(in0[id * {cols}u + col], gi);",
+                "    let r = gi / {cols}u; let col = gi % {cols}u;\n    let id = min(u32(max(rd1(r), 0.0)), {}u);\n    wr(gi, epi(rd0(id * {cols}u + col), gi));",
                 rows - 1
             );
             src.push_str(&simple(&body));
@@ -669,7 +669,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             let _ = c;
             let body = match mode {
                 UpsampleMode::Nearest => format!(
-                    "{head}    let sy = min(u32(floor(f32(y) * (f32({h}u) / f32({oh}u)))), {hm}u);\n    let sx = min(u32(floor(f32(x) * (f32({w}u) / f32({ow}u)))), {wm}u);\n    dst[gi] = epi(in0[base + sy * {w}u + sx], gi);",
+                    "{head}    let sy = min(u32(floor(f32(y) * (f32({h}u) / f32({oh}u)))), {hm}u);\n    let sx = min(u32(floor(f32(x) * (f32({w}u) / f32({ow}u)))), {wm}u);\n    wr(gi, epi(rd0(base + sy * {w}u + sx), gi));",
                     hm = h - 1,
                     wm = w - 1
                 ),
@@ -690,9 +690,9 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
     let y0 = min(u32(floor(fy)), {hm}u); let x0 = min(u32(floor(fx)), {wm}u);
     let y1 = min(y0 + 1u, {hm}u); let x1 = min(x0 + 1u, {wm}u);
     let ly = fy - f32(y0); let lx = fx - f32(x0);
-    let v = (1.0 - ly) * ((1.0 - lx) * in0[base + y0 * {w}u + x0] + lx * in0[base + y0 * {w}u + x1])
-          + ly * ((1.0 - lx) * in0[base + y1 * {w}u + x0] + lx * in0[base + y1 * {w}u + x1]);
-    dst[gi] = epi(v, gi);",
+    let v = (1.0 - ly) * ((1.0 - lx) * rd0(base + y0 * {w}u + x0) + lx * rd0(base + y0 * {w}u + x1))
+          + ly * ((1.0 - lx) * rd0(base + y1 * {w}u + x0) + lx * rd0(base + y1 * {w}u + x1));
+    wr(gi, epi(v, gi));",
                         src_coord("y", *h, *oh),
                         src_coord("x", *w, *ow),
                         hm = h - 1,
@@ -718,13 +718,13 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                 let idx = format!("((outer * {part}u + (a - {start}u)) * {inner}u + inner)");
                 let _ = writeln!(
                     body,
-                    "    if (a >= {start}u && a < {}u) {{ v = in{j}[{}]; }}",
+                    "    if (a >= {start}u && a < {}u) {{ v = rd{j}({}); }}",
                     start + part,
                     offset_code(view, &view.shape, &idx)
                 );
                 start += part;
             }
-            body.push_str("    dst[gi] = epi(v, gi);");
+            body.push_str("    wr(gi, epi(v, gi));");
             src.push_str(&simple(&body));
             groups = grid(n_out);
         }
@@ -743,7 +743,7 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             }
             let _ = writeln!(
                 body,
-                "    var v = {};\n    if (inside) {{ v = in0[{}]; }}\n    dst[gi] = epi(v, gi);",
+                "    var v = {};\n    if (inside) {{ v = rd0({}); }}\n    wr(gi, epi(v, gi));",
                 lit(*value),
                 offset_code(&k.inputs[0], ins, "src")
             );
@@ -791,12 +791,12 @@ fn bind(
     caps: &Caps,
     scratch: bool,
 ) -> Result<String, String> {
-    // Every input read goes through `rd{j}(i)` and every store through
-    // `wr(i, v)`: they widen f16 storage to f32 (arithmetic stays f32) and
-    // pick the binding of a tensor split over several.
-    let body = route_writes(&route_reads(src, n_inputs));
+    // The kernels read input `j` through `rd{j}(i)` and store through
+    // `wr(i, v)`, defined here: they widen f16 storage to f32 (arithmetic
+    // stays f32), decode quantized blocks and pick the binding of a
+    // tensor split over several.
     let mut head = String::new();
-    let coop = body.contains("coop_mat");
+    let coop = src.contains("coop_mat");
     if coop || operands.iter().any(|o| o.f16) {
         head.push_str("enable f16;\n");
     }
@@ -861,101 +861,13 @@ fn bind(
             "@group(0) @binding({binding}) var<storage, read_write> part: array<f32>;"
         );
     }
-    head.push_str(&body);
+    head.push_str(src);
     match caps.coop {
         Some(c) if c.emulated && coop => {
             super::emulate::emulate(&head, c.tile as usize, c.subgroup as usize)
         }
         _ => Ok(head),
     }
-}
-
-/// Rewrites every `inJ[expr]` into `rdJ(expr)` (brackets matched).
-fn route_reads(src: &str, n_inputs: usize) -> String {
-    let bytes = src.as_bytes();
-    let mut out = String::with_capacity(src.len());
-    let mut i = 0;
-    // One entry per open `[`: whether it opened a rewritten read.
-    let mut depth_stack: Vec<bool> = Vec::new();
-    while i < bytes.len() {
-        let c = bytes[i] as char;
-        if c == 'i' && src[i..].starts_with("in") && (i == 0 || !is_ident(bytes[i - 1])) {
-            // inN[ ?
-            let mut j = i + 2;
-            while j < bytes.len() && bytes[j].is_ascii_digit() {
-                j += 1;
-            }
-            if j > i + 2 && j < bytes.len() && bytes[j] == b'[' {
-                if let Ok(n) = src[i + 2..j].parse::<usize>() {
-                    if n < n_inputs {
-                        out.push_str(&format!("rd{n}("));
-                        depth_stack.push(true);
-                        i = j + 1;
-                        continue;
-                    }
-                }
-            }
-        }
-        if c == '[' {
-            depth_stack.push(false);
-        } else if c == ']' && depth_stack.pop() == Some(true) {
-            out.push(')');
-            i += 1;
-            continue;
-        }
-        out.push(c);
-        i += 1;
-    }
-    out
-}
-
-/// Rewrites every store `dst[i] = v;` into `wr(i, v);`.
-fn route_writes(src: &str) -> String {
-    let mut out = String::with_capacity(src.len());
-    let mut rest = src;
-    while let Some(p) = rest.find("dst[") {
-        let before_ok = p == 0 || !is_ident(rest.as_bytes()[p - 1]);
-        out.push_str(&rest[..p]);
-        let after = &rest[p + 4..];
-        if !before_ok {
-            out.push_str("dst[");
-            rest = after;
-            continue;
-        }
-        // Index: up to the matching `]`.
-        let mut depth = 1;
-        let mut end = 0;
-        for (i, ch) in after.char_indices() {
-            match ch {
-                '[' => depth += 1,
-                ']' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        end = i;
-                        break;
-                    }
-                }
-                _ => {}
-            }
-        }
-        let index = &after[..end];
-        let tail = &after[end + 1..];
-        let Some(eq) = tail.find('=') else {
-            out.push_str("dst[");
-            rest = after;
-            continue;
-        };
-        let value_and_rest = &tail[eq + 1..];
-        let Some(semi) = value_and_rest.find(';') else {
-            out.push_str("dst[");
-            rest = after;
-            continue;
-        };
-        out.push_str(&format!("wr({index}, {});", value_and_rest[..semi].trim()));
-        rest = &value_and_rest[semi + 1..];
-    }
-    out.push_str(rest);
-    out
 }
 
 /// Whether `b` can be part of a WGSL identifier.

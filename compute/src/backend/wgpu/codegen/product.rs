@@ -133,7 +133,7 @@ impl Source {
                 col,
             } => {
                 let r = if a { "" } else { " let r = k0 + kr;" };
-                format!("{head}{r} return in{input}[{offset}u + z * {batch}u + r * {row}u + c * {col}u]; }}")
+                format!("{head}{r} return rd{input}({offset}u + z * {batch}u + r * {row}u + c * {col}u); }}")
             }
             Source::ConvWeights {
                 input,
@@ -141,7 +141,7 @@ impl Source {
                 per_group,
                 depth,
             } => format!(
-                "{head} let g = z % {groups}u; return in{input}[(g * {per_group}u + r) * {depth}u + c]; }}"
+                "{head} let g = z % {groups}u; return rd{input}((g * {per_group}u + r) * {depth}u + c); }}"
             ),
             Source::Im2col(i) => i.wgsl(head, depth_step),
         }
@@ -190,7 +190,7 @@ impl Im2col {
     let oy = c / {ow}u; let ox = c % {ow}u;
     let iy = i32(oy * {sh}u + ky * {dh}u) - {ph}; let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};
     if (iy < 0 || ix < 0 || iy >= {h} || ix >= {w}) {{ return 0.0; }}
-    return in{input}[((b * {c}u + g * {cg}u + ci) * {h}u + u32(iy)) * {w}u + u32(ix){tail}];
+    return rd{input}(((b * {c}u + g * {cg}u + ci) * {h}u + u32(iy)) * {w}u + u32(ix){tail});
 }}",
             sh = params.stride[0],
             sw = params.stride[1],
@@ -208,7 +208,7 @@ impl Sink {
         let head = "fn store(z: u32, r: u32, c: u32, v: f32) {";
         match self {
             Sink::Dense { rows, cols } => format!(
-                "{head} let oi = z * {}u + r * {cols}u + c; dst[oi] = epi(v, oi); }}",
+                "{head} let oi = z * {}u + r * {cols}u + c; wr(oi, epi(v, oi)); }}",
                 rows * cols
             ),
             Sink::Conv {
@@ -219,11 +219,11 @@ impl Sink {
                 bias,
             } => {
                 let bias_term = match bias {
-                    Some(j) => format!("in{j}[oc]"),
+                    Some(j) => format!("rd{j}(oc)"),
                     None => "0.0".to_string(),
                 };
                 format!(
-                    "{head} let b = z / {g}u; let g = z % {g}u; let oc = g * {og}u + r; let oi = (b * {o}u + oc) * {pixels}u + c; dst[oi] = epi(v + {bias_term}, oi); }}"
+                    "{head} let b = z / {g}u; let g = z % {g}u; let oc = g * {og}u + r; let oi = (b * {o}u + oc) * {pixels}u + c; wr(oi, epi(v + {bias_term}, oi)); }}"
                 )
             }
         }

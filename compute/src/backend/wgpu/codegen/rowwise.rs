@@ -107,10 +107,10 @@ impl Affine {
     fn wgsl(self) -> String {
         match self {
             Affine::None => String::new(),
-            Affine::Columns { bias: true } => "y = y * in1[j] + in2[j];".into(),
-            Affine::Columns { bias: false } => "y = y * in1[j];".into(),
+            Affine::Columns { bias: true } => "y = y * rd1(j) + rd2(j);".into(),
+            Affine::Columns { bias: false } => "y = y * rd1(j);".into(),
             Affine::Channels { spatial, channels } => format!(
-                "let ch = (base + j) / {spatial}u % {channels}u; y = y * in1[ch] + in2[ch];"
+                "let ch = (base + j) / {spatial}u % {channels}u; y = y * rd1(ch) + rd2(ch);"
             ),
         }
     }
@@ -137,9 +137,9 @@ impl RowNorm {
             rows, len, center, ..
         } = *self;
         let read = if self.viewed {
-            "in0[off0(base + j)]"
+            "rd0(off0(base + j))"
         } else {
-            "in0[base + j]"
+            "rd0(base + j)"
         };
         format!(
             "{entry}    {setup}
@@ -160,7 +160,7 @@ impl RowNorm {
         var y = ({read} - mean) * rstd;
         {affine}
         let oi = base + j;
-        dst[oi] = epi(y, oi);
+        wr(oi, epi(y, oi));
     }}
 }}
 ",
@@ -241,10 +241,10 @@ impl SplitNorm {
         format!(
             "{}    {}
     var s = 0.0;
-    for (var j = lo + t; j < hi; j = j + 256u) {{ s = s + in0[base + j]; }}
+    for (var j = lo + t; j < hi; j = j + 256u) {{ s = s + rd0(base + j); }}
     let mean = wg_sum(s, t) / f32(hi - lo);
     var q = 0.0;
-    for (var j = lo + t; j < hi; j = j + 256u) {{ let d = in0[base + j] - mean; q = q + d * d; }}
+    for (var j = lo + t; j < hi; j = j + 256u) {{ let d = rd0(base + j) - mean; q = q + d * d; }}
     let m2 = wg_sum(q, t);
     if (t == 0u) {{ part[id * 2u] = mean; part[id * 2u + 1u] = m2; }}
 }}
@@ -276,10 +276,10 @@ impl SplitNorm {
     let dm = cm - mean;
     let rstd = inverseSqrt(wg_sum(cq + cnt * dm * dm, t) / f32({per}u) + {eps});
     for (var j = lo + t; j < hi; j = j + 256u) {{
-        var y = (in0[base + j] - mean) * rstd;
+        var y = (rd0(base + j) - mean) * rstd;
         {affine}
         let oi = base + j;
-        dst[oi] = epi(y, oi);
+        wr(oi, epi(y, oi));
     }}
 }}
 ",
@@ -311,14 +311,14 @@ impl Softmax {
     let o = row / {inner}u; let i = row % {inner}u;
     let base = o * {len}u * {inner}u + i;
     var m = -3.4028235e38;
-    for (var j = t; j < {len}u; j = j + 256u) {{ m = max(m, in0[base + j * {inner}u]); }}
+    for (var j = t; j < {len}u; j = j + 256u) {{ m = max(m, rd0(base + j * {inner}u)); }}
     m = wg_max(m, t);
     var sum = 0.0;
-    for (var j = t; j < {len}u; j = j + 256u) {{ sum = sum + exp(in0[base + j * {inner}u] - m); }}
+    for (var j = t; j < {len}u; j = j + 256u) {{ sum = sum + exp(rd0(base + j * {inner}u) - m); }}
     sum = wg_sum(sum, t);
     for (var j = t; j < {len}u; j = j + 256u) {{
         let oi = base + j * {inner}u;
-        dst[oi] = epi(exp(in0[oi] - m) / sum, oi);
+        wr(oi, epi(exp(rd0(oi) - m) / sum, oi));
     }}
 }}
 ",
