@@ -111,3 +111,37 @@ proptest! {
         }
     }
 }
+
+/// An input asked for twice by name is one node (two copies of a model in
+/// one graph share each weight's upload); per-run inputs declared under a
+/// prefix are the copy's own; a second declaration of another shape is
+/// refused.
+#[test]
+fn inputs_by_name_are_shared_and_prefixes_separate_copies() {
+    use sdkit_compute::plan::Command;
+    use sdkit_compute::tensor::GraphBuilder;
+    let g = GraphBuilder::new();
+    let copy = || {
+        let x = g.input("x", &[2, 4])?;
+        let w = g.weight("w", &[3, 4])?;
+        x.linear(w, None)
+    };
+    let a = copy().expect("first copy");
+    g.set_input_prefix("g1.");
+    let b = copy().expect("second copy");
+    g.set_input_prefix("");
+    assert!(g.weight("w", &[4, 3]).is_err(), "another shape under one name");
+    let prog = plan(&g.finish(&[a, b])).expect("plans");
+    let mut uploads = Vec::new();
+    let mut binds = Vec::new();
+    for c in &prog.commands {
+        match c {
+            Command::Upload { name, .. } => uploads.push(name.clone()),
+            Command::Bind { name, .. } => binds.push(name.clone()),
+            _ => {}
+        }
+    }
+    assert_eq!(uploads, ["w"]);
+    binds.sort();
+    assert_eq!(binds, ["g1.x", "x"]);
+}

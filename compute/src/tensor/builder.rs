@@ -12,6 +12,11 @@ use std::cell::RefCell;
 #[derive(Default)]
 pub struct GraphBuilder {
     nodes: RefCell<Vec<Node>>,
+    /// Inputs by name and kind: asking for one twice gives the same node
+    /// (two copies of a model in one graph share their weights).
+    named: RefCell<std::collections::HashMap<(String, InputKind), NodeId>>,
+    /// Prepended to the names of per-run inputs ([`GraphBuilder::set_input_prefix`]).
+    prefix: RefCell<String>,
 }
 
 /// A value being built: a node id plus the builder it belongs to.
@@ -66,15 +71,32 @@ impl GraphBuilder {
                 &[shape],
             ));
         }
-        Ok(self.push(
-            Op::Input {
-                name: name.to_string(),
-                kind,
-            },
-            vec![],
-            shape.to_vec(),
-            dtype,
-        ))
+        let name = match kind {
+            InputKind::Activation => format!("{}{name}", self.prefix.borrow()),
+            InputKind::Weight => name.to_string(),
+        };
+        let key = (name.clone(), kind);
+        if let Some(&id) = self.named.borrow().get(&key) {
+            let node = &self.nodes.borrow()[id.index()];
+            if node.shape != shape || node.dtype != dtype {
+                return Err(err(
+                    "input",
+                    format!("\"{name}\" is declared twice with different shapes or types"),
+                    &[&node.shape, shape],
+                ));
+            }
+            return Ok(T { b: self, id });
+        }
+        let t = self.push(Op::Input { name, kind }, vec![], shape.to_vec(), dtype);
+        self.named.borrow_mut().insert(key, t.id);
+        Ok(t)
+    }
+
+    /// Prefixes the names of the per-run inputs declared from now on
+    /// (weights keep theirs): a second copy of a model in the same graph
+    /// takes its own inputs. "" ends it.
+    pub fn set_input_prefix(&self, prefix: &str) {
+        *self.prefix.borrow_mut() = prefix.to_string();
     }
 
     pub fn constant(&self, v: f32) -> T<'_> {

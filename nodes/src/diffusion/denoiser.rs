@@ -9,7 +9,7 @@
 
 use super::control::{ControlNetModel, Slots};
 use super::flux_control;
-use super::fused::{Fused, Head};
+use super::fused::Fused;
 use super::{graph_error, CondEntry, Model};
 use crate::models::controlnet::controlnet;
 use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
@@ -91,7 +91,7 @@ impl Model {
 
     /// [`Model::program`], with `fused`: the model's input built from the
     /// carried latent and the CFG combination and sampler step after its
-    /// output ([`Fused`]).
+    /// output ([`Fused`]), for one group of rows.
     pub(crate) fn program_fused(
         &self,
         batch: usize,
@@ -101,111 +101,156 @@ impl Model {
         refs: &[(usize, usize)],
         fused: Option<&Fused>,
     ) -> Result<Program, NodeError> {
-        if !refs.is_empty() && !matches!(self.net, Net::Flux(_)) {
+        let group = ModelGroup {
+            rows: batch,
+            tokens,
+            refs: refs.to_vec(),
+        };
+        self.program_groups(&[group], (h, w), dim, control, fused)
+    }
+
+    /// The program running the model once per group (a fused sampling
+    /// step may batch its conditionings in two groups of different
+    /// context lengths): each group after the first takes its per-run
+    /// inputs under the prefix `Fused::prefix` gives it; the weights are
+    /// shared.
+    pub(crate) fn program_groups(
+        &self,
+        groups: &[ModelGroup],
+        (h, w): (usize, usize),
+        dim: usize,
+        control: Option<&Slots>,
+        fused: Option<&Fused>,
+    ) -> Result<Program, NodeError> {
+        if groups.iter().any(|g| !g.refs.is_empty()) && !matches!(self.net, Net::Flux(_)) {
             return Err(NodeError::invalid(format!(
                 "reference latents (ReferenceLatent) with a {} model are not supported (sdkit uses them with Flux Kontext)",
                 self.family.name()
             )));
         }
-        let unet = match &self.net {
-            Net::Unet(u) => u,
-            Net::Flux(f) => {
-                return self.flux_program(f, batch, (h, w), (tokens, dim), refs, control, fused);
-            }
-            Net::Mmdit(m) => {
-                let g = GraphBuilder::new();
-                let out = (|| {
-                    let (x, lat) = model_x(&g, &[batch, m.in_channels, h, w], fused)?;
-                    let t = g.input("t", &[batch])?;
-                    let c = g.input("context", &[batch, tokens, dim])?;
-                    let y = match m.adm_in {
-                        Some(a) => Some(g.input("pooled", &[batch, a])?),
-                        None => None,
-                    };
-                    let (gh, gw) = (h.div_ceil(m.patch), w.div_ceil(m.patch));
-                    let control = match control.filter(|s| s.output) {
-                        Some(_) => (0..m.blocks)
-                            .map(|i| {
-                                g.input(&format!("ctrl_out.{i}"), &[batch, gh * gw, m.hidden])
-                                    .map(Some)
-                            })
-                            .collect::<Result<_, _>>()?,
-                        None => Vec::new(),
-                    };
-                    let inputs = MmditInputs {
-                        t,
-                        context: c,
-                        y,
-                        control,
-                    };
-                    let out = mmdit(&g, m, &self.prefix, x, inputs, &self.skip_layers)?;
-                    tail(&g, fused, lat, out)
-                })()
-                .map_err(|e| graph_error("MMDiT", e))?;
-                return plan(&g.finish(&out)).map_err(|e| graph_error("MMDiT", e));
-            }
+        let what = match self.net {
+            Net::Unet(_) => "UNet",
+            Net::Flux(_) => "Flux",
+            Net::Mmdit(_) => "MMDiT",
+        };
+        let in_channels = match &self.net {
+            Net::Unet(u) => u.in_channels,
+            Net::Flux(f) => f.in_channels,
+            Net::Mmdit(m) => m.in_channels,
         };
         let g = GraphBuilder::new();
-        let out = (|| {
-            let (x, lat) = model_x(&g, &[batch, unet.in_channels, h, w], fused)?;
-            let t = g.input("t", &[batch])?;
-            let c = g.input("context", &[batch, tokens, dim])?;
-            let y = self.adm_vector(&g, batch)?;
-            let residuals = match control {
-                Some(slots) => {
-                    let (skips, mid) = skip_shapes(unet, batch, h, w);
-                    let mut r = ControlResiduals {
-                        input: vec![None; skips.len()],
-                        ..Default::default()
-                    };
-                    for &k in &slots.input {
-                        r.input[k] = Some(g.input(&format!("ctrl_in.{k}"), &skips[k])?);
-                    }
-                    if slots.output {
-                        for (i, s) in skips.iter().enumerate() {
-                            r.output.push(g.input(&format!("ctrl_out.{i}"), s)?);
-                        }
-                    }
-                    if slots.middle {
-                        r.middle = Some(g.input("ctrl_mid", &mid)?);
-                    }
-                    Some(r)
+        let out = (|| match fused {
+            None => {
+                let mut outs = Vec::new();
+                for grp in groups {
+                    let x = g.input("x", &[grp.rows, in_channels, h, w])?;
+                    outs.push(self.model_graph(&g, grp, (h, w), dim, control, x)?);
                 }
-                None => None,
-            };
-            let out = crate::models::unet::unet(
-                &g,
-                unet,
-                self.heads,
-                &self.prefix,
-                x,
-                t,
-                c,
-                y,
-                residuals,
-            )?;
-            tail(&g, fused, lat, out)
+                Ok(outs)
+            }
+            Some(f) => {
+                let head = f.head(&g)?;
+                let mut outs = Vec::new();
+                for (k, grp) in groups.iter().enumerate() {
+                    g.set_input_prefix(&f.prefix(k));
+                    let x = f.model_input(&head, k, &[grp.rows, in_channels, h, w])?;
+                    outs.push(self.model_graph(&g, grp, (h, w), dim, control, x)?);
+                }
+                g.set_input_prefix("");
+                f.outputs(&g, head, &outs)
+            }
         })()
-        .map_err(|e| graph_error("UNet", e))?;
-        plan(&g.finish(&out)).map_err(|e| graph_error("UNet", e))
+        .map_err(|e| graph_error(what, e))?;
+        plan(&g.finish(&out)).map_err(|e| graph_error(what, e))
     }
 
-    /// The Flux program: inputs `x`, `t` (σ), `context`, `pooled`
-    /// `[batch, vec_in]`, `guidance` `[batch]` (dev models), `pe` (the
-    /// RoPE table of [`rope_table_with`] for these token and patch counts)
-    /// and `ref.{i}` `[batch, out_channels, h, w]` per reference latent.
-    #[allow(clippy::too_many_arguments)]
-    fn flux_program(
+    /// The model over `x` ([rows, in, h, w]) for one group: its inputs
+    /// `t`, `context` and the family's others, ControlNet residual slots
+    /// where `control` has them.
+    fn model_graph<'a>(
         &self,
-        cfg: &FluxConfig,
-        batch: usize,
+        g: &'a GraphBuilder,
+        grp: &ModelGroup,
         (h, w): (usize, usize),
-        (tokens, dim): (usize, usize),
-        refs: &[(usize, usize)],
+        dim: usize,
         control: Option<&Slots>,
-        fused: Option<&Fused>,
-    ) -> Result<Program, NodeError> {
-        let g = GraphBuilder::new();
+        x: T<'a>,
+    ) -> Result<T<'a>, ShapeError> {
+        let (batch, tokens) = (grp.rows, grp.tokens);
+        match &self.net {
+            Net::Flux(cfg) => self.flux_graph(g, cfg, grp, (h, w), dim, control, x),
+            Net::Mmdit(m) => {
+                let t = g.input("t", &[batch])?;
+                let c = g.input("context", &[batch, tokens, dim])?;
+                let y = match m.adm_in {
+                    Some(a) => Some(g.input("pooled", &[batch, a])?),
+                    None => None,
+                };
+                let (gh, gw) = (h.div_ceil(m.patch), w.div_ceil(m.patch));
+                let control = match control.filter(|s| s.output) {
+                    Some(_) => (0..m.blocks)
+                        .map(|i| {
+                            g.input(&format!("ctrl_out.{i}"), &[batch, gh * gw, m.hidden])
+                                .map(Some)
+                        })
+                        .collect::<Result<_, _>>()?,
+                    None => Vec::new(),
+                };
+                let inputs = MmditInputs {
+                    t,
+                    context: c,
+                    y,
+                    control,
+                };
+                mmdit(g, m, &self.prefix, x, inputs, &self.skip_layers)
+            }
+            Net::Unet(unet) => {
+                let t = g.input("t", &[batch])?;
+                let c = g.input("context", &[batch, tokens, dim])?;
+                let y = self.adm_vector(g, batch)?;
+                let residuals = match control {
+                    Some(slots) => {
+                        let (skips, mid) = skip_shapes(unet, batch, h, w);
+                        let mut r = ControlResiduals {
+                            input: vec![None; skips.len()],
+                            ..Default::default()
+                        };
+                        for &k in &slots.input {
+                            r.input[k] = Some(g.input(&format!("ctrl_in.{k}"), &skips[k])?);
+                        }
+                        if slots.output {
+                            for (i, s) in skips.iter().enumerate() {
+                                r.output.push(g.input(&format!("ctrl_out.{i}"), s)?);
+                            }
+                        }
+                        if slots.middle {
+                            r.middle = Some(g.input("ctrl_mid", &mid)?);
+                        }
+                        Some(r)
+                    }
+                    None => None,
+                };
+                crate::models::unet::unet(g, unet, self.heads, &self.prefix, x, t, c, y, residuals)
+            }
+        }
+    }
+
+    /// The Flux model: inputs `t` (σ), `context`, `pooled` `[batch,
+    /// vec_in]`, `guidance` `[batch]` (dev models), `pe` (the RoPE table
+    /// of [`rope_table_with`] for these token and patch counts) and
+    /// `ref.{i}` `[batch, out_channels, h, w]` per reference latent.
+    #[allow(clippy::too_many_arguments)]
+    fn flux_graph<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        cfg: &FluxConfig,
+        grp: &ModelGroup,
+        (h, w): (usize, usize),
+        dim: usize,
+        control: Option<&Slots>,
+        x: T<'a>,
+    ) -> Result<T<'a>, ShapeError> {
+        let (batch, tokens, refs) = (grp.rows, grp.tokens, &grp.refs);
         let (gh, gw) = grid(h, w);
         let residual = |name: String| g.input(&name, &[batch, gh * gw, cfg.hidden]);
         let ref_patches: usize = refs
@@ -215,69 +260,63 @@ impl Model {
                 r * c
             })
             .sum();
-        let out = (|| {
-            let (x, lat) = model_x(&g, &[batch, cfg.in_channels, h, w], fused)?;
-            let inputs = FluxInputs {
-                t: g.input("t", &[batch])?,
-                context: g.input("context", &[batch, tokens, dim])?,
-                y: if cfg.vec_in > 0 {
-                    Some(g.input("pooled", &[batch, cfg.vec_in])?)
-                } else {
-                    None
-                },
-                guidance: if cfg.guidance {
-                    Some(g.input("guidance", &[batch])?)
-                } else {
-                    None
-                },
-                guidance_on: if cfg.guidance && cfg.approximator.is_none() {
-                    Some(g.input("guidance_on", &[batch])?)
-                } else {
-                    None
-                },
-                pe: g.input(
-                    "pe",
-                    &[1, tokens + gh * gw + ref_patches, cfg.head_dim / 2, 2, 2],
-                )?,
-                chroma_index: if cfg.approximator.is_some() {
-                    Some(g.input("chroma_index", &[CHROMA_MODULATIONS, 32])?)
-                } else {
-                    None
-                },
-                refs: refs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(rh, rw))| {
-                        g.input(&format!("ref.{i}"), &[batch, cfg.out_channels, rh, rw])
-                    })
-                    .collect::<Result<_, _>>()?,
-                control: match control {
-                    Some(slots) => FluxControl {
-                        double: (0..cfg.depth)
-                            .map(|i| {
-                                slots
-                                    .input
-                                    .contains(&i)
-                                    .then(|| residual(format!("ctrl_in.{i}")))
-                                    .transpose()
-                            })
-                            .collect::<Result<_, _>>()?,
-                        single: if slots.output {
-                            (0..cfg.depth_single.min(flux_control::MAIN_SINGLE))
-                                .map(|i| residual(format!("ctrl_out.{i}")).map(Some))
-                                .collect::<Result<_, _>>()?
-                        } else {
-                            Vec::new()
-                        },
+        let inputs = FluxInputs {
+            t: g.input("t", &[batch])?,
+            context: g.input("context", &[batch, tokens, dim])?,
+            y: if cfg.vec_in > 0 {
+                Some(g.input("pooled", &[batch, cfg.vec_in])?)
+            } else {
+                None
+            },
+            guidance: if cfg.guidance {
+                Some(g.input("guidance", &[batch])?)
+            } else {
+                None
+            },
+            guidance_on: if cfg.guidance && cfg.approximator.is_none() {
+                Some(g.input("guidance_on", &[batch])?)
+            } else {
+                None
+            },
+            pe: g.input(
+                "pe",
+                &[1, tokens + gh * gw + ref_patches, cfg.head_dim / 2, 2, 2],
+            )?,
+            chroma_index: if cfg.approximator.is_some() {
+                Some(g.input("chroma_index", &[CHROMA_MODULATIONS, 32])?)
+            } else {
+                None
+            },
+            refs: refs
+                .iter()
+                .enumerate()
+                .map(|(i, &(rh, rw))| {
+                    g.input(&format!("ref.{i}"), &[batch, cfg.out_channels, rh, rw])
+                })
+                .collect::<Result<_, _>>()?,
+            control: match control {
+                Some(slots) => FluxControl {
+                    double: (0..cfg.depth)
+                        .map(|i| {
+                            slots
+                                .input
+                                .contains(&i)
+                                .then(|| residual(format!("ctrl_in.{i}")))
+                                .transpose()
+                        })
+                        .collect::<Result<_, _>>()?,
+                    single: if slots.output {
+                        (0..cfg.depth_single.min(flux_control::MAIN_SINGLE))
+                            .map(|i| residual(format!("ctrl_out.{i}")).map(Some))
+                            .collect::<Result<_, _>>()?
+                    } else {
+                        Vec::new()
                     },
-                    None => FluxControl::default(),
                 },
-            };
-            let out = flux(&g, cfg, &self.prefix, x, inputs, &self.skip_layers)?;
-            tail(&g, fused, lat, out)
-        })()
-        .map_err(|e| graph_error("Flux", e))?;
-        plan(&g.finish(&out)).map_err(|e| graph_error("Flux", e))
+                None => FluxControl::default(),
+            },
+        };
+        flux(g, cfg, &self.prefix, x, inputs, &self.skip_layers)
     }
 
     /// The ADM vector `y`, built in the graph from the inputs `pooled` and
@@ -576,29 +615,11 @@ fn pooled_rows(
     Ok(out)
 }
 
-/// The model's input `x` of `shape`: the program input, or, fused, built
-/// from the carried latent (with what the tail shares).
-fn model_x<'a>(
-    g: &'a GraphBuilder,
-    shape: &[usize],
-    fused: Option<&Fused>,
-) -> Result<(T<'a>, Option<Head<'a>>), ShapeError> {
-    match fused {
-        Some(f) => f.model_input(g, shape).map(|(x, head)| (x, Some(head))),
-        None => Ok((g.input("x", shape)?, None)),
-    }
-}
-
-/// The program's outputs after the model's `out`: `out` alone, or, fused,
-/// the step's next latent and prediction.
-fn tail<'a>(
-    g: &'a GraphBuilder,
-    fused: Option<&Fused>,
-    head: Option<Head<'a>>,
-    out: T<'a>,
-) -> Result<Vec<T<'a>>, ShapeError> {
-    match (fused, head) {
-        (Some(f), Some(head)) => f.outputs(g, head, out),
-        _ => Ok(vec![out]),
-    }
+/// One group of a model program's rows: how many, their context length
+/// and reference latents.
+#[derive(Clone, Debug)]
+pub(crate) struct ModelGroup {
+    pub rows: usize,
+    pub tokens: usize,
+    pub refs: Vec<(usize, usize)>,
 }

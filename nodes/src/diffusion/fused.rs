@@ -46,9 +46,10 @@ pub(crate) enum Step {
 pub(crate) struct Fused {
     pub step: Step,
     pub prediction: Prediction,
-    /// The conditioning (0 positive, 1 negative) of each block of `b`
-    /// rows of the model's batch, in order.
-    pub conds: Vec<usize>,
+    /// Per group of the model's batch (one, or two where the
+    /// conditionings' context lengths differ), the conditioning (0
+    /// positive, 1 negative) of each block of `b` rows, in order.
+    pub groups: Vec<Vec<usize>>,
     /// CFG scale, when the negative prediction runs.
     pub cfg: Option<f32>,
     /// The latent's [b, c, h, w].
@@ -70,6 +71,7 @@ pub(crate) struct Head<'a> {
     /// The latent as the model sees it (blended where inpainting).
     seen: T<'a>,
     sigma: T<'a>,
+    c_in: T<'a>,
     /// Inpainting: the mask, 1 − mask and the original latent.
     blend: Option<(T<'a>, T<'a>, T<'a>)>,
 }
@@ -82,13 +84,13 @@ pub(crate) const DENOISED: usize = 1;
 impl Fused {
     /// The fused form of this sampling, where it applies: a GPU-shaped
     /// runtime is the caller's choice; this checks the sampler, the
-    /// prediction type and that the one group is plain (every item over
+    /// prediction type and that the groups are plain (every item over
     /// the whole latent at strength one, always active, no ControlNet).
     pub(crate) fn of(
         model: &Model,
         sampler: Sampler,
         items: &[Item<'_>],
-        group: &[usize],
+        groups: &[&[usize]],
         cfg: Option<f32>,
         dims: [usize; 4],
         inpaint: bool,
@@ -114,7 +116,7 @@ impl Fused {
             return None;
         }
         let [_, _, h, w] = dims;
-        let plain = group.iter().all(|&i| {
+        let plain = groups.iter().flat_map(|g| g.iter()).all(|&i| {
             let it = &items[i];
             it.area == [h, w, 0, 0]
                 && matches!(it.mult, Mult::Scalar(m) if m == 1.0)
@@ -122,15 +124,18 @@ impl Fused {
                 && it.sigma_end.is_none()
                 && it.control.is_none()
         });
-        let conds: Vec<usize> = group.iter().map(|&i| items[i].cond).collect();
+        let conds: Vec<Vec<usize>> = groups
+            .iter()
+            .map(|g| g.iter().map(|&i| items[i].cond).collect())
+            .collect();
         // Exactly one item per conditioning that runs.
         let want: &[usize] = if cfg.is_some() { &[0, 1] } else { &[0] };
-        let mut sorted = conds.clone();
+        let mut sorted: Vec<usize> = conds.iter().flatten().copied().collect();
         sorted.sort_unstable();
         (plain && sorted == want).then_some(Fused {
             step,
             prediction: model.prediction,
-            conds,
+            groups: conds,
             cfg,
             dims,
             sampler,
@@ -139,17 +144,20 @@ impl Fused {
         })
     }
 
-    /// The model's input `x` ([rows, c, h, w]): the carried latent
-    /// (input `lat`; where inpainting, blended as `KSamplerX0Inpaint`
-    /// does) divided by c_in (input `c_in`), once per conditioning; and
-    /// the inputs the tail shares.
-    pub(crate) fn model_input<'a>(
-        &self,
-        g: &'a GraphBuilder,
-        shape: &[usize],
-    ) -> Result<(T<'a>, Head<'a>), ShapeError> {
-        let [b, c, h, w] = self.dims;
-        let per = b * c * h * w;
+    /// The prefix of group `k`'s per-run inputs: none for the first, so
+    /// a one-group program's inputs keep the model's names.
+    pub(crate) fn prefix(&self, k: usize) -> String {
+        if k == 0 {
+            String::new()
+        } else {
+            format!("g{k}.")
+        }
+    }
+
+    /// The inputs every group and the tail share: the carried latent
+    /// `lat`, as the model sees it (where inpainting, blended as
+    /// `KSamplerX0Inpaint` does), σ and c_in.
+    pub(crate) fn head<'a>(&self, g: &'a GraphBuilder) -> Result<Head<'a>, ShapeError> {
         let lat = g.input("lat", &self.dims)?;
         let sigma = g.input("sigma", &[1])?;
         let (seen, blend) = if self.inpaint {
@@ -164,29 +172,39 @@ impl Fused {
         } else {
             (lat, None)
         };
-        let x = seen
-            .div(g.input("c_in", &[1])?)?
-            .reshape(&[1, per])?
-            .expand(&[self.conds.len(), per])?
-            .reshape(shape)?;
-        Ok((
-            x,
-            Head {
-                lat,
-                seen,
-                sigma,
-                blend,
-            },
-        ))
+        Ok(Head {
+            lat,
+            seen,
+            sigma,
+            c_in: g.input("c_in", &[1])?,
+            blend,
+        })
     }
 
-    /// The outputs after the model's `out` ([rows, c, h, w]) with the
-    /// inputs of `head`: the next latent and the denoised prediction.
+    /// Group `k`'s model input `x` (`shape`, [rows, c, h, w]): the latent
+    /// as the model sees it divided by c_in, once per conditioning.
+    pub(crate) fn model_input<'a>(
+        &self,
+        head: &Head<'a>,
+        k: usize,
+        shape: &[usize],
+    ) -> Result<T<'a>, ShapeError> {
+        let per: usize = self.dims.iter().product();
+        head.seen
+            .div(head.c_in)?
+            .reshape(&[1, per])?
+            .expand(&[self.groups[k].len(), per])?
+            .reshape(shape)
+    }
+
+    /// The outputs after each group's model output `outs` ([rows, c, h,
+    /// w]) with the inputs of `head`: the next latent and the denoised
+    /// prediction.
     pub(crate) fn outputs<'a>(
         &self,
         g: &'a GraphBuilder,
         head: Head<'a>,
-        out: T<'a>,
+        outs: &[T<'a>],
     ) -> Result<Vec<T<'a>>, ShapeError> {
         let [b, ..] = self.dims;
         let scalar = |name: &str| g.input(name, &[1]);
@@ -195,6 +213,7 @@ impl Fused {
             seen,
             sigma,
             blend,
+            ..
         } = head;
         // The prediction's per-step factors: v's 1/(σ²+1) and
         // σ/√(σ²+1) divisors, LCM's c_out and c_skip.
@@ -205,8 +224,13 @@ impl Fused {
         };
         // ComfyUI's calculate_denoised per conditioning, in its order.
         let of = |cond: usize| -> Result<T<'a>, ShapeError> {
-            let k = self.conds.iter().position(|&c| c == cond).unwrap_or(0);
-            let o = out.slice(0, k * b, (k + 1) * b)?;
+            let (gi, k) = self
+                .groups
+                .iter()
+                .enumerate()
+                .find_map(|(gi, g)| g.iter().position(|&c| c == cond).map(|k| (gi, k)))
+                .unwrap_or((0, 0));
+            let o = outs[gi].slice(0, k * b, (k + 1) * b)?;
             let x = seen;
             match (self.prediction, factors) {
                 (Prediction::V, Some((d, r))) => x.div(d)?.sub(o.mul(sigma)?.div(r)?),
@@ -404,9 +428,36 @@ impl Fused {
     }
 }
 
-/// The sampling loop on `session` (prepared from the fused program):
-/// `fixed` holds the model's inputs besides x and t, `rows` its batch
-/// rows. Reads back the final latent, and each step's prediction into
+/// The fixed inputs of a fused program: each group's model inputs
+/// (besides x and t) under its prefix, and each group's `t` input with
+/// its rows.
+pub(crate) struct GroupFeeds {
+    pub fixed: HashMap<String, Arc<Vec<f32>>>,
+    pub t: Vec<(String, usize)>,
+}
+
+/// [`GroupFeeds`] of `groups` (the sampler's conditioning groups, `b`
+/// latents each) from their feeds.
+pub(crate) fn group_feeds(
+    f: &Fused,
+    feeds: &[HashMap<String, Arc<Vec<f32>>>],
+    groups: &[super::cond_batch::Group],
+    b: usize,
+) -> GroupFeeds {
+    let mut fixed = HashMap::new();
+    let mut t = Vec::new();
+    for (k, (feed, g)) in feeds.iter().zip(groups).enumerate() {
+        let prefix = f.prefix(k);
+        for (name, v) in feed {
+            fixed.insert(format!("{prefix}{name}"), Arc::clone(v));
+        }
+        t.push((format!("{prefix}t"), g.items.len() * b));
+    }
+    GroupFeeds { fixed, t }
+}
+
+/// The sampling loop on `session` (prepared from the fused program) with
+/// the program's fixed inputs `feeds`. Reads back the final latent, and each step's prediction into
 /// `step_x0` where `watch` (previews) or on the last step.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
@@ -414,7 +465,7 @@ pub(crate) fn run(
     model: &Model,
     f: &Fused,
     session: &mut Session<'_>,
-    (fixed, rows): (&HashMap<String, Arc<Vec<f32>>>, usize),
+    feeds: &GroupFeeds,
     sigmas: &[f32],
     x0: Vec<f32>,
     blend: Option<&Blend<'_>>,
@@ -440,13 +491,15 @@ pub(crate) fn run(
         let s = sigmas[i];
         // The fixed inputs once: the session keeps them.
         let mut feed = if i == 0 {
-            fixed.clone()
+            feeds.fixed.clone()
         } else {
             HashMap::new()
         };
         let t = model.schedule.timestep(s);
         feed.extend(f.step_inputs(sigmas, i, (model.prediction.input_divisor(s), t), noise));
-        feed.insert("t".to_string(), Arc::new(vec![t; rows]));
+        for (name, rows) in &feeds.t {
+            feed.insert(name.clone(), Arc::new(vec![t; *rows]));
+        }
         if let Some(x) = x0.take() {
             feed.insert("lat".to_string(), Arc::new(x));
             if let Some(bl) = blend {

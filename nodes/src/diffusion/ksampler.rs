@@ -21,6 +21,7 @@
 //!    noise sampler does); the result is scaled back (÷ 0.18215).
 
 use super::cond_batch::{self, Item};
+use super::denoiser::ModelGroup;
 use super::fused::{self, Fused};
 use super::slg::{SkipLayerGuidance, SlgMode};
 use super::{control, inpaint};
@@ -412,34 +413,36 @@ pub fn sample(
     let simple = concats.iter().all(Option::is_none)
         && !(flow && denoise_mask.is_some())
         && !sampler.needs_uncond()
-        && groups.len() == 1
+        && groups.len() <= 2
         && control_slots.iter().all(Option::is_none)
         && (model.slg.is_empty() || is_unet);
-    let fused = match &groups[..] {
-        [g] if simple && ctx.runtime.device_loops() => Fused::of(
+    let fused = if simple && ctx.runtime.device_loops() {
+        let lists: Vec<&[usize]> = groups.iter().map(|g| g.items.as_slice()).collect();
+        Fused::of(
             model,
             sampler,
             &items,
-            &g.items,
+            &lists,
             use_uncond.then_some(cfg as f32),
             dims,
             blend.is_some(),
-        ),
-        _ => None,
+        )
+    } else {
+        None
     };
-    let progs = match (&fused, &groups[..]) {
-        (Some(f), [g]) => {
-            let refs = super::denoiser::ref_shapes(items[g.items[0]].model);
-            vec![model.program_fused(
-                g.items.len() * b,
-                (h, w),
-                (g.tokens, dim),
-                None,
-                &refs,
-                Some(f),
-            )?]
+    let progs = match &fused {
+        Some(f) => {
+            let shapes: Vec<ModelGroup> = groups
+                .iter()
+                .map(|g| ModelGroup {
+                    rows: g.items.len() * b,
+                    tokens: g.tokens,
+                    refs: super::denoiser::ref_shapes(items[g.items[0]].model),
+                })
+                .collect();
+            vec![model.program_groups(&shapes, (h, w), dim, None, Some(f))?]
         }
-        _ => group_programs(model, &items, &groups, b, dim, &control_slots)?,
+        None => group_programs(model, &items, &groups, b, dim, &control_slots)?,
     };
     let bind = match progs.first() {
         Some(p) => model.file.bindings(p, Some(&model.patches), None)?,
@@ -735,7 +738,7 @@ pub fn sample(
                 model,
                 f,
                 session,
-                (&feeds[0], f.conds.len() * b),
+                &fused::group_feeds(f, &feeds, &groups, b),
                 sigmas,
                 x0,
                 blend.as_ref(),
