@@ -252,16 +252,18 @@ fn txt2img_on_wgpu_matches_comfyui() {
     check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
 }
 
-/// Runs the workflow `text` on wgpu with `device_loops` set, previews
-/// off: the base folder and the bytes the run downloaded (None without an
-/// adapter, after saying why or failing where one is required).
+/// Runs the workflow `text` on wgpu with `device_loops` set and
+/// `preview`: the base folder, the bytes the run downloaded and the
+/// previews sent (None without an adapter, after saying why or failing
+/// where one is required).
 fn run_on_gpu(
     text: &str,
     device_loops: bool,
-) -> Option<(tempfile::TempDir, serde_json::Value, u64)> {
+    preview: sdkit_engine::event::PreviewMethod,
+) -> Option<(tempfile::TempDir, serde_json::Value, u64, usize)> {
     use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
-    use sdkit_engine::event::PreviewMethod;
-    use sdkit_engine::{CancelToken, EventSink, Executor, Paths, RunOptions, Runtime};
+    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
     let gpu = match WgpuBackend::with_options(&Options {
@@ -281,12 +283,19 @@ fn run_on_gpu(
     let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime.clone());
     let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
     let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
-    let events: EventSink = Arc::new(|_| {});
+    let previews = Arc::new(AtomicUsize::new(0));
+    let seen = previews.clone();
+    let events: EventSink = Arc::new(move |e: &Event| {
+        if matches!(e, Event::Preview { .. }) {
+            seen.fetch_add(1, Ordering::Relaxed);
+        }
+    });
     let mut opts = RunOptions::new(events, CancelToken::new());
-    opts.preview = PreviewMethod::None;
+    opts.preview = preview;
     let rt = tokio::runtime::Runtime::new().expect("tokio");
     rt.block_on(exec.run(&graph, opts)).expect("runs");
-    Some((base, fx, runtime.bytes_downloaded()))
+    let sent = previews.load(Ordering::Relaxed);
+    Some((base, fx, runtime.bytes_downloaded(), sent))
 }
 
 /// On a GPU the sampling loop runs on the device (`Options::device_loops`):
@@ -294,27 +303,40 @@ fn run_on_gpu(
 /// stays there between steps, so the sampler reads back only the final
 /// latent and prediction, not each step's two predictions. Both loops
 /// give ComfyUI's image; the bytes downloaded differ by exactly the
-/// per-step reads.
+/// per-step reads. With previews on, the device loop reads each step's
+/// prediction too, and every step is previewed either way.
 #[test]
 fn sampling_loop_stays_on_the_device() {
+    use sdkit_engine::event::PreviewMethod;
     let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
-    let mut downloaded = Vec::new();
-    for device_loops in [true, false] {
-        let Some((base, fx, bytes)) = run_on_gpu(&text, device_loops) else {
-            return;
-        };
-        downloaded.push(bytes);
-        check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
-    }
     // 4 steps; the latent is 2×4×8×8 f32 (2,048 bytes), each step's UNet
     // output twice that (positive and negative). On the device: the last
-    // step's latent and prediction only.
+    // step's latent and prediction, and with previews each step's
+    // prediction.
     let latent = 2 * 4 * 8 * 8 * 4;
-    assert_eq!(
-        downloaded[1] - downloaded[0],
-        4 * 2 * latent - 2 * latent,
-        "bytes downloaded, device loop vs host loop: {downloaded:?}"
-    );
+    for (preview, saved) in [
+        (PreviewMethod::None, 4 * 2 * latent - 2 * latent),
+        (
+            PreviewMethod::Latent2Rgb,
+            4 * 2 * latent - (3 * latent + 2 * latent),
+        ),
+    ] {
+        let mut downloaded = Vec::new();
+        for device_loops in [true, false] {
+            let Some((base, fx, bytes, previews)) = run_on_gpu(&text, device_loops, preview) else {
+                return;
+            };
+            downloaded.push(bytes);
+            let want = if preview == PreviewMethod::None { 0 } else { 4 };
+            assert_eq!(previews, want, "previews sent ({preview:?})");
+            check(base.path(), &fx, "tiny_sd1_txt2img", "tiny_sd1");
+        }
+        assert_eq!(
+            downloaded[1] - downloaded[0],
+            saved,
+            "bytes downloaded, device loop vs host loop ({preview:?}): {downloaded:?}"
+        );
+    }
 }
 
 /// Every sampler with a device loop, on the karras schedule, gives the
@@ -323,6 +345,7 @@ fn sampling_loop_stays_on_the_device() {
 /// arithmetic and noise draws are the same.
 #[test]
 fn device_loops_match_host_loops() {
+    use sdkit_engine::event::PreviewMethod;
     let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
     // (Euler's loop is checked against ComfyUI above.)
     for sampler in [
@@ -340,7 +363,7 @@ fn device_loops_match_host_loops() {
         assert_ne!(graph, text);
         let mut latents = Vec::new();
         for device_loops in [true, false] {
-            let Some((base, _, _)) = run_on_gpu(&graph, device_loops) else {
+            let Some((base, ..)) = run_on_gpu(&graph, device_loops, PreviewMethod::None) else {
                 return;
             };
             let file =

@@ -130,7 +130,10 @@ fn inputs_by_name_are_shared_and_prefixes_separate_copies() {
     g.set_input_prefix("g1.");
     let b = copy().expect("second copy");
     g.set_input_prefix("");
-    assert!(g.weight("w", &[4, 3]).is_err(), "another shape under one name");
+    assert!(
+        g.weight("w", &[4, 3]).is_err(),
+        "another shape under one name"
+    );
     let prog = plan(&g.finish(&[a, b])).expect("plans");
     let mut uploads = Vec::new();
     let mut binds = Vec::new();
