@@ -1,8 +1,9 @@
-//! The sampling loop on the device: for the common case (one batch of
-//! the positive and negative prediction over the whole latent, no
-//! ControlNet, area, mask or guidance pass) the denoiser's program also
-//! combines the predictions (CFG) and takes the sampler's step, and the
-//! latent and the sampler's history stay on the device between steps
+//! The sampling loop on the device: for the common case (the positive
+//! and negative prediction over the whole latent, in one batch or two of
+//! different context lengths; no ControlNet, area or guidance pass; a
+//! noise mask allowed) the denoiser's program also blends the inpainting
+//! mask, combines the predictions (CFG) and takes the sampler's step, and
+//! the latent and the sampler's history stay on the device between steps
 //! ([`sdkit_compute::runtime::Session::run_carried`]). Only the final
 //! latent is read back, and each step's prediction when someone watches
 //! previews; on the CPU the host loop is as fast and stays.
@@ -96,8 +97,8 @@ impl Fused {
         inpaint: bool,
     ) -> Option<Fused> {
         let step = match sampler {
-            // ddim is Euler but for inpainting's noise, which never
-            // reaches here (no mask).
+            // ddim is Euler but for inpainting's noise (its own seed),
+            // which the blend's inputs carry.
             Sampler::Euler | Sampler::Ddim => Step::Euler,
             // The flow form of the ancestral step is another update.
             Sampler::EulerAncestral if model.prediction != Prediction::Flow => Step::EulerAncestral,
