@@ -83,63 +83,93 @@ impl Prepared<'_> {
         carry: &[(usize, &str)],
         read: &[usize],
     ) -> Result<Vec<Option<Array>>, WgpuError> {
+        use std::sync::atomic::Ordering::Relaxed;
         let dev = &self.backend.device;
         let queue = &self.backend.queue;
-        use std::sync::atomic::Ordering::Relaxed;
-        let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        // Everything that can be refused is checked before the error
+        // scope opens, so no early return leaves it open.
+        let mut uploads = Vec::new();
         for ((buf, name, len), filled) in self.inputs.iter().zip(&self.filled) {
-            let data = match bind.inputs.get(name) {
-                Some(data) => data,
-                None if filled.load(Relaxed) => continue,
+            match bind.inputs.get(name) {
+                Some(data) => {
+                    BindError::check_len(name, data.len(), *len)?;
+                    uploads.push((*buf, data));
+                }
+                None if filled.load(Relaxed) => {}
                 None => return Err(BindError::MissingInput(name.clone()).into()),
-            };
-            filled.store(true, Relaxed);
-            BindError::check_len(name, data.len(), *len)?;
-            let bytes = encode(data, self.backend.f16_activations);
-            if let Some(b) = self.external.get(buf) {
-                queue.write_buffer(b, 0, &bytes);
             }
+        }
+        // (source, offset, input index, bytes) of each carried output.
+        let mut copies = Vec::new();
+        for &(o, name) in carry {
+            let v = self
+                .prog
+                .outputs
+                .get(o)
+                .ok_or_else(|| BindError::MissingInput(format!("output {o}")))?;
+            let (src, off) = self.output_buffer(v)?;
+            let b = self.prog.buffer(v.buffer);
+            let Some(i) = self.inputs.iter().position(|(_, n, _)| n == name) else {
+                return Err(BindError::MissingInput(name.to_string()).into());
+            };
+            let len = self.inputs[i].2;
+            let dense = v.is_contiguous() && v.offset == 0 && v.numel() == b.len;
+            if !dense || len != b.len || matches!(b.kind, BufferKind::Weight(_)) {
+                return Err(WgpuError::Validation(format!(
+                    "output {o} ({:?}) cannot be carried into input {name} ({len} elements)",
+                    v.shape
+                )));
+            }
+            let bytes = self
+                .backend
+                .stored_bytes(b.len, self.backend.f16_activations);
+            copies.push((src, off, i, bytes));
+        }
+        let mut reads = Vec::new();
+        for &o in read {
+            let v = self
+                .prog
+                .outputs
+                .get(o)
+                .ok_or_else(|| BindError::MissingInput(format!("output {o}")))?;
+            reads.push((self.output_buffer(v)?, &self.readback[o]));
+        }
+        let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        for (buf, data) in uploads {
+            if let Some(b) = self.external.get(&buf) {
+                queue.write_buffer(b, 0, &encode(data, self.backend.f16_activations));
+            }
+        }
+        for filled in &self.filled {
+            // Given now, or kept from before.
+            filled.store(true, Relaxed);
         }
         let mut encoder =
             dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         self.record(&mut encoder, 1);
         // Carried outputs are copied into their inputs' buffers after
         // every dispatch of this run has read them.
-        for &(o, name) in carry {
-            let (v, (src, off)) = match self.prog.outputs.get(o) {
-                Some(v) => (v, self.output_buffer(v)?),
-                None => return Err(BindError::MissingInput(format!("output {o}")).into()),
-            };
-            let b = self.prog.buffer(v.buffer);
-            let Some((buf, _, len)) = self.inputs.iter().find(|(_, n, _)| n == name) else {
-                return Err(BindError::MissingInput(name.to_string()).into());
-            };
-            let dense = v.is_contiguous() && v.offset == 0 && v.numel() == b.len;
-            if !dense || *len != b.len || matches!(b.kind, BufferKind::Weight(_)) {
-                return Err(WgpuError::Validation(format!(
-                    "output {o} ({:?}) cannot be carried into input {name} ({len} elements)",
-                    v.shape
-                )));
-            }
-            if let Some(dst) = self.external.get(buf) {
-                let bytes = self
-                    .backend
-                    .stored_bytes(b.len, self.backend.f16_activations);
+        for (src, off, i, bytes) in copies {
+            if let Some(dst) = self.external.get(&self.inputs[i].0) {
                 encoder.copy_buffer_to_buffer(src, off, dst, 0, bytes);
-            }
-            if let Some(i) = self.inputs.iter().position(|(_, n, _)| n == name) {
-                self.filled[i].store(true, Relaxed);
             }
         }
         // Read back the outputs' whole buffers, then apply their views.
-        for &o in read {
-            let (Some(v), Some(st)) = (self.prog.outputs.get(o), self.readback.get(o)) else {
-                return Err(BindError::MissingInput(format!("output {o}")).into());
-            };
-            let (src, off) = self.output_buffer(v)?;
+        for ((src, off), st) in reads {
             encoder.copy_buffer_to_buffer(src, off, st, 0, st.size());
         }
         queue.submit([encoder.finish()]);
+        let outs = self.read_back(read);
+        // The scope closes on every path, the readbacks' errors after.
+        if let Some(e) = pollster::block_on(validation.pop()) {
+            return Err(WgpuError::Validation(e.to_string()));
+        }
+        outs
+    }
+
+    /// The outputs in `read`, from their readback buffers (filled by the
+    /// run just submitted); None for the others.
+    fn read_back(&self, read: &[usize]) -> Result<Vec<Option<Array>>, WgpuError> {
         let mut outs: Vec<Option<Array>> = vec![None; self.prog.outputs.len()];
         for &o in read {
             let (v, st) = (&self.prog.outputs[o], &self.readback[o]);
@@ -148,7 +178,7 @@ impl Prepared<'_> {
                 _ => self.backend.f16_activations,
             };
             let slice = st.slice(..);
-            map_for_reading(dev, &slice)?;
+            map_for_reading(&self.backend.device, &slice)?;
             // Unmapped on every path: the buffer is reused next run.
             let data = slice.get_mapped_range().map(|bytes| decode(&bytes, half));
             st.unmap();
@@ -157,9 +187,6 @@ impl Prepared<'_> {
                 .downloaded
                 .fetch_add(st.size(), std::sync::atomic::Ordering::Relaxed);
             outs[o] = Some(Array::new(v.shape.clone(), read_view(v, &data)));
-        }
-        if let Some(e) = pollster::block_on(validation.pop()) {
-            return Err(WgpuError::Validation(e.to_string()));
         }
         Ok(outs)
     }
