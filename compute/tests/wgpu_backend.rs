@@ -869,6 +869,15 @@ fn carried_outputs_stay_on_the_device_between_runs() {
         // An output that is not the input's size cannot be carried.
         let wrong = g_mismatch(&mut s);
         assert!(wrong.is_err() || runtime.is_cpu());
+        // A refused run leaves the session (and the device's error
+        // scopes) as they were: the next run succeeds.
+        let mut f = HashMap::new();
+        f.insert("s".to_string(), Arc::new(vec![0.5f32]));
+        f.insert("x".to_string(), Arc::new(x0.clone()));
+        let again = s.run_carried(f, &[], &[0]).expect("runs after a refusal");
+        assert!(again[0]
+            .as_ref()
+            .is_some_and(|y| y.data.iter().all(|v| v.is_finite())));
     }
 }
 
