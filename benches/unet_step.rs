@@ -13,6 +13,11 @@
 //! step plus the streamed bytes at the measured host→device bandwidth);
 //! `SDKIT_BENCH_RUNS=N` times N steps per budget (default 3);
 //! `SDKIT_BENCH_LATENT=16` runs another latent size (a multiple of 8).
+//! `SDKIT_BENCH_LOOP=1` times a 10-step Euler loop with CFG both ways:
+//! the host loop (each step's two predictions read back, CFG and the step
+//! on the host, the latent and context uploaded again) and the device
+//! loop (CFG and the step in the UNet's program, the latent carried on
+//! the device, only the result read back), as the sampler runs them.
 //! `SDKIT_BENCH_SMALL=1` runs a width-32, 16×16 version for software
 //! adapters; `SDKIT_BENCH_PLAN_ONLY=1` stops after planning. PyTorch is
 //! `python3` or `SDKIT_BENCH_PYTHON`. Times cover
@@ -74,6 +79,13 @@ fn fill(name: &str, shape: &[usize]) -> Vec<f32> {
 }
 
 fn graph(small: bool) -> (TensorGraph, String) {
+    graph_with(small, false)
+}
+
+/// The UNet graph; `device_loop`: fed from a carried latent `lat`
+/// (divided by `c_in`, once per conditioning) and ending in CFG and an
+/// Euler step, outputs the next latent and the prediction.
+fn graph_with(small: bool, device_loop: bool) -> (TensorGraph, String) {
     let (mc, mut hw) = if small { (32, 16) } else { (320, 64) };
     // SDKIT_BENCH_LATENT: another latent size (a full-size model at a small
     // latent keeps the weights, and so the residency numbers, of SD1.5 at
@@ -86,11 +98,22 @@ fn graph(small: bool) -> (TensorGraph, String) {
     }
     let cfg = sd15(mc);
     let g = GraphBuilder::new();
+    let per = 4 * hw * hw;
     let out = (|| {
-        let x = g.input("x", &[2, 4, hw, hw])?;
+        let (x, head) = if device_loop {
+            let lat = g.input("lat", &[1, 4, hw, hw])?;
+            let x = lat
+                .div(g.input("c_in", &[1])?)?
+                .reshape(&[1, per])?
+                .expand(&[2, per])?
+                .reshape(&[2, 4, hw, hw])?;
+            (x, Some(lat))
+        } else {
+            (g.input("x", &[2, 4, hw, hw])?, None)
+        };
         let t = g.input("t", &[2])?;
         let c = g.input("context", &[2, 77, 768])?;
-        unet(
+        let eps = unet(
             &g,
             &cfg,
             Heads::Count(8),
@@ -100,11 +123,22 @@ fn graph(small: bool) -> (TensorGraph, String) {
             c,
             None,
             None,
-        )
+        )?;
+        let Some(lat) = head else {
+            return Ok(vec![eps]);
+        };
+        // x − ε·σ per conditioning, uncond + (cond − uncond)·cfg, then
+        // x + (x − D)/σ·dt.
+        let sigma = g.input("sigma", &[1])?;
+        let den = |k: usize| lat.sub(eps.slice(0, k, k + 1)?.mul(sigma)?);
+        let (cond, uncond) = (den(0)?, den(1)?);
+        let d = uncond.add(cond.sub(uncond)?.mul(g.input("cfg", &[1])?)?)?;
+        let next = lat.add(lat.sub(d)?.div(sigma)?.mul(g.input("dt", &[1])?)?)?;
+        Ok::<_, sdkit_compute::tensor::ShapeError>(vec![next, d])
     })();
     let y = out.expect("SD1.5 UNet graph");
     (
-        g.finish(&[y]),
+        g.finish(&y),
         format!("SD1.5 UNet, batch 2, {hw}x{hw} latent, width {mc}"),
     )
 }
@@ -200,6 +234,10 @@ fn main() {
     }
     if std::env::var_os("SDKIT_BENCH_BUDGETS").is_some() {
         budgets(&prog, &bind, adapter.as_deref());
+        return;
+    }
+    if std::env::var_os("SDKIT_BENCH_LOOP").is_some() {
+        sampling_loop(&prog, &bind, small, adapter.as_deref());
         return;
     }
     // The peer first, so a run cut short still compares what it measured.
@@ -572,5 +610,157 @@ fn planned_budgets(prog: &sdkit_compute::plan::Program) {
             ),
             Err(e) => println!("  {pct:>3}% budget: {e}"),
         }
+    }
+}
+
+/// A 10-step Euler loop with CFG 7 over the UNet, as the sampler runs it
+/// (f32 activations, cooperative matrices where the adapter has them;
+/// device loops are off with f16 activations): the host loop, then the
+/// device loop; time per step, bytes read back, and how far apart the
+/// two results are.
+fn sampling_loop(
+    prog: &sdkit_compute::plan::Program,
+    bind: &Bindings,
+    small: bool,
+    adapter: Option<&str>,
+) {
+    use sdkit_compute::Runtime;
+    use std::collections::HashMap;
+    let gpu = match WgpuBackend::with_options(&Options {
+        adapter: adapter.map(str::to_string),
+        ..Options::default()
+    }) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("unet_step loop: skipped, no adapter: {e}");
+            return;
+        }
+    };
+    let name = gpu.adapter.name.clone();
+    let rt = Runtime::wgpu(gpu);
+    let (fg, _) = graph_with(small, true);
+    let fused = match plan(&fg) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("unet_step loop: plan failed: {e}");
+            return;
+        }
+    };
+    let fbind = bindings(&fg);
+    let lat0 = fbind.inputs["lat"].as_ref().clone();
+    let per = lat0.len();
+    let context = Arc::clone(&bind.inputs["context"]);
+    let steps = 10;
+    let sigmas: Vec<f32> = (0..=steps)
+        .map(|i| 14.6 * (1.0 - i as f32 / steps as f32))
+        .collect();
+    let cfg = 7.0f32;
+    let feed_of = |pairs: Vec<(&str, Vec<f32>)>| -> HashMap<String, Arc<Vec<f32>>> {
+        pairs
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), Arc::new(v)))
+            .collect()
+    };
+    // The host loop: both predictions back each step.
+    let mut host = match rt.prepare(prog, bind) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("unet_step loop: prepare failed: {e}");
+            return;
+        }
+    };
+    let run_host = |host: &mut sdkit_compute::runtime::Session<'_>| -> Result<Vec<f32>, String> {
+        let mut x = lat0.clone();
+        for i in 0..steps {
+            let (s, dt) = (sigmas[i], sigmas[i + 1] - sigmas[i]);
+            let c_in = (s * s + 1.0).sqrt();
+            let xin: Vec<f32> = x.iter().map(|v| v / c_in).collect();
+            let mut f = feed_of(vec![
+                ("x", [xin.clone(), xin].concat()),
+                ("t", vec![999.0; 2]),
+            ]);
+            f.insert("context".into(), Arc::clone(&context));
+            let out = host.run(f).map_err(|e| e.to_string())?;
+            let eps = &out[0].data;
+            for j in 0..per {
+                let (c, u) = (x[j] - eps[j] * s, x[j] - eps[per + j] * s);
+                let d = u + (c - u) * cfg;
+                x[j] += (x[j] - d) / s * dt;
+            }
+        }
+        Ok(x)
+    };
+    let mut device = match rt.prepare(&fused, &fbind) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("unet_step loop: prepare failed: {e}");
+            return;
+        }
+    };
+    let run_device =
+        |device: &mut sdkit_compute::runtime::Session<'_>| -> Result<Vec<f32>, String> {
+            let mut last = Vec::new();
+            for i in 0..steps {
+                let (s, dt) = (sigmas[i], sigmas[i + 1] - sigmas[i]);
+                let mut f = feed_of(vec![
+                    ("c_in", vec![(s * s + 1.0).sqrt()]),
+                    ("sigma", vec![s]),
+                    ("dt", vec![dt]),
+                    ("cfg", vec![cfg]),
+                    ("t", vec![999.0; 2]),
+                ]);
+                if i == 0 {
+                    f.insert("lat".into(), Arc::new(lat0.clone()));
+                    f.insert("context".into(), Arc::clone(&context));
+                }
+                let read: &[usize] = if i + 1 == steps { &[0] } else { &[] };
+                let outs = device
+                    .run_carried(f, &[(0, "lat")], read)
+                    .map_err(|e| e.to_string())?;
+                if let Some(x) = outs.into_iter().next().flatten() {
+                    last = x.data;
+                }
+            }
+            Ok(last)
+        };
+    // Each once to warm up, then timed.
+    let mut rows = Vec::new();
+    for (label, device_loop) in [("host loop", false), ("device loop", true)] {
+        let run = |s: &mut sdkit_compute::runtime::Session<'_>| {
+            if device_loop {
+                run_device(s)
+            } else {
+                run_host(s)
+            }
+        };
+        let session = if device_loop { &mut device } else { &mut host };
+        if let Err(e) = run(session) {
+            println!("unet_step loop [{label}]: failed: {e}");
+            return;
+        }
+        let before = rt.bytes_downloaded();
+        let t = Instant::now();
+        let x = match run(session) {
+            Ok(x) => x,
+            Err(e) => {
+                println!("unet_step loop [{label}]: failed: {e}");
+                return;
+            }
+        };
+        let secs = t.elapsed().as_secs_f64() / steps as f64;
+        let read = rt.bytes_downloaded() - before;
+        println!(
+            "unet_step loop [{label}] on {name}: {:.2} ms/step, {} bytes read back in {steps} steps",
+            secs * 1e3,
+            read
+        );
+        rows.push((secs, x));
+    }
+    if let [(host_s, hx), (dev_s, dx)] = &rows[..] {
+        println!(
+            "unet_step loop: device/host time {:.3}x, nmse between the loops {:.1e}",
+            dev_s / host_s,
+            common::nmse(dx, hx)
+        );
     }
 }

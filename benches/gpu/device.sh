@@ -34,6 +34,8 @@ b=.gpubin
     timeout 150 $b/wgpu_ops --bench 2>&1
     echo "== SD1.5 UNet step vs torch fp16 (the tuned row measures every kernel's variants first)"
     timeout 270 $b/unet_step --bench 2>&1
+    echo "== 10-step Euler loop with CFG: host loop vs device loop (latent kept on the GPU)"
+    SDKIT_BENCH_LOOP=1 timeout 90 $b/unet_step --bench 2>&1
     echo "== conformance + backend tests on the real adapter"
     timeout 150 $b/conformance -q 2>&1 | grep -E "conformance:|test result|FAILED|panicked|nmse|failures" | head -n 40
     timeout 60 $b/wgpu_backend -q 2>&1 | tail -n 25

@@ -17,6 +17,7 @@ out="${OUT:-/tmp}/sdkit-gpu-report.txt"
     echo "== benchmarks"
     SDKIT_BENCH_PYTHON="${SDKIT_BENCH_PYTHON:-python3}" cargo bench -q --bench wgpu_ops 2>&1
     SDKIT_BENCH_PYTHON="${SDKIT_BENCH_PYTHON:-python3}" cargo bench -q --bench unet_step 2>&1
+    SDKIT_BENCH_LOOP=1 cargo bench -q --bench unet_step 2>&1
     SDKIT_BENCH_BUDGETS=1 cargo bench -q --bench unet_step 2>&1
     SDKIT_BENCH_PYTHON="${SDKIT_BENCH_PYTHON:-python3}" cargo bench -q --bench cpu_ops 2>&1
 } 2>&1 | tee "$out"

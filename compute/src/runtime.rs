@@ -202,12 +202,14 @@ impl Runtime {
     }
 
     /// Whether a loop should keep its state on the device between runs
-    /// ([`Session::run_carried`]): on a GPU unless its options say not;
-    /// never on the CPU, where the host loop costs nothing extra.
+    /// ([`Session::run_carried`]): on a GPU unless its options say not or
+    /// it stores activations as f16 (a sampler's latent would be rounded
+    /// to f16 every step; ComfyUI keeps it in f32); never on the CPU,
+    /// where the host loop costs nothing extra.
     pub fn device_loops(&self) -> bool {
         match &self.device {
             Device::Cpu(_) => false,
-            Device::Wgpu(b) => b.device_loops(),
+            Device::Wgpu(b) => b.device_loops() && !b.f16_activations,
         }
     }
 
