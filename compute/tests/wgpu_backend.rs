@@ -973,3 +973,31 @@ fn double_buffered_staging_matches_one_stage_bit_for_bit() {
         assert!(a[0].data.iter().all(|v| v.is_finite()));
     }
 }
+
+/// Device loops are on by default on a GPU, off where asked and off with
+/// f16 activations (a sampler's latent would be rounded to f16 each
+/// step), and never on the CPU.
+#[test]
+fn device_loops_follow_the_options() {
+    use sdkit_compute::backend::wgpu::Options;
+    use sdkit_compute::Runtime;
+    assert!(!Runtime::cpu().device_loops());
+    let open = |device_loops, f16_activations| {
+        WgpuBackend::with_options(&Options {
+            device_loops,
+            f16_activations,
+            ..Options::default()
+        })
+    };
+    let (on, off, half) = match (open(true, false), open(false, false), open(true, true)) {
+        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
+        (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => {
+            no_adapter("device loop options", e);
+            return;
+        }
+    };
+    let f16 = half.f16_activations;
+    assert!(Runtime::wgpu(on).device_loops());
+    assert!(!Runtime::wgpu(off).device_loops());
+    assert_eq!(Runtime::wgpu(half).device_loops(), !f16);
+}
