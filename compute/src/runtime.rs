@@ -436,24 +436,17 @@ impl Drop for Session<'_> {
 }
 
 impl Session<'_> {
+    /// Runs with `inputs`, reading back every output.
     pub fn run(
         &mut self,
         inputs: HashMap<String, Arc<Vec<f32>>>,
     ) -> Result<Vec<Array>, RuntimeError> {
-        match self {
-            Session::Cpu {
-                prog,
-                bind,
-                products,
-            } => {
-                bind.inputs = inputs;
-                Ok(cpu::run_with(prog, bind, *products)?)
-            }
-            Session::Wgpu { prepared: p, .. } => Ok(p.run(&Bindings {
-                inputs,
-                ..Bindings::default()
-            })?),
-        }
+        let all: Vec<usize> = match self {
+            Session::Cpu { prog, .. } => (0..prog.outputs.len()).collect(),
+            Session::Wgpu { prepared, .. } => (0..prepared.outputs()).collect(),
+        };
+        let outs = self.run_carried(inputs, &[], &all)?;
+        Ok(outs.into_iter().flatten().collect())
     }
 
     /// Runs with `inputs`, returning only the outputs in `read` (None for

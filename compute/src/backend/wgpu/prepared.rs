@@ -63,10 +63,15 @@ impl Drop for Prepared<'_> {
 }
 
 impl Prepared<'_> {
+    /// How many outputs the program has.
+    pub fn outputs(&self) -> usize {
+        self.prog.outputs.len()
+    }
+
     /// Runs with the inputs in `bind` (weights there are ignored: they
     /// were uploaded by `prepare`).
     pub fn run(&self, bind: &Bindings) -> Result<Vec<Array>, WgpuError> {
-        let all: Vec<usize> = (0..self.prog.outputs.len()).collect();
+        let all: Vec<usize> = (0..self.outputs()).collect();
         let outs = self.run_carried(bind, &[], &all)?;
         Ok(outs.into_iter().flatten().collect())
     }
