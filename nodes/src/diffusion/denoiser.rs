@@ -260,61 +260,46 @@ impl Model {
                 r * c
             })
             .sum();
-        let inputs = FluxInputs {
-            t: g.input("t", &[batch])?,
-            context: g.input("context", &[batch, tokens, dim])?,
-            y: if cfg.vec_in > 0 {
-                Some(g.input("pooled", &[batch, cfg.vec_in])?)
-            } else {
-                None
-            },
-            guidance: if cfg.guidance {
-                Some(g.input("guidance", &[batch])?)
-            } else {
-                None
-            },
-            guidance_on: if cfg.guidance && cfg.approximator.is_none() {
-                Some(g.input("guidance_on", &[batch])?)
-            } else {
-                None
-            },
-            pe: g.input(
-                "pe",
-                &[1, tokens + gh * gw + ref_patches, cfg.head_dim / 2, 2, 2],
-            )?,
-            chroma_index: if cfg.approximator.is_some() {
-                Some(g.input("chroma_index", &[CHROMA_MODULATIONS, 32])?)
-            } else {
-                None
-            },
-            refs: refs
-                .iter()
-                .enumerate()
-                .map(|(i, &(rh, rw))| {
-                    g.input(&format!("ref.{i}"), &[batch, cfg.out_channels, rh, rw])
-                })
-                .collect::<Result<_, _>>()?,
-            control: match control {
-                Some(slots) => FluxControl {
-                    double: (0..cfg.depth)
-                        .map(|i| {
-                            slots
-                                .input
-                                .contains(&i)
-                                .then(|| residual(format!("ctrl_in.{i}")))
-                                .transpose()
-                        })
-                        .collect::<Result<_, _>>()?,
-                    single: if slots.output {
-                        (0..cfg.depth_single.min(flux_control::MAIN_SINGLE))
-                            .map(|i| residual(format!("ctrl_out.{i}")).map(Some))
-                            .collect::<Result<_, _>>()?
-                    } else {
-                        Vec::new()
-                    },
+        let pe = g.input(
+            "pe",
+            &[1, tokens + gh * gw + ref_patches, cfg.head_dim / 2, 2, 2],
+        )?;
+        let mut inputs = FluxInputs::text(g, cfg, batch, (tokens, dim), pe)?;
+        inputs.guidance_on = if cfg.guidance && cfg.approximator.is_none() {
+            Some(g.input("guidance_on", &[batch])?)
+        } else {
+            None
+        };
+        inputs.chroma_index = if cfg.approximator.is_some() {
+            Some(g.input("chroma_index", &[CHROMA_MODULATIONS, 32])?)
+        } else {
+            None
+        };
+        inputs.refs = refs
+            .iter()
+            .enumerate()
+            .map(|(i, &(rh, rw))| g.input(&format!("ref.{i}"), &[batch, cfg.out_channels, rh, rw]))
+            .collect::<Result<_, _>>()?;
+        inputs.control = match control {
+            Some(slots) => FluxControl {
+                double: (0..cfg.depth)
+                    .map(|i| {
+                        slots
+                            .input
+                            .contains(&i)
+                            .then(|| residual(format!("ctrl_in.{i}")))
+                            .transpose()
+                    })
+                    .collect::<Result<_, _>>()?,
+                single: if slots.output {
+                    (0..cfg.depth_single.min(flux_control::MAIN_SINGLE))
+                        .map(|i| residual(format!("ctrl_out.{i}")).map(Some))
+                        .collect::<Result<_, _>>()?
+                } else {
+                    Vec::new()
                 },
-                None => FluxControl::default(),
             },
+            None => FluxControl::default(),
         };
         flux(g, cfg, &self.prefix, x, inputs, &self.skip_layers)
     }

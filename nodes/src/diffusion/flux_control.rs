@@ -395,32 +395,15 @@ pub fn program(
     let g = GraphBuilder::new();
     let outs = (|| {
         let x = g.input("x", &[rows, cfg.in_channels, h, w])?;
-        let inputs = FluxInputs {
-            t: g.input("t", &[rows])?,
-            context: g.input("context", &[rows, tokens, dim])?,
-            y: if cfg.vec_in > 0 {
-                Some(g.input("pooled", &[rows, cfg.vec_in])?)
-            } else {
-                None
-            },
-            guidance: if cfg.guidance {
-                Some(g.input("guidance", &[rows])?)
-            } else {
-                None
-            },
-            guidance_on: None,
-            pe: if modes > 0 {
-                g.input(
-                    "pe_control",
-                    &[1, tokens + modes + gh * gw, cfg.head_dim / 2, 2, 2],
-                )?
-            } else {
-                g.input("pe", &[1, tokens + gh * gw, cfg.head_dim / 2, 2, 2])?
-            },
-            chroma_index: None,
-            refs: Vec::new(),
-            control: Default::default(),
+        let pe = if modes > 0 {
+            g.input(
+                "pe_control",
+                &[1, tokens + modes + gh * gw, cfg.head_dim / 2, 2, 2],
+            )?
+        } else {
+            g.input("pe", &[1, tokens + gh * gw, cfg.head_dim / 2, 2, 2])?
         };
+        let inputs = FluxInputs::text(&g, cfg, rows, (tokens, dim), pe)?;
         let hint = if f.latent() {
             g.input("hint", &[hint_batch, cfg.in_channels, h, w])?
         } else {

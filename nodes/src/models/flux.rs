@@ -543,6 +543,41 @@ pub struct FluxInputs<'a> {
     pub control: FluxControl<'a>,
 }
 
+impl<'a> FluxInputs<'a> {
+    /// The inputs every Flux-shaped network takes for `rows` rows of a
+    /// `[tokens, dim]` context: `t`, `context`, `pooled` where the
+    /// network has a vector input and `guidance` where it is guided; the
+    /// rest unset (no guidance switch, Chroma table, references or
+    /// ControlNet) for the caller to fill.
+    pub fn text(
+        g: &'a GraphBuilder,
+        cfg: &FluxConfig,
+        rows: usize,
+        (tokens, dim): (usize, usize),
+        pe: T<'a>,
+    ) -> Result<Self, ShapeError> {
+        Ok(FluxInputs {
+            t: g.input("t", &[rows])?,
+            context: g.input("context", &[rows, tokens, dim])?,
+            y: if cfg.vec_in > 0 {
+                Some(g.input("pooled", &[rows, cfg.vec_in])?)
+            } else {
+                None
+            },
+            guidance: if cfg.guidance {
+                Some(g.input("guidance", &[rows])?)
+            } else {
+                None
+            },
+            guidance_on: None,
+            pe,
+            chroma_index: None,
+            refs: Vec::new(),
+            control: FluxControl::default(),
+        })
+    }
+}
+
 /// The ControlNet residuals a Flux model adds (ComfyUI's control
 /// "input" and "output" lists), each `[b, image tokens, hidden]`: after
 /// double block `i`, `double[i]` onto the first image tokens; after single
