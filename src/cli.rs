@@ -42,6 +42,9 @@ pub enum Command {
     /// Serve ComfyUI's HTTP/WebSocket API (and a front-end folder) for
     /// ComfyUI's front end and API clients.
     Serve(crate::serve::ServeArgs),
+    /// Run a cluster's prompts: take them from the Redis that `sdkit serve
+    /// --queue` puts them in, and report back through it.
+    Worker(crate::serve::worker::WorkerArgs),
     /// Check a workflow file; exits 0 when valid, 2 when not.
     Validate {
         file: PathBuf,
@@ -287,6 +290,7 @@ pub fn main(cli: Cli) -> Result<i32> {
         Command::Run(args) => run_command(args),
         Command::Watch(args) => crate::watch::watch(args),
         Command::Serve(args) => crate::serve::serve(args),
+        Command::Worker(args) => crate::serve::worker::worker(args),
         Command::Validate { file, dirs, format } => validate_command(&file, &dirs, format),
         Command::Nodes { dirs } => {
             let lib = sdkit_nodes::library();

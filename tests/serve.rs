@@ -2,11 +2,14 @@
 //! requests and a real WebSocket client against a running server process,
 //! with weightless workflows (image nodes only).
 
+mod support;
+
 use serde_json::{json, Value as Json};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::http::*;
 
 struct Server {
     child: Child,
@@ -51,131 +54,6 @@ fn start(extra: &[&str]) -> Server {
         .to_string();
     assert!(addr.contains(':'), "unexpected first line {line:?}");
     Server { child, addr, base }
-}
-
-struct Reply {
-    status: u16,
-    headers: String,
-    body: Vec<u8>,
-}
-
-impl Reply {
-    fn json(&self) -> Json {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
-    }
-}
-
-/// One HTTP/1.1 request on a fresh connection.
-fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        req.push_str(&format!("Host: {addr}\r\n"));
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).expect("write");
-    s.write_all(body).expect("write body");
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("header end");
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("status");
-    let mut body = raw[split + 4..].to_vec();
-    if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        body = dechunk(&body);
-    }
-    Reply {
-        status,
-        headers: head,
-        body,
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
-        let n = usize::from_str_radix(String::from_utf8_lossy(&b[..eol]).trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.extend_from_slice(&b[eol + 2..eol + 2 + n]);
-        b = &b[eol + 2 + n + 2..];
-    }
-    out
-}
-
-fn get(addr: &str, path: &str) -> Reply {
-    http(addr, "GET", path, &[], b"")
-}
-
-fn post_json(addr: &str, path: &str, body: &Json) -> Reply {
-    http(
-        addr,
-        "POST",
-        path,
-        &[("Content-Type", "application/json")],
-        body.to_string().as_bytes(),
-    )
-}
-
-type Ws = tungstenite::WebSocket<TcpStream>;
-
-fn ws_connect(addr: &str, client_id: &str) -> Ws {
-    let stream = TcpStream::connect(addr).expect("connect");
-    stream.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    let url = format!("ws://{addr}/ws?clientId={client_id}");
-    let (ws, _) = tungstenite::client(url.as_str(), stream).expect("handshake");
-    ws
-}
-
-fn ws_next(ws: &mut Ws) -> Json {
-    loop {
-        match ws.read().expect("ws message") {
-            tungstenite::Message::Text(t) => {
-                return serde_json::from_str(t.as_str()).expect("json")
-            }
-            tungstenite::Message::Close(_) => panic!("closed"),
-            _ => {}
-        }
-    }
-}
-
-/// Messages for `prompt_id` until its run ends (`executing` with a null
-/// node), skipping `status`.
-fn ws_until_done(ws: &mut Ws, prompt_id: &str) -> Vec<Json> {
-    let mut out = Vec::new();
-    loop {
-        let m = ws_next(ws);
-        if m["type"] == "status" || m["type"] == "feature_flags" {
-            continue;
-        }
-        if m["data"]["prompt_id"] != prompt_id {
-            continue;
-        }
-        let done = m["type"] == "executing" && m["data"]["node"].is_null();
-        out.push(m);
-        if done {
-            return out;
-        }
-    }
 }
 
 /// EmptyImage → ImageInvert → SaveImage.

@@ -6,17 +6,27 @@
 //! through the shared [`Executor`], so a re-queued edit re-runs only the
 //! nodes whose inputs changed, and weights stay resident between prompts.
 //!
-//! Layout: [`queue`] (pending/running/history and the worker), [`ws`]
+//! With `--queue redis://…` the queue and history live in Redis and
+//! `sdkit worker` processes run the prompts ([`cluster`], [`worker`]); any
+//! number of API processes can then serve the same cluster.
+//!
+//! Layout: [`queue`] (pending/running/history and the worker), [`backend`]
+//! (that queue or the cluster's, behind one interface), [`prompt_run`]
+//! (one prompt's run and its messages), [`ws`]
 //! (clients and message fan-out), [`files`] (`/view`, `/upload/image`,
 //! `/userdata`, the front-end folder; every path confined to its base),
 //! [`routes`] (the router, the Host/Origin check and the JSON routes),
 //! [`templates`] (sdkit's example workflows as the front end's templates).
 
+mod backend;
+mod cluster;
 mod files;
 mod jobs;
+mod prompt_run;
 mod queue;
 mod routes;
 mod templates;
+pub mod worker;
 mod ws;
 
 use crate::cli::DirArgs;
@@ -73,6 +83,24 @@ pub struct ServeArgs {
         default_value = "auto"
     )]
     pub preview_method: String,
+    /// Keep the queue and history in Redis and let `sdkit worker`s run the
+    /// prompts (a cluster; several API processes may share one Redis).
+    /// Without it this process runs them itself.
+    #[arg(long, value_name = "redis://HOST:PORT[/DB]")]
+    pub queue: Option<String>,
+}
+
+/// `--preview-method`.
+pub fn preview_method(s: &str) -> Result<sdkit_engine::event::PreviewMethod> {
+    use sdkit_engine::event::PreviewMethod;
+    Ok(match s {
+        "auto" | "taesd" => PreviewMethod::Taesd,
+        "latent2rgb" => PreviewMethod::Latent2Rgb,
+        "none" => PreviewMethod::None,
+        other => {
+            anyhow::bail!("--preview-method {other:?}: expected auto, taesd, latent2rgb or none")
+        }
+    })
 }
 
 /// Which `Host` headers the server answers. Bound to loopback, only
@@ -117,35 +145,18 @@ pub struct Server {
     pub front_end: Option<PathBuf>,
     pub max_body: usize,
     pub hosts: HostPolicy,
-    pub queue: queue::Queue,
-    pub clients: ws::Clients,
+    pub queue: backend::Backend,
+    pub clients: Arc<ws::Clients>,
     /// How samplers preview ([`ServeArgs::preview_method`]).
     pub preview: sdkit_engine::event::PreviewMethod,
 }
 
 impl Server {
-    pub fn new(
-        exec: Executor,
-        lib: Arc<NodeLibrary>,
-        user_dir: PathBuf,
-        front_end: Option<PathBuf>,
-        max_body: usize,
-        hosts: HostPolicy,
-        preview: sdkit_engine::event::PreviewMethod,
-    ) -> Arc<Server> {
-        let paths = Arc::clone(exec.paths());
-        Arc::new(Server {
-            exec: Arc::new(exec),
-            lib,
-            paths,
-            user_dir,
-            front_end,
-            max_body,
-            hosts,
-            queue: queue::Queue::default(),
-            clients: ws::Clients::default(),
-            preview,
-        })
+    /// Tells every client the queue's size.
+    pub async fn broadcast_status(&self) {
+        if let Ok(info) = self.queue.info().await {
+            self.clients.broadcast_status(info);
+        }
     }
 }
 
@@ -176,8 +187,15 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
         }
     }
     let lib = Arc::new(sdkit_nodes::library());
+    // A cluster's API process runs nothing: its executor never touches a
+    // GPU.
+    let device = if args.queue.is_some() {
+        "cpu"
+    } else {
+        args.device.as_str()
+    };
     let exec = crate::cli::make_executor(
-        &args.device,
+        device,
         args.vram_budget.as_deref(),
         args.precision,
         args.tune,
@@ -186,33 +204,51 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
     )?;
     let max_body = (args.max_upload_size * 1024.0 * 1024.0).max(0.0) as usize;
     let hosts = HostPolicy::for_listen(&args.listen, &args.allow_hosts);
-    use sdkit_engine::event::PreviewMethod;
-    let preview = match args.preview_method.as_str() {
-        "auto" | "taesd" => PreviewMethod::Taesd,
-        "latent2rgb" => PreviewMethod::Latent2Rgb,
-        "none" => PreviewMethod::None,
-        other => {
-            anyhow::bail!("--preview-method {other:?}: expected auto, taesd, latent2rgb or none")
-        }
-    };
-    let server = Server::new(
-        exec,
-        lib,
-        user_dir,
-        args.front_end.clone(),
-        max_body,
-        hosts,
-        preview,
-    );
+    let preview = preview_method(&args.preview_method)?;
     let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     rt.block_on(async move {
+        let (queue, local) = match &args.queue {
+            Some(url) => {
+                let store = Arc::new(cluster::connect(url).await?);
+                (backend::Backend::Redis(store), None)
+            }
+            None => {
+                let q = Arc::new(queue::Queue::default());
+                (backend::Backend::Local(Arc::clone(&q)), Some(q))
+            }
+        };
+        let paths = Arc::clone(exec.paths());
+        let server = Arc::new(Server {
+            exec: Arc::new(exec),
+            lib,
+            paths,
+            user_dir,
+            front_end: args.front_end.clone(),
+            max_body,
+            hosts,
+            queue,
+            clients: Arc::default(),
+            preview,
+        });
         let listener = tokio::net::TcpListener::bind((args.listen.as_str(), args.port))
             .await
             .with_context(|| format!("cannot listen on {}:{}", args.listen, args.port))?;
         let addr = listener.local_addr()?;
         // Tests and scripts read this line to find an ephemeral port.
         println!("sdkit serve: listening on http://{addr}");
-        tokio::spawn(queue::worker(Arc::clone(&server)));
+        match (&local, &server.queue) {
+            (Some(q), _) => drop(tokio::spawn(queue::worker(
+                Arc::clone(&server),
+                Arc::clone(q),
+            ))),
+            (None, backend::Backend::Redis(store)) => {
+                drop(tokio::spawn(cluster::relay(
+                    Arc::clone(&server),
+                    Arc::clone(store),
+                )));
+            }
+            (None, backend::Backend::Local(_)) => {}
+        }
         let app = routes::router(Arc::clone(&server));
         axum::serve(listener, app)
             .with_graceful_shutdown(async {
@@ -221,7 +257,9 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
             .await
             .context("server failed")?;
         // Stop a run in progress so the process can exit promptly.
-        server.queue.interrupt(None);
+        if let Some(q) = &local {
+            q.interrupt(None);
+        }
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(0)

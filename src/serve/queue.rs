@@ -4,14 +4,15 @@
 //! 10 000 prompts in completion order, `/free` requests applied between
 //! runs.
 
+use super::prompt_run::{run_prompt, Finished, Outbox, RunParts};
 use super::Server;
-use sdkit_engine::{CancelToken, Event, EventSink, Graph, RunError, RunOptions};
+use sdkit_engine::{CancelToken, Graph};
 use serde_json::{json, Map, Value as Json};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::Notify;
 
 /// ComfyUI's MAXIMUM_HISTORY_SIZE.
-const MAX_HISTORY: usize = 10_000;
+pub const MAX_HISTORY: usize = 10_000;
 /// extra_data keys never kept in the history (ComfyUI's
 /// SENSITIVE_EXTRA_DATA_KEYS).
 const SENSITIVE: &[&str] = &["auth_token_comfy_org", "api_key_comfy_org"];
@@ -24,8 +25,11 @@ pub struct Item {
     pub extra_data: Map<String, Json>,
     /// Output node ids, as ComfyUI's `outputs_to_execute`.
     pub outputs: Vec<String>,
-    pub graph: Arc<Graph>,
-    seq: u64,
+    /// The validated graph; None for an item read back from a cluster's
+    /// store (its worker validates the prompt again).
+    pub graph: Option<Arc<Graph>>,
+    /// Arrival order among equal numbers.
+    pub seq: u64,
 }
 
 impl Item {
@@ -47,21 +51,61 @@ impl Item {
             prompt,
             extra_data,
             outputs,
-            graph: Arc::new(graph),
+            graph: Some(Arc::new(graph)),
             seq: 0,
         }
     }
 
     pub fn client_id(&self) -> Option<String> {
-        self.extra_data
-            .get("client_id")
-            .and_then(Json::as_str)
-            .filter(|s| !s.is_empty())
-            .map(str::to_string)
+        super::prompt_run::client_id(&self.extra_data)
+    }
+
+    /// The item as a cluster stores it (no graph).
+    pub fn record(&self) -> Json {
+        json!({
+            "number": self.number,
+            "prompt_id": self.prompt_id,
+            "prompt": self.prompt,
+            "extra_data": self.extra_data,
+            "outputs": self.outputs,
+            "seq": self.seq,
+        })
+    }
+
+    /// An item from [`Item::record`]'s form.
+    pub fn from_record(v: &Json) -> Option<Item> {
+        Some(Item {
+            number: v.get("number")?.as_f64()?,
+            prompt_id: v.get("prompt_id")?.as_str()?.to_string(),
+            prompt: v.get("prompt")?.clone(),
+            extra_data: v.get("extra_data")?.as_object()?.clone(),
+            outputs: v
+                .get("outputs")?
+                .as_array()?
+                .iter()
+                .filter_map(|o| o.as_str().map(str::to_string))
+                .collect(),
+            graph: None,
+            seq: v.get("seq").and_then(Json::as_u64).unwrap_or(0),
+        })
+    }
+
+    /// Its history entry once it ended with `done`; credentials in
+    /// `extra_data` are left out.
+    pub fn history_entry(mut self, done: Finished) -> Json {
+        for k in SENSITIVE {
+            self.extra_data.remove(*k);
+        }
+        json!({
+            "prompt": self.to_json(),
+            "outputs": done.outputs,
+            "status": done.status,
+            "meta": done.meta,
+        })
     }
 
     /// `[number, prompt_id, prompt, extra_data, outputs_to_execute]`.
-    fn to_json(&self) -> Json {
+    pub fn to_json(&self) -> Json {
         json!([
             number_json(self.number),
             self.prompt_id,
@@ -304,25 +348,14 @@ impl Queue {
     }
 
     /// Moves the first pending prompt to running.
-    fn start_next(&self) -> Option<(Arc<Graph>, RunOptionsParts)> {
+    fn start_next(&self) -> Option<(Arc<Graph>, RunParts)> {
         let mut q = self.lock();
-        if q.pending.is_empty() {
-            return None;
-        }
-        let item = q.pending.remove(0);
+        // Local items always carry their graph.
+        let at = q.pending.iter().position(|i| i.graph.is_some())?;
+        let item = q.pending.remove(at);
         let cancel = CancelToken::new();
-        let parts = RunOptionsParts {
-            prompt_id: item.prompt_id.clone(),
-            client: item.client_id(),
-            extra_pnginfo: item
-                .extra_data
-                .get("extra_pnginfo")
-                .and_then(Json::as_object)
-                .cloned()
-                .unwrap_or_default(),
-            cancel: cancel.clone(),
-        };
-        let graph = Arc::clone(&item.graph);
+        let parts = RunParts::new(&item.prompt_id, &item.extra_data, cancel.clone());
+        let graph = Arc::clone(item.graph.as_ref()?);
         q.running = Some(Running {
             item,
             cancel,
@@ -333,213 +366,60 @@ impl Queue {
     }
 
     /// Ends the running prompt with its history entry.
-    fn finish(&self, outputs: Json, status: Json, meta: Json) {
+    fn finish(&self, done: Finished) {
         let mut q = self.lock();
         let Some(r) = q.running.take() else {
             return;
         };
-        let mut item = r.item;
-        for k in SENSITIVE {
-            item.extra_data.remove(*k);
-        }
+        let item = r.item;
         while q.history.len() >= MAX_HISTORY {
             let Some(oldest) = q.history.keys().next().cloned() else {
                 break;
             };
             q.history.shift_remove(&oldest);
         }
-        q.history.insert(
-            item.prompt_id.clone(),
-            json!({
-                "prompt": item.to_json(),
-                "outputs": outputs,
-                "status": status,
-                "meta": meta,
-            }),
-        );
+        q.history
+            .insert(item.prompt_id.clone(), item.history_entry(done));
     }
-}
-
-/// ComfyUI's `--preview-size` default: previews are scaled to fit it.
-const PREVIEW_SIZE: u32 = 512;
-
-/// A preview as JPEG (quality 95), scaled to fit PREVIEW_SIZE² keeping
-/// its aspect ratio as ComfyUI's `ImageOps.contain(..., BILINEAR)` does
-/// (Pillow's resampling, bit for bit).
-fn preview_jpeg(p: &sdkit_engine::event::PreviewImage) -> Option<Vec<u8>> {
-    use sdkit_nodes::imageops::{pil_contain_size, pil_resize_rgb, PilFilter};
-    let (w, h) = (p.width as usize, p.height as usize);
-    if w == 0 || h == 0 || p.rgb.len() != w * h * 3 {
-        return None;
-    }
-    let (nw, nh) = pil_contain_size(w, h, PREVIEW_SIZE as usize);
-    let px = pil_resize_rgb(&p.rgb, w, h, nw.max(1), nh.max(1), PilFilter::Bilinear);
-    let img = image::RgbImage::from_raw(nw.max(1) as u32, nh.max(1) as u32, px)?;
-    let mut out = Vec::new();
-    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 95)
-        .encode_image(&img)
-        .ok()?;
-    Some(out)
-}
-
-struct RunOptionsParts {
-    prompt_id: String,
-    client: Option<String>,
-    extra_pnginfo: Map<String, Json>,
-    cancel: CancelToken,
 }
 
 /// Drains the queue forever, one prompt at a time.
-pub async fn worker(server: Arc<Server>) {
+pub async fn worker(server: Arc<Server>, queue: Arc<Queue>) {
     loop {
-        apply_free(&server);
-        let Some((graph, parts)) = server.queue.start_next() else {
-            server.queue.wake.notified().await;
+        apply_free(&server, &queue);
+        let Some((graph, parts)) = queue.start_next() else {
+            queue.wake.notified().await;
             continue;
         };
-        server.clients.broadcast_status(&server.queue);
-        run_one(&server, &graph, parts).await;
-        server.clients.broadcast_status(&server.queue);
-    }
-}
-
-fn apply_free(server: &Server) {
-    let (unload, free) = server.queue.take_free();
-    if unload || free {
-        // Cached node outputs hold the models; dropping them and the
-        // device's resident weights gives the memory back.
-        server.exec.clear_cache();
-        server.exec.runtime().free();
-        tracing::info!("freed cached models and device memory");
-    }
-}
-
-async fn run_one(server: &Arc<Server>, graph: &Graph, parts: RunOptionsParts) {
-    let messages: Arc<Mutex<Vec<Json>>> = Arc::default();
-    let events: EventSink = {
-        let server = Arc::clone(server);
-        let messages = Arc::clone(&messages);
-        let client = parts.client.clone();
-        Arc::new(move |ev: &Event| {
-            let Ok(msg) = serde_json::to_value(ev) else {
-                return;
-            };
-            let data = msg.get("data").cloned().unwrap_or(Json::Null);
-            match ev {
-                Event::ExecutionStart { .. }
-                | Event::ExecutionCached { .. }
-                | Event::ExecutionSuccess { .. }
-                | Event::ExecutionError { .. }
-                | Event::ExecutionInterrupted { .. } => {
-                    if let Ok(mut m) = messages.lock() {
-                        m.push(json!([ev.name(), data]));
-                    }
-                }
-                Event::Executing { node, .. } => server.queue.set_last_node(node.clone()),
-                Event::Preview {
-                    prompt_id,
-                    node,
-                    image,
-                } => {
-                    // Pixels go out as a binary frame, never as JSON; the
-                    // encoding (a few ms) is skipped when nobody listens.
-                    if !server.clients.any_for(client.as_deref()) {
-                        return;
-                    }
-                    if let Some(jpeg) = preview_jpeg(image) {
-                        let meta = json!({
-                            "node_id": node, "prompt_id": prompt_id, "display_node_id": node,
-                            "parent_node_id": null, "real_node_id": node,
-                        });
-                        server.clients.send_preview(client.as_deref(), &jpeg, &meta);
-                    }
-                    return;
-                }
-                _ => {}
-            }
-            server.clients.send(client.as_deref(), msg);
-            if let Event::Progress {
-                value,
-                max,
-                prompt_id,
-                node,
-            } = ev
-            {
-                // The newer front ends read per-node progress from this.
-                let state = json!({
-                    "type": "progress_state",
-                    "data": {"prompt_id": prompt_id, "nodes": {node: {
-                        "value": value, "max": max, "state": "running", "node_id": node,
-                        "prompt_id": prompt_id, "display_node_id": node,
-                        "parent_node_id": null, "real_node_id": node,
-                    }}},
-                });
-                server.clients.send(client.as_deref(), state);
-            }
-        })
-    };
-    let opts = RunOptions {
-        prompt_id: parts.prompt_id.clone(),
-        extra_pnginfo: parts.extra_pnginfo,
-        events,
-        cancel: parts.cancel,
-        preview: server.preview,
-    };
-    let result = server.exec.run(graph, opts).await;
-    let (outputs, ok) = match &result {
-        Ok(report) => (
-            Json::Object(
-                report
-                    .outputs
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
-            ),
-            true,
-        ),
-        Err(e) => {
-            match e {
-                RunError::Interrupted => tracing::info!("prompt {} interrupted", parts.prompt_id),
-                RunError::Node { .. } => tracing::warn!("prompt {}: {e}", parts.prompt_id),
-            }
-            (json!({}), false)
-        }
-    };
-    let meta: Map<String, Json> = outputs
-        .as_object()
-        .map(|o| {
-            o.keys()
-                .map(|k| {
-                    (
-                        k.clone(),
-                        json!({"node_id": k, "display_node": k, "parent_node": null, "real_node_id": k}),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let messages = messages.lock().map(|m| m.clone()).unwrap_or_default();
-    let status = json!({
-        "status_str": if ok { "success" } else { "error" },
-        "completed": ok,
-        "messages": messages,
-    });
-    server.queue.finish(outputs, status, Json::Object(meta));
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn previews_become_jpeg_scaled_to_fit() {
-        let p = sdkit_engine::event::PreviewImage {
-            width: 16,
-            height: 8,
-            rgb: Arc::new(vec![200; 16 * 8 * 3]),
+        server.broadcast_status().await;
+        let on_node: Arc<dyn Fn(Option<String>) + Send + Sync> = {
+            let queue = Arc::clone(&queue);
+            Arc::new(move |node| queue.set_last_node(node))
         };
-        let jpeg = preview_jpeg(&p).expect("encodes");
-        let img = image::load_from_memory(&jpeg).expect("decodes");
-        assert_eq!((img.width(), img.height()), (512, 256));
+        let outbox: Arc<dyn Outbox> = server.clients.clone();
+        let client = parts.client.clone();
+        let mut done =
+            run_prompt(&server.exec, &graph, parts, outbox, server.preview, on_node).await;
+        let last = done.last.take();
+        queue.finish(done);
+        if let Some(m) = last {
+            server.clients.send(client.as_deref(), m);
+        }
+        server.broadcast_status().await;
     }
+}
+
+fn apply_free(server: &Server, queue: &Queue) {
+    let (unload, free) = queue.take_free();
+    if unload || free {
+        free_now(&server.exec);
+    }
+}
+
+/// `/free`: cached node outputs hold the models; dropping them and the
+/// device's resident weights gives the memory back.
+pub fn free_now(exec: &sdkit_engine::Executor) {
+    exec.clear_cache();
+    exec.runtime().free();
+    tracing::info!("freed cached models and device memory");
 }

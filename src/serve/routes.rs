@@ -32,6 +32,19 @@ pub fn status(s: StatusCode) -> Response {
     s.into_response()
 }
 
+/// 503 for a queue that cannot be reached (a cluster's Redis).
+pub fn unavailable(msg: &str) -> Response {
+    (StatusCode::SERVICE_UNAVAILABLE, msg.to_string()).into_response()
+}
+
+/// A queue answer as JSON, or 503.
+fn answer(r: Result<Json, String>) -> Response {
+    match r {
+        Ok(v) => JsonBody(v).into_response(),
+        Err(m) => unavailable(&m),
+    }
+}
+
 /// 400 with a message (ComfyUI answers malformed requests with text).
 pub fn bad_request(msg: &str) -> Response {
     (StatusCode::BAD_REQUEST, msg.to_string()).into_response()
@@ -242,12 +255,12 @@ async fn get_features(State(server): State<Arc<Server>>) -> JsonBody<Json> {
     JsonBody(features(&server))
 }
 
-async fn get_prompt(State(server): State<Arc<Server>>) -> JsonBody<Json> {
-    JsonBody(server.queue.info())
+async fn get_prompt(State(server): State<Arc<Server>>) -> Response {
+    answer(server.queue.info().await)
 }
 
-async fn get_queue(State(server): State<Arc<Server>>) -> JsonBody<Json> {
-    JsonBody(server.queue.to_json())
+async fn get_queue(State(server): State<Arc<Server>>) -> Response {
+    answer(server.queue.to_json().await)
 }
 
 fn string_list(v: Option<&Json>) -> Vec<String> {
@@ -266,13 +279,17 @@ async fn post_queue(State(server): State<Arc<Server>>, body: Bytes) -> Response 
         Err(m) => return bad_request(&m),
     };
     if v.get("clear").and_then(Json::as_bool) == Some(true) {
-        server.queue.clear_pending();
+        if let Err(m) = server.queue.clear_pending().await {
+            return unavailable(&m);
+        }
     }
     let ids = string_list(v.get("delete"));
     if !ids.is_empty() {
-        server.queue.delete_pending(&ids);
+        if let Err(m) = server.queue.delete_pending(&ids).await {
+            return unavailable(&m);
+        }
     }
-    server.clients.broadcast_status(&server.queue);
+    server.broadcast_status().await;
     status(StatusCode::OK)
 }
 
@@ -293,30 +310,35 @@ async fn get_history(
         (Ok(m), Ok(o)) => (m, o),
         (Err(m), _) | (_, Err(m)) => return bad_request(&m),
     };
-    JsonBody(server.queue.history(max_items, offset)).into_response()
+    answer(server.queue.history(max_items, offset).await)
 }
 
 async fn get_history_one(
     State(server): State<Arc<Server>>,
     UrlPath(id): UrlPath<String>,
-) -> JsonBody<Json> {
-    JsonBody(server.queue.history_one(&id))
+) -> Response {
+    answer(server.queue.history_one(&id).await)
 }
 
 async fn get_jobs(
     State(server): State<Arc<Server>>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    match super::jobs::list(server.queue.job_records(), &q) {
+    let records = match server.queue.job_records().await {
+        Ok(r) => r,
+        Err(m) => return unavailable(&m),
+    };
+    match super::jobs::list(records, &q) {
         Ok(v) => JsonBody(v).into_response(),
         Err(m) => (StatusCode::BAD_REQUEST, JsonBody(json!({"error": m}))).into_response(),
     }
 }
 
 async fn get_job(State(server): State<Arc<Server>>, UrlPath(id): UrlPath<String>) -> Response {
-    match server.queue.job_detail(&id) {
-        Some(v) => JsonBody(v).into_response(),
-        None => (
+    match server.queue.job_detail(&id).await {
+        Err(m) => unavailable(&m),
+        Ok(Some(v)) => JsonBody(v).into_response(),
+        Ok(None) => (
             StatusCode::NOT_FOUND,
             JsonBody(json!({"error": format!("job {id} not found")})),
         )
@@ -330,18 +352,28 @@ async fn post_history(State(server): State<Arc<Server>>, body: Bytes) -> Respons
         Err(m) => return bad_request(&m),
     };
     if v.get("clear").and_then(Json::as_bool) == Some(true) {
-        server.queue.clear_history();
+        if let Err(m) = server.queue.delete_history(None).await {
+            return unavailable(&m);
+        }
     }
-    server.queue.delete_history(&string_list(v.get("delete")));
-    status(StatusCode::OK)
+    match server
+        .queue
+        .delete_history(Some(&string_list(v.get("delete"))))
+        .await
+    {
+        Ok(()) => status(StatusCode::OK),
+        Err(m) => unavailable(&m),
+    }
 }
 
 async fn post_interrupt(State(server): State<Arc<Server>>, body: Bytes) -> Response {
     // A body that is not JSON means a global interrupt, as in ComfyUI.
     let v: Json = serde_json::from_slice(&body).unwrap_or(json!({}));
     let id = v.get("prompt_id").and_then(Json::as_str);
-    server.queue.interrupt(id);
-    status(StatusCode::OK)
+    match server.queue.interrupt(id).await {
+        Ok(()) => status(StatusCode::OK),
+        Err(m) => unavailable(&m),
+    }
 }
 
 async fn post_free(State(server): State<Arc<Server>>, body: Bytes) -> Response {
@@ -350,10 +382,14 @@ async fn post_free(State(server): State<Arc<Server>>, body: Bytes) -> Response {
         Err(m) => return bad_request(&m),
     };
     let flag = |k: &str| v.get(k).and_then(Json::as_bool).unwrap_or(false);
-    server
+    match server
         .queue
-        .request_free(flag("unload_models"), flag("free_memory"));
-    status(StatusCode::OK)
+        .request_free(flag("unload_models"), flag("free_memory"))
+        .await
+    {
+        Ok(()) => status(StatusCode::OK),
+        Err(m) => unavailable(&m),
+    }
 }
 
 async fn get_object_info(State(server): State<Arc<Server>>) -> JsonBody<Json> {
@@ -524,10 +560,6 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
         );
         return prompt_error("invalid_prompt", &msg, &msg, json!({}));
     }
-    let number = server.queue.number(
-        v.get("number").and_then(Json::as_f64),
-        v.get("front").and_then(Json::as_bool).unwrap_or(false),
-    );
     let prompt_id = match v.get("prompt_id") {
         Some(Json::String(s)) if !s.is_empty() => s.clone(),
         _ => sdkit_engine::exec::new_prompt_id(),
@@ -566,14 +598,24 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
     // ComfyUI answers: 200 with their `node_errors`, the rest queued.
     let dropped: Vec<&Diagnostic> = graph.dropped.iter().collect();
     let (node_errors, _) = node_errors(&server, &prompt, &dropped);
-    server.queue.push(Item::new(
-        number,
-        prompt_id.clone(),
-        prompt,
-        extra_data,
-        graph,
-    ));
-    server.clients.broadcast_status(&server.queue);
+    // Numbered once valid, as ComfyUI does.
+    let number = match server
+        .queue
+        .number(
+            v.get("number").and_then(Json::as_f64),
+            v.get("front").and_then(Json::as_bool).unwrap_or(false),
+        )
+        .await
+    {
+        Ok(n) => n,
+        Err(m) => return unavailable(&m),
+    };
+    let models = super::worker::model_files(&graph, &server.lib);
+    let item = Item::new(number, prompt_id.clone(), prompt, extra_data, graph);
+    if let Err(m) = server.queue.push(item, models).await {
+        return prompt_error("invalid_prompt", &m, &m, json!({}));
+    }
+    server.broadcast_status().await;
     JsonBody(
         json!({"prompt_id": prompt_id, "number": number_json(number), "node_errors": node_errors}),
     )
@@ -581,7 +623,7 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
 }
 
 /// Total and available memory from /proc/meminfo (0 where unknown).
-fn memory() -> (u64, u64) {
+pub fn memory() -> (u64, u64) {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let field = |name: &str| -> u64 {
         text.lines()
@@ -606,6 +648,38 @@ async fn system_stats(State(server): State<Arc<Server>>) -> JsonBody<Json> {
         (budget, budget.saturating_sub(rt.resident_bytes()))
     };
     let argv: Vec<String> = std::env::args().collect();
+    let mut devices = vec![json!({
+        "name": rt.describe(),
+        "type": if rt.is_cpu() { "cpu" } else { "wgpu" },
+        "index": 0,
+        "vram_total": vram_total,
+        "vram_free": vram_free,
+        "torch_vram_total": 0,
+        "torch_vram_free": 0,
+    })];
+    // A cluster's devices are its workers'.
+    if let super::backend::Backend::Redis(store) = &server.queue {
+        devices = store
+            .workers()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| {
+                json!({
+                    "name": format!("{}: {}", w.id, w.device),
+                    "type": "worker",
+                    "index": i,
+                    "vram_total": w.vram_total,
+                    "vram_free": w.vram_free,
+                    "torch_vram_total": 0,
+                    "torch_vram_free": 0,
+                    "state": w.state,
+                    "jobs_done": w.jobs_done,
+                })
+            })
+            .collect();
+    }
     JsonBody(json!({
         "system": {
             "os": std::env::consts::OS,
@@ -618,15 +692,7 @@ async fn system_stats(State(server): State<Arc<Server>>) -> JsonBody<Json> {
             "embedded_python": false,
             "argv": argv,
         },
-        "devices": [{
-            "name": rt.describe(),
-            "type": if rt.is_cpu() { "cpu" } else { "wgpu" },
-            "index": 0,
-            "vram_total": vram_total,
-            "vram_free": vram_free,
-            "torch_vram_total": 0,
-            "torch_vram_free": 0,
-        }],
+        "devices": devices,
     }))
 }
 

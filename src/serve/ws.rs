@@ -3,7 +3,6 @@
 //! messages of the prompts it queued; prompts queued without a client id
 //! are told to everyone, as ComfyUI does.
 
-use super::queue::Queue;
 use super::Server;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Query, State};
@@ -119,11 +118,9 @@ impl Clients {
         }
     }
 
-    pub fn broadcast_status(&self, queue: &Queue) {
-        self.send(
-            None,
-            json!({"type": "status", "data": {"status": queue.info()}}),
-        );
+    /// A `status` message (`info`: the queue's size) for everyone.
+    pub fn broadcast_status(&self, info: Json) {
+        self.send(None, json!({"type": "status", "data": {"status": info}}));
     }
 }
 
@@ -156,9 +153,14 @@ async fn client(socket: WebSocket, sid: String, server: Arc<Server>) {
             preview_metadata: false,
         },
     );
-    let hello = json!({"type": "status", "data": {"status": server.queue.info(), "sid": sid}});
+    let info = server
+        .queue
+        .info()
+        .await
+        .unwrap_or_else(|_| json!({"exec_info": {"queue_remaining": 0}}));
+    let hello = json!({"type": "status", "data": {"status": info, "sid": sid}});
     let _ = tx.try_send(Message::Text(hello.to_string().into()));
-    if let Some((prompt_id, Some(node))) = server.queue.running_for(&sid) {
+    if let Some((prompt_id, Some(node))) = server.queue.running_for(&sid).await {
         let msg = json!({"type": "executing", "data": {"node": node, "display_node": node, "prompt_id": prompt_id}});
         let _ = tx.try_send(Message::Text(msg.to_string().into()));
     }
@@ -212,4 +214,18 @@ async fn client(socket: WebSocket, sid: String, server: Arc<Server>) {
     }
     drop(tx);
     let _ = writer.await;
+}
+
+impl super::prompt_run::Outbox for Clients {
+    fn text(&self, client: Option<&str>, msg: Json) {
+        self.send(client, msg);
+    }
+
+    fn preview(&self, client: Option<&str>, jpeg: &[u8], meta: &Json) {
+        self.send_preview(client, jpeg, meta);
+    }
+
+    fn wants_previews(&self, client: Option<&str>) -> bool {
+        self.any_for(client)
+    }
 }

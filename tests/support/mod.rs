@@ -4,6 +4,7 @@
 //! comparing SaveLatent/SaveImage outputs with ComfyUI's.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod torch_save;
 
 use sdkit_compute::backend::wgpu::f32_to_f16_bits;
