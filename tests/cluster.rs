@@ -11,204 +11,10 @@ mod support;
 
 use serde_json::{json, Value as Json};
 use std::collections::{HashMap, HashSet};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use support::cluster::*;
 use support::http::*;
-
-/// Kills its process when dropped (a failing test leaves nothing running).
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn redis_binary() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
-        .map(|d| d.join("redis-server"))
-        .find(|p| p.is_file())
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-/// A RESP reply, as far as the test reads them.
-#[derive(Debug)]
-enum Resp {
-    Str(String),
-    Int(i64),
-    Nil,
-    List(Vec<Resp>),
-}
-
-impl Resp {
-    fn str(&self) -> Option<&str> {
-        match self {
-            Resp::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    fn list(&self) -> &[Resp] {
-        match self {
-            Resp::List(l) => l,
-            _ => &[],
-        }
-    }
-}
-
-fn read_resp(r: &mut BufReader<TcpStream>) -> Resp {
-    let mut line = String::new();
-    r.read_line(&mut line).expect("redis reply");
-    let (kind, rest) = line.trim_end().split_at(1);
-    match kind {
-        "+" => Resp::Str(rest.to_string()),
-        "-" => panic!("redis error: {rest}"),
-        ":" => Resp::Int(rest.parse().expect("integer")),
-        "$" => {
-            let n: i64 = rest.parse().expect("length");
-            if n < 0 {
-                return Resp::Nil;
-            }
-            let mut b = vec![0; n as usize + 2];
-            r.read_exact(&mut b).expect("bulk");
-            b.truncate(n as usize);
-            Resp::Str(String::from_utf8_lossy(&b).into_owned())
-        }
-        "*" => {
-            let n: i64 = rest.parse().expect("length");
-            Resp::List((0..n.max(0)).map(|_| read_resp(r)).collect())
-        }
-        other => panic!("unexpected redis reply {other}{rest}"),
-    }
-}
-
-/// One command on a fresh connection.
-fn redis(port: u16, args: &[&str]) -> Resp {
-    let s = TcpStream::connect(("127.0.0.1", port)).expect("redis connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok();
-    let mut req = format!("*{}\r\n", args.len());
-    for a in args {
-        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-    }
-    (&s).write_all(req.as_bytes()).expect("redis write");
-    read_resp(&mut BufReader::new(s))
-}
-
-fn start_redis(dir: &Path) -> Option<(Proc, u16)> {
-    let Some(bin) = redis_binary() else {
-        assert!(
-            std::env::var_os("SDKIT_REQUIRE_REDIS").is_none(),
-            "SDKIT_REQUIRE_REDIS is set but redis-server is not installed"
-        );
-        eprintln!(
-            "skipped: redis-server is not installed (set SDKIT_REQUIRE_REDIS to fail instead)"
-        );
-        return None;
-    };
-    let port = free_port();
-    let child = Command::new(bin)
-        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        .args(["--port", &port.to_string()])
-        .arg("--dir")
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("redis-server starts");
-    let proc = Proc(child);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "redis-server did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert_eq!(redis(port, &["PING"]).str(), Some("PONG"));
-    Some((proc, port))
-}
-
-/// Starts `sdkit` with `args`; returns it and its first stdout line.
-fn sdkit(args: &[String]) -> (Proc, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("sdkit starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("line");
-    (Proc(child), line)
-}
-
-fn common(base: &Path) -> Vec<String> {
-    ["--device", "cpu", "--precision", "f32", "--base-dir"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([base.display().to_string()])
-        .collect()
-}
-
-fn worker(queue: &str, base: &Path, name: &str) -> Proc {
-    let mut args: Vec<String> = ["worker", "--queue", queue, "--name", name]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(["--claim-timeout".into(), "3".into()]);
-    args.extend(common(base));
-    let (p, line) = sdkit(&args);
-    assert!(line.contains("connected"), "worker said {line:?}");
-    p
-}
-
-/// The tiny SD1 txt2img, one image, saving under `prefix`.
-fn prompt(seed: u64, prefix: &str) -> Json {
-    let mut p: Json = serde_json::from_str(
-        &std::fs::read_to_string(support::root().join("graphs/tiny_sd1_txt2img.json"))
-            .expect("graph"),
-    )
-    .expect("json");
-    let m = p.as_object_mut().expect("object");
-    m.remove("99");
-    m["5"]["inputs"]["batch_size"] = json!(1);
-    m["6"]["inputs"]["seed"] = json!(seed);
-    m["6"]["inputs"]["steps"] = json!(3);
-    m["8"]["inputs"]["filename_prefix"] = json!(prefix);
-    p
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-fn files_under(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    out
-}
 
 /// Reads a client's messages until each of `ids` has ended (`executing`
 /// with a null node); returns its messages about prompts and the number
@@ -279,7 +85,7 @@ fn workers_share_a_queue_and_survive_a_killed_worker() {
         let mut ids = HashSet::new();
         for i in 0..6 {
             let body = json!({
-                "prompt": prompt(1000 + (c * 6 + i) as u64, &format!("c{c}/p{i}")),
+                "prompt": prompt("tiny_sd1_txt2img", 1000 + (c * 6 + i) as u64, &format!("c{c}/p{i}")),
                 "client_id": format!("client{c}"),
             });
             let r = post_json(&addr, "/prompt", &body);
@@ -386,4 +192,213 @@ fn workers_share_a_queue_and_survive_a_killed_worker() {
     let rec: Json = serde_json::from_str(rec.str().expect("wA's record")).expect("json");
     assert!(rec["jobs_done"].as_u64() > Some(0), "{rec}");
     drop(restarted);
+}
+
+/// The first message of `ws` about `prompt_id` of type `ty`.
+fn wait_for(ws: &mut Ws, prompt_id: &str, ty: &str) -> Json {
+    loop {
+        let m = ws_next(ws);
+        if m["type"] == ty && m["data"]["prompt_id"] == prompt_id {
+            return m;
+        }
+    }
+}
+
+fn queue_prompt(addr: &str, body: Json) -> String {
+    let r = post_json(addr, "/prompt", &body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["prompt_id"].as_str().expect("id").to_string()
+}
+
+/// Polls `f` until it holds (10 s at most).
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what} never happened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn interrupts_deletes_and_free_reach_the_workers_through_any_api_process() {
+    let base = tempfile::tempdir().expect("tempdir");
+    let Some((redis_proc, port)) = start_redis(base.path()) else {
+        return;
+    };
+    support::write_base_checkpoints(&base.path().join("models"));
+    let queue = format!("redis://127.0.0.1:{port}");
+    // Two API processes; the client talks to the second, prompts are
+    // queued through the first.
+    let (_api1, a1) = api(&queue, base.path());
+    let (_api2, a2) = api(&queue, base.path());
+    let _w = worker(&queue, base.path(), "solo");
+    let mut ws = ws_connect(&a2, "c");
+
+    let first = queue_prompt(&a1, json!({"prompt": slow(1), "client_id": "c"}));
+    let second = queue_prompt(&a1, json!({"prompt": slow(2), "client_id": "c"}));
+    let third = queue_prompt(
+        &a1,
+        json!({"prompt": small(3, "third"), "client_id": "c", "front": true}),
+    );
+    wait_for(&mut ws, &first, "executing");
+    let q = get(&a2, "/queue").json();
+    assert_eq!(q["queue_running"][0][1], first.as_str(), "{q}");
+    // `front` puts the third before the second, across processes.
+    assert_eq!(q["queue_pending"][0][1], third.as_str(), "{q}");
+    assert_eq!(q["queue_pending"][1][1], second.as_str(), "{q}");
+    let jobs = get(&a2, "/api/jobs?status=in_progress,pending").json();
+    assert_eq!(jobs["jobs"].as_array().map(Vec::len), Some(3), "{jobs}");
+    let running = get(&a1, &format!("/api/jobs/{first}")).json();
+    assert_eq!(running["status"], "in_progress", "{running}");
+    assert_eq!(
+        get(&a2, "/prompt").json()["exec_info"]["queue_remaining"],
+        3
+    );
+
+    // A prompt id already queued is refused.
+    let dup = post_json(
+        &a1,
+        "/prompt",
+        &json!({"prompt": small(4, "dup"), "prompt_id": second}),
+    );
+    assert_eq!(dup.status, 400, "{}", String::from_utf8_lossy(&dup.body));
+
+    assert_eq!(
+        post_json(&a2, "/queue", &json!({"delete": [second]})).status,
+        200
+    );
+    let q = get(&a1, "/queue").json();
+    assert_eq!(q["queue_pending"].as_array().map(Vec::len), Some(1), "{q}");
+
+    // An interrupt of another prompt does nothing; of this one stops it.
+    post_json(&a2, "/interrupt", &json!({"prompt_id": "not-running"}));
+    assert_eq!(
+        post_json(&a2, "/interrupt", &json!({"prompt_id": first})).status,
+        200
+    );
+    wait_for(&mut ws, &first, "execution_interrupted");
+    wait_for(&mut ws, &third, "execution_success");
+    eventually("the history of both", || {
+        get(&a1, "/history").json().as_object().map(|h| h.len()) == Some(2)
+    });
+    let h = get(&a1, "/history").json();
+    assert_eq!(h[&first]["status"]["status_str"], "error", "{h}");
+    assert_eq!(h[&third]["status"]["status_str"], "success", "{h}");
+    assert_eq!(h[&third]["worker"], "solo", "{h}");
+    assert!(h.get(&second).is_none(), "a deleted prompt ran: {h}");
+    let done = get(&a2, "/api/jobs?status=cancelled").json();
+    assert_eq!(done["jobs"][0]["id"], first.as_str(), "{done}");
+
+    // `/free` reaches the worker: it forgets the checkpoint it holds.
+    let sd1 = queue_prompt(
+        &a1,
+        json!({"prompt": prompt("tiny_sd1_txt2img", 7, "sd1"), "client_id": "c"}),
+    );
+    wait_for(&mut ws, &sd1, "execution_success");
+    let record = || -> Json {
+        let r = redis(port, &["GET", "sdkit:worker:solo"]);
+        serde_json::from_str(r.str().unwrap_or("null")).unwrap_or(Json::Null)
+    };
+    eventually("the worker holding the checkpoint", || {
+        record()["resident"] == json!(["checkpoints/tiny_sd1.safetensors"])
+    });
+    let stats = get(&a2, "/system_stats").json();
+    assert_eq!(stats["devices"][0]["type"], "worker", "{stats}");
+    assert!(
+        stats["devices"][0]["name"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("solo: ")),
+        "{stats}"
+    );
+    assert_eq!(
+        post_json(&a1, "/free", &json!({"unload_models": true})).status,
+        200
+    );
+    eventually("the worker freeing its models", || {
+        record()["resident"] == json!([])
+    });
+
+    // History edits are the cluster's.
+    assert_eq!(
+        post_json(&a2, "/history", &json!({"delete": [first]})).status,
+        200
+    );
+    assert_eq!(
+        get(&a1, "/history").json().as_object().map(|h| h.len()),
+        Some(2)
+    );
+    assert_eq!(
+        post_json(&a1, "/history", &json!({"clear": true})).status,
+        200
+    );
+    assert_eq!(get(&a2, "/history").json(), json!({}));
+
+    // Without Redis the queue routes say so (503), and the process lives.
+    drop(redis_proc);
+    let r = get(&a1, "/queue");
+    assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    let r = post_json(&a1, "/prompt", &json!({"prompt": small(5, "x")}));
+    assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(get(&a1, "/object_info/SaveImage").status, 200);
+}
+
+#[test]
+fn workers_keep_the_checkpoint_they_hold() {
+    let base = tempfile::tempdir().expect("tempdir");
+    let Some((_redis, port)) = start_redis(base.path()) else {
+        return;
+    };
+    support::write_base_checkpoints(&base.path().join("models"));
+    let queue = format!("redis://127.0.0.1:{port}");
+    let (_api, addr) = api(&queue, base.path());
+    let _w1 = worker(&queue, base.path(), "w1");
+    let _w2 = worker(&queue, base.path(), "w2");
+    // Alternating models: in queue order, each worker would switch at
+    // every prompt.
+    let mut ws = ws_connect(&addr, "c");
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        let graph = if i % 2 == 0 {
+            "tiny_sd1_txt2img"
+        } else {
+            "tiny_sdxl_txt2img"
+        };
+        let body = json!({"prompt": prompt(graph, i, &format!("a{i}")), "client_id": "c"});
+        ids.push((queue_prompt(&addr, body), graph));
+    }
+    follow_all(&mut ws, ids.iter().map(|(id, _)| id.clone()).collect());
+    let h = get(&addr, "/history").json();
+    let mut order: Vec<(u64, &str, &str)> = ids
+        .iter()
+        .map(|(id, graph)| {
+            let e = &h[id];
+            assert_eq!(e["status"]["status_str"], "success", "{e}");
+            let start = e["status"]["messages"][0][1]["timestamp"]
+                .as_u64()
+                .unwrap_or(0);
+            (start, e["worker"].as_str().unwrap_or("?"), *graph)
+        })
+        .collect();
+    order.sort();
+    for w in ["w1", "w2"] {
+        let models: Vec<&str> = order.iter().filter(|o| o.1 == w).map(|o| o.2).collect();
+        let switches = models.windows(2).filter(|p| p[0] != p[1]).count();
+        // One switch at most: when a worker runs out of its own model's
+        // prompts and helps with the other's.
+        assert!(switches <= 1, "{w} ran {models:?}");
+    }
+}
+
+/// Reads messages until each of `ids` has ended.
+fn follow_all(ws: &mut Ws, mut ids: HashSet<String>) {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while !ids.is_empty() {
+        assert!(Instant::now() < deadline, "prompts did not end: {ids:?}");
+        let m = ws_next(ws);
+        if m["type"] == "executing" && m["data"]["node"].is_null() {
+            if let Some(id) = m["data"]["prompt_id"].as_str() {
+                ids.remove(id);
+            }
+        }
+    }
 }

@@ -56,29 +56,6 @@ fn start(extra: &[&str]) -> Server {
     Server { child, addr, base }
 }
 
-/// EmptyImage → ImageInvert → SaveImage.
-fn small(color: u32, prefix: &str) -> Json {
-    json!({
-        "1": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 24, "batch_size": 1, "color": color}},
-        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
-        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": prefix}},
-    })
-}
-
-/// A chain of large blurs: long enough to interrupt.
-fn slow(color: u32) -> Json {
-    let mut p = serde_json::Map::new();
-    p.insert("0".into(), json!({"class_type": "EmptyImage", "inputs": {"width": 1536, "height": 1536, "batch_size": 1, "color": color}}));
-    for i in 1..=12 {
-        p.insert(
-            i.to_string(),
-            json!({"class_type": "ImageBlur", "inputs": {"image": [(i - 1).to_string(), 0], "blur_radius": 31, "sigma": 9.0}}),
-        );
-    }
-    p.insert("99".into(), json!({"class_type": "SaveImage", "inputs": {"images": ["12", 0], "filename_prefix": "slow"}}));
-    Json::Object(p)
-}
-
 #[test]
 fn api_client_round_trip() {
     let s = start(&[]);

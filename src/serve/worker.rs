@@ -563,7 +563,9 @@ impl Worker {
         let mut done = done;
         let last = done.last.take();
         if !superseded {
-            let entry = item.history_entry(done);
+            let mut entry = item.history_entry(done);
+            // Which worker ran it (ComfyUI's clients read the known keys).
+            entry["worker"] = json!(self.id);
             // A result is never dropped for a Redis hiccup: retry until it
             // is recorded (the token stays fresh meanwhile).
             loop {

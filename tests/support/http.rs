@@ -1,7 +1,7 @@
 //! A plain HTTP/1.1 client and a WebSocket client for the server tests:
 //! requests as ComfyUI's API clients send them, on fresh connections.
 
-use serde_json::Value as Json;
+use serde_json::{json, Value as Json};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
@@ -129,4 +129,27 @@ pub fn ws_until_done(ws: &mut Ws, prompt_id: &str) -> Vec<Json> {
             return out;
         }
     }
+}
+
+/// EmptyImage → ImageInvert → SaveImage.
+pub fn small(color: u32, prefix: &str) -> Json {
+    json!({
+        "1": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 24, "batch_size": 1, "color": color}},
+        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": prefix}},
+    })
+}
+
+/// A chain of large blurs: long enough to interrupt.
+pub fn slow(color: u32) -> Json {
+    let mut p = serde_json::Map::new();
+    p.insert("0".into(), json!({"class_type": "EmptyImage", "inputs": {"width": 1536, "height": 1536, "batch_size": 1, "color": color}}));
+    for i in 1..=12 {
+        p.insert(
+            i.to_string(),
+            json!({"class_type": "ImageBlur", "inputs": {"image": [(i - 1).to_string(), 0], "blur_radius": 31, "sigma": 9.0}}),
+        );
+    }
+    p.insert("99".into(), json!({"class_type": "SaveImage", "inputs": {"images": ["12", 0], "filename_prefix": "slow"}}));
+    Json::Object(p)
 }

@@ -4,6 +4,7 @@
 //! comparing SaveLatent/SaveImage outputs with ComfyUI's.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod http;
 pub mod torch_save;
 

@@ -1,0 +1,223 @@
+//! A cluster on one machine for the tests and the benchmark: a private
+//! `redis-server` on a free loopback port, `sdkit serve --queue` and
+//! `sdkit worker` processes, and a few raw Redis commands to look inside.
+
+use serde_json::{json, Value as Json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Kills its process when dropped (a failing test leaves nothing running).
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn redis_binary() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
+        .map(|d| d.join("redis-server"))
+        .find(|p| p.is_file())
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A RESP reply, as far as the test reads them.
+#[derive(Debug)]
+pub enum Resp {
+    Str(String),
+    Int(i64),
+    Nil,
+    List(Vec<Resp>),
+}
+
+impl Resp {
+    pub fn str(&self) -> Option<&str> {
+        match self {
+            Resp::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn list(&self) -> &[Resp] {
+        match self {
+            Resp::List(l) => l,
+            _ => &[],
+        }
+    }
+}
+
+pub fn read_resp(r: &mut BufReader<TcpStream>) -> Resp {
+    let mut line = String::new();
+    r.read_line(&mut line).expect("redis reply");
+    let (kind, rest) = line.trim_end().split_at(1);
+    match kind {
+        "+" => Resp::Str(rest.to_string()),
+        "-" => panic!("redis error: {rest}"),
+        ":" => Resp::Int(rest.parse().expect("integer")),
+        "$" => {
+            let n: i64 = rest.parse().expect("length");
+            if n < 0 {
+                return Resp::Nil;
+            }
+            let mut b = vec![0; n as usize + 2];
+            r.read_exact(&mut b).expect("bulk");
+            b.truncate(n as usize);
+            Resp::Str(String::from_utf8_lossy(&b).into_owned())
+        }
+        "*" => {
+            let n: i64 = rest.parse().expect("length");
+            Resp::List((0..n.max(0)).map(|_| read_resp(r)).collect())
+        }
+        other => panic!("unexpected redis reply {other}{rest}"),
+    }
+}
+
+/// One command on a fresh connection.
+pub fn redis(port: u16, args: &[&str]) -> Resp {
+    let s = TcpStream::connect(("127.0.0.1", port)).expect("redis connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    (&s).write_all(req.as_bytes()).expect("redis write");
+    read_resp(&mut BufReader::new(s))
+}
+
+pub fn start_redis(dir: &Path) -> Option<(Proc, u16)> {
+    let Some(bin) = redis_binary() else {
+        assert!(
+            std::env::var_os("SDKIT_REQUIRE_REDIS").is_none(),
+            "SDKIT_REQUIRE_REDIS is set but redis-server is not installed"
+        );
+        eprintln!(
+            "skipped: redis-server is not installed (set SDKIT_REQUIRE_REDIS to fail instead)"
+        );
+        return None;
+    };
+    let port = free_port();
+    let child = Command::new(bin)
+        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--port", &port.to_string()])
+        .arg("--dir")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server starts");
+    let proc = Proc(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis-server did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(redis(port, &["PING"]).str(), Some("PONG"));
+    Some((proc, port))
+}
+
+/// Starts `sdkit` with `args`; returns it and its first stdout line.
+pub fn sdkit(args: &[String]) -> (Proc, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("sdkit starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("line");
+    (Proc(child), line)
+}
+
+/// `sdkit serve --queue` on a free port; returns it and its address.
+pub fn api(queue: &str, base: &Path) -> (Proc, String) {
+    let mut args: Vec<String> = ["serve", "--port", "0", "--queue", queue]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(common(base));
+    let (p, line) = sdkit(&args);
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    assert!(addr.contains(':'), "unexpected first line {line:?}");
+    (p, addr)
+}
+
+pub fn common(base: &Path) -> Vec<String> {
+    ["--device", "cpu", "--precision", "f32", "--base-dir"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([base.display().to_string()])
+        .collect()
+}
+
+/// `sdkit worker` named `name`, whose prompts are taken over 3 s after it
+/// stops answering.
+pub fn worker(queue: &str, base: &Path, name: &str) -> Proc {
+    let mut args: Vec<String> = ["worker", "--queue", queue, "--name", name]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(["--claim-timeout".into(), "3".into()]);
+    args.extend(common(base));
+    let (p, line) = sdkit(&args);
+    assert!(line.contains("connected"), "worker said {line:?}");
+    p
+}
+
+/// graphs/`graph`.json (the tiny SD1 or SDXL txt2img), one 64² image in
+/// 3 steps, saving under `prefix`.
+pub fn prompt(graph: &str, seed: u64, prefix: &str) -> Json {
+    let mut p: Json = serde_json::from_str(
+        &std::fs::read_to_string(super::root().join(format!("graphs/{graph}.json")))
+            .expect("graph"),
+    )
+    .expect("json");
+    let m = p.as_object_mut().expect("object");
+    m.remove("99");
+    m["5"]["inputs"]["batch_size"] = json!(1);
+    m["6"]["inputs"]["seed"] = json!(seed);
+    m["6"]["inputs"]["steps"] = json!(3);
+    m["8"]["inputs"]["filename_prefix"] = json!(prefix);
+    p
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
