@@ -388,17 +388,3 @@ fn workers_keep_the_checkpoint_they_hold() {
         assert!(switches <= 1, "{w} ran {models:?}");
     }
 }
-
-/// Reads messages until each of `ids` has ended.
-fn follow_all(ws: &mut Ws, mut ids: HashSet<String>) {
-    let deadline = Instant::now() + Duration::from_secs(240);
-    while !ids.is_empty() {
-        assert!(Instant::now() < deadline, "prompts did not end: {ids:?}");
-        let m = ws_next(ws);
-        if m["type"] == "executing" && m["data"]["node"].is_null() {
-            if let Some(id) = m["data"]["prompt_id"].as_str() {
-                ids.remove(id);
-            }
-        }
-    }
-}

@@ -144,10 +144,15 @@ pub fn sdkit(args: &[String]) -> (Proc, String) {
 
 /// `sdkit serve --queue` on a free port; returns it and its address.
 pub fn api(queue: &str, base: &Path) -> (Proc, String) {
-    let mut args: Vec<String> = ["serve", "--port", "0", "--queue", queue]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    serve(Some(queue), base)
+}
+
+/// `sdkit serve` on a free port, with `--queue` when given.
+pub fn serve(queue: Option<&str>, base: &Path) -> (Proc, String) {
+    let mut args: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
+    if let Some(q) = queue {
+        args.extend(["--queue".into(), q.to_string()]);
+    }
     args.extend(common(base));
     let (p, line) = sdkit(&args);
     let addr = line

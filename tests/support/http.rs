@@ -2,9 +2,10 @@
 //! requests as ComfyUI's API clients send them, on fresh connections.
 
 use serde_json::{json, Value as Json};
+use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub struct Reply {
     pub status: u16,
@@ -152,4 +153,18 @@ pub fn slow(color: u32) -> Json {
     }
     p.insert("99".into(), json!({"class_type": "SaveImage", "inputs": {"images": ["12", 0], "filename_prefix": "slow"}}));
     Json::Object(p)
+}
+
+/// Reads messages until each of `ids` has ended.
+pub fn follow_all(ws: &mut Ws, mut ids: HashSet<String>) {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while !ids.is_empty() {
+        assert!(Instant::now() < deadline, "prompts did not end: {ids:?}");
+        let m = ws_next(ws);
+        if m["type"] == "executing" && m["data"]["node"].is_null() {
+            if let Some(id) = m["data"]["prompt_id"].as_str() {
+                ids.remove(id);
+            }
+        }
+    }
 }
