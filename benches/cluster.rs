@@ -9,7 +9,6 @@
 //! no throughput here; the overhead per job is the figure to read.
 
 #[path = "../tests/support/mod.rs"]
-#[allow(dead_code)]
 mod support;
 
 use serde_json::{json, Value as Json};

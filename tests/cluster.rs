@@ -343,16 +343,24 @@ fn interrupts_deletes_and_free_reach_the_workers_through_any_api_process() {
 }
 
 #[test]
-fn workers_keep_the_checkpoint_they_hold() {
+fn workers_keep_the_checkpoint_they_hold_and_tell_the_api_their_models() {
     let base = tempfile::tempdir().expect("tempdir");
     let Some((_redis, port)) = start_redis(base.path()) else {
         return;
     };
     support::write_base_checkpoints(&base.path().join("models"));
     let queue = format!("redis://127.0.0.1:{port}");
-    let (_api, addr) = api(&queue, base.path());
+    // The API process has no models: it validates against the workers'.
+    let api_base = tempfile::tempdir().expect("tempdir");
+    let (_api, addr) = api(&queue, api_base.path());
     let _w1 = worker(&queue, base.path(), "w1");
     let _w2 = worker(&queue, base.path(), "w2");
+    let info = get(&addr, "/object_info/CheckpointLoaderSimple").json();
+    assert_eq!(
+        info["CheckpointLoaderSimple"]["input"]["required"]["ckpt_name"][0],
+        json!(["tiny_sd1.safetensors", "tiny_sdxl.safetensors"]),
+        "{info}"
+    );
     // Alternating models: in queue order, each worker would switch at
     // every prompt.
     let mut ws = ws_connect(&addr, "c");

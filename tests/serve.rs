@@ -4,7 +4,7 @@
 
 mod support;
 
-use serde_json::{json, Value as Json};
+use serde_json::json;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};

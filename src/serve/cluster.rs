@@ -28,12 +28,13 @@
 //! replicated one) allows and Redis Cluster does not.
 
 use super::backend::QResult;
+use super::combos::Advertised;
 use super::queue::{Item, MAX_HISTORY};
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, RedisResult, Script};
 use serde_json::{json, Map, Value as Json};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub const PREFIX: &str = "sdkit:";
@@ -223,6 +224,8 @@ pub struct Store {
     /// The node each running prompt is at, from the relayed `executing`
     /// messages (for a client that reconnects mid-run).
     last_node: Mutex<HashMap<String, String>>,
+    /// The model files the live workers have ([`Store::refresh_files`]).
+    advertised: Mutex<Advertised>,
 }
 
 /// Parses `redis://HOST:PORT[/DB]` (or `rediss://`, `unix://`) and
@@ -247,6 +250,7 @@ pub async fn connect(url: &str) -> anyhow::Result<Store> {
         keep: Script::new(KEEP),
         delete_pending: Script::new(DELETE_PENDING),
         last_node: Mutex::default(),
+        advertised: Mutex::default(),
     };
     let made: RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
@@ -578,6 +582,32 @@ impl Store {
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(out)
+    }
+
+    /// The model files the live workers had at the last refresh.
+    pub fn advertised(&self) -> Advertised {
+        self.advertised
+            .lock()
+            .map(|a| Arc::clone(&a))
+            .unwrap_or_default()
+    }
+
+    /// Re-reads the model files the live workers have.
+    pub async fn refresh_files(&self) -> RedisResult<()> {
+        let mut all: HashMap<String, Vec<String>> = HashMap::new();
+        for w in self.workers().await? {
+            for (folder, files) in w.files {
+                all.entry(folder).or_default().extend(files);
+            }
+        }
+        for files in all.values_mut() {
+            files.sort();
+            files.dedup();
+        }
+        if let Ok(mut a) = self.advertised.lock() {
+            *a = Arc::new(all);
+        }
+        Ok(())
     }
 
     /// Publishes a worker's record, kept for `ttl`.

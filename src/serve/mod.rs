@@ -20,6 +20,7 @@
 
 mod backend;
 mod cluster;
+mod combos;
 mod files;
 mod jobs;
 mod prompt_run;
@@ -152,6 +153,27 @@ pub struct Server {
 }
 
 impl Server {
+    /// What combo inputs accept here (see [`combos`]).
+    pub fn combos(&self) -> combos::Combos<'_> {
+        combos::Combos {
+            paths: &self.paths,
+            workers: match &self.queue {
+                backend::Backend::Redis(s) => Some(s.advertised()),
+                backend::Backend::Local(_) => None,
+            },
+        }
+    }
+
+    /// Re-reads a cluster's model lists before they are shown (the
+    /// front end's node definitions, the model routes).
+    pub async fn refresh_combos(&self) {
+        if let backend::Backend::Redis(s) = &self.queue {
+            if let Err(e) = s.refresh_files().await {
+                tracing::warn!("cannot read the workers' model lists: {e}");
+            }
+        }
+    }
+
     /// Tells every client the queue's size.
     pub async fn broadcast_status(&self) {
         if let Ok(info) = self.queue.info().await {
@@ -246,6 +268,15 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
                     Arc::clone(&server),
                     Arc::clone(store),
                 )));
+                let store = Arc::clone(store);
+                drop(tokio::spawn(async move {
+                    loop {
+                        if let Err(e) = store.refresh_files().await {
+                            tracing::warn!("cannot read the workers' model lists: {e}");
+                        }
+                        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                    }
+                }));
             }
             (None, backend::Backend::Local(_)) => {}
         }

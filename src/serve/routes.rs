@@ -393,14 +393,16 @@ async fn post_free(State(server): State<Arc<Server>>, body: Bytes) -> Response {
 }
 
 async fn get_object_info(State(server): State<Arc<Server>>) -> JsonBody<Json> {
-    JsonBody(object_info(&server.lib.registry, &*server.paths))
+    server.refresh_combos().await;
+    JsonBody(object_info(&server.lib.registry, &server.combos()))
 }
 
 async fn get_object_info_one(
     State(server): State<Arc<Server>>,
     UrlPath(class): UrlPath<String>,
 ) -> JsonBody<Json> {
-    let all = object_info(&server.lib.registry, &*server.paths);
+    server.refresh_combos().await;
+    let all = object_info(&server.lib.registry, &server.combos());
     let mut m = Map::new();
     if let Some(v) = all.get(&class) {
         m.insert(class, v.clone());
@@ -580,7 +582,14 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
         Ok(wf) => wf,
         Err(d) => return validation_error(&server, &prompt, &d),
     };
-    let mut graph = match validate_for(&wf, &server.lib, &*server.paths, Outputs::Valid) {
+    let mut validated = validate_for(&wf, &server.lib, &server.combos(), Outputs::Valid);
+    if let (Err(_), super::backend::Backend::Redis(store)) = (&validated, &server.queue) {
+        // A worker that joined since the last refresh may have the file.
+        if store.refresh_files().await.is_ok() {
+            validated = validate_for(&wf, &server.lib, &server.combos(), Outputs::Valid);
+        }
+    }
+    let mut graph = match validated {
         Ok(g) => g,
         Err(d) => return validation_error(&server, &prompt, &d),
     };
@@ -697,7 +706,7 @@ async fn system_stats(State(server): State<Arc<Server>>) -> JsonBody<Json> {
 }
 
 async fn embeddings(State(server): State<Arc<Server>>) -> JsonBody<Json> {
-    let files = server.paths.options(&ComboOptions::Models("embeddings"));
+    let files = server.combos().options(&ComboOptions::Models("embeddings"));
     let names: Vec<String> = files
         .into_iter()
         .map(|f| match f.rfind('.') {
@@ -751,7 +760,8 @@ async fn model_files(
     else {
         return status(StatusCode::NOT_FOUND);
     };
-    JsonBody(json!(server.paths.options(&ComboOptions::Models(known)))).into_response()
+    server.refresh_combos().await;
+    JsonBody(json!(server.combos().options(&ComboOptions::Models(known)))).into_response()
 }
 
 async fn users(State(server): State<Arc<Server>>) -> JsonBody<Json> {

@@ -21,7 +21,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json as JsonBody, Router};
-use sdkit_engine::{validate, Paths};
+use sdkit_engine::validate;
 use sdkit_schema::export::ComboSource;
 use sdkit_schema::spec::ComboOptions;
 use sdkit_schema::workflow::{self, Workflow};
@@ -189,7 +189,7 @@ fn load(server: &Server, t: &Template) -> Option<Workflow> {
 /// Whether the template validates here, counting the bundled example
 /// image as present (it is written when the template is opened).
 fn runnable(server: &Server, t: &Template) -> bool {
-    let combos = WithExample(&server.paths);
+    let combos = WithExample(&server.combos());
     load(server, t).is_some_and(|wf| validate(&wf, &server.lib.registry, &combos).is_ok())
 }
 
@@ -211,7 +211,7 @@ fn ui_workflow(server: &Server, t: &Template) -> Option<Json> {
 
 /// The server's folders, plus the bundled example image in the input
 /// folder's list.
-struct WithExample<'a>(&'a Paths);
+struct WithExample<'a>(&'a dyn ComboSource);
 
 impl ComboSource for WithExample<'_> {
     fn options(&self, options: &ComboOptions) -> Vec<String> {
