@@ -340,6 +340,24 @@ fn interrupts_deletes_and_free_reach_the_workers_through_any_api_process() {
     let r = post_json(&a1, "/prompt", &json!({"prompt": small(5, "x")}));
     assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(get(&a1, "/object_info/SaveImage").status, 200);
+
+    // A Redis that restarts empty: API processes and the worker reconnect,
+    // the worker recreates the job stream, and prompts flow again.
+    let bin = redis_binary().expect("redis-server");
+    let _redis_again = redis_on(&bin, base.path(), port);
+    let mut again = None;
+    eventually("the API reconnecting", || {
+        let r = post_json(
+            &a1,
+            "/prompt",
+            &json!({"prompt": small(6, "again"), "client_id": "c"}),
+        );
+        if r.status == 200 {
+            again = r.json()["prompt_id"].as_str().map(str::to_string);
+        }
+        again.is_some()
+    });
+    wait_for(&mut ws, &again.expect("queued"), "execution_success");
 }
 
 #[test]

@@ -252,19 +252,10 @@ pub async fn connect(url: &str) -> anyhow::Result<Store> {
         last_node: Mutex::default(),
         advertised: Mutex::default(),
     };
-    let made: RedisResult<()> = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(store.key("jobs"))
-        .arg(GROUP)
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(&mut store.conn())
-        .await;
-    match made {
-        Ok(()) => {}
-        Err(e) if e.code() == Some("BUSYGROUP") => {}
-        Err(e) => anyhow::bail!("--queue {url}: cannot create the job stream: {e}"),
-    }
+    store
+        .ensure_group()
+        .await
+        .map_err(|e| anyhow::anyhow!("--queue {url}: cannot create the job stream: {e}"))?;
     Ok(store)
 }
 
@@ -286,6 +277,23 @@ impl Store {
 
     pub fn conn(&self) -> ConnectionManager {
         self.conn.clone()
+    }
+
+    /// Creates the token stream and its group unless they exist (again,
+    /// after a Redis that kept no data restarted).
+    pub async fn ensure_group(&self) -> RedisResult<()> {
+        let made: RedisResult<()> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(self.key("jobs"))
+            .arg(GROUP)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(&mut self.conn())
+            .await;
+        match made {
+            Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+            other => other,
+        }
     }
 
     pub async fn number(&self, given: Option<f64>, front: bool) -> RedisResult<f64> {

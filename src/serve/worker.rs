@@ -420,7 +420,7 @@ impl Worker {
     async fn next_token(
         &self,
         reader: &mut redis::aio::MultiplexedConnection,
-    ) -> Result<Option<String>> {
+    ) -> redis::RedisResult<Option<String>> {
         let stream = self.store.key("jobs");
         let (_, claimed, _): (String, Vec<String>, Vec<String>) = redis::cmd("XAUTOCLAIM")
             .arg(&stream)
@@ -490,6 +490,10 @@ impl Worker {
                 Ok(None) => continue,
                 Err(e) => {
                     tracing::warn!("cannot read the cluster's queue: {e}");
+                    if e.code() == Some("NOGROUP") {
+                        // Redis restarted without its data.
+                        let _ = self.store.ensure_group().await;
+                    }
                     reader = None;
                     tokio::time::sleep(Duration::from_secs(1)).await;
                     continue;

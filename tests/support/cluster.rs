@@ -97,6 +97,9 @@ pub fn redis(port: u16, args: &[&str]) -> Resp {
     read_resp(&mut BufReader::new(s))
 }
 
+/// A private redis-server on a free port, keeping nothing on disk; None
+/// (after saying so) where redis-server is not installed and
+/// `SDKIT_REQUIRE_REDIS` is unset.
 pub fn start_redis(dir: &Path) -> Option<(Proc, u16)> {
     let Some(bin) = redis_binary() else {
         assert!(
@@ -109,6 +112,11 @@ pub fn start_redis(dir: &Path) -> Option<(Proc, u16)> {
         return None;
     };
     let port = free_port();
+    Some((redis_on(&bin, dir, port), port))
+}
+
+/// redis-server on `port`, once it answers.
+pub fn redis_on(bin: &Path, dir: &Path, port: u16) -> Proc {
     let child = Command::new(bin)
         .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .args(["--port", &port.to_string()])
@@ -125,7 +133,7 @@ pub fn start_redis(dir: &Path) -> Option<(Proc, u16)> {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(redis(port, &["PING"]).str(), Some("PONG"));
-    Some((proc, port))
+    proc
 }
 
 /// Starts `sdkit` with `args`; returns it and its first stdout line.
