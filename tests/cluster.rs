@@ -414,3 +414,45 @@ fn workers_keep_the_checkpoint_they_hold_and_tell_the_api_their_models() {
         assert!(switches <= 1, "{w} ran {models:?}");
     }
 }
+
+#[test]
+fn prompts_go_to_workers_that_have_their_models() {
+    let base = tempfile::tempdir().expect("tempdir");
+    let Some((_redis, port)) = start_redis(base.path()) else {
+        return;
+    };
+    support::write_base_checkpoints(&base.path().join("models"));
+    // A second worker with the SD1 checkpoint only.
+    let partial = tempfile::tempdir().expect("tempdir");
+    let ck = partial.path().join("models/checkpoints");
+    std::fs::create_dir_all(&ck).expect("mkdir");
+    std::fs::copy(
+        base.path().join("models/checkpoints/tiny_sd1.safetensors"),
+        ck.join("tiny_sd1.safetensors"),
+    )
+    .expect("copy");
+    let queue = format!("redis://127.0.0.1:{port}");
+    let (_api, addr) = api(&queue, partial.path());
+    let _full = worker(&queue, base.path(), "full");
+    let _sd1 = worker(&queue, partial.path(), "sd1only");
+    let mut ws = ws_connect(&addr, "c");
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let graph = if i % 2 == 0 {
+            "tiny_sdxl_txt2img"
+        } else {
+            "tiny_sd1_txt2img"
+        };
+        let body = json!({"prompt": prompt(graph, i, &format!("m{i}")), "client_id": "c"});
+        ids.push((queue_prompt(&addr, body), graph));
+    }
+    follow_all(&mut ws, ids.iter().map(|(id, _)| id.clone()).collect());
+    let h = get(&addr, "/history").json();
+    for (id, graph) in &ids {
+        let e = &h[id];
+        assert_eq!(e["status"]["status_str"], "success", "{graph}: {e}");
+        if *graph == "tiny_sdxl_txt2img" {
+            assert_eq!(e["worker"], "full", "{e}");
+        }
+    }
+}

@@ -70,10 +70,11 @@ return seq
 
 /// A worker takes a token. ARGV: prefix, token id, worker, now (ms),
 /// affinity window (ms), the worker's resident model files (JSON list),
-/// lookahead. Returns {'run', id, item} or {'skip'} (the token is spent:
-/// nothing waits, or its prompt ended or was deleted) or {'defer'} (every
-/// waiting prompt is held for an idle worker that has its model: the
-/// token is passed on).
+/// lookahead. Returns {'run', id, item, needed files} or {'skip'} (the
+/// token is spent: nothing waits, or its prompt ended or was deleted) or
+/// {'defer'} (every waiting prompt is held for an idle worker that has
+/// its model, or was given back by this worker while another live worker
+/// may take it: the token is passed on).
 const CLAIM: &str = r#"
 local p, token, worker = ARGV[1], ARGV[2], ARGV[3]
 local now, window = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -92,7 +93,19 @@ local function run(id)
   redis.call('HSET', p .. 'running', id,
     cjson.encode({worker = worker, token = token, started_ms = now}))
   redis.call('HSET', p .. 'bind', token, id)
-  return {'run', id, item}
+  local route = cjson.decode(redis.call('HGET', p .. 'route', id) or '{}')
+  return {'run', id, item, cjson.encode(route.needs or {})}
+end
+-- Whether a live worker other than those in `excluded` exists.
+local function others_alive(excluded)
+  local skip = {}
+  for _, w in ipairs(excluded) do skip[w] = true end
+  for _, w in ipairs(redis.call('SMEMBERS', p .. 'workers')) do
+    if not skip[w] and redis.call('EXISTS', p .. 'worker:' .. w) == 1 then
+      return true
+    end
+  end
+  return false
 end
 local bound = redis.call('HGET', p .. 'bind', token)
 if bound then
@@ -122,6 +135,14 @@ for _, member in ipairs(head) do
   local waits = type(route.prefer) == 'string' and route.prefer ~= worker
     and now - (route.t or 0) < window
     and redis.call('EXISTS', p .. 'worker:' .. route.prefer) == 1
+  if not waits and type(route.excluded) == 'table' then
+    for _, w in ipairs(route.excluded) do
+      if w == worker then
+        waits = others_alive(route.excluded)
+        break
+      end
+    end
+  end
   if not waits and not free then free = member end
 end
 local chosen = held or free
@@ -169,6 +190,29 @@ local p, token, worker = ARGV[1], ARGV[2], ARGV[3]
 local mine = redis.call('XPENDING', p .. 'jobs', 'workers', token, token, 1, worker)
 if #mine == 0 then return 0 end
 redis.call('XCLAIM', p .. 'jobs', 'workers', worker, 0, token, 'JUSTID')
+return 1
+"#;
+
+/// A worker gives back a prompt it lacks files for. ARGV: prefix, id,
+/// token, worker. The prompt is pending again, in its place, with the
+/// worker in its `excluded` list, and a new token is added. Returns 1, or
+/// 0 when the prompt is not this worker's.
+const GIVE_BACK: &str = r#"
+local p, id, token, worker = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local run = redis.call('HGET', p .. 'running', id)
+if not run or cjson.decode(run).worker ~= worker then return 0 end
+local route = cjson.decode(redis.call('HGET', p .. 'route', id) or '{}')
+local excluded = {}
+if type(route.excluded) == 'table' then excluded = route.excluded end
+table.insert(excluded, worker)
+route.excluded = excluded
+redis.call('HDEL', p .. 'running', id)
+redis.call('HSET', p .. 'route', id, cjson.encode(route))
+redis.call('ZADD', p .. 'pending', route.number, string.format('%020d|%s', route.seq, id))
+redis.call('XACK', p .. 'jobs', 'workers', token)
+redis.call('XDEL', p .. 'jobs', token)
+redis.call('HDEL', p .. 'bind', token)
+redis.call('XADD', p .. 'jobs', '*', 'token', id)
 return 1
 "#;
 
@@ -220,6 +264,7 @@ pub struct Store {
     claim: Script,
     finish: Script,
     keep: Script,
+    give_back: Script,
     delete_pending: Script,
     /// The node each running prompt is at, from the relayed `executing`
     /// messages (for a client that reconnects mid-run).
@@ -248,6 +293,7 @@ pub async fn connect(url: &str) -> anyhow::Result<Store> {
         claim: Script::new(CLAIM),
         finish: Script::new(FINISH),
         keep: Script::new(KEEP),
+        give_back: Script::new(GIVE_BACK),
         delete_pending: Script::new(DELETE_PENDING),
         last_node: Mutex::default(),
         advertised: Mutex::default(),
@@ -261,7 +307,13 @@ pub async fn connect(url: &str) -> anyhow::Result<Store> {
 
 /// What a worker's claim gave it.
 pub enum Claim {
-    Run { id: String, item: Json },
+    /// Run prompt `id` (`item`: its queued form; `needs`: the model files
+    /// it loads).
+    Run {
+        id: String,
+        item: Json,
+        needs: Vec<String>,
+    },
     Skip,
     Defer,
 }
@@ -305,8 +357,10 @@ impl Store {
         Ok(if front { -n } else { n })
     }
 
-    /// Queues `item`, preferring an idle worker that holds its models.
-    pub async fn push(&self, item: &Item, models: &[String]) -> QResult<()> {
+    /// Queues `item`, which loads the model files `needs`, preferring an
+    /// idle worker that holds its large ones.
+    pub async fn push(&self, item: &Item, needs: &[String]) -> QResult<()> {
+        let models = super::worker::routed(needs);
         let prefer = match self.workers().await {
             Ok(ws) => ws
                 .into_iter()
@@ -316,6 +370,8 @@ impl Store {
         };
         let route = json!({
             "models": models,
+            "needs": needs,
+            "number": item.number,
             "prefer": prefer,
             "t": sdkit_engine::event::now_ms(),
             "client": item.client_id(),
@@ -658,9 +714,10 @@ impl Store {
             .invoke_async(&mut self.conn())
             .await?;
         Ok(match r.as_slice() {
-            [run, id, item] if run == "run" => Claim::Run {
+            [run, id, item, needs] if run == "run" => Claim::Run {
                 id: id.clone(),
                 item: parse_json(item),
+                needs: serde_json::from_str(needs).unwrap_or_default(),
             },
             [defer] if defer == "defer" => Claim::Defer,
             _ => Claim::Skip,
@@ -679,6 +736,19 @@ impl Store {
             .invoke_async(&mut self.conn())
             .await?;
         Ok(recorded == 1)
+    }
+
+    /// Puts prompt `id` back in the queue for the other workers.
+    pub async fn give_back(&self, id: &str, token: &str, worker: &str) -> RedisResult<bool> {
+        let done: i64 = self
+            .give_back
+            .arg(&self.prefix)
+            .arg(id)
+            .arg(token)
+            .arg(worker)
+            .invoke_async(&mut self.conn())
+            .await?;
+        Ok(done == 1)
     }
 
     /// Keeps `token` fresh; false when it is no longer `worker`'s.

@@ -70,7 +70,8 @@ const ROUTED_FOLDERS: &[&str] = &[
     "text_encoders",
 ];
 
-/// The large model files `graph` loads, as `folder/name`.
+/// The model files `graph` loads, as `folder/name` (`vae_list/name` for
+/// VAELoader's list, which also holds the TAESD pairs).
 pub fn model_files(graph: &Graph, lib: &NodeLibrary) -> Vec<String> {
     let mut out = Vec::new();
     for node in &graph.nodes {
@@ -81,21 +82,50 @@ pub fn model_files(graph: &Graph, lib: &NodeLibrary) -> Vec<String> {
             let sdkit_engine::GraphInput::Const(sdkit_engine::Value::String(v)) = input else {
                 continue;
             };
-            if let Some(InputKind::Combo {
-                options: ComboOptions::Models(folder),
-                ..
-            }) = spec.input(name).map(|i| &i.kind)
-            {
-                if ROUTED_FOLDERS.contains(folder) {
-                    let f = format!("{folder}/{v}");
-                    if !out.contains(&f) {
-                        out.push(f);
-                    }
-                }
+            let folder = match spec.input(name).map(|i| &i.kind) {
+                Some(InputKind::Combo {
+                    options: ComboOptions::Models(folder),
+                    ..
+                }) => *folder,
+                Some(InputKind::Combo {
+                    options: ComboOptions::Vaes,
+                    ..
+                }) => "vae_list",
+                _ => continue,
+            };
+            let f = format!("{folder}/{v}");
+            if !out.contains(&f) {
+                out.push(f);
             }
         }
     }
     out
+}
+
+/// The files among `files` that decide dispatch (see [`ROUTED_FOLDERS`]).
+pub fn routed(files: &[String]) -> Vec<String> {
+    files
+        .iter()
+        .filter(|f| {
+            f.split_once('/')
+                .is_some_and(|(folder, _)| ROUTED_FOLDERS.contains(&folder))
+        })
+        .cloned()
+        .collect()
+}
+
+/// Whether `paths` has `file` (`folder/name`, as [`model_files`] names it).
+fn has_file(paths: &Paths, file: &str) -> bool {
+    let Some((folder, name)) = file.split_once('/') else {
+        return false;
+    };
+    if folder == "vae_list" {
+        return paths.contains(&ComboOptions::Vaes, name);
+    }
+    sdkit_engine::paths::MODEL_FOLDERS
+        .iter()
+        .find(|f| **f == folder)
+        .is_some_and(|f| paths.contains(&ComboOptions::Models(f), name))
 }
 
 /// The prompt `item` as a graph to run, validated as `/prompt` did, with
@@ -501,7 +531,11 @@ impl Worker {
             };
             let resident = self.lock().resident.clone();
             match self.store.claim(&token, &self.id, &resident).await {
-                Ok(Claim::Run { id, item }) => self.run(token, id, item).await,
+                Ok(Claim::Run { id, item, needs }) => {
+                    if !self.hand_back(&token, &id, &needs).await {
+                        self.run(token, id, item).await;
+                    }
+                }
                 Ok(Claim::Skip) => {}
                 Ok(Claim::Defer) => tokio::time::sleep(Duration::from_millis(200)).await,
                 Err(e) => {
@@ -510,6 +544,45 @@ impl Worker {
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
             }
+        }
+    }
+
+    /// Gives a prompt back to the queue when this worker lacks model files
+    /// it needs and another live worker has them all; it will not be
+    /// offered here again. Returns whether it was given back.
+    async fn hand_back(&self, token: &str, id: &str, needs: &[String]) -> bool {
+        let missing: Vec<&String> = needs.iter().filter(|f| !has_file(&self.paths, f)).collect();
+        if missing.is_empty() {
+            return false;
+        }
+        let others = self.store.workers().await.unwrap_or_default();
+        let elsewhere = others.iter().any(|w| {
+            w.id != self.id
+                && missing.iter().all(|f| {
+                    f.split_once('/').is_some_and(|(folder, name)| {
+                        w.files
+                            .get(folder)
+                            .is_some_and(|l| l.iter().any(|n| n == name))
+                    })
+                })
+        });
+        if !elsewhere {
+            // Nobody has them: run it here, to fail with the reason.
+            return false;
+        }
+        match self.store.give_back(id, token, &self.id).await {
+            Ok(true) => {
+                tracing::info!(
+                    "prompt {id} needs {} which this worker lacks; given back",
+                    missing
+                        .iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                true
+            }
+            _ => false,
         }
     }
 
@@ -556,7 +629,7 @@ impl Worker {
                     .await;
                     let ok = done.status.get("completed") == Some(&json!(true));
                     if ok {
-                        self.lock().resident = model_files(&graph, &self.lib);
+                        self.lock().resident = routed(&model_files(&graph, &self.lib));
                     }
                     (done, item, ok)
                 }
