@@ -456,3 +456,108 @@ fn prompts_go_to_workers_that_have_their_models() {
         }
     }
 }
+
+#[test]
+fn outputs_and_uploads_go_through_the_object_store() {
+    let base = tempfile::tempdir().expect("tempdir");
+    let Some((_redis, port)) = start_redis(base.path()) else {
+        return;
+    };
+    // Three disks and a store: nothing shared but Redis and the store.
+    let (api_dir, w1_dir, w2_dir, store_dir) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    for d in [&w1_dir, &w2_dir] {
+        support::write_base_checkpoints(&d.path().join("models"));
+    }
+    let queue = format!("redis://127.0.0.1:{port}");
+    let store = format!("file://{}", store_dir.path().display());
+    let (_api, addr) = serve_with(Some(&queue), api_dir.path(), &["--output-store", &store]);
+    let _w1 = worker_with(&queue, w1_dir.path(), "w1", &["--output-store", &store]);
+    let _w2 = worker_with(&queue, w2_dir.path(), "w2", &["--output-store", &store]);
+    let mut ws = ws_connect(&addr, "c");
+
+    // An upload reaches the workers through the store.
+    let up = upload(&addr, &[("image", Some("pic.png"), &png([10, 200, 30]))]);
+    assert_eq!(up.status, 200, "{}", String::from_utf8_lossy(&up.body));
+    let load = json!({
+        "1": {"class_type": "LoadImage", "inputs": {"image": "pic.png"}},
+        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "inv"}},
+    });
+    let inv = queue_prompt(&addr, json!({"prompt": load, "client_id": "c"}));
+
+    // Every worker numbers "same" from its own empty folder: the store
+    // keeps each image under a name of its own.
+    let mut ids = vec![inv.clone()];
+    for i in 0..6 {
+        let body = json!({"prompt": prompt("tiny_sd1_txt2img", i, "same"), "client_id": "c"});
+        ids.push(queue_prompt(&addr, body));
+    }
+    let mut executed: HashMap<String, String> = HashMap::new();
+    let mut pending: HashSet<String> = ids.iter().cloned().collect();
+    while !pending.is_empty() {
+        let m = ws_next(&mut ws);
+        let id = m["data"]["prompt_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        if m["type"] == "executed" {
+            let f = &m["data"]["output"]["images"][0];
+            // What the client hears of can be viewed at once.
+            let view = get(
+                &addr,
+                &format!(
+                    "/view?filename={}&type=output&subfolder=",
+                    f["filename"].as_str().unwrap_or("")
+                ),
+            );
+            assert_eq!(view.status, 200, "{m}");
+            executed.insert(id.clone(), f["filename"].as_str().unwrap_or("").to_string());
+        }
+        if m["type"] == "executing" && m["data"]["node"].is_null() {
+            pending.remove(&id);
+        }
+    }
+    let h = get(&addr, "/history").json();
+    let mut names = HashSet::new();
+    let mut images = HashSet::new();
+    for id in &ids {
+        let e = &h[id];
+        assert_eq!(e["status"]["status_str"], "success", "{e}");
+        let name = e["outputs"]["3"]["images"][0]["filename"]
+            .as_str()
+            .or(e["outputs"]["8"]["images"][0]["filename"].as_str())
+            .expect("an image")
+            .to_string();
+        assert_eq!(executed.get(id), Some(&name), "history and message differ");
+        let view = get(&addr, &format!("/view?filename={name}&type=output"));
+        assert_eq!(view.status, 200);
+        names.insert(name);
+        images.insert(view.body);
+    }
+    let workers: HashSet<&str> = ids
+        .iter()
+        .filter_map(|id| h[id]["worker"].as_str())
+        .collect();
+    assert_eq!(
+        workers.len(),
+        2,
+        "one worker ran everything: no clash was tried"
+    );
+    assert_eq!(names.len(), 7, "{names:?}");
+    assert_eq!(images.len(), 7, "two prompts share an image");
+    // The inverted upload: 255 - (10, 200, 30), truncated after the float
+    // round trip as ComfyUI's SaveImage does.
+    let inv_name = h[&inv]["outputs"]["3"]["images"][0]["filename"]
+        .as_str()
+        .expect("name");
+    let got = image::load_from_memory(&get(&addr, &format!("/view?filename={inv_name}")).body)
+        .expect("png")
+        .to_rgb8();
+    assert_eq!(got.get_pixel(0, 0).0, [245, 54, 225]);
+    assert!(store_dir.path().join("input/pic.png").is_file());
+}

@@ -360,46 +360,6 @@ fn interrupt_and_queue_deletion() {
     assert!(msgs.iter().any(|m| m["type"] == "execution_success"));
 }
 
-fn multipart(fields: &[(&str, Option<&str>, &[u8])]) -> (String, Vec<u8>) {
-    let boundary = "sdkitboundary7MA4YWxk";
-    let mut body = Vec::new();
-    for (name, file, data) in fields {
-        body.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
-        match file {
-            Some(f) => body.extend_from_slice(
-                format!("Content-Disposition: form-data; name=\"{name}\"; filename=\"{f}\"\r\nContent-Type: image/png\r\n\r\n").as_bytes(),
-            ),
-            None => body.extend_from_slice(
-                format!("Content-Disposition: form-data; name=\"{name}\"\r\n\r\n").as_bytes(),
-            ),
-        }
-        body.extend_from_slice(data);
-        body.extend_from_slice(b"\r\n");
-    }
-    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
-    (format!("multipart/form-data; boundary={boundary}"), body)
-}
-
-fn png(color: [u8; 3]) -> Vec<u8> {
-    let img = image::RgbImage::from_pixel(4, 4, image::Rgb(color));
-    let mut buf = Vec::new();
-    image::DynamicImage::ImageRgb8(img)
-        .write_to(&mut std::io::Cursor::new(&mut buf), image::ImageFormat::Png)
-        .expect("png");
-    buf
-}
-
-fn upload(a: &str, fields: &[(&str, Option<&str>, &[u8])]) -> Reply {
-    let (ctype, body) = multipart(fields);
-    http(
-        a,
-        "POST",
-        "/upload/image",
-        &[("Content-Type", &ctype)],
-        &body,
-    )
-}
-
 #[test]
 fn uploads_rename_on_clash_and_files_stay_in_their_folders() {
     let s = start(&[]);

@@ -239,7 +239,8 @@ pub async fn view(
             "invalid file name: it must be a plain name, without folders or \"..\"",
         );
     }
-    let Some((mut dir, _)) = dir_of_type(&server, ty.or(q.get("type").map(String::as_str))) else {
+    let Some((mut dir, ty_name)) = dir_of_type(&server, ty.or(q.get("type").map(String::as_str)))
+    else {
         return bad_request("type must be output, input or temp");
     };
     let base = dir.clone();
@@ -255,7 +256,23 @@ pub async fn view(
         return r.into_response();
     }
     if !file.is_file() {
-        return status(StatusCode::NOT_FOUND);
+        // A cluster's outputs are in its object store; this process's
+        // folder keeps a copy.
+        let fetched = match &server.objects {
+            Some(o) => {
+                let sub = q.get("subfolder").map(String::as_str).unwrap_or("");
+                o.fetch(ty_name, sub, name, &file)
+                    .await
+                    .unwrap_or_else(|e| {
+                        tracing::warn!("{e:#}");
+                        false
+                    })
+            }
+            None => false,
+        };
+        if !fetched {
+            return status(StatusCode::NOT_FOUND);
+        }
     }
     let name = name.to_string();
     let preview = q.get("preview").cloned();
@@ -381,6 +398,7 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
         fields.get("overwrite").map(String::as_str),
         Some("true") | Some("1")
     );
+    let stored = data.clone();
     let result = tokio::task::spawn_blocking(move || -> Result<String, Refusal> {
         // Checked before anything is created: a refused subfolder leaves
         // no trace, inside or outside.
@@ -412,6 +430,15 @@ pub async fn upload_image(State(server): State<Arc<Server>>, mut form: Multipart
     .await;
     match result {
         Ok(Ok(name)) => {
+            // A cluster's workers read inputs from the output store.
+            if let Some(o) = &server.objects {
+                if let Err(e) = o.put(ty, &subfolder, &name, stored.to_vec()).await {
+                    tracing::warn!("{e:#}");
+                    return super::routes::unavailable(&format!(
+                        "the upload could not be put in the output store: {e:#}"
+                    ));
+                }
+            }
             JsonBody(json!({"name": name, "subfolder": subfolder, "type": ty})).into_response()
         }
         Ok(Err(r)) => r.into_response(),

@@ -23,7 +23,9 @@ mod cluster;
 mod combos;
 mod files;
 mod jobs;
+mod objects;
 mod prompt_run;
+mod publisher;
 mod queue;
 mod routes;
 mod templates;
@@ -89,6 +91,11 @@ pub struct ServeArgs {
     /// Without it this process runs them itself.
     #[arg(long, value_name = "redis://HOST:PORT[/DB]")]
     pub queue: Option<String>,
+    /// With `--queue`: the object store the workers put outputs in
+    /// (`file:///DIR` or `s3://BUCKET[/PREFIX]`); `/view` fetches from it
+    /// what is not in this process's folders, and uploads go there too.
+    #[arg(long, value_name = "URL", requires = "queue")]
+    pub output_store: Option<String>,
 }
 
 /// `--preview-method`.
@@ -150,6 +157,8 @@ pub struct Server {
     pub clients: Arc<ws::Clients>,
     /// How samplers preview ([`ServeArgs::preview_method`]).
     pub preview: sdkit_engine::event::PreviewMethod,
+    /// A cluster's object store ([`ServeArgs::output_store`]).
+    pub objects: Option<Arc<objects::Objects>>,
 }
 
 impl Server {
@@ -227,6 +236,10 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
     let max_body = (args.max_upload_size * 1024.0 * 1024.0).max(0.0) as usize;
     let hosts = HostPolicy::for_listen(&args.listen, &args.allow_hosts);
     let preview = preview_method(&args.preview_method)?;
+    let objects = match &args.output_store {
+        Some(url) => Some(Arc::new(objects::open(url)?)),
+        None => None,
+    };
     let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     rt.block_on(async move {
         let (queue, local) = match &args.queue {
@@ -251,6 +264,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
             queue,
             clients: Arc::default(),
             preview,
+            objects,
         });
         let listener = tokio::net::TcpListener::bind((args.listen.as_str(), args.port))
             .await

@@ -9,7 +9,9 @@
 //! cut off) has its prompt taken over by another after `--claim-timeout`.
 
 use super::cluster::{self, Claim, Store, WorkerInfo, GROUP};
-use super::prompt_run::{failed_or_done, run_prompt, Outbox, RunParts};
+use super::objects::Objects;
+use super::prompt_run::{failed_or_done, run_prompt, RunParts};
+use super::publisher::{self, ClusterOutbox, Out};
 use super::queue::Item;
 use crate::cli::DirArgs;
 use anyhow::{Context, Result};
@@ -58,6 +60,11 @@ pub struct WorkerArgs {
     /// over its prompt.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     pub claim_timeout: f64,
+    /// Put outputs in this object store (`file:///DIR` or
+    /// `s3://BUCKET[/PREFIX]`), and fetch the inputs prompts load from it;
+    /// give `sdkit serve` the same.
+    #[arg(long, value_name = "URL")]
+    pub output_store: Option<String>,
 }
 
 /// Model folders whose files decide dispatch: the large weights whose
@@ -128,6 +135,41 @@ fn has_file(paths: &Paths, file: &str) -> bool {
         .is_some_and(|f| paths.contains(&ComboOptions::Models(f), name))
 }
 
+/// The image files a prompt's loaders name: (type, subfolder, name), from
+/// values such as `a.png`, `sub/a.png` or `a.png [output]`.
+fn input_files(prompt: &Json, lib: &NodeLibrary) -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    for node in prompt.as_object().into_iter().flat_map(|m| m.values()) {
+        let Some(spec) = node
+            .get("class_type")
+            .and_then(Json::as_str)
+            .and_then(|c| lib.registry.get(c))
+        else {
+            continue;
+        };
+        let inputs = node.get("inputs").and_then(Json::as_object);
+        for (name, v) in inputs.into_iter().flatten() {
+            let Some(v) = v.as_str() else { continue };
+            if !matches!(
+                spec.input(name).map(|i| &i.kind),
+                Some(InputKind::Combo {
+                    options: ComboOptions::InputImages,
+                    ..
+                })
+            ) {
+                continue;
+            }
+            let (path, ty) = match v.strip_suffix(']').and_then(|s| s.rsplit_once(" [")) {
+                Some((p, t)) => (p, t),
+                None => (v, "input"),
+            };
+            let (sub, file) = path.rsplit_once('/').unwrap_or(("", path));
+            out.push((ty.to_string(), sub.to_string(), file.to_string()));
+        }
+    }
+    out
+}
+
 /// The prompt `item` as a graph to run, validated as `/prompt` did, with
 /// the outputs it was queued with.
 pub fn graph_of(item: &Item, lib: &NodeLibrary, paths: &Paths) -> Result<Graph, String> {
@@ -179,36 +221,9 @@ struct Worker {
     timeout: Duration,
     state: Mutex<State>,
     /// Ordered messages to publish on the events channel.
-    out: mpsc::UnboundedSender<Vec<u8>>,
+    out: mpsc::UnboundedSender<Out>,
+    objects: Option<Arc<Objects>>,
     stopping: AtomicBool,
-}
-
-/// Publishes through the worker's ordered channel.
-struct ClusterOutbox(mpsc::UnboundedSender<Vec<u8>>);
-
-impl ClusterOutbox {
-    fn send_text(&self, client: Option<&str>, msg: Json) {
-        let _ = self.0.send(
-            json!({"client": client, "msg": msg})
-                .to_string()
-                .into_bytes(),
-        );
-    }
-}
-
-impl Outbox for ClusterOutbox {
-    fn text(&self, client: Option<&str>, msg: Json) {
-        self.send_text(client, msg);
-    }
-
-    fn preview(&self, client: Option<&str>, jpeg: &[u8], meta: &Json) {
-        let _ = self.0.send(cluster::preview_frame(client, meta, jpeg));
-    }
-
-    fn wants_previews(&self, _client: Option<&str>) -> bool {
-        // The API processes know who listens; a worker cannot.
-        true
-    }
 }
 
 fn default_name() -> String {
@@ -247,10 +262,14 @@ pub fn worker(args: WorkerArgs) -> Result<i32> {
         paths,
     )?;
     let id = args.name.clone().unwrap_or_else(default_name);
+    let objects = match &args.output_store {
+        Some(url) => Some(Arc::new(super::objects::open(url)?)),
+        None => None,
+    };
     let rt = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     rt.block_on(async move {
         let store = Arc::new(cluster::connect(&args.queue).await?);
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (tx, rx) = mpsc::unbounded_channel::<Out>();
         let w = Arc::new(Worker {
             id: id.clone(),
             store: Arc::clone(&store),
@@ -261,25 +280,19 @@ pub fn worker(args: WorkerArgs) -> Result<i32> {
             timeout: Duration::from_secs_f64(args.claim_timeout),
             state: Mutex::default(),
             out: tx,
+            objects: objects.clone(),
             stopping: AtomicBool::new(false),
         });
         w.refresh_files();
         w.advertise().await;
         // Tests and scripts read this line.
         println!("sdkit worker {id}: connected to {}", args.queue);
-        let publisher = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move {
-                use redis::AsyncCommands;
-                let key = store.key("events");
-                while let Some(payload) = rx.recv().await {
-                    let r: redis::RedisResult<()> = store.conn().publish(&key, payload).await;
-                    if let Err(e) = r {
-                        tracing::warn!("cannot publish to the cluster: {e}");
-                    }
-                }
-            })
-        };
+        let publisher = tokio::spawn(publisher::run(
+            Arc::clone(&store),
+            objects,
+            Arc::clone(&w.paths),
+            rx,
+        ));
         tokio::spawn(Arc::clone(&w).control());
         tokio::spawn(Arc::clone(&w).heartbeat());
         {
@@ -611,7 +624,7 @@ impl Worker {
                 let done = self.refused(&item, "the queued prompt is unreadable");
                 (done, item, false)
             }
-            Some(item) => match graph_of(&item, &self.lib, &self.paths) {
+            Some(item) => match self.graph(&item).await {
                 Err(msg) => {
                     let msg = format!("worker {}: {msg}", self.id);
                     (self.refused(&item, &msg), item, false)
@@ -640,7 +653,11 @@ impl Worker {
         let mut done = done;
         let last = done.last.take();
         if !superseded {
+            // Outputs are stored (and maybe renamed) as their messages
+            // go out; the history names them as the store does.
+            let renames = outbox.flush().await;
             let mut entry = item.history_entry(done);
+            super::objects::rename_outputs(&mut entry["outputs"], &renames);
             // Which worker ran it (ComfyUI's clients read the known keys).
             entry["worker"] = json!(self.id);
             // A result is never dropped for a Redis hiccup: retry until it
@@ -669,6 +686,26 @@ impl Worker {
         if let Ok(info) = self.store.info().await {
             outbox.send_text(None, json!({"type": "status", "data": {"status": info}}));
         }
+    }
+
+    /// The prompt's graph, once the input files it loads are here (from
+    /// the output store, when they are not).
+    async fn graph(&self, item: &Item) -> Result<Graph, String> {
+        if let Some(o) = &self.objects {
+            for (ty, sub, name) in input_files(&item.prompt, &self.lib) {
+                let Some(dir) = publisher::folder(&self.paths, &ty) else {
+                    continue;
+                };
+                let dest = dir.join(&sub).join(&name);
+                if super::objects::key(&ty, &sub, &name).is_none() || dest.exists() {
+                    continue;
+                }
+                if let Err(e) = o.fetch(&ty, &sub, &name, &dest).await {
+                    tracing::warn!("{e:#}");
+                }
+            }
+        }
+        graph_of(item, &self.lib, &self.paths)
     }
 
     /// A prompt this worker cannot run: its error messages and history.

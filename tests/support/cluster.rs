@@ -152,15 +152,21 @@ pub fn sdkit(args: &[String]) -> (Proc, String) {
 
 /// `sdkit serve --queue` on a free port; returns it and its address.
 pub fn api(queue: &str, base: &Path) -> (Proc, String) {
-    serve(Some(queue), base)
+    serve_with(Some(queue), base, &[])
 }
 
 /// `sdkit serve` on a free port, with `--queue` when given.
 pub fn serve(queue: Option<&str>, base: &Path) -> (Proc, String) {
+    serve_with(queue, base, &[])
+}
+
+/// [`serve`] with `extra` arguments.
+pub fn serve_with(queue: Option<&str>, base: &Path, extra: &[&str]) -> (Proc, String) {
     let mut args: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
     if let Some(q) = queue {
         args.extend(["--queue".into(), q.to_string()]);
     }
+    args.extend(extra.iter().map(|s| s.to_string()));
     args.extend(common(base));
     let (p, line) = sdkit(&args);
     let addr = line
@@ -184,8 +190,14 @@ pub fn common(base: &Path) -> Vec<String> {
 /// `sdkit worker` named `name`, whose prompts are taken over 3 s after it
 /// stops answering.
 pub fn worker(queue: &str, base: &Path, name: &str) -> Proc {
+    worker_with(queue, base, name, &[])
+}
+
+/// [`worker`] with `extra` arguments.
+pub fn worker_with(queue: &str, base: &Path, name: &str, extra: &[&str]) -> Proc {
     let mut args: Vec<String> = ["worker", "--queue", queue, "--name", name]
         .iter()
+        .chain(extra)
         .map(|s| s.to_string())
         .collect();
     args.extend(["--claim-timeout".into(), "3".into()]);
