@@ -59,6 +59,28 @@ pub struct ServeArgs {
     /// Largest request body accepted, in MB (uploads, prompts).
     #[arg(long, value_name = "MB", default_value_t = 100.0)]
     pub max_upload_size: f64,
+    /// A Host name to accept besides loopback ones while listening on
+    /// loopback (a reverse proxy's public name; `*` accepts any). Other
+    /// Hosts are refused, which stops DNS-rebinding pages.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    pub allow_hosts: Vec<String>,
+    #[command(flatten)]
+    pub runner: RunnerArgs,
+    /// Keep the queue and history in Redis and let `sdkit worker`s run the
+    /// prompts (a cluster; several API processes may share one Redis).
+    /// Without it this process runs them itself.
+    #[arg(long, value_name = "redis://HOST:PORT[/DB]")]
+    pub queue: Option<String>,
+    /// With `--queue`: the object store the workers put outputs in
+    /// (`file:///DIR` or `s3://BUCKET[/PREFIX]`); `/view` fetches from it
+    /// what is not in this process's folders, and uploads go there too.
+    #[arg(long, value_name = "URL", requires = "queue")]
+    pub output_store: Option<String>,
+}
+
+/// How a process that runs prompts runs them (`serve`, `worker`).
+#[derive(Args, Debug, Clone)]
+pub struct RunnerArgs {
     /// Where models run: auto, cpu, wgpu or an adapter name.
     #[arg(long, value_name = "auto|cpu|wgpu|NAME", default_value = "auto")]
     pub device: String,
@@ -72,11 +94,6 @@ pub struct ServeArgs {
     /// Tune tensor-core kernels on first use (see `sdkit run --tune`).
     #[arg(long)]
     pub tune: bool,
-    /// A Host name to accept besides loopback ones while listening on
-    /// loopback (a reverse proxy's public name; `*` accepts any). Other
-    /// Hosts are refused, which stops DNS-rebinding pages.
-    #[arg(long = "allow-host", value_name = "NAME")]
-    pub allow_hosts: Vec<String>,
     /// Sampler previews: `auto` (TAESD when the family's decoder is in
     /// models/vae_approx, latent2rgb otherwise), `taesd` (the same),
     /// `latent2rgb`, or `none`.
@@ -86,16 +103,6 @@ pub struct ServeArgs {
         default_value = "auto"
     )]
     pub preview_method: String,
-    /// Keep the queue and history in Redis and let `sdkit worker`s run the
-    /// prompts (a cluster; several API processes may share one Redis).
-    /// Without it this process runs them itself.
-    #[arg(long, value_name = "redis://HOST:PORT[/DB]")]
-    pub queue: Option<String>,
-    /// With `--queue`: the object store the workers put outputs in
-    /// (`file:///DIR` or `s3://BUCKET[/PREFIX]`); `/view` fetches from it
-    /// what is not in this process's folders, and uploads go there too.
-    #[arg(long, value_name = "URL", requires = "queue")]
-    pub output_store: Option<String>,
 }
 
 /// `--preview-method`.
@@ -223,19 +230,19 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
     let device = if args.queue.is_some() {
         "cpu"
     } else {
-        args.device.as_str()
+        args.runner.device.as_str()
     };
     let exec = crate::cli::make_executor(
         device,
-        args.vram_budget.as_deref(),
-        args.precision,
-        args.tune,
+        args.runner.vram_budget.as_deref(),
+        args.runner.precision,
+        args.runner.tune,
         Arc::clone(&lib),
         paths,
     )?;
     let max_body = (args.max_upload_size * 1024.0 * 1024.0).max(0.0) as usize;
     let hosts = HostPolicy::for_listen(&args.listen, &args.allow_hosts);
-    let preview = preview_method(&args.preview_method)?;
+    let preview = preview_method(&args.runner.preview_method)?;
     let objects = match &args.output_store {
         Some(url) => Some(Arc::new(objects::open(url)?)),
         None => None,

@@ -33,25 +33,8 @@ pub struct WorkerArgs {
     pub queue: String,
     #[command(flatten)]
     pub dirs: DirArgs,
-    /// Where models run: auto, cpu, wgpu or an adapter name.
-    #[arg(long, value_name = "auto|cpu|wgpu|NAME", default_value = "auto")]
-    pub device: String,
-    /// GPU memory the runs may use (e.g. 6G); `auto`: 4 GiB.
-    #[arg(long, value_name = "BYTES|auto")]
-    pub vram_budget: Option<String>,
-    /// Matrix products: `auto` or `f32` (see `sdkit serve`).
-    #[arg(long, value_name = "auto|f32", default_value = "auto")]
-    pub precision: crate::cli::Precision,
-    /// Tune tensor-core kernels on first use.
-    #[arg(long)]
-    pub tune: bool,
-    /// Sampler previews: auto, taesd, latent2rgb or none.
-    #[arg(
-        long,
-        value_name = "auto|taesd|latent2rgb|none",
-        default_value = "auto"
-    )]
-    pub preview_method: String,
+    #[command(flatten)]
+    pub runner: super::RunnerArgs,
     /// This worker's name in the cluster (default: host name and process
     /// id). Names must be unique among live workers.
     #[arg(long, value_name = "NAME")]
@@ -251,13 +234,13 @@ pub fn worker(args: WorkerArgs) -> Result<i32> {
             args.claim_timeout
         );
     }
-    let preview = super::preview_method(&args.preview_method)?;
+    let preview = super::preview_method(&args.runner.preview_method)?;
     let lib = Arc::new(sdkit_nodes::library());
     let exec = crate::cli::make_executor(
-        &args.device,
-        args.vram_budget.as_deref(),
-        args.precision,
-        args.tune,
+        &args.runner.device,
+        args.runner.vram_budget.as_deref(),
+        args.runner.precision,
+        args.runner.tune,
         Arc::clone(&lib),
         paths,
     )?;
