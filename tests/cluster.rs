@@ -147,14 +147,14 @@ fn workers_share_a_queue_and_survive_a_killed_worker() {
         assert_eq!(entry["status"]["status_str"], "success", "{id}: {entry}");
         assert!(entry["outputs"]["8"]["images"].is_array(), "{id}: {entry}");
     }
-    // The killed worker's prompt ran again once its claim went stale (3 s).
+    // The killed worker's prompt ran again once its claim went stale (5 s).
     let start = h[&killed]["status"]["messages"]
         .as_array()
         .and_then(|m| m.iter().find(|m| m[0] == "execution_start"))
         .and_then(|m| m[1]["timestamp"].as_u64())
         .expect("the killed prompt's start");
     assert!(
-        start >= killed_at + 2900,
+        start >= killed_at + 4900,
         "prompt {killed} restarted {} ms after its worker was killed",
         start as i64 - killed_at as i64
     );
@@ -210,9 +210,9 @@ fn queue_prompt(addr: &str, body: Json) -> String {
     r.json()["prompt_id"].as_str().expect("id").to_string()
 }
 
-/// Polls `f` until it holds (10 s at most).
+/// Polls `f` until it holds (30 s at most: CI machines are loaded).
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     while !f() {
         assert!(Instant::now() < deadline, "{what} never happened");
         std::thread::sleep(Duration::from_millis(50));
@@ -235,12 +235,14 @@ fn interrupts_deletes_and_free_reach_the_workers_through_any_api_process() {
     let mut ws = ws_connect(&a2, "c");
 
     let first = queue_prompt(&a1, json!({"prompt": slow(1), "client_id": "c"}));
+    // Running before the others are queued (else `front` would rightly
+    // put the third ahead of it).
+    wait_for(&mut ws, &first, "executing");
     let second = queue_prompt(&a1, json!({"prompt": slow(2), "client_id": "c"}));
     let third = queue_prompt(
         &a1,
         json!({"prompt": small(3, "third"), "client_id": "c", "front": true}),
     );
-    wait_for(&mut ws, &first, "executing");
     let q = get(&a2, "/queue").json();
     assert_eq!(q["queue_running"][0][1], first.as_str(), "{q}");
     // `front` puts the third before the second, across processes.

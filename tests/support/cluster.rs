@@ -187,7 +187,7 @@ pub fn common(base: &Path) -> Vec<String> {
         .collect()
 }
 
-/// `sdkit worker` named `name`, whose prompts are taken over 3 s after it
+/// `sdkit worker` named `name`, whose prompts are taken over 5 s after it
 /// stops answering.
 pub fn worker(queue: &str, base: &Path, name: &str) -> Proc {
     worker_with(queue, base, name, &[])
@@ -200,7 +200,9 @@ pub fn worker_with(queue: &str, base: &Path, name: &str, extra: &[&str]) -> Proc
         .chain(extra)
         .map(|s| s.to_string())
         .collect();
-    args.extend(["--claim-timeout".into(), "3".into()]);
+    // Short for the tests, with room for a loaded CI machine to delay a
+    // live worker's keep-alive (every 1.25 s).
+    args.extend(["--claim-timeout".into(), "5".into()]);
     args.extend(common(base));
     let (p, line) = sdkit(&args);
     assert!(line.contains("connected"), "worker said {line:?}");
