@@ -60,19 +60,7 @@ fn workers_share_a_queue_and_survive_a_killed_worker() {
     support::write_base_checkpoints(&base.path().join("models"));
     let queue = format!("redis://127.0.0.1:{port}/0");
 
-    let mut args: Vec<String> = ["serve", "--port", "0", "--queue", &queue]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(common(base.path()));
-    let (_api, line) = sdkit(&args);
-    let addr = line
-        .trim()
-        .rsplit("http://")
-        .next()
-        .expect("address")
-        .to_string();
-    assert!(addr.contains(':'), "unexpected first line {line:?}");
+    let (_api, addr) = api(&queue, base.path());
 
     let mut worker_a = Some(worker(&queue, base.path(), "wA"));
     let _worker_b = worker(&queue, base.path(), "wB");

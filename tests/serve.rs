@@ -46,13 +46,7 @@ fn start(extra: &[&str]) -> Server {
     let stdout = child.stdout.take().expect("stdout");
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line).expect("line");
-    let addr = line
-        .trim()
-        .rsplit("http://")
-        .next()
-        .expect("address")
-        .to_string();
-    assert!(addr.contains(':'), "unexpected first line {line:?}");
+    let addr = listening_addr(&line);
     Server { child, addr, base }
 }
 

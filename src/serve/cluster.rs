@@ -238,6 +238,12 @@ end
 return 0
 "#;
 
+/// The model files a worker has, by folder (`vae_list` for VAELoader's
+/// list), for the API's validation and the front end's lists. Kept apart
+/// from [`WorkerInfo`]: it can be long, and dispatch reads the records
+/// at every prompt.
+pub type Files = HashMap<String, Vec<String>>;
+
 /// What a worker tells the cluster about itself.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct WorkerInfo {
@@ -249,9 +255,6 @@ pub struct WorkerInfo {
     pub state: String,
     /// Model files its executor holds (`folder/name`).
     pub resident: Vec<String>,
-    /// The files of each model folder it has, for validation and the
-    /// front end's lists.
-    pub files: HashMap<String, Vec<String>>,
     pub jobs_done: u64,
 }
 
@@ -459,12 +462,12 @@ impl Store {
 
     /// Deletes the pending prompts `ids` (all of them for None).
     pub async fn delete_pending(&self, ids: Option<&[String]>) -> RedisResult<()> {
+        if ids.is_some_and(<[String]>::is_empty) {
+            return Ok(());
+        }
         let mut call = self.delete_pending.arg(&self.prefix);
         for id in ids.unwrap_or_default() {
             call.arg(id);
-        }
-        if ids.is_some_and(<[String]>::is_empty) {
-            return Ok(());
         }
         call.invoke_async(&mut self.conn()).await
     }
@@ -632,10 +635,20 @@ impl Store {
     /// The live workers' records.
     pub async fn workers(&self) -> RedisResult<Vec<WorkerInfo>> {
         let ids: Vec<String> = self.conn().smembers(self.key("workers")).await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = ids
+            .iter()
+            .map(|id| self.key(&format!("worker:{id}")))
+            .collect();
+        let recs: Vec<Option<String>> = redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut self.conn())
+            .await?;
         let mut out = Vec::new();
         let mut gone = Vec::new();
-        for id in ids {
-            let rec: Option<String> = self.conn().get(self.key(&format!("worker:{id}"))).await?;
+        for (id, rec) in ids.into_iter().zip(recs) {
             match rec.and_then(|r| serde_json::from_str::<WorkerInfo>(&r).ok()) {
                 Some(w) => out.push(w),
                 None => gone.push(id),
@@ -658,10 +671,10 @@ impl Store {
 
     /// Re-reads the model files the live workers have.
     pub async fn refresh_files(&self) -> RedisResult<()> {
-        let mut all: HashMap<String, Vec<String>> = HashMap::new();
-        for w in self.workers().await? {
-            for (folder, files) in w.files {
-                all.entry(folder).or_default().extend(files);
+        let mut all = Files::new();
+        for (_, files) in self.worker_files().await? {
+            for (folder, list) in files {
+                all.entry(folder).or_default().extend(list);
             }
         }
         for files in all.values_mut() {
@@ -674,16 +687,45 @@ impl Store {
         Ok(())
     }
 
-    /// Publishes a worker's record, kept for `ttl`.
-    pub async fn advertise(&self, w: &WorkerInfo, ttl: Duration) -> RedisResult<()> {
+    /// The live workers' model files.
+    pub async fn worker_files(&self) -> RedisResult<Vec<(String, Files)>> {
+        let ids: Vec<String> = self.workers().await?.into_iter().map(|w| w.id).collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = ids
+            .iter()
+            .map(|id| self.key(&format!("worker:{id}:files")))
+            .collect();
+        let lists: Vec<Option<String>> = redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut self.conn())
+            .await?;
+        Ok(ids
+            .into_iter()
+            .zip(lists)
+            .filter_map(|(id, l)| Some((id, serde_json::from_str(&l?).ok()?)))
+            .collect())
+    }
+
+    /// Publishes a worker's record (and its model files, when they are
+    /// new), kept for `ttl`.
+    pub async fn advertise(
+        &self,
+        w: &WorkerInfo,
+        files: Option<&Files>,
+        ttl: Duration,
+    ) -> RedisResult<()> {
+        let secs = ttl.as_secs().max(1);
         let rec = serde_json::to_string(w).unwrap_or_default();
-        redis::pipe()
-            .set_ex(
-                self.key(&format!("worker:{}", w.id)),
-                rec,
-                ttl.as_secs().max(1),
-            )
-            .sadd(self.key("workers"), &w.id)
+        let files_key = self.key(&format!("worker:{}:files", w.id));
+        let mut pipe = redis::pipe();
+        pipe.set_ex(self.key(&format!("worker:{}", w.id)), rec, secs);
+        match files {
+            Some(f) => pipe.set_ex(&files_key, json!(f).to_string(), secs),
+            None => pipe.expire(&files_key, secs as i64),
+        };
+        pipe.sadd(self.key("workers"), &w.id)
             .query_async(&mut self.conn())
             .await
     }
@@ -691,6 +733,7 @@ impl Store {
     pub async fn retire(&self, id: &str) -> RedisResult<()> {
         redis::pipe()
             .del(self.key(&format!("worker:{id}")))
+            .del(self.key(&format!("worker:{id}:files")))
             .srem(self.key("workers"), id)
             .query_async(&mut self.conn())
             .await
@@ -763,6 +806,27 @@ impl Store {
         Ok(mine == 1)
     }
 
+    /// Hands each message of channel `name` to `on`, forever: a dropped
+    /// connection is made again a second later.
+    pub async fn listen(&self, name: &str, mut on: impl FnMut(&[u8])) {
+        use futures_util::StreamExt;
+        loop {
+            let sub = async {
+                let mut ps = self.client.get_async_pubsub().await?;
+                ps.subscribe(self.key(name)).await?;
+                let mut stream = ps.on_message();
+                while let Some(m) = stream.next().await {
+                    on(m.get_payload_bytes());
+                }
+                Ok::<(), redis::RedisError>(())
+            };
+            if let Err(e) = sub.await {
+                tracing::warn!("the cluster's {name} channel failed ({e}); reconnecting");
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
     /// A status message for every client.
     pub async fn publish_status(&self) {
         if let Ok(info) = self.info().await {
@@ -828,31 +892,18 @@ pub fn parse_relayed(payload: &[u8]) -> Option<Relayed> {
 /// The API process's side of the events channel: forwards each worker
 /// message to this process's sockets. Reconnects when Redis drops.
 pub async fn relay(server: std::sync::Arc<super::Server>, store: std::sync::Arc<Store>) {
-    use futures_util::StreamExt;
-    loop {
-        let sub = async {
-            let mut ps = store.client.get_async_pubsub().await?;
-            ps.subscribe(store.key("events")).await?;
-            let mut stream = ps.on_message();
-            while let Some(m) = stream.next().await {
-                match parse_relayed(m.get_payload_bytes()) {
-                    Some(Relayed::Text { client, msg }) => {
-                        store.note_executing(&msg);
-                        server.clients.send(client.as_deref(), msg);
-                    }
-                    Some(Relayed::Preview { client, meta, jpeg }) => {
-                        server.clients.send_preview(client.as_deref(), &jpeg, &meta);
-                    }
-                    None => tracing::warn!("ignored a malformed message on the events channel"),
-                }
+    store
+        .listen("events", |payload| match parse_relayed(payload) {
+            Some(Relayed::Text { client, msg }) => {
+                store.note_executing(&msg);
+                server.clients.send(client.as_deref(), msg);
             }
-            Ok::<(), redis::RedisError>(())
-        };
-        if let Err(e) = sub.await {
-            tracing::warn!("the cluster's events channel failed ({e}); reconnecting");
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+            Some(Relayed::Preview { client, meta, jpeg }) => {
+                server.clients.send_preview(client.as_deref(), &jpeg, &meta);
+            }
+            None => tracing::warn!("ignored a malformed message on the events channel"),
+        })
+        .await
 }
 
 #[cfg(test)]

@@ -105,6 +105,26 @@ pub struct RunnerArgs {
     pub preview_method: String,
 }
 
+impl RunnerArgs {
+    /// The executor these options ask for, on `device` (which a cluster's
+    /// API process sets to the CPU).
+    pub fn executor(
+        &self,
+        device: &str,
+        lib: Arc<NodeLibrary>,
+        paths: sdkit_engine::Paths,
+    ) -> Result<Executor> {
+        crate::cli::make_executor(
+            device,
+            self.vram_budget.as_deref(),
+            self.precision,
+            self.tune,
+            lib,
+            paths,
+        )
+    }
+}
+
 /// `--preview-method`.
 pub fn preview_method(s: &str) -> Result<sdkit_engine::event::PreviewMethod> {
     use sdkit_engine::event::PreviewMethod;
@@ -232,14 +252,7 @@ pub fn serve(args: ServeArgs) -> Result<i32> {
     } else {
         args.runner.device.as_str()
     };
-    let exec = crate::cli::make_executor(
-        device,
-        args.runner.vram_budget.as_deref(),
-        args.runner.precision,
-        args.runner.tune,
-        Arc::clone(&lib),
-        paths,
-    )?;
+    let exec = args.runner.executor(device, Arc::clone(&lib), paths)?;
     let max_body = (args.max_upload_size * 1024.0 * 1024.0).max(0.0) as usize;
     let hosts = HostPolicy::for_listen(&args.listen, &args.allow_hosts);
     let preview = preview_method(&args.runner.preview_method)?;

@@ -60,7 +60,8 @@ impl Item {
         super::prompt_run::client_id(&self.extra_data)
     }
 
-    /// The item as a cluster stores it (no graph).
+    /// The item as a cluster stores it (no graph; the store keeps the
+    /// arrival order itself).
     pub fn record(&self) -> Json {
         json!({
             "number": self.number,
@@ -68,7 +69,6 @@ impl Item {
             "prompt": self.prompt,
             "extra_data": self.extra_data,
             "outputs": self.outputs,
-            "seq": self.seq,
         })
     }
 
@@ -86,7 +86,7 @@ impl Item {
                 .filter_map(|o| o.as_str().map(str::to_string))
                 .collect(),
             graph: None,
-            seq: v.get("seq").and_then(Json::as_u64).unwrap_or(0),
+            seq: 0,
         })
     }
 
@@ -350,12 +350,10 @@ impl Queue {
     /// Moves the first pending prompt to running.
     fn start_next(&self) -> Option<(Arc<Graph>, RunParts)> {
         let mut q = self.lock();
-        // Local items always carry their graph.
-        let at = q.pending.iter().position(|i| i.graph.is_some())?;
-        let item = q.pending.remove(at);
+        let graph = Arc::clone(q.pending.first()?.graph.as_ref()?);
+        let item = q.pending.remove(0);
         let cancel = CancelToken::new();
         let parts = RunParts::new(&item.prompt_id, &item.extra_data, cancel.clone());
-        let graph = Arc::clone(item.graph.as_ref()?);
         q.running = Some(Running {
             item,
             cancel,

@@ -632,7 +632,7 @@ async fn post_prompt(State(server): State<Arc<Server>>, body: Bytes) -> Response
 }
 
 /// Total and available memory from /proc/meminfo (0 where unknown).
-pub fn memory() -> (u64, u64) {
+fn memory() -> (u64, u64) {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let field = |name: &str| -> u64 {
         text.lines()
@@ -644,18 +644,22 @@ pub fn memory() -> (u64, u64) {
     (field("MemTotal:"), field("MemAvailable:"))
 }
 
-async fn system_stats(State(server): State<Arc<Server>>) -> JsonBody<Json> {
-    let (ram_total, ram_free) = memory();
-    let rt = server.exec.runtime();
-    // The CPU device's memory is the machine's (as ComfyUI reports it with
-    // --cpu). wgpu reports no memory size: a GPU shows its budget, less the
-    // weights held resident, or 0 without one.
-    let (vram_total, vram_free) = if rt.is_cpu() {
-        (ram_total, ram_free)
+/// A device's total and free memory. The CPU device's is the machine's
+/// (as ComfyUI reports it with --cpu). wgpu reports no memory size: a GPU
+/// shows its budget, less the weights held resident, or 0 without one.
+pub fn device_memory(rt: &sdkit_engine::Runtime) -> (u64, u64) {
+    if rt.is_cpu() {
+        memory()
     } else {
         let budget = rt.budget().unwrap_or(0);
         (budget, budget.saturating_sub(rt.resident_bytes()))
-    };
+    }
+}
+
+async fn system_stats(State(server): State<Arc<Server>>) -> JsonBody<Json> {
+    let (ram_total, ram_free) = memory();
+    let rt = server.exec.runtime();
+    let (vram_total, vram_free) = device_memory(rt);
     let argv: Vec<String> = std::env::args().collect();
     let mut devices = vec![json!({
         "name": rt.describe(),

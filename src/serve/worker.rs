@@ -191,7 +191,9 @@ struct State {
     resident: Vec<String>,
     jobs_done: u64,
     unload: bool,
-    files: HashMap<String, Vec<String>>,
+    files: cluster::Files,
+    /// The files changed since they were last advertised.
+    files_new: bool,
 }
 
 struct Worker {
@@ -236,14 +238,9 @@ pub fn worker(args: WorkerArgs) -> Result<i32> {
     }
     let preview = super::preview_method(&args.runner.preview_method)?;
     let lib = Arc::new(sdkit_nodes::library());
-    let exec = crate::cli::make_executor(
-        &args.runner.device,
-        args.runner.vram_budget.as_deref(),
-        args.runner.precision,
-        args.runner.tune,
-        Arc::clone(&lib),
-        paths,
-    )?;
+    let exec = args
+        .runner
+        .executor(&args.runner.device, Arc::clone(&lib), paths)?;
     let id = args.name.clone().unwrap_or_else(default_name);
     let objects = match &args.output_store {
         Some(url) => Some(Arc::new(super::objects::open(url)?)),
@@ -332,18 +329,16 @@ impl Worker {
             );
         }
         files.insert("vae_list".into(), self.paths.options(&ComboOptions::Vaes));
-        self.lock().files = files;
+        let mut s = self.lock();
+        if s.files != files {
+            s.files = files;
+            s.files_new = true;
+        }
     }
 
     fn info(&self) -> WorkerInfo {
         let rt = self.exec.runtime();
-        let (vram_total, vram_free) = if rt.is_cpu() {
-            let (t, f) = super::routes::memory();
-            (t, f)
-        } else {
-            let budget = rt.budget().unwrap_or(0);
-            (budget, budget.saturating_sub(rt.resident_bytes()))
-        };
+        let (vram_total, vram_free) = super::routes::device_memory(rt);
         let s = self.lock();
         WorkerInfo {
             id: self.id.clone(),
@@ -352,7 +347,6 @@ impl Worker {
             vram_free,
             state: if s.current.is_some() { "busy" } else { "idle" }.into(),
             resident: s.resident.clone(),
-            files: s.files.clone(),
             jobs_done: s.jobs_done,
         }
     }
@@ -361,8 +355,18 @@ impl Worker {
     /// dispatch stops preferring a worker soon after it dies.
     async fn advertise(&self) {
         let ttl = self.timeout.max(Duration::from_secs(6));
-        if let Err(e) = self.store.advertise(&self.info(), ttl).await {
+        let files = {
+            let mut s = self.lock();
+            std::mem::take(&mut s.files_new).then(|| s.files.clone())
+        };
+        if let Err(e) = self
+            .store
+            .advertise(&self.info(), files.as_ref(), ttl)
+            .await
+        {
             tracing::warn!("cannot reach the cluster's Redis: {e}");
+            // Sent again at the next beat.
+            self.lock().files_new |= files.is_some();
         }
     }
 
@@ -399,38 +403,27 @@ impl Worker {
 
     /// Interrupts and `/free` from the API processes.
     async fn control(self: Arc<Self>) {
-        use futures_util::StreamExt;
-        loop {
-            let sub = async {
-                let mut ps = self.store.client.get_async_pubsub().await?;
-                ps.subscribe(self.store.key("control")).await?;
-                let mut stream = ps.on_message();
-                while let Some(m) = stream.next().await {
-                    let Ok(v) = serde_json::from_slice::<Json>(m.get_payload_bytes()) else {
-                        continue;
-                    };
-                    if let Some(target) = v.get("interrupt") {
-                        let s = self.lock();
-                        if let Some(c) = &s.current {
-                            if target.is_null() || target.as_str() == Some(c.id.as_str()) {
-                                c.cancel.cancel();
-                            }
-                        }
-                    }
-                    if let Some(f) = v.get("free") {
-                        let flag = |k: &str| f.get(k).and_then(Json::as_bool).unwrap_or(false);
-                        if flag("unload_models") || flag("free_memory") {
-                            self.lock().unload = true;
+        self.store
+            .listen("control", |payload| {
+                let Ok(v) = serde_json::from_slice::<Json>(payload) else {
+                    return;
+                };
+                if let Some(target) = v.get("interrupt") {
+                    let s = self.lock();
+                    if let Some(c) = &s.current {
+                        if target.is_null() || target.as_str() == Some(c.id.as_str()) {
+                            c.cancel.cancel();
                         }
                     }
                 }
-                Ok::<(), redis::RedisError>(())
-            };
-            if let Err(e) = sub.await {
-                tracing::warn!("the cluster's control channel failed ({e}); reconnecting");
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
+                if let Some(f) = v.get("free") {
+                    let flag = |k: &str| f.get(k).and_then(Json::as_bool).unwrap_or(false);
+                    if flag("unload_models") || flag("free_memory") {
+                        self.lock().unload = true;
+                    }
+                }
+            })
+            .await
     }
 
     fn apply_free(&self) {
@@ -551,12 +544,12 @@ impl Worker {
         if missing.is_empty() {
             return false;
         }
-        let others = self.store.workers().await.unwrap_or_default();
-        let elsewhere = others.iter().any(|w| {
-            w.id != self.id
+        let others = self.store.worker_files().await.unwrap_or_default();
+        let elsewhere = others.iter().any(|(id, files)| {
+            *id != self.id
                 && missing.iter().all(|f| {
                     f.split_once('/').is_some_and(|(folder, name)| {
-                        w.files
+                        files
                             .get(folder)
                             .is_some_and(|l| l.iter().any(|n| n == name))
                     })

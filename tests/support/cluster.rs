@@ -169,14 +169,7 @@ pub fn serve_with(queue: Option<&str>, base: &Path, extra: &[&str]) -> (Proc, St
     args.extend(extra.iter().map(|s| s.to_string()));
     args.extend(common(base));
     let (p, line) = sdkit(&args);
-    let addr = line
-        .trim()
-        .rsplit("http://")
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    assert!(addr.contains(':'), "unexpected first line {line:?}");
-    (p, addr)
+    (p, super::http::listening_addr(&line))
 }
 
 pub fn common(base: &Path) -> Vec<String> {

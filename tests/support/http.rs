@@ -76,6 +76,19 @@ pub fn dechunk(mut b: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The address in `sdkit serve`'s first line ("… listening on
+/// http://ADDR").
+pub fn listening_addr(line: &str) -> String {
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    assert!(addr.contains(':'), "unexpected first line {line:?}");
+    addr
+}
+
 pub fn get(addr: &str, path: &str) -> Reply {
     http(addr, "GET", path, &[], b"")
 }
