@@ -18,8 +18,10 @@
 //!   completion. The [`FINISH`] script records a prompt only while it is
 //!   running, so each prompt ends in the history exactly once, whichever
 //!   of two workers (one presumed dead, one that took over) ends first.
-//! - `worker:ID`: a worker's record (device, memory, resident models, the
-//!   model files it has), expiring unless refreshed; `workers`: their ids.
+//! - `worker:ID`: a worker's record (device, memory, state, resident
+//!   models), read by dispatch; `worker:ID:files`: the model files it has,
+//!   read for validation and the model lists; both expire unless
+//!   refreshed. `workers`: their ids.
 //! - Channels `events` (workers → API processes: ComfyUI's WebSocket
 //!   messages with the client they are for) and `control` (API processes
 //!   → workers: interrupt, free).
