@@ -334,7 +334,16 @@ fn interrupts_deletes_and_free_reach_the_workers_through_any_api_process() {
     // A Redis that restarts empty: API processes and the worker reconnect,
     // the worker recreates the job stream, and prompts flow again.
     let bin = redis_binary().expect("redis-server");
-    let _redis_again = redis_on(&bin, base.path(), port);
+    // The same port, so the processes find it; retried while a lingering
+    // socket of the old server holds it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let _redis_again = loop {
+        if let Some(p) = redis_on(&bin, base.path(), port) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "redis-server did not restart");
+        std::thread::sleep(Duration::from_millis(200));
+    };
     let mut again = None;
     eventually("the API reconnecting", || {
         let r = post_json(

@@ -27,11 +27,22 @@ pub fn redis_binary() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// A loopback port that was free a moment ago and that this test process
+/// has not handed out before (parallel tests would otherwise be given the
+/// same one by the kernel once the probe socket closes).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// A RESP reply, as far as the test reads them.
@@ -89,11 +100,8 @@ pub fn read_resp(r: &mut BufReader<TcpStream>) -> Resp {
 pub fn redis(port: u16, args: &[&str]) -> Resp {
     let s = TcpStream::connect(("127.0.0.1", port)).expect("redis connect");
     s.set_read_timeout(Some(Duration::from_secs(10))).ok();
-    let mut req = format!("*{}\r\n", args.len());
-    for a in args {
-        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-    }
-    (&s).write_all(req.as_bytes()).expect("redis write");
+    (&s).write_all(encode(args).as_bytes())
+        .expect("redis write");
     read_resp(&mut BufReader::new(s))
 }
 
@@ -111,12 +119,21 @@ pub fn start_redis(dir: &Path) -> Option<(Proc, u16)> {
         );
         return None;
     };
-    let port = free_port();
-    Some((redis_on(&bin, dir, port), port))
+    // Another process can take the port between the probe and the bind
+    // (an ephemeral port given to an outgoing connection or to a server on
+    // port 0); then try another.
+    for _ in 0..10 {
+        let port = free_port();
+        if let Some(p) = redis_on(&bin, dir, port) {
+            return Some((p, port));
+        }
+    }
+    panic!("redis-server could not bind any of 10 free ports");
 }
 
-/// redis-server on `port`, once it answers.
-pub fn redis_on(bin: &Path, dir: &Path, port: u16) -> Proc {
+/// redis-server on `port`, once it answers as itself; None where it could
+/// not take the port (it exited, or another server answers there).
+pub fn redis_on(bin: &Path, dir: &Path, port: u16) -> Option<Proc> {
     let child = Command::new(bin)
         .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .args(["--port", &port.to_string()])
@@ -126,14 +143,43 @@ pub fn redis_on(bin: &Path, dir: &Path, port: u16) -> Proc {
         .stderr(Stdio::null())
         .spawn()
         .expect("redis-server starts");
-    let proc = Proc(child);
+    let mut proc = Proc(child);
+    let pid = format!("process_id:{}", proc.0.id());
     let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+    loop {
+        if let Ok(Some(_)) = proc.0.try_wait() {
+            return None;
+        }
+        // Whoever answers must be this child: INFO names its process.
+        if let Some(info) = try_redis(port, &["INFO", "server"]) {
+            return info.lines().any(|l| l.trim() == pid).then_some(proc);
+        }
         assert!(Instant::now() < deadline, "redis-server did not start");
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(redis(port, &["PING"]).str(), Some("PONG"));
-    proc
+}
+
+/// `args` on a fresh connection; None where the port does not answer RESP
+/// with a bulk string.
+fn try_redis(port: u16, args: &[&str]) -> Option<String> {
+    let s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+    (&s).write_all(encode(args).as_bytes()).ok()?;
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).ok()?;
+    let n: usize = line.trim_end().strip_prefix('$')?.parse().ok()?;
+    let mut b = vec![0; n];
+    r.read_exact(&mut b).ok()?;
+    String::from_utf8(b).ok()
+}
+
+fn encode(args: &[&str]) -> String {
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    req
 }
 
 /// Starts `sdkit` with `args`; returns it and its first stdout line.
