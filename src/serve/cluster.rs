@@ -281,15 +281,27 @@ pub struct Store {
 /// Parses `redis://HOST:PORT[/DB]` (or `rediss://`, `unix://`) and
 /// connects, creating the stream and its group when new.
 pub async fn connect(url: &str) -> anyhow::Result<Store> {
+    // Messages name the address without its password.
+    let shown = redact(url);
+    let url_tls = url.starts_with("rediss://") || url.starts_with("valkeys://");
+    if url_tls && !cfg!(feature = "tls") {
+        anyhow::bail!(
+            "--queue {shown}: this sdkit was built without TLS (cargo build --features tls)"
+        );
+    }
+    // TLS through rustls with ring: installed once for the process (the
+    // S3 store uses the same one).
+    #[cfg(feature = "tls")]
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let client = redis::Client::open(url)
-        .map_err(|e| anyhow::anyhow!("--queue {url}: not a Redis address: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("--queue {shown}: not a Redis address: {e}"))?;
     let config = redis::aio::ConnectionManagerConfig::new()
         .set_response_timeout(Some(Duration::from_secs(30)))
         .set_connection_timeout(Some(Duration::from_secs(5)));
     let conn = client
         .get_connection_manager_with_config(config)
         .await
-        .map_err(|e| anyhow::anyhow!("--queue {url}: cannot connect: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("--queue {shown}: cannot connect: {e}"))?;
     let store = Store {
         client,
         conn,
@@ -306,8 +318,25 @@ pub async fn connect(url: &str) -> anyhow::Result<Store> {
     store
         .ensure_group()
         .await
-        .map_err(|e| anyhow::anyhow!("--queue {url}: cannot create the job stream: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("--queue {shown}: cannot create the job stream: {e}"))?;
     Ok(store)
+}
+
+/// `url` with the password of `redis://USER:PASSWORD@HOST` replaced by
+/// `***`, for messages and logs.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let Some((userinfo, host)) = authority.rsplit_once('@') else {
+        return url.to_string();
+    };
+    match userinfo.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}{tail}"),
+        None => url.to_string(),
+    }
 }
 
 /// What a worker's claim gave it.
@@ -911,6 +940,21 @@ pub async fn relay(server: std::sync::Arc<super::Server>, store: std::sync::Arc<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn addresses_are_shown_without_their_password() {
+        assert_eq!(
+            redact("rediss://app:s3cr:et@cache.example:6380/2"),
+            "rediss://app:***@cache.example:6380/2"
+        );
+        assert_eq!(
+            redact("redis://:pw@127.0.0.1/#insecure"),
+            "redis://:***@127.0.0.1/#insecure"
+        );
+        for plain in ["redis://127.0.0.1:6379/0", "redis://user@h", "nonsense"] {
+            assert_eq!(redact(plain), plain);
+        }
+    }
 
     #[test]
     fn preview_frames_round_trip() {

@@ -266,7 +266,10 @@ pub fn worker(args: WorkerArgs) -> Result<i32> {
         w.refresh_files();
         w.advertise().await;
         // Tests and scripts read this line.
-        println!("sdkit worker {id}: connected to {}", args.queue);
+        println!(
+            "sdkit worker {id}: connected to {}",
+            cluster::redact(&args.queue)
+        );
         let publisher = tokio::spawn(publisher::run(
             Arc::clone(&store),
             objects,

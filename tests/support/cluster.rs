@@ -20,11 +20,7 @@ impl Drop for Proc {
 }
 
 pub fn redis_binary() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
-        .map(|d| d.join("redis-server"))
-        .find(|p| p.is_file())
+    which("redis-server")
 }
 
 /// A loopback port that was free a moment ago and that this test process
@@ -134,9 +130,15 @@ pub fn start_redis(dir: &Path) -> Option<(Proc, u16)> {
 /// redis-server on `port`, once it answers as itself; None where it could
 /// not take the port (it exited, or another server answers there).
 pub fn redis_on(bin: &Path, dir: &Path, port: u16) -> Option<Proc> {
+    redis_with(bin, dir, port, &[])
+}
+
+/// [`redis_on`] with `extra` arguments (INFO is asked on the plain `port`).
+pub fn redis_with(bin: &Path, dir: &Path, port: u16, extra: &[&str]) -> Option<Proc> {
     let child = Command::new(bin)
         .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .args(["--port", &port.to_string()])
+        .args(extra)
         .arg("--dir")
         .arg(dir)
         .stdout(Stdio::null())
@@ -182,10 +184,117 @@ fn encode(args: &[&str]) -> String {
     req
 }
 
+/// A Redis that speaks only TLS on its second port, with a certificate for
+/// 127.0.0.1 from a private CA, and wants `password`; returns it, the TLS
+/// port and the CA's PEM file. None (after saying so) where redis-server
+/// or openssl is missing and `SDKIT_REQUIRE_REDIS` is unset.
+pub fn start_redis_tls(dir: &Path, password: &str) -> Option<(Proc, u16, PathBuf)> {
+    let bins = redis_binary().zip(which("openssl"));
+    let Some((bin, openssl)) = bins else {
+        assert!(
+            std::env::var_os("SDKIT_REQUIRE_REDIS").is_none(),
+            "SDKIT_REQUIRE_REDIS is set but redis-server or openssl is not installed"
+        );
+        eprintln!("skipped: redis-server or openssl is not installed");
+        return None;
+    };
+    let run = |args: &[&str]| {
+        let out = Command::new(&openssl)
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+    let ca: &[&str] = &[
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-subj",
+        "/CN=sdkit test CA",
+    ];
+    run(&[&["req", "-x509", "-nodes", "-days", "2"][..], &ec, ca].concat());
+    let csr: &[&str] = &[
+        "-keyout",
+        "srv.key",
+        "-out",
+        "srv.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ];
+    run(&[&["req", "-nodes"][..], &ec, csr].concat());
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").expect("ext");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "srv.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+    let (srv, key, ca) = (dir.join("srv.pem"), dir.join("srv.key"), dir.join("ca.pem"));
+    for _ in 0..10 {
+        let (plain, tls) = (free_port(), free_port());
+        let tls_port = tls.to_string();
+        let extra = [
+            "--tls-port",
+            &tls_port,
+            "--tls-auth-clients",
+            "no",
+            "--tls-cert-file",
+            path_str(&srv),
+            "--tls-key-file",
+            path_str(&key),
+            "--tls-ca-cert-file",
+            path_str(&ca),
+        ];
+        // Redis binds every port before it answers on any.
+        if let Some(p) = redis_with(&bin, dir, plain, &extra) {
+            redis(plain, &["CONFIG", "SET", "requirepass", password]);
+            return Some((p, tls, ca));
+        }
+    }
+    panic!("redis-server could not bind any of 10 free port pairs");
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 temporary path")
+}
+
+/// `name` on the PATH or in the system's binary folders.
+fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
 /// Starts `sdkit` with `args`; returns it and its first stdout line.
 pub fn sdkit(args: &[String]) -> (Proc, String) {
+    sdkit_env(args, &[])
+}
+
+/// [`sdkit`] with environment variables set.
+pub fn sdkit_env(args: &[String], env: &[(&str, &Path)]) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_sdkit"))
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
