@@ -88,6 +88,9 @@ pub struct Executor {
     paths: Arc<Paths>,
     runtime: Runtime,
     cache: Mutex<HashMap<u64, CacheEntry>>,
+    /// Image chains after a producer run in its program on a GPU
+    /// ([`crate::fusion`]).
+    fuse_nodes: bool,
 }
 
 /// A random-looking id in UUID form (ComfyUI's prompt ids are UUIDs).
@@ -133,7 +136,16 @@ impl Executor {
             paths,
             runtime: Runtime::cpu(),
             cache: Mutex::new(HashMap::new()),
+            fuse_nodes: true,
         }
+    }
+
+    /// Whether image chains after a producer join its program on a GPU
+    /// (on by default; the CPU runs them node by node either way, as
+    /// ComfyUI computes them).
+    pub fn with_node_fusion(mut self, on: bool) -> Self {
+        self.fuse_nodes = on;
+        self
     }
 
     /// Runs nodes' tensor programs on `runtime` (the CPU by default).
@@ -306,15 +318,29 @@ impl Executor {
             }
         }
 
+        // On a GPU, image chains after a producer run as part of it: the
+        // chain's members are scheduled as their producer.
+        let mut chains = if self.fuse_nodes && !self.runtime.is_cpu() {
+            crate::fusion::image_chains(&self.library, graph, &to_run)
+        } else {
+            HashMap::new()
+        };
+        let absorbed: HashMap<usize, usize> = chains
+            .iter()
+            .flat_map(|(&p, tail)| tail.iter().map(move |m| (m.index, p)))
+            .collect();
+
         // Dependency counts among the nodes to run.
         let mut waiting: HashMap<usize, usize> = HashMap::new();
         let mut dependents: HashMap<usize, Vec<usize>> = HashMap::new();
-        for &i in &to_run {
+        for &i in to_run.iter().filter(|i| !absorbed.contains_key(i)) {
             let mut srcs: Vec<usize> = graph.nodes[i]
                 .inputs
                 .iter()
                 .filter_map(|(_, inp)| match inp {
-                    GraphInput::Link { node, .. } if to_run.contains(node) => Some(*node),
+                    GraphInput::Link { node, .. } if to_run.contains(node) => {
+                        Some(absorbed.get(node).copied().unwrap_or(*node))
+                    }
                     _ => None,
                 })
                 .collect();
@@ -333,7 +359,11 @@ impl Executor {
             .enumerate()
             .map(|(r, &i)| (i, r))
             .collect();
-        let mut ready: Vec<usize> = to_run.iter().copied().filter(|i| waiting[i] == 0).collect();
+        let mut ready: Vec<usize> = to_run
+            .iter()
+            .copied()
+            .filter(|i| waiting.get(i) == Some(&0))
+            .collect();
         ready.sort_by_key(|i| std::cmp::Reverse(rank[i]));
 
         // The use schedule: nodes that run models on the device, in
@@ -352,7 +382,7 @@ impl Executor {
         let mut next_use = 0usize;
 
         let parallel = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let mut running: JoinSet<(usize, Result<NodeOutput, NodeError>)> = JoinSet::new();
+        let mut running: JoinSet<(usize, crate::fusion::Done)> = JoinSet::new();
         let mut failure: Option<(usize, NodeError)> = None;
         let mut interrupted_at: Option<usize> = None;
 
@@ -412,37 +442,43 @@ impl Executor {
                 let ctx = self.context(graph, i, &opts, &shared);
                 let imp = self.library.implementation(&node.class_type);
                 let inputs = Inputs::new(values);
+                let mut tail = chains.remove(&i).unwrap_or_default();
+                for m in &mut tail {
+                    m.ctx = Some(self.context(graph, m.index, &opts, &shared));
+                }
                 running.spawn_blocking(move || {
-                    let r = match imp {
+                    let done = match imp {
+                        Some(imp) if !tail.is_empty() => {
+                            crate::fusion::run_chain(i, imp.as_ref(), &ctx, &inputs, tail)
+                        }
                         Some(imp) => {
-                            // Refuse what cannot fit before it allocates.
-                            if let Err(e) = crate::memory::admit(imp.as_ref(), &ctx, &inputs) {
-                                return (i, Err(e));
-                            }
-                            // A panicking node is a bug, but it must not take
-                            // the server down with it.
-                            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            let r = crate::fusion::guarded(imp.as_ref(), &ctx, &inputs, || {
                                 imp.execute(&ctx, &inputs)
-                            })) {
-                                Ok(r) => r,
-                                Err(p) => Err(NodeError::invalid(format!(
-                                    "internal error (panic): {}",
-                                    p.downcast_ref::<&str>()
-                                        .map(|s| s.to_string())
-                                        .or_else(|| p.downcast_ref::<String>().cloned())
-                                        .unwrap_or_default()
-                                ))),
+                            });
+                            match r {
+                                Ok(out) => crate::fusion::Done {
+                                    finished: vec![i],
+                                    outputs: vec![(i, out)],
+                                    failure: None,
+                                },
+                                Err(e) => crate::fusion::Done {
+                                    failure: Some((i, e)),
+                                    ..Default::default()
+                                },
                             }
                         }
-                        None => Err(NodeError::NotImplemented(ctx.class_type.clone())),
+                        None => crate::fusion::Done {
+                            failure: Some((i, NodeError::NotImplemented(ctx.class_type.clone()))),
+                            ..Default::default()
+                        },
                     };
-                    (i, r)
+                    (i, done)
                 });
             }
             let Some(joined) = running.join_next().await else {
                 break;
             };
-            let (i, r) = match joined {
+            let (i, done) = match joined {
                 Ok(x) => {
                     if use_of.contains_key(&x.0) {
                         device_busy = false;
@@ -459,40 +495,62 @@ impl Executor {
                     });
                 }
             };
-            match r {
-                Ok(out) => {
-                    let spec_outputs = self
-                        .library
-                        .registry
-                        .get(&graph.nodes[i].class_type)
-                        .map_or(0, |s| s.outputs.len());
-                    if out.values.len() < spec_outputs {
-                        failure.get_or_insert((
-                            i,
-                            NodeError::invalid(format!(
-                                "returned {} outputs, its type declares {spec_outputs}",
-                                out.values.len()
-                            )),
-                        ));
-                        continue;
-                    }
-                    let id = graph.nodes[i].id.clone();
-                    let entry = CacheEntry {
-                        values: Arc::new(out.values),
-                        ui: out.ui,
-                    };
-                    self.lock_cache().insert(keys[&i], entry.clone());
-                    if let Some(ui) = &entry.ui {
-                        report.outputs.insert(id.clone(), ui.clone());
-                        emit(Event::Executed {
-                            node: id.clone(),
-                            display_node: id.clone(),
-                            output: ui.clone(),
-                            prompt_id: pid.clone(),
-                        });
-                    }
+            let mut outputs: HashMap<usize, NodeOutput> = done.outputs.into_iter().collect();
+            for j in done.finished {
+                let id = graph.nodes[j].id.clone();
+                if j != i {
+                    // A chain member (its producer's start was announced).
+                    emit(Event::Executing {
+                        node: Some(id.clone()),
+                        display_node: Some(id.clone()),
+                        prompt_id: pid.clone(),
+                    });
+                }
+                let Some(out) = outputs.remove(&j) else {
+                    // Fused into the next: nothing on the host to keep.
                     report.executed.push(id);
-                    results.insert(i, entry);
+                    continue;
+                };
+                let spec_outputs = self
+                    .library
+                    .registry
+                    .get(&graph.nodes[j].class_type)
+                    .map_or(0, |s| s.outputs.len());
+                if out.values.len() < spec_outputs {
+                    failure.get_or_insert((
+                        j,
+                        NodeError::invalid(format!(
+                            "returned {} outputs, its type declares {spec_outputs}",
+                            out.values.len()
+                        )),
+                    ));
+                    break;
+                }
+                let entry = CacheEntry {
+                    values: Arc::new(out.values),
+                    ui: out.ui,
+                };
+                self.lock_cache().insert(keys[&j], entry.clone());
+                if let Some(ui) = &entry.ui {
+                    report.outputs.insert(id.clone(), ui.clone());
+                    emit(Event::Executed {
+                        node: id.clone(),
+                        display_node: id.clone(),
+                        output: ui.clone(),
+                        prompt_id: pid.clone(),
+                    });
+                }
+                report.executed.push(id);
+                results.insert(j, entry);
+            }
+            match done.failure {
+                Some((_, NodeError::Interrupted)) => {
+                    interrupted_at.get_or_insert(i);
+                }
+                Some((j, e)) => {
+                    failure.get_or_insert((j, e));
+                }
+                None if failure.is_none() => {
                     if let Some(ds) = dependents.get(&i) {
                         for &d in ds {
                             if let Some(w) = waiting.get_mut(&d) {
@@ -505,12 +563,7 @@ impl Executor {
                         ready.sort_by_key(|i| std::cmp::Reverse(rank[i]));
                     }
                 }
-                Err(NodeError::Interrupted) => {
-                    interrupted_at.get_or_insert(i);
-                }
-                Err(e) => {
-                    failure.get_or_insert((i, e));
-                }
+                None => {}
             }
         }
 

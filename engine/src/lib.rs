@@ -14,6 +14,7 @@
 
 pub mod event;
 pub mod exec;
+mod fusion;
 pub mod graph;
 pub mod memory;
 pub mod node;
@@ -23,7 +24,9 @@ pub mod value;
 pub use event::{Event, EventSink};
 pub use exec::{Executor, RunError, RunOptions, RunReport};
 pub use graph::{validate, validate_for, Graph, GraphInput, GraphNode, Outputs};
-pub use node::{CancelToken, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary, NodeOutput};
+pub use node::{
+    CancelToken, ImageStage, Inputs, NodeContext, NodeError, NodeImpl, NodeLibrary, NodeOutput,
+};
 pub use paths::Paths;
 pub use sdkit_compute::runtime::{Runtime, RuntimeError};
 pub use value::{Latent, Tensor, Value};

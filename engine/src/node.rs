@@ -292,6 +292,82 @@ pub trait NodeImpl: Send + Sync {
     fn estimate_bytes(&self, _ctx: &NodeContext, _inputs: &Inputs) -> Option<u64> {
         None
     }
+
+    /// This node as a stage of a fused image chain: its IMAGE output is a
+    /// function of the IMAGE input the stage names and of `inputs` (its
+    /// constant inputs, the image left out), which a producer on a GPU
+    /// appends to its own program so the image never visits the host in
+    /// between. `None`: these inputs keep the node on the host (a mode
+    /// with no tensor form, or the node is not a pure image operation).
+    fn image_stage(&self, _inputs: &Inputs) -> Option<ImageStage> {
+        None
+    }
+
+    /// Whether [`NodeImpl::execute_with_tail`] can append image stages to
+    /// the program that makes this node's only output, an IMAGE.
+    fn takes_image_tail(&self) -> bool {
+        false
+    }
+
+    /// Runs with `tail` appended to the program that makes output 0 and
+    /// returns the last stage's image as that output. `None`: not done this
+    /// time (the executor then runs the node and each stage's node as
+    /// usual).
+    fn execute_with_tail(
+        &self,
+        _ctx: &NodeContext,
+        _inputs: &Inputs,
+        _tail: &[ImageStage],
+    ) -> Option<Result<NodeOutput, NodeError>> {
+        None
+    }
+}
+
+/// A node's operation on an IMAGE (`[b, h, w, c]`, f32) in tensor form; see
+/// [`NodeImpl::image_stage`].
+pub struct ImageStage {
+    /// The IMAGE input the operation reads.
+    pub input: &'static str,
+    pub append: Box<AppendStage>,
+}
+
+/// Appends a stage's operations on the image `x` to `g`.
+pub type AppendStage = dyn for<'a> Fn(
+        &'a sdkit_compute::tensor::GraphBuilder,
+        sdkit_compute::tensor::T<'a>,
+    ) -> Result<sdkit_compute::tensor::T<'a>, sdkit_compute::tensor::ShapeError>
+    + Send
+    + Sync;
+
+impl ImageStage {
+    pub fn new(
+        input: &'static str,
+        append: impl for<'a> Fn(
+                &'a sdkit_compute::tensor::GraphBuilder,
+                sdkit_compute::tensor::T<'a>,
+            )
+                -> Result<sdkit_compute::tensor::T<'a>, sdkit_compute::tensor::ShapeError>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Self {
+        ImageStage {
+            input,
+            append: Box::new(append),
+        }
+    }
+
+    /// `stages` applied in order to `x`.
+    pub fn apply_all<'a>(
+        stages: &[ImageStage],
+        g: &'a sdkit_compute::tensor::GraphBuilder,
+        mut x: sdkit_compute::tensor::T<'a>,
+    ) -> Result<sdkit_compute::tensor::T<'a>, sdkit_compute::tensor::ShapeError> {
+        for s in stages {
+            x = (s.append)(g, x)?;
+        }
+        Ok(x)
+    }
 }
 
 /// Node specs plus the implementations that exist so far. A spec without an

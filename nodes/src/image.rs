@@ -90,8 +90,9 @@ fn method(inputs: &Inputs) -> Result<UpscaleMethod, NodeError> {
 }
 
 macro_rules! image_node {
-    // With an estimate of the host memory the node allocates.
-    ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr, estimate |$ein:ident| $est:expr) => {
+    // With an estimate of the host memory the node allocates and its form
+    // as a stage of a fused image chain (`crate::image_stages`).
+    ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr, estimate |$ein:ident| $est:expr, stage |$sin:ident| $stage:expr) => {
         $(#[$doc])*
         pub struct $name;
 
@@ -107,7 +108,18 @@ macro_rules! image_node {
             fn estimate_bytes(&self, _ctx: &NodeContext, $ein: &Inputs) -> Option<u64> {
                 $est
             }
+
+            fn image_stage(&self, $sin: &Inputs) -> Option<sdkit_engine::ImageStage> {
+                $stage
+            }
         }
+    };
+    // With an estimate of the host memory the node allocates.
+    ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr, estimate |$ein:ident| $est:expr) => {
+        image_node!($(#[$doc])* $name, |$inputs| $body, estimate |$ein| $est, stage |_s| None);
+    };
+    ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr, stage |$sin:ident| $stage:expr) => {
+        image_node!($(#[$doc])* $name, |$inputs| $body, estimate |_inputs| None, stage |$sin| $stage);
     };
     ($(#[$doc:meta])* $name:ident, |$inputs:ident| $body:expr) => {
         image_node!($(#[$doc])* $name, |$inputs| $body, estimate |_inputs| None);
@@ -396,17 +408,15 @@ image_node!(
     },
     estimate |inputs| {
         let [b, h, w, c] = shape_of(inputs, "image")?;
-        let (mut width, mut height) = (inputs.usize("width").ok()?, inputs.usize("height").ok()?);
-        // A zero side keeps the aspect ratio.
-        if width == 0 && height == 0 {
-            (width, height) = (w, h);
-        } else if width == 0 {
-            width = (w as f64 * height as f64 / h.max(1) as f64).round() as usize;
-        } else if height == 0 {
-            height = (h as f64 * width as f64 / w.max(1) as f64).round() as usize;
-        }
+        let (width, height) = imageops::scale_to_size(
+            w,
+            h,
+            inputs.usize("width").ok()?,
+            inputs.usize("height").ok()?,
+        );
         copy_and_output(inputs, "image", [b, height, width, c])
-    }
+    },
+    stage |inputs| crate::image_stages::scale_to(inputs)
 );
 
 image_node!(
@@ -422,10 +432,10 @@ image_node!(
     },
     estimate |inputs| {
         let [b, h, w, c] = shape_of(inputs, "image")?;
-        let s = inputs.float("scale_by").ok()?;
-        let side = |n: usize| (n as f64 * s).round().max(0.0) as usize;
-        copy_and_output(inputs, "image", [b, side(h), side(w), c])
-    }
+        let (width, height) = imageops::scale_by_size(w, h, inputs.float("scale_by").ok()?);
+        copy_and_output(inputs, "image", [b, height, width, c])
+    },
+    stage |inputs| crate::image_stages::scale_by(inputs)
 );
 
 image_node!(
@@ -444,7 +454,8 @@ image_node!(
 image_node!(
     /// ComfyUI's ImageInvert: 1 - x.
     ImageInvert,
-    |inputs| one(image_out(imageops::invert(&image_in(inputs, "image")?)))
+    |inputs| one(image_out(imageops::invert(&image_in(inputs, "image")?))),
+    stage |_inputs| crate::image_stages::invert()
 );
 
 image_node!(
@@ -464,7 +475,8 @@ image_node!(
         let [b, h, w, c] = shape_of(inputs, "image")?;
         let (width, height) = (inputs.usize("width").ok()?, inputs.usize("height").ok()?);
         copy_and_output(inputs, "image", [b, height.min(h), width.min(w), c])
-    }
+    },
+    stage |inputs| crate::image_stages::crop(inputs)
 );
 
 image_node!(

@@ -9,6 +9,7 @@ pub mod adapters;
 pub mod clip_tokenizer;
 pub mod diffusion;
 pub mod image;
+pub mod image_stages;
 pub mod imagefile;
 pub mod imageops;
 pub mod io;

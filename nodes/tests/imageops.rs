@@ -631,3 +631,145 @@ fn pad_for_outpaint_borders_and_ramps() {
 
 #[path = "imageops/latent.rs"]
 mod latent;
+
+/// The image stages (the tensor form of ImageInvert, bilinear ImageScale
+/// and ImageScaleBy, ImageCrop that VAEDecode appends to its program on a
+/// GPU) give the host functions' images, on random shapes, run through the
+/// planner and the CPU backend.
+mod stages {
+    use proptest::prelude::*;
+    use sdkit_compute::plan::plan;
+    use sdkit_compute::runtime::{Bindings, Runtime};
+    use sdkit_compute::tensor::GraphBuilder;
+    use sdkit_engine::{ImageStage, Inputs, Value};
+    use sdkit_nodes::image_stages;
+    use sdkit_nodes::imageops::{self, Crop, Tensor4, UpscaleMethod};
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    fn inputs(pairs: &[(&str, Value)]) -> Inputs {
+        Inputs::new(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect::<HashMap<_, _>>(),
+        )
+    }
+
+    fn staged(stage: &ImageStage, img: &Tensor4) -> Tensor4 {
+        let g = GraphBuilder::new();
+        let x = g
+            .input("image", &[img.b, img.h, img.w, img.c])
+            .expect("input");
+        let y = (stage.append)(&g, x).expect("the stage applies");
+        let prog = plan(&g.finish(&[y])).expect("plans");
+        let mut bind = Bindings::default();
+        bind.inputs
+            .insert("image".into(), Arc::new(img.data.clone()));
+        let out = Runtime::cpu()
+            .run(&prog, &bind)
+            .expect("runs")
+            .swap_remove(0);
+        let [b, h, w, c] = <[usize; 4]>::try_from(out.shape.as_slice()).expect("an IMAGE");
+        Tensor4 {
+            b,
+            h,
+            w,
+            c,
+            data: out.data,
+        }
+    }
+
+    fn same(got: &Tensor4, want: &Tensor4, what: &str) {
+        assert_eq!(
+            (got.b, got.h, got.w, got.c),
+            (want.b, want.h, want.w, want.c),
+            "{what}: shape"
+        );
+        let d = got
+            .data
+            .iter()
+            .zip(&want.data)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(d <= 2e-6, "{what}: differs by {d}");
+    }
+
+    fn image(b: usize, h: usize, w: usize, seed: u64) -> Tensor4 {
+        let mut s = seed | 1;
+        let data = (0..b * h * w * 3)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32
+            })
+            .collect();
+        Tensor4 {
+            b,
+            h,
+            w,
+            c: 3,
+            data,
+        }
+    }
+
+    #[test]
+    fn host_only_modes_have_no_stage() {
+        for m in ["nearest-exact", "area", "bicubic", "lanczos"] {
+            let i = inputs(&[
+                ("upscale_method", Value::String(m.into())),
+                ("scale_by", Value::Float(2.0)),
+            ]);
+            assert!(image_stages::scale_by(&i).is_none(), "{m}");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn stages_match_the_host_functions(
+            b in 1usize..3, h in 1usize..40, w in 1usize..40, seed in any::<u64>(),
+            width in 0usize..48, height in 0usize..48, center in any::<bool>(),
+            scale in 0.1f64..3.0, cx in 0usize..50, cy in 0usize..50,
+        ) {
+            let img = image(b, h, w, seed);
+            let stage = image_stages::invert().expect("invert");
+            same(&staged(&stage, &img), &imageops::invert(&img), "invert");
+
+            let crop = if center { "center" } else { "disabled" };
+            let i = inputs(&[
+                ("upscale_method", Value::String("bilinear".into())),
+                ("width", Value::Int(width as i128)),
+                ("height", Value::Int(height as i128)),
+                ("crop", Value::String(crop.into())),
+            ]);
+            let c = if center { Crop::Center } else { Crop::Disabled };
+            if let Ok(want) = imageops::scale_to(&img, UpscaleMethod::Bilinear, width, height, c) {
+                let stage = image_stages::scale_to(&i).expect("bilinear ImageScale");
+                same(&staged(&stage, &img), &want, "scale_to");
+            }
+
+            let i = inputs(&[
+                ("upscale_method", Value::String("bilinear".into())),
+                ("scale_by", Value::Float(scale)),
+            ]);
+            if let Ok(want) = imageops::scale_by(&img, UpscaleMethod::Bilinear, scale) {
+                let stage = image_stages::scale_by(&i).expect("bilinear ImageScaleBy");
+                same(&staged(&stage, &img), &want, "scale_by");
+            }
+
+            if width > 0 && height > 0 {
+                let i = inputs(&[
+                    ("width", Value::Int(width as i128)),
+                    ("height", Value::Int(height as i128)),
+                    ("x", Value::Int(cx as i128)),
+                    ("y", Value::Int(cy as i128)),
+                ]);
+                let want = imageops::crop(&img, width, height, cx, cy).expect("crop");
+                let stage = image_stages::crop(&i).expect("crop");
+                same(&staged(&stage, &img), &want, "crop");
+            }
+        }
+    }
+}

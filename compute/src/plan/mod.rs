@@ -137,7 +137,12 @@ impl<'g> Planner<'g> {
         }
         let mut outputs = Vec::new();
         for o in &self.g.outputs {
-            let v = self.materialized(*o, false)?;
+            let mut v = self.materialized(*o, false)?;
+            // A window with holes (a crop of an image) is gathered on the
+            // device: reading back its whole span would move the holes.
+            if v.span() > v.numel() {
+                v = self.copy(&v, *o);
+            }
             outputs.push(v);
         }
         for (k, v) in outputs.iter().enumerate() {

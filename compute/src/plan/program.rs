@@ -55,6 +55,20 @@ impl View {
         self.shape.iter().product()
     }
 
+    /// Elements from the view's first to its last in its buffer (0 when
+    /// empty).
+    pub fn span(&self) -> usize {
+        if self.numel() == 0 {
+            return 0;
+        }
+        1 + self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(&d, &s)| (d - 1) * s)
+            .sum::<usize>()
+    }
+
     /// Dense row-major (size-1 dims may have any stride).
     pub fn is_contiguous(&self) -> bool {
         let want = strides_of(&self.shape);

@@ -9,7 +9,9 @@ use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
 
 type R<'a> = Result<T<'a>, ShapeError>;
 
-use sdkit_engine::{Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value};
+use sdkit_engine::{
+    ImageStage, Inputs, Latent, NodeContext, NodeError, NodeImpl, NodeOutput, Tensor, Value,
+};
 use std::sync::Arc;
 
 impl Vae {
@@ -71,19 +73,48 @@ impl Vae {
         }
     }
 
+    /// The IMAGE `[b, 8h, 8w, 3]` in 0..1 (`process_output`) of `z`.
+    fn image<'a>(&self, g: &'a GraphBuilder, z: T<'a>) -> R<'a> {
+        self.raw_decode(g, z)?
+            .add_scalar(1.0)
+            .mul_scalar(0.5)
+            .clamp(0.0, 1.0)
+            .permute(&[0, 2, 3, 1])
+    }
+
+    /// [`Vae::decode`] with image stages after it, in one program (a fused
+    /// chain: the image is read back once, in its last form). `None`: not
+    /// this way (the stages do not apply to this image, or the device
+    /// lacks the memory); the executor then decodes as usual, in tiles if
+    /// need be, and runs the stages' nodes on the host.
+    pub fn decode_fused(
+        &self,
+        ctx: &NodeContext,
+        latent: &Tensor,
+        stages: &[ImageStage],
+    ) -> Result<Option<Tensor>, NodeError> {
+        self.check_latent(latent)?;
+        let g = GraphBuilder::new();
+        let out = g.input("latent", &latent.shape).and_then(|z| {
+            let image = self.image(&g, z)?;
+            ImageStage::apply_all(stages, &g, image)
+        });
+        let Ok(out) = out else {
+            return Ok(None);
+        };
+        match self.run(ctx, g.finish(&[out]), "latent", latent, "VAE decoder") {
+            Err(RunFailure::Device(e)) if e.needs_less_memory() => Ok(None),
+            r => r.map(Some).map_err(|e| e.into_node("VAE decoder")),
+        }
+    }
+
     /// An unscaled latent `[b, z, h, w]` → IMAGE `[b, 8h, 8w, 3]` in 0..1.
     pub fn decode(&self, ctx: &NodeContext, latent: &Tensor) -> Result<Tensor, NodeError> {
         self.check_latent(latent)?;
         let g = GraphBuilder::new();
         let out = g
             .input("latent", &latent.shape)
-            .and_then(|z| {
-                self.raw_decode(&g, z)?
-                    .add_scalar(1.0)
-                    .mul_scalar(0.5)
-                    .clamp(0.0, 1.0)
-                    .permute(&[0, 2, 3, 1])
-            })
+            .and_then(|z| self.image(&g, z))
             .map_err(|e| graph_error("VAE decoder", e))?;
         match self.run(ctx, g.finish(&[out]), "latent", latent, "VAE decoder") {
             // As ComfyUI: out of device memory, decode in tiles instead.
@@ -371,6 +402,28 @@ impl NodeImpl for VaeDecode {
         let image = vae.decode(ctx, &latent.samples)?;
         ctx.warn_non_finite("the decoded image", &image.data);
         Ok(NodeOutput::values(vec![Value::image(image)]))
+    }
+
+    fn takes_image_tail(&self) -> bool {
+        true
+    }
+
+    fn execute_with_tail(
+        &self,
+        ctx: &NodeContext,
+        inputs: &Inputs,
+        tail: &[ImageStage],
+    ) -> Option<Result<NodeOutput, NodeError>> {
+        let run = || -> Result<Option<NodeOutput>, NodeError> {
+            let vae: Arc<Vae> = input(inputs, "vae", "VAE")?;
+            let latent = inputs.latent("samples")?;
+            let Some(image) = vae.decode_fused(ctx, &latent.samples, tail)? else {
+                return Ok(None);
+            };
+            ctx.warn_non_finite("the image", &image.data);
+            Ok(Some(NodeOutput::values(vec![Value::image(image)])))
+        };
+        run().transpose()
     }
 
     /// The image on the host, twice (read back, then laid out as IMAGE).

@@ -495,13 +495,33 @@ pub fn scale_to(
     }
     nonzero(img.h, "input height")?;
     nonzero(img.w, "input width")?;
-    let (mut width, mut height) = (width, height);
-    if width == 0 {
-        width = py_round_usize(img.w as f64 * height as f64 / img.h as f64).max(1);
-    } else if height == 0 {
-        height = py_round_usize(img.h as f64 * width as f64 / img.w as f64).max(1);
-    }
+    let (width, height) = scale_to_size(img.w, img.h, width, height);
     upscale(img, width, height, method, crop)
+}
+
+/// ImageScale's output size for an `in_w × in_h` image: a zero side keeps
+/// the aspect ratio (both zero: unchanged).
+pub fn scale_to_size(in_w: usize, in_h: usize, width: usize, height: usize) -> (usize, usize) {
+    match (width, height) {
+        (0, 0) => (in_w, in_h),
+        (0, h) => (
+            py_round_usize(in_w as f64 * h as f64 / in_h.max(1) as f64).max(1),
+            h,
+        ),
+        (w, 0) => (
+            w,
+            py_round_usize(in_h as f64 * w as f64 / in_w.max(1) as f64).max(1),
+        ),
+        size => size,
+    }
+}
+
+/// ImageScaleBy's output size: `round(side · scale_by)`, banker's rounding.
+pub fn scale_by_size(in_w: usize, in_h: usize, scale_by: f64) -> (usize, usize) {
+    (
+        py_round_usize(in_w as f64 * scale_by),
+        py_round_usize(in_h as f64 * scale_by),
+    )
 }
 
 /// ComfyUI `ImageScaleBy.upscale`: `round(w * scale_by)` x
@@ -512,8 +532,7 @@ pub fn scale_by(img: &Tensor4, method: UpscaleMethod, scale_by: f64) -> Result<T
             "scale_by must be positive, got {scale_by}"
         )));
     }
-    let width = py_round_usize(img.w as f64 * scale_by);
-    let height = py_round_usize(img.h as f64 * scale_by);
+    let (width, height) = scale_by_size(img.w, img.h, scale_by);
     upscale(img, width, height, method, Crop::Disabled)
 }
 

@@ -98,10 +98,29 @@ fn center_crop_window(
     height: usize,
     crop: Crop,
 ) -> Result<Window<'_>> {
+    let (x0, y0, w, h) = crop_window(img.w, img.h, width, height, crop)?;
+    Ok(Window {
+        src: img,
+        x0,
+        y0,
+        w,
+        h,
+    })
+}
+
+/// The window `(x0, y0, w, h)` of an `in_w × in_h` image that
+/// `common_upscale` scales to `width × height` with `crop`.
+pub fn crop_window(
+    in_w: usize,
+    in_h: usize,
+    width: usize,
+    height: usize,
+    crop: Crop,
+) -> Result<(usize, usize, usize, usize)> {
     let (mut x, mut y) = (0usize, 0usize);
     if crop == Crop::Center {
-        let old_w = img.w as f64;
-        let old_h = img.h as f64;
+        let old_w = in_w as f64;
+        let old_h = in_h as f64;
         let old_aspect = old_w / old_h;
         let new_aspect = width as f64 / height as f64;
         if old_aspect > new_aspect {
@@ -110,19 +129,12 @@ fn center_crop_window(
             y = py_round_usize((old_h - old_h * (old_aspect / new_aspect)) / 2.0);
         }
     }
-    let w = img.w.checked_sub(2 * x).filter(|&w| w > 0);
-    let h = img.h.checked_sub(2 * y).filter(|&h| h > 0);
+    let w = in_w.checked_sub(2 * x).filter(|&w| w > 0);
+    let h = in_h.checked_sub(2 * y).filter(|&h| h > 0);
     match (w, h) {
-        (Some(w), Some(h)) => Ok(Window {
-            src: img,
-            x0: x,
-            y0: y,
-            w,
-            h,
-        }),
+        (Some(w), Some(h)) => Ok((x, y, w, h)),
         _ => Err(ImageOpError::InvalidArgument(format!(
-            "center crop of a {}x{} image to aspect {}x{} leaves nothing",
-            img.w, img.h, width, height
+            "center crop of a {in_w}x{in_h} image to aspect {width}x{height} leaves nothing"
         ))),
     }
 }

@@ -1,0 +1,133 @@
+//! Image nodes in tensor form, for fused image chains: on a GPU, VAEDecode
+//! appends these to its program (see `sdkit_engine::ImageStage`), so an
+//! image that is inverted, scaled or cropped reaches the host once. Only
+//! what the tensor ops compute as ComfyUI's PyTorch does has a stage
+//! (bilinear without antialias is `F.interpolate`'s; nearest-exact, area,
+//! bicubic and Lanczos stay on the host). The host functions in
+//! `imageops` remain the reference: `nodes/tests/image_stages.rs` checks
+//! each stage against them.
+
+use crate::imageops::{self, Crop, UpscaleMethod};
+use sdkit_compute::tensor::{GraphBuilder, ShapeError, UpsampleMode, T};
+use sdkit_engine::{ImageStage, Inputs};
+use std::str::FromStr;
+
+type R<'a> = Result<T<'a>, ShapeError>;
+
+fn refuse(message: impl Into<String>, shape: &[usize]) -> ShapeError {
+    ShapeError {
+        op: "image stage",
+        message: message.into(),
+        shapes: vec![shape.to_vec()],
+    }
+}
+
+/// `[b, h, w, c]` of an IMAGE.
+fn dims(x: &T<'_>) -> Result<[usize; 4], ShapeError> {
+    let s = x.shape();
+    <[usize; 4]>::try_from(s.as_slice()).map_err(|_| refuse("expected an IMAGE [b, h, w, c]", &s))
+}
+
+/// ImageInvert: `1 − x` (as `−x + 1`, the same rounding).
+pub fn invert() -> Option<ImageStage> {
+    Some(ImageStage::new("image", |_g: &GraphBuilder, x| {
+        Ok(x.neg().add_scalar(1.0))
+    }))
+}
+
+/// Bilinear resizing (align_corners false, no antialias) of the window
+/// `(x0, y0, w, h)` to `width × height`.
+fn resize<'a>(
+    x: T<'a>,
+    window: (usize, usize, usize, usize),
+    width: usize,
+    height: usize,
+) -> R<'a> {
+    let [_, in_h, in_w, _] = dims(&x)?;
+    let (x0, y0, w, h) = window;
+    let mut x = x;
+    if (w, h) != (in_w, in_h) {
+        x = x.slice(1, y0, y0 + h)?.slice(2, x0, x0 + w)?;
+    }
+    if (width, height) == (w, h) {
+        // F.interpolate to the same size copies.
+        return Ok(x);
+    }
+    x.permute(&[0, 3, 1, 2])?
+        .upsample(
+            UpsampleMode::Bilinear {
+                align_corners: false,
+            },
+            height,
+            width,
+        )?
+        .permute(&[0, 2, 3, 1])
+}
+
+fn bilinear(inputs: &Inputs) -> bool {
+    inputs
+        .string("upscale_method")
+        .ok()
+        .and_then(|m| UpscaleMethod::from_str(m).ok())
+        == Some(UpscaleMethod::Bilinear)
+}
+
+/// ImageScale with the bilinear method.
+pub fn scale_to(inputs: &Inputs) -> Option<ImageStage> {
+    if !bilinear(inputs) {
+        return None;
+    }
+    let crop = Crop::from_str(inputs.string("crop").ok()?).ok()?;
+    let (width, height) = (inputs.usize("width").ok()?, inputs.usize("height").ok()?);
+    Some(ImageStage::new("image", move |_g: &GraphBuilder, x| {
+        let [_, h, w, _] = dims(&x)?;
+        if (width, height) == (0, 0) {
+            return Ok(x);
+        }
+        let (ow, oh) = imageops::scale_to_size(w, h, width, height);
+        let window = imageops::crop_window(w, h, ow, oh, crop)
+            .map_err(|e| refuse(e.to_string(), &x.shape()))?;
+        resize(x, window, ow, oh)
+    }))
+}
+
+/// ImageScaleBy with the bilinear method.
+pub fn scale_by(inputs: &Inputs) -> Option<ImageStage> {
+    if !bilinear(inputs) {
+        return None;
+    }
+    let s = inputs.float("scale_by").ok()?;
+    if !(s.is_finite() && s > 0.0) {
+        return None;
+    }
+    Some(ImageStage::new("image", move |_g: &GraphBuilder, x| {
+        let [_, h, w, _] = dims(&x)?;
+        let (ow, oh) = imageops::scale_by_size(w, h, s);
+        if ow == 0 || oh == 0 {
+            return Err(refuse("scales to nothing", &x.shape()));
+        }
+        resize(x, (0, 0, w, h), ow, oh)
+    }))
+}
+
+/// ImageCrop: the window from `(x, y)`, clipped to the image (the corner
+/// to its last pixel).
+pub fn crop(inputs: &Inputs) -> Option<ImageStage> {
+    let (width, height) = (inputs.usize("width").ok()?, inputs.usize("height").ok()?);
+    let (x0, y0) = (inputs.usize("x").ok()?, inputs.usize("y").ok()?);
+    if width == 0 || height == 0 {
+        return None;
+    }
+    Some(ImageStage::new("image", move |_g: &GraphBuilder, x| {
+        let [_, h, w, _] = dims(&x)?;
+        if h == 0 || w == 0 {
+            return Err(refuse("an empty image", &x.shape()));
+        }
+        let (cx, cy) = (x0.min(w - 1), y0.min(h - 1));
+        let (x1, y1) = (
+            cx.saturating_add(width).min(w),
+            cy.saturating_add(height).min(h),
+        );
+        x.slice(1, cy, y1)?.slice(2, cx, x1)
+    }))
+}

@@ -1,0 +1,142 @@
+//! Cross-node fusion on a GPU: the image nodes after VAEDecode (invert,
+//! bilinear scale, crop) join the decoder's program, so the image is read
+//! back once, in its final form, and the images are those of the same
+//! nodes run one by one on the host. Where a chain cannot be taken (the
+//! decoded image read twice, a mode with no tensor form) the nodes run as
+//! before. On lavapipe in CI (`SDKIT_REQUIRE_WGPU`).
+
+mod support;
+
+use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+/// Runs the tiny SD1 txt2img graph with `edit` applied on wgpu; returns
+/// the base folder, the bytes read back from the device and the nodes
+/// announced as executing. None where there is no adapter (and none is
+/// required).
+fn run(
+    edit: impl Fn(&mut serde_json::Value),
+    fuse: bool,
+) -> Option<(tempfile::TempDir, u64, BTreeSet<String>)> {
+    use sdkit_compute::backend::wgpu::WgpuBackend;
+    let gpu = match WgpuBackend::new(None) {
+        Ok(g) => g,
+        Err(e) => {
+            sdkit_compute::backend::wgpu::no_adapter("node fusion", e);
+            return None;
+        }
+    };
+    let fx = support::fixture("sd1/expected.json");
+    let base = tempfile::tempdir().expect("tempdir");
+    let ckpt = base
+        .path()
+        .join("models/checkpoints")
+        .join(fx["checkpoint"].as_str().expect("name"));
+    let sum = fx["checksum_f16"].as_str().expect("checksum");
+    support::write_tensors(&ckpt, &fx["keys"], None, sum, None);
+    let text = std::fs::read_to_string(support::root().join("graphs/tiny_sd1_txt2img.json"))
+        .expect("graph");
+    let mut graph: serde_json::Value = serde_json::from_str(&text).expect("json");
+    edit(&mut graph);
+
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = Paths::under(base.path());
+    let runtime = Runtime::wgpu(gpu);
+    let exec = Executor::new(lib.clone(), Arc::new(paths.clone()))
+        .with_runtime(runtime.clone())
+        .with_node_fusion(fuse);
+    let wf = sdkit_schema::workflow::load(&graph.to_string(), &lib.registry).expect("loads");
+    let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+    let seen = Arc::new(Mutex::new(BTreeSet::new()));
+    let into = seen.clone();
+    let events: EventSink = Arc::new(move |e: &Event| {
+        if let Event::Executing { node: Some(n), .. } = e {
+            into.lock().expect("lock").insert(n.clone());
+        }
+    });
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    let report = rt
+        .block_on(exec.run(&graph, RunOptions::new(events, CancelToken::new())))
+        .expect("runs");
+    let executing = seen.lock().expect("lock").clone();
+    let executed: BTreeSet<String> = report.executed.into_iter().collect();
+    assert_eq!(executed, executing, "executed vs announced");
+    Some((base, runtime.bytes_downloaded(), executing))
+}
+
+/// The pixels of the PNG `name` under output/.
+fn pixels(base: &Path, name: &str) -> Vec<u8> {
+    image::open(base.join("output").join(name))
+        .expect("png")
+        .to_rgb8()
+        .into_raw()
+}
+
+/// VAEDecode → ImageInvert → ImageScaleBy (bilinear 0.75) → ImageCrop →
+/// SaveImage.
+fn chain(g: &mut serde_json::Value) {
+    g["20"] = serde_json::json!({"class_type": "ImageInvert", "inputs": {"image": ["7", 0]}});
+    g["21"] = serde_json::json!({"class_type": "ImageScaleBy",
+        "inputs": {"image": ["20", 0], "upscale_method": "bilinear", "scale_by": 0.75}});
+    g["22"] = serde_json::json!({"class_type": "ImageCrop",
+        "inputs": {"image": ["21", 0], "width": 40, "height": 32, "x": 4, "y": 2}});
+    g["8"]["inputs"]["images"] = serde_json::json!(["22", 0]);
+}
+
+#[test]
+fn image_chain_after_vae_decode_runs_in_its_program() {
+    let Some((fused, fused_bytes, nodes)) = run(chain, true) else {
+        return;
+    };
+    let Some((host, host_bytes, host_nodes)) = run(chain, false) else {
+        return;
+    };
+    assert_eq!(nodes, host_nodes, "the same nodes announced");
+    for n in ["7", "20", "21", "22", "8"] {
+        assert!(nodes.contains(n), "node {n} not announced: {nodes:?}");
+    }
+    // Batch 2: the host path reads the decoded 64×64 image; the fused one
+    // only the final 40×32 crop.
+    let (decoded, last) = (2 * 64 * 64 * 3 * 4, 2 * 32 * 40 * 3 * 4);
+    assert_eq!(
+        host_bytes - fused_bytes,
+        decoded - last,
+        "bytes read back, host {host_bytes} vs fused {fused_bytes}"
+    );
+    for i in 1..=2 {
+        let name = format!("tiny_sd1_{i:05}_.png");
+        let (a, b) = (pixels(fused.path(), &name), pixels(host.path(), &name));
+        assert_eq!(a.len(), 32 * 40 * 3);
+        let worst = a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y)).max();
+        assert!(worst <= Some(1), "{name}: pixels differ by {worst:?}");
+    }
+}
+
+#[test]
+fn chains_that_cannot_fuse_run_node_by_node() {
+    // The decoded image saved and inverted: read twice, so read back.
+    let twice = |g: &mut serde_json::Value| {
+        g["20"] = serde_json::json!({"class_type": "ImageInvert", "inputs": {"image": ["7", 0]}});
+        g["23"] = serde_json::json!({"class_type": "SaveImage",
+            "inputs": {"images": ["20", 0], "filename_prefix": "inverted"}});
+    };
+    // Lanczos has no tensor form.
+    let lanczos = |g: &mut serde_json::Value| {
+        g["21"] = serde_json::json!({"class_type": "ImageScaleBy",
+            "inputs": {"image": ["7", 0], "upscale_method": "lanczos", "scale_by": 0.5}});
+        g["8"]["inputs"]["images"] = serde_json::json!(["21", 0]);
+    };
+    for edit in [&twice as &dyn Fn(&mut serde_json::Value), &lanczos] {
+        let Some((fused, fused_bytes, _)) = run(edit, true) else {
+            return;
+        };
+        let Some((host, host_bytes, _)) = run(edit, false) else {
+            return;
+        };
+        assert_eq!(fused_bytes, host_bytes);
+        let name = "tiny_sd1_00001_.png";
+        assert_eq!(pixels(fused.path(), name), pixels(host.path(), name));
+    }
+}
