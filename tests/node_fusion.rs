@@ -20,6 +20,21 @@ fn run(
     edit: impl Fn(&mut serde_json::Value),
     fuse: bool,
 ) -> Option<(tempfile::TempDir, u64, BTreeSet<String>)> {
+    let (base, bytes, executing, report) = try_run(edit, fuse)?;
+    let executed: BTreeSet<String> = report.expect("runs").executed.into_iter().collect();
+    assert_eq!(executed, executing, "executed vs announced");
+    Some((base, bytes, executing))
+}
+
+type Ran = (
+    tempfile::TempDir,
+    u64,
+    BTreeSet<String>,
+    Result<sdkit_engine::RunReport, sdkit_engine::RunError>,
+);
+
+/// [`run`], returning the run's result instead of expecting success.
+fn try_run(edit: impl Fn(&mut serde_json::Value), fuse: bool) -> Option<Ran> {
     use sdkit_compute::backend::wgpu::WgpuBackend;
     let gpu = match WgpuBackend::new(None) {
         Ok(g) => g,
@@ -57,13 +72,9 @@ fn run(
         }
     });
     let rt = tokio::runtime::Runtime::new().expect("tokio");
-    let report = rt
-        .block_on(exec.run(&graph, RunOptions::new(events, CancelToken::new())))
-        .expect("runs");
+    let report = rt.block_on(exec.run(&graph, RunOptions::new(events, CancelToken::new())));
     let executing = seen.lock().expect("lock").clone();
-    let executed: BTreeSet<String> = report.executed.into_iter().collect();
-    assert_eq!(executed, executing, "executed vs announced");
-    Some((base, runtime.bytes_downloaded(), executing))
+    Some((base, runtime.bytes_downloaded(), executing, report))
 }
 
 /// The pixels of the PNG `name` under output/.
@@ -138,5 +149,36 @@ fn chains_that_cannot_fuse_run_node_by_node() {
         assert_eq!(fused_bytes, host_bytes);
         let name = "tiny_sd1_00001_.png";
         assert_eq!(pixels(fused.path(), name), pixels(host.path(), name));
+    }
+}
+
+/// A stage that does not apply to the image it gets (a center crop that
+/// leaves nothing) makes VAEDecode decline the chain; the nodes then run
+/// one by one and the error names the scaling node, as without fusion.
+#[test]
+fn a_declined_chain_reports_the_failing_node() {
+    let tiny = |g: &mut serde_json::Value| {
+        g["21"] = serde_json::json!({"class_type": "ImageScale",
+            "inputs": {"image": ["7", 0], "upscale_method": "bilinear",
+                "width": 1, "height": 200, "crop": "center"}});
+        g["8"]["inputs"]["images"] = serde_json::json!(["21", 0]);
+    };
+    for fuse in [true, false] {
+        let Some((_, _, executing, report)) = try_run(tiny, fuse) else {
+            return;
+        };
+        match report {
+            Err(sdkit_engine::RunError::Node {
+                node_id, message, ..
+            }) => {
+                assert_eq!(node_id, "21", "{message}");
+                assert!(message.contains("leaves nothing"), "{message}");
+            }
+            other => panic!(
+                "expected node 21's error, got {:?}",
+                other.map(|r| r.executed)
+            ),
+        }
+        assert!(executing.contains("7"), "{executing:?}");
     }
 }
