@@ -197,7 +197,8 @@ image_node!(
             method(inputs)?,
             inputs.float("megapixels")?,
         )?))
-    }
+    },
+    stage |inputs| crate::image_stages::scale_to_total_pixels(inputs)
 );
 
 image_node!(
@@ -628,5 +629,6 @@ image_node!(
             method(inputs)?,
             inputs.usize("largest_size")?,
         )?))
-    }
+    },
+    stage |inputs| crate::image_stages::scale_to_max_dimension(inputs)
 );

@@ -1,6 +1,8 @@
 //! Image nodes in tensor form, for fused image chains: on a GPU, VAEDecode
 //! appends these to its program (see `sdkit_engine::ImageStage`), so an
-//! image that is inverted, scaled or cropped reaches the host once. Only
+//! image that is inverted, scaled (ImageScale, ImageScaleBy,
+//! ImageScaleToTotalPixels, ImageScaleToMaxDimension) or cropped reaches
+//! the host once. Only
 //! what the tensor ops compute as ComfyUI's PyTorch does has a stage
 //! (bilinear without antialias is `F.interpolate`'s; nearest-exact, area,
 //! bicubic and Lanczos stay on the host). The host functions in
@@ -100,13 +102,41 @@ pub fn scale_by(inputs: &Inputs) -> Option<ImageStage> {
     if !(s.is_finite() && s > 0.0) {
         return None;
     }
-    Some(ImageStage::new("image", move |_g: &GraphBuilder, x| {
+    Some(resize_to(move |w, h| imageops::scale_by_size(w, h, s)))
+}
+
+/// A bilinear resize of the whole image to the size `size(w, h)` gives.
+fn resize_to(size: impl Fn(usize, usize) -> (usize, usize) + Send + Sync + 'static) -> ImageStage {
+    ImageStage::new("image", move |_g: &GraphBuilder, x| {
         let [_, h, w, _] = dims(&x)?;
-        let (ow, oh) = imageops::scale_by_size(w, h, s);
+        let (ow, oh) = size(w, h);
         if ow == 0 || oh == 0 {
             return Err(refuse("scales to nothing", &x.shape()));
         }
         resize(x, (0, 0, w, h), ow, oh)
+    })
+}
+
+/// ImageScaleToTotalPixels with the bilinear method.
+pub fn scale_to_total_pixels(inputs: &Inputs) -> Option<ImageStage> {
+    if !bilinear(inputs) {
+        return None;
+    }
+    let mp = inputs.float("megapixels").ok()?;
+    if !(mp.is_finite() && mp > 0.0) {
+        return None;
+    }
+    Some(resize_to(move |w, h| imageops::total_pixels_size(w, h, mp)))
+}
+
+/// ImageScaleToMaxDimension with the bilinear method.
+pub fn scale_to_max_dimension(inputs: &Inputs) -> Option<ImageStage> {
+    if !bilinear(inputs) {
+        return None;
+    }
+    let largest = inputs.usize("largest_size").ok()?;
+    Some(resize_to(move |w, h| {
+        imageops::max_dimension_size(w, h, largest)
     }))
 }
 

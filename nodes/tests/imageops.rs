@@ -632,9 +632,8 @@ fn pad_for_outpaint_borders_and_ramps() {
 #[path = "imageops/latent.rs"]
 mod latent;
 
-/// The image stages (the tensor form of ImageInvert, bilinear ImageScale
-/// and ImageScaleBy, ImageCrop that VAEDecode appends to its program on a
-/// GPU) give the host functions' images, on random shapes, run through the
+/// The image stages (the tensor form of ImageInvert, the bilinear scaling
+/// nodes and ImageCrop that VAEDecode appends to its program on a GPU) give the host functions' images, on random shapes, run through the
 /// planner and the CPU backend.
 mod stages {
     use proptest::prelude::*;
@@ -757,6 +756,27 @@ mod stages {
             if let Ok(want) = imageops::scale_by(&img, UpscaleMethod::Bilinear, scale) {
                 let stage = image_stages::scale_by(&i).expect("bilinear ImageScaleBy");
                 same(&staged(&stage, &img), &want, "scale_by");
+            }
+
+            let i = inputs(&[
+                ("upscale_method", Value::String("bilinear".into())),
+                ("megapixels", Value::Float(scale * 1e-3)),
+            ]);
+            if let Ok(want) = imageops::scale_to_total_pixels(&img, UpscaleMethod::Bilinear, scale * 1e-3) {
+                let stage = image_stages::scale_to_total_pixels(&i).expect("bilinear total pixels");
+                same(&staged(&stage, &img), &want, "scale_to_total_pixels");
+            }
+
+            if width > 0 {
+                let i = inputs(&[
+                    ("upscale_method", Value::String("bilinear".into())),
+                    ("largest_size", Value::Int(width as i128)),
+                ]);
+                let want = imageops::scale_to_max_dimension(&img, UpscaleMethod::Bilinear, width);
+                if let Ok(want) = want {
+                    let stage = image_stages::scale_to_max_dimension(&i).expect("bilinear max dimension");
+                    same(&staged(&stage, &img), &want, "scale_to_max_dimension");
+                }
             }
 
             if width > 0 && height > 0 {

@@ -416,6 +416,22 @@ pub fn image_color_to_mask(img: &Tensor4, color: i64) -> Result<Mask3> {
     Mask3::new(img.b, img.h, img.w, data)
 }
 
+/// ImageScaleToMaxDimension's output size `(w, h)`: the longer side
+/// `largest`, the other in proportion, rounded as Python rounds.
+pub fn max_dimension_size(w: usize, h: usize, largest: usize) -> (usize, usize) {
+    match h.cmp(&w) {
+        std::cmp::Ordering::Greater => (
+            py_round_usize(w as f64 / h as f64 * largest as f64),
+            largest,
+        ),
+        std::cmp::Ordering::Less => (
+            largest,
+            py_round_usize(h as f64 / w as f64 * largest as f64),
+        ),
+        std::cmp::Ordering::Equal => (largest, largest),
+    }
+}
+
 /// ImageScaleToMaxDimension: the longer side to `largest`, the other
 /// Python-rounded in proportion (a square to `largest` both ways).
 pub fn scale_to_max_dimension(
@@ -423,18 +439,7 @@ pub fn scale_to_max_dimension(
     method: UpscaleMethod,
     largest: usize,
 ) -> Result<Tensor4> {
-    let (h, w) = (img.h, img.w);
-    let (oh, ow) = match h.cmp(&w) {
-        std::cmp::Ordering::Greater => (
-            largest,
-            py_round_usize(w as f64 / h as f64 * largest as f64),
-        ),
-        std::cmp::Ordering::Less => (
-            py_round_usize(h as f64 / w as f64 * largest as f64),
-            largest,
-        ),
-        std::cmp::Ordering::Equal => (largest, largest),
-    };
+    let (ow, oh) = max_dimension_size(img.w, img.h, largest);
     common_upscale(
         img,
         ow,

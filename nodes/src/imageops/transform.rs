@@ -217,6 +217,18 @@ pub fn composite(
     Tensor4::new(bd, hd, wd, c, out)
 }
 
+/// ImageScaleToTotalPixels' output size for an `in_w × in_h` image:
+/// `megapixels · 2²⁰` pixels (truncated), the aspect kept, each side
+/// rounded as Python rounds.
+pub fn total_pixels_size(in_w: usize, in_h: usize, megapixels: f64) -> (usize, usize) {
+    let total = (megapixels * 1024.0 * 1024.0).trunc();
+    let scale = (total / (in_w as f64 * in_h as f64)).sqrt();
+    (
+        py_round_usize(in_w as f64 * scale),
+        py_round_usize(in_h as f64 * scale),
+    )
+}
+
 /// ComfyUI's ImageScaleToTotalPixels: the aspect kept, about
 /// `megapixels · 2^20` pixels (`int()` of it; sides Python-rounded).
 pub fn scale_to_total_pixels(
@@ -224,12 +236,7 @@ pub fn scale_to_total_pixels(
     method: UpscaleMethod,
     megapixels: f64,
 ) -> Result<Tensor4> {
-    let total = (megapixels * 1024.0 * 1024.0).trunc();
-    let scale = (total / (img.w as f64 * img.h as f64)).sqrt();
-    let (w, h) = (
-        py_round_usize(img.w as f64 * scale),
-        py_round_usize(img.h as f64 * scale),
-    );
+    let (w, h) = total_pixels_size(img.w, img.h, megapixels);
     common_upscale(
         img,
         w,
