@@ -74,6 +74,13 @@ fn bilinear(inputs: &Inputs) -> bool {
         == Some(UpscaleMethod::Bilinear)
 }
 
+/// The float input `name` where the method is bilinear and the value is
+/// positive (else the host reports the error).
+fn bilinear_with(inputs: &Inputs, name: &str) -> Option<f64> {
+    let v = inputs.float(name).ok()?;
+    (bilinear(inputs) && v.is_finite() && v > 0.0).then_some(v)
+}
+
 /// ImageScale with the bilinear method.
 pub fn scale_to(inputs: &Inputs) -> Option<ImageStage> {
     if !bilinear(inputs) {
@@ -95,13 +102,7 @@ pub fn scale_to(inputs: &Inputs) -> Option<ImageStage> {
 
 /// ImageScaleBy with the bilinear method.
 pub fn scale_by(inputs: &Inputs) -> Option<ImageStage> {
-    if !bilinear(inputs) {
-        return None;
-    }
-    let s = inputs.float("scale_by").ok()?;
-    if !(s.is_finite() && s > 0.0) {
-        return None;
-    }
+    let s = bilinear_with(inputs, "scale_by")?;
     Some(resize_to(move |w, h| imageops::scale_by_size(w, h, s)))
 }
 
@@ -119,13 +120,7 @@ fn resize_to(size: impl Fn(usize, usize) -> (usize, usize) + Send + Sync + 'stat
 
 /// ImageScaleToTotalPixels with the bilinear method.
 pub fn scale_to_total_pixels(inputs: &Inputs) -> Option<ImageStage> {
-    if !bilinear(inputs) {
-        return None;
-    }
-    let mp = inputs.float("megapixels").ok()?;
-    if !(mp.is_finite() && mp > 0.0) {
-        return None;
-    }
+    let mp = bilinear_with(inputs, "megapixels")?;
     Some(resize_to(move |w, h| imageops::total_pixels_size(w, h, mp)))
 }
 

@@ -669,14 +669,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = ids
-            .iter()
-            .map(|id| self.key(&format!("worker:{id}")))
-            .collect();
-        let recs: Vec<Option<String>> = redis::cmd("MGET")
-            .arg(&keys)
-            .query_async(&mut self.conn())
-            .await?;
+        let recs = self.worker_keys(&ids, "").await?;
         let mut out = Vec::new();
         let mut gone = Vec::new();
         for (id, rec) in ids.into_iter().zip(recs) {
@@ -690,6 +683,18 @@ impl Store {
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(out)
+    }
+
+    /// `sdkit:worker:ID{suffix}` of each of `ids`, in one MGET.
+    async fn worker_keys(&self, ids: &[String], suffix: &str) -> RedisResult<Vec<Option<String>>> {
+        let keys: Vec<String> = ids
+            .iter()
+            .map(|id| self.key(&format!("worker:{id}{suffix}")))
+            .collect();
+        redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut self.conn())
+            .await
     }
 
     /// The model files the live workers had at the last refresh.
@@ -724,14 +729,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = ids
-            .iter()
-            .map(|id| self.key(&format!("worker:{id}:files")))
-            .collect();
-        let lists: Vec<Option<String>> = redis::cmd("MGET")
-            .arg(&keys)
-            .query_async(&mut self.conn())
-            .await?;
+        let lists = self.worker_keys(&ids, ":files").await?;
         Ok(ids
             .into_iter()
             .zip(lists)

@@ -440,12 +440,5 @@ pub fn scale_to_max_dimension(
     largest: usize,
 ) -> Result<Tensor4> {
     let (ow, oh) = max_dimension_size(img.w, img.h, largest);
-    common_upscale(
-        img,
-        ow,
-        oh,
-        method,
-        Crop::Disabled,
-        SourceLayout::ChannelsLastView,
-    )
+    upscale(img, ow, oh, method, Crop::Disabled)
 }

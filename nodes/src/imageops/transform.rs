@@ -237,14 +237,7 @@ pub fn scale_to_total_pixels(
     megapixels: f64,
 ) -> Result<Tensor4> {
     let (w, h) = total_pixels_size(img.w, img.h, megapixels);
-    common_upscale(
-        img,
-        w,
-        h,
-        method,
-        Crop::Disabled,
-        SourceLayout::ChannelsLastView,
-    )
+    super::upscale(img, w, h, method, Crop::Disabled)
 }
 
 /// LatentUpscale's target in latent cells `(w, h)` for a latent of
