@@ -1,5 +1,5 @@
 //! Cross-node fusion on a GPU: the image nodes after VAEDecode (invert,
-//! bilinear scale, crop) join the decoder's program, so the image is read
+//! blur, bilinear scale, sharpen, crop) join the decoder's program, so the image is read
 //! back once, in its final form, and the images are those of the same
 //! nodes run one by one on the host. Where a chain cannot be taken (the
 //! decoded image read twice, a mode with no tensor form) the nodes run as
@@ -85,14 +85,18 @@ fn pixels(base: &Path, name: &str) -> Vec<u8> {
         .into_raw()
 }
 
-/// VAEDecode → ImageInvert → ImageScaleBy (bilinear 0.75) → ImageCrop →
-/// SaveImage.
+/// VAEDecode → ImageInvert → ImageBlur (radius 3) → ImageScaleBy
+/// (bilinear 0.75) → ImageSharpen (radius 2) → ImageCrop → SaveImage.
 fn chain(g: &mut serde_json::Value) {
     g["20"] = serde_json::json!({"class_type": "ImageInvert", "inputs": {"image": ["7", 0]}});
+    g["24"] = serde_json::json!({"class_type": "ImageBlur",
+        "inputs": {"image": ["20", 0], "blur_radius": 3, "sigma": 1.5}});
     g["21"] = serde_json::json!({"class_type": "ImageScaleBy",
-        "inputs": {"image": ["20", 0], "upscale_method": "bilinear", "scale_by": 0.75}});
+        "inputs": {"image": ["24", 0], "upscale_method": "bilinear", "scale_by": 0.75}});
+    g["25"] = serde_json::json!({"class_type": "ImageSharpen",
+        "inputs": {"image": ["21", 0], "sharpen_radius": 2, "sigma": 1.0, "alpha": 0.8}});
     g["22"] = serde_json::json!({"class_type": "ImageCrop",
-        "inputs": {"image": ["21", 0], "width": 40, "height": 32, "x": 4, "y": 2}});
+        "inputs": {"image": ["25", 0], "width": 40, "height": 32, "x": 4, "y": 2}});
     g["8"]["inputs"]["images"] = serde_json::json!(["22", 0]);
 }
 
@@ -105,7 +109,7 @@ fn image_chain_after_vae_decode_runs_in_its_program() {
         return;
     };
     assert_eq!(nodes, host_nodes, "the same nodes announced");
-    for n in ["7", "20", "21", "22", "8"] {
+    for n in ["7", "20", "24", "21", "25", "22", "8"] {
         assert!(nodes.contains(n), "node {n} not announced: {nodes:?}");
     }
     // Batch 2: the host path reads the decoded 64×64 image; the fused one

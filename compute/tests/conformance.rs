@@ -594,6 +594,24 @@ proptest! {
         check(g, seed, 1e-12, v)?;
     }
 
+    /// Reflect padding (ImageBlur/ImageSharpen pad this way) of a
+    /// channels-last image read through a permuted view, as the image
+    /// stages do; each pad below its dimension.
+    #[test]
+    fn reflect_pad(n in 1usize..3, h in 1usize..9, w in 1usize..9, c in 1usize..4, seed in any::<u64>(), f in any::<[u8; 4]>()) {
+        let pads = [
+            (0, 0),
+            (0, 0),
+            (f[0] as usize % h, f[1] as usize % h),
+            (f[2] as usize % w, f[3] as usize % w),
+        ];
+        let g = build(|g| {
+            let x = g.input("x", &[n, h, w, c])?;
+            x.permute(&[0, 3, 1, 2])?.pad_reflect(&pads)?.add_scalar(0.5).permute(&[0, 2, 3, 1])
+        });
+        check(g, seed, 1e-12, 0)?;
+    }
+
     #[test]
     fn view_chains(a in 1usize..5, b in 1usize..5, c in 1usize..5, start in 0usize..2, seed in any::<u64>()) {
         prop_assume!(start < c);

@@ -141,10 +141,11 @@ fn graphs() -> Vec<(&'static str, TensorGraph)> {
         )?;
         let cat = g.concat(&[x, t, x.mul_scalar(2.0)], 1)?;
         let pad = x.pad(&[(0, 0), (1, 2), (3, 0), (0, 1)], -1.0)?;
+        let reflect = x.pad_reflect(&[(0, 0), (1, 2), (3, 0), (0, 1)])?;
         let q = g.input("q", &[2, 3, 7, 8])?;
         let rope = q.rope(g.input("pe", &[1, 7, 4, 2, 2])?)?;
         let mut out = r;
-        out.extend([e, near, bil, cat, pad, rope]);
+        out.extend([e, near, bil, cat, pad, reflect, rope]);
         Ok(out)
     });
     v.push(("other kinds", g.finish(&y.expect("other kinds"))));

@@ -328,6 +328,9 @@ pub trait NodeImpl: Send + Sync {
 pub struct ImageStage {
     /// The IMAGE input the operation reads.
     pub input: &'static str,
+    /// Tensors the operation reads besides the image (a blur's kernel),
+    /// under the names its `append` declares with `GraphBuilder::input`.
+    pub data: Vec<(&'static str, Tensor)>,
     pub append: Box<AppendStage>,
 }
 
@@ -353,20 +356,45 @@ impl ImageStage {
     ) -> Self {
         ImageStage {
             input,
+            data: Vec::new(),
             append: Box::new(append),
         }
     }
 
-    /// `stages` applied in order to `x`.
+    /// The stage with `data` bound to the inputs it declares.
+    pub fn with_data(mut self, data: Vec<(&'static str, Tensor)>) -> Self {
+        self.data = data;
+        self
+    }
+
+    /// `stages` applied in order to `x`. Stage `i`'s inputs are declared
+    /// as `stage{i}.NAME` (two blurs in a chain keep their own kernels);
+    /// [`ImageStage::bindings`] names them the same way.
     pub fn apply_all<'a>(
         stages: &[ImageStage],
         g: &'a sdkit_compute::tensor::GraphBuilder,
         mut x: sdkit_compute::tensor::T<'a>,
     ) -> Result<sdkit_compute::tensor::T<'a>, sdkit_compute::tensor::ShapeError> {
-        for s in stages {
-            x = (s.append)(g, x)?;
+        for (i, s) in stages.iter().enumerate() {
+            g.set_input_prefix(&format!("stage{i}."));
+            let y = (s.append)(g, x);
+            g.set_input_prefix("");
+            x = y?;
         }
         Ok(x)
+    }
+
+    /// The stages' data under the names [`ImageStage::apply_all`] declares.
+    pub fn bindings(stages: &[ImageStage]) -> Vec<(String, Arc<Vec<f32>>)> {
+        stages
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| {
+                s.data
+                    .iter()
+                    .map(move |(name, t)| (format!("stage{i}.{name}"), Arc::new(t.data.clone())))
+            })
+            .collect()
     }
 }
 

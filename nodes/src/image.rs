@@ -490,7 +490,8 @@ image_node!(
             inputs.usize("blur_radius")?,
             inputs.float("sigma")?,
         )?))
-    }
+    },
+    stage |inputs| crate::image_stages::blur(inputs)
 );
 
 image_node!(
@@ -504,7 +505,8 @@ image_node!(
             inputs.float("sigma")?,
             inputs.float("alpha")?,
         )?))
-    }
+    },
+    stage |inputs| crate::image_stages::sharpen(inputs)
 );
 
 image_node!(

@@ -1,8 +1,8 @@
 //! Image nodes in tensor form, for fused image chains: on a GPU, VAEDecode
 //! appends these to its program (see `sdkit_engine::ImageStage`), so an
 //! image that is inverted, scaled (ImageScale, ImageScaleBy,
-//! ImageScaleToTotalPixels, ImageScaleToMaxDimension) or cropped reaches
-//! the host once. Only
+//! ImageScaleToTotalPixels, ImageScaleToMaxDimension), blurred, sharpened
+//! or cropped reaches the host once. Only
 //! what the tensor ops compute as ComfyUI's PyTorch does has a stage
 //! (bilinear without antialias is `F.interpolate`'s; nearest-exact, area,
 //! bicubic and Lanczos stay on the host). The host functions in
@@ -10,8 +10,8 @@
 //! each stage against them.
 
 use crate::imageops::{self, Crop, UpscaleMethod};
-use sdkit_compute::tensor::{GraphBuilder, ShapeError, UpsampleMode, T};
-use sdkit_engine::{ImageStage, Inputs};
+use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, ShapeError, UpsampleMode, T};
+use sdkit_engine::{ImageStage, Inputs, Tensor};
 use std::str::FromStr;
 
 type R<'a> = Result<T<'a>, ShapeError>;
@@ -155,4 +155,76 @@ pub fn crop(inputs: &Inputs) -> Option<ImageStage> {
         );
         x.slice(1, cy, y1)?.slice(2, cx, x1)
     }))
+}
+
+/// ImageBlur: the Gaussian kernel over the reflect-padded image.
+pub fn blur(inputs: &Inputs) -> Option<ImageStage> {
+    let radius = inputs.usize("blur_radius").ok()?;
+    let sigma = inputs.float("sigma").ok()?;
+    Some(reflect_conv(
+        radius,
+        imageops::blur_kernel(radius, sigma),
+        false,
+    ))
+}
+
+/// ImageSharpen: its kernel over the reflect-padded image, clamped to 0..1.
+pub fn sharpen(inputs: &Inputs) -> Option<ImageStage> {
+    let radius = inputs.usize("sharpen_radius").ok()?;
+    let sigma = inputs.float("sigma").ok()?;
+    let alpha = inputs.float("alpha").ok()?;
+    Some(reflect_conv(
+        radius,
+        imageops::sharpen_kernel(radius, sigma, alpha),
+        true,
+    ))
+}
+
+/// ComfyUI's Blur/Sharpen in tensor form: reflect padding by `radius`,
+/// then a depthwise convolution with the `k x k` kernel (its extra zero
+/// padding is cropped away again there, so it is left out here), then
+/// optionally the clamp to 0..1. Radius 0 passes the image through, as the
+/// nodes do; a radius the image is too small to reflect fails the stage,
+/// and the node then reports it.
+fn reflect_conv(radius: usize, kernel: Vec<f32>, clamp: bool) -> ImageStage {
+    let k = 2 * radius + 1;
+    let stage = ImageStage::new("image", move |g: &GraphBuilder, x| {
+        if radius == 0 {
+            return Ok(x);
+        }
+        let [_, h, w, c] = dims(&x)?;
+        if radius >= h || radius >= w {
+            return Err(refuse(
+                format!("reflect padding of {radius} needs an image larger than {w}x{h}"),
+                &x.shape(),
+            ));
+        }
+        let kernel = g.input("kernel", &[1, 1, k, k])?.expand(&[c, 1, k, k])?;
+        let r = radius;
+        let y = x
+            .permute(&[0, 3, 1, 2])?
+            .pad_reflect(&[(0, 0), (0, 0), (r, r), (r, r)])?
+            .conv2d(
+                kernel,
+                None,
+                Conv2dParams {
+                    stride: [1, 1],
+                    padding: [0, 0],
+                    dilation: [1, 1],
+                    groups: c,
+                },
+            )?;
+        let y = if clamp { y.clamp(0.0, 1.0) } else { y };
+        y.permute(&[0, 2, 3, 1])
+    });
+    if radius == 0 {
+        return stage;
+    }
+    stage.with_data(vec![(
+        "kernel",
+        Tensor {
+            shape: vec![1, 1, k, k],
+            data: kernel,
+        },
+    )])
 }

@@ -660,11 +660,13 @@ mod stages {
         let x = g
             .input("image", &[img.b, img.h, img.w, img.c])
             .expect("input");
-        let y = (stage.append)(&g, x).expect("the stage applies");
+        let stages = std::slice::from_ref(stage);
+        let y = ImageStage::apply_all(stages, &g, x).expect("the stage applies");
         let prog = plan(&g.finish(&[y])).expect("plans");
         let mut bind = Bindings::default();
         bind.inputs
             .insert("image".into(), Arc::new(img.data.clone()));
+        bind.inputs.extend(ImageStage::bindings(stages));
         let out = Runtime::cpu()
             .run(&prog, &bind)
             .expect("runs")
@@ -679,7 +681,22 @@ mod stages {
         }
     }
 
+    /// Whether the stage builds on an image of `img`'s shape.
+    fn applies(stage: &ImageStage, img: &Tensor4) -> Result<(), String> {
+        let g = GraphBuilder::new();
+        let x = g
+            .input("image", &[img.b, img.h, img.w, img.c])
+            .expect("input");
+        ImageStage::apply_all(std::slice::from_ref(stage), &g, x)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
     fn same(got: &Tensor4, want: &Tensor4, what: &str) {
+        within(got, want, 2e-6, what)
+    }
+
+    fn within(got: &Tensor4, want: &Tensor4, tol: f32, what: &str) {
         assert_eq!(
             (got.b, got.h, got.w, got.c),
             (want.b, want.h, want.w, want.c),
@@ -691,7 +708,7 @@ mod stages {
             .zip(&want.data)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
-        assert!(d <= 2e-6, "{what}: differs by {d}");
+        assert!(d <= tol, "{what}: differs by {d}");
     }
 
     fn image(b: usize, h: usize, w: usize, seed: u64) -> Tensor4 {
@@ -731,6 +748,7 @@ mod stages {
             b in 1usize..3, h in 1usize..40, w in 1usize..40, seed in any::<u64>(),
             width in 0usize..48, height in 0usize..48, center in any::<bool>(),
             scale in 0.1f64..3.0, cx in 0usize..50, cy in 0usize..50,
+            radius in 0usize..9, sigma in 0.1f64..10.0, alpha in 0.0f64..5.0,
         ) {
             let img = image(b, h, w, seed);
             let stage = image_stages::invert().expect("invert");
@@ -789,6 +807,27 @@ mod stages {
                 let want = imageops::crop(&img, width, height, cx, cy).expect("crop");
                 let stage = image_stages::crop(&i).expect("crop");
                 same(&staged(&stage, &img), &want, "crop");
+            }
+
+            // Blur and sharpen: the host's reflect padding fails where the
+            // radius reaches the image's size, and so does the stage.
+            let i = inputs(&[
+                ("blur_radius", Value::Int(radius as i128)),
+                ("sharpen_radius", Value::Int(radius as i128)),
+                ("sigma", Value::Float(sigma)),
+                ("alpha", Value::Float(alpha)),
+            ]);
+            let blur = image_stages::blur(&i).expect("blur");
+            let sharpen = image_stages::sharpen(&i).expect("sharpen");
+            match imageops::blur(&img, radius, sigma) {
+                Ok(want) => same(&staged(&blur, &img), &want, "blur"),
+                Err(_) => prop_assert!(applies(&blur, &img).is_err(), "blur of radius {radius} on {w}x{h}"),
+            }
+            match imageops::sharpen(&img, radius, sigma, alpha) {
+                // The kernel's weights reach alpha·10 in size, and the
+                // accumulation order differs from the host's.
+                Ok(want) => within(&staged(&sharpen, &img), &want, 2e-6 * (1.0 + 10.0 * alpha as f32), "sharpen"),
+                Err(_) => prop_assert!(applies(&sharpen, &img).is_err(), "sharpen of radius {radius} on {w}x{h}"),
             }
         }
     }

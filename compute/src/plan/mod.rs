@@ -565,12 +565,12 @@ impl<'g> Planner<'g> {
                 let parts = ins.len();
                 (KernelKind::Concat { axis: *axis, parts }, ins)
             }
-            Op::Pad { pads, value } => {
+            Op::Pad { pads, mode } => {
                 let ins = vec![self.materialized(node.inputs[0], false)?];
                 (
                     KernelKind::Pad {
                         pads: pads.clone(),
-                        value: *value,
+                        mode: *mode,
                     },
                     ins,
                 )

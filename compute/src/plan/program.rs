@@ -2,7 +2,7 @@
 
 use super::memory::{assign_offsets, lower_bound, Lifetime};
 use super::strides_of;
-use crate::tensor::{BinaryOp, Conv2dParams, NodeId, ReduceOp, UnaryOp, UpsampleMode};
+use crate::tensor::{BinaryOp, Conv2dParams, NodeId, PadMode, ReduceOp, UnaryOp, UpsampleMode};
 use std::fmt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -340,7 +340,7 @@ pub enum KernelKind {
     },
     Pad {
         pads: Vec<(usize, usize)>,
-        value: f32,
+        mode: PadMode,
     },
 }
 

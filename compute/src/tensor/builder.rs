@@ -2,8 +2,8 @@
 
 use super::BinaryOp;
 use super::{
-    broadcast_shapes, Conv2dParams, DType, InputKind, Node, NodeId, Op, ReduceOp, ShapeError,
-    TensorGraph, UnaryOp, UpsampleMode, MAX_RANK,
+    broadcast_shapes, Conv2dParams, DType, InputKind, Node, NodeId, Op, PadMode, ReduceOp,
+    ShapeError, TensorGraph, UnaryOp, UpsampleMode, MAX_RANK,
 };
 use std::cell::RefCell;
 
@@ -561,16 +561,34 @@ impl<'a> T<'a> {
             .push(Op::Gather, vec![self.id, ids.id], shape, DType::F32))
     }
 
+    /// Pads each dim by `(before, after)` with `value`.
     pub fn pad(self, pads: &[(usize, usize)], value: f32) -> R<'a> {
+        self.pad_with(pads, PadMode::Constant(value))
+    }
+
+    /// Pads each dim by mirroring the input at its edges (PyTorch's
+    /// `reflect`); each pad must be smaller than its dimension.
+    pub fn pad_reflect(self, pads: &[(usize, usize)]) -> R<'a> {
+        self.pad_with(pads, PadMode::Reflect)
+    }
+
+    fn pad_with(self, pads: &[(usize, usize)], mode: PadMode) -> R<'a> {
         let s = self.shape();
         if pads.len() != s.len() {
             return Err(err("pad", "one (before, after) pair per dim", &[&s]));
+        }
+        if mode == PadMode::Reflect && s.iter().zip(pads).any(|(&d, &(a, b))| a >= d || b >= d) {
+            return Err(err(
+                "pad",
+                format!("reflect padding {pads:?} must be smaller than each dimension"),
+                &[&s],
+            ));
         }
         let shape = s.iter().zip(pads).map(|(d, (a, b))| d + a + b).collect();
         Ok(self.b.push(
             Op::Pad {
                 pads: pads.to_vec(),
-                value,
+                mode,
             },
             vec![self.id],
             shape,

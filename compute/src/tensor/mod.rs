@@ -121,6 +121,16 @@ pub enum UpsampleMode {
     Bilinear { align_corners: bool },
 }
 
+/// What a padded position holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PadMode {
+    Constant(f32),
+    /// The input mirrored at its edges, the edge itself not repeated
+    /// (PyTorch's `reflect`): position −1 reads 1, position n reads n − 2.
+    /// Each pad must be smaller than its dimension.
+    Reflect,
+}
+
 /// The op set. Elementwise ops broadcast their inputs (numpy rules).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
@@ -184,7 +194,7 @@ pub enum Op {
     },
     Pad {
         pads: Vec<(usize, usize)>,
-        value: f32,
+        mode: PadMode,
     },
     // Views: no data movement when the planner can express them as strides.
     Reshape,

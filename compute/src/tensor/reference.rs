@@ -3,8 +3,8 @@
 //! purpose; the conformance suite compares every backend against it.
 
 use super::{
-    broadcast_shapes, contiguous_strides, BinaryOp, Node, Op, ReduceOp, TensorGraph, UnaryOp,
-    UpsampleMode,
+    broadcast_shapes, contiguous_strides, BinaryOp, Node, Op, PadMode, ReduceOp, TensorGraph,
+    UnaryOp, UpsampleMode,
 };
 use std::collections::HashMap;
 
@@ -276,17 +276,23 @@ fn eval_node(n: &Node, vals: &[Array], inputs: &HashMap<String, Array>) -> Resul
             }
             out
         }
-        Op::Pad { pads, value } => {
+        Op::Pad { pads, mode } => {
             let x = arg(0);
             pointwise(
                 &|i| {
                     let mut src = Vec::with_capacity(i.len());
                     for (d, &c) in i.iter().enumerate() {
                         let (before, _) = pads[d];
-                        if c < before || c - before >= x.shape[d] {
-                            return *value;
+                        let n = x.shape[d] as isize;
+                        let mut p = c as isize - before as isize;
+                        if p < 0 || p >= n {
+                            match mode {
+                                PadMode::Constant(v) => return *v,
+                                PadMode::Reflect if p < 0 => p = -p,
+                                PadMode::Reflect => p = 2 * (n - 1) - p,
+                            }
                         }
-                        src.push(c - before);
+                        src.push(p as usize);
                     }
                     x.at_broadcast(&src)
                 },

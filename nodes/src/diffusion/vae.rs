@@ -102,7 +102,9 @@ impl Vae {
         let Ok(out) = out else {
             return Ok(None);
         };
-        match self.run(ctx, g.finish(&[out]), "latent", latent, "VAE decoder") {
+        let graph = g.finish(&[out]);
+        let data = ImageStage::bindings(stages);
+        match self.run_with(ctx, graph, "latent", latent, data, "VAE decoder") {
             Err(RunFailure::Device(e)) if e.needs_less_memory() => Ok(None),
             r => r.map(Some).map_err(|e| e.into_node("VAE decoder")),
         }
@@ -375,6 +377,19 @@ impl Vae {
         value: &Tensor,
         what: &str,
     ) -> Result<Tensor, RunFailure> {
+        self.run_with(ctx, graph, input, value, Vec::new(), what)
+    }
+
+    /// [`Vae::run`] with more per-run inputs (fused image stages' data).
+    fn run_with(
+        &self,
+        ctx: &NodeContext,
+        graph: sdkit_compute::tensor::TensorGraph,
+        input: &str,
+        value: &Tensor,
+        more: Vec<(String, Arc<Vec<f32>>)>,
+        what: &str,
+    ) -> Result<Tensor, RunFailure> {
         let prog = plan(&graph).map_err(|e| RunFailure::Node(graph_error(what, e)))?;
         let mut bind = self
             .file
@@ -382,6 +397,7 @@ impl Vae {
             .map_err(RunFailure::Node)?;
         bind.inputs
             .insert(input.to_string(), Arc::new(value.data.clone()));
+        bind.inputs.extend(more);
         ctx.check_cancel().map_err(RunFailure::Node)?;
         let out = try_run_model(ctx, &self.file.name, &prog, bind, true)?.swap_remove(0);
         Tensor::new(out.shape, out.data).map_err(|e| RunFailure::Node(NodeError::invalid(e)))

@@ -649,8 +649,27 @@ pub fn blur(img: &Tensor4, blur_radius: usize, sigma: f64) -> Result<Tensor4> {
         return Ok(img.clone());
     }
     check_len(&img.shape(), img.data.len())?;
-    let kernel = gaussian_kernel(blur_radius * 2 + 1, sigma);
-    reflect_conv(img, blur_radius, &kernel)
+    reflect_conv(img, blur_radius, &blur_kernel(blur_radius, sigma))
+}
+
+/// ImageBlur's `k x k` kernel (`k = 2·radius + 1`).
+pub fn blur_kernel(radius: usize, sigma: f64) -> Vec<f32> {
+    gaussian_kernel(radius * 2 + 1, sigma)
+}
+
+/// ImageSharpen's `k x k` kernel: `-(alpha * 10) * gaussian`, the center
+/// raised so that it sums to one.
+pub fn sharpen_kernel(radius: usize, sigma: f64, alpha: f64) -> Vec<f32> {
+    let k = radius * 2 + 1;
+    let factor = (-(alpha * 10.0)) as f32;
+    let mut kernel: Vec<f32> = gaussian_kernel(k, sigma)
+        .iter()
+        .map(|&v| v * factor)
+        .collect();
+    let sum = torch_sum_contiguous(&kernel);
+    let center = (k / 2) * k + k / 2;
+    kernel[center] = kernel[center] - sum + 1.0;
+    kernel
 }
 
 /// ComfyUI `ImageSharpen`: kernel `-(alpha * 10) * gaussian` with the
@@ -660,15 +679,7 @@ pub fn sharpen(img: &Tensor4, sharpen_radius: usize, sigma: f64, alpha: f64) -> 
         return Ok(img.clone());
     }
     check_len(&img.shape(), img.data.len())?;
-    let k = sharpen_radius * 2 + 1;
-    let factor = (-(alpha * 10.0)) as f32;
-    let mut kernel: Vec<f32> = gaussian_kernel(k, sigma)
-        .iter()
-        .map(|&v| v * factor)
-        .collect();
-    let sum = torch_sum_contiguous(&kernel);
-    let center = (k / 2) * k + k / 2;
-    kernel[center] = kernel[center] - sum + 1.0;
+    let kernel = sharpen_kernel(sharpen_radius, sigma, alpha);
     let mut out = reflect_conv(img, sharpen_radius, &kernel)?;
     for v in &mut out.data {
         *v = v.clamp(0.0, 1.0);

@@ -10,7 +10,7 @@ use super::kernels::{self, MatView, Products};
 use crate::backend::BindError;
 use crate::plan::{BufferKind, Command, Expr, Kernel, KernelKind, Program, View};
 use crate::tensor::reference::{binary, unary, Array};
-use crate::tensor::{contiguous_strides, BinaryOp, ReduceOp, UnaryOp, UpsampleMode};
+use crate::tensor::{contiguous_strides, BinaryOp, PadMode, ReduceOp, UnaryOp, UpsampleMode};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -900,9 +900,14 @@ fn dispatch(
                 at += part;
             }
         }
-        KernelKind::Pad { pads, value } => {
+        KernelKind::Pad { pads, mode } => {
             let x = dense(0);
-            pad(&x, &ins[0].0.shape, pads, *value, &k.output.shape, out);
+            match mode {
+                PadMode::Constant(value) => {
+                    pad(&x, &ins[0].0.shape, pads, *value, &k.output.shape, out)
+                }
+                PadMode::Reflect => pad_reflect(&x, &ins[0].0.shape, pads, &k.output.shape, out),
+            }
         }
     }
     finish(k, &ins, out)
@@ -1000,6 +1005,49 @@ fn pad(
         for d in (0..shape.len()).rev() {
             idx[d] += 1;
             if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Reflect padding: each output position reads the input mirrored at the
+/// edges (`-1` → `1`, `n` → `n − 2`); the builder keeps pads below their
+/// dimension, so one reflection lands inside.
+fn pad_reflect(
+    x: &[f32],
+    shape: &[usize],
+    pads: &[(usize, usize)],
+    out_shape: &[usize],
+    out: &mut [f32],
+) {
+    let istr = contiguous_strides(shape);
+    // Per dim, each output coordinate's contribution to the source offset.
+    let maps: Vec<Vec<usize>> = (0..shape.len())
+        .map(|d| {
+            let n = shape[d] as isize;
+            (0..out_shape[d])
+                .map(|c| {
+                    let p = c as isize - pads[d].0 as isize;
+                    let p = if p < 0 {
+                        -p
+                    } else if p >= n {
+                        2 * (n - 1) - p
+                    } else {
+                        p
+                    };
+                    p as usize * istr[d]
+                })
+                .collect()
+        })
+        .collect();
+    let mut idx = vec![0usize; out_shape.len()];
+    for o in out.iter_mut() {
+        *o = x[idx.iter().zip(&maps).map(|(&c, m)| m[c]).sum::<usize>()];
+        for d in (0..out_shape.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < out_shape[d] {
                 break;
             }
             idx[d] = 0;

@@ -19,7 +19,7 @@ mod product;
 mod rowwise;
 pub use super::quant::Quant;
 use crate::plan::{Expr, Kernel, KernelKind, View};
-use crate::tensor::{contiguous_strides, BinaryOp, ReduceOp, UnaryOp, UpsampleMode};
+use crate::tensor::{contiguous_strides, BinaryOp, PadMode, ReduceOp, UnaryOp, UpsampleMode};
 use rowwise::*;
 use std::fmt::Write;
 
@@ -728,23 +728,37 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             src.push_str(&simple(&body));
             groups = grid(n_out);
         }
-        KernelKind::Pad { pads, value } => {
+        KernelKind::Pad { pads, mode } => {
             let shape = &k.output.shape;
             let ins = &k.inputs[0].shape;
             let os = contiguous_strides(shape);
             let is = contiguous_strides(ins);
             let mut body = String::from("    var inside = true; var src = 0u;\n");
             for d in 0..shape.len() {
+                // Reflecting: −c before the start, 2(n − 1) − c past the
+                // end (pads are below the dimension: one reflection lands
+                // inside).
+                let outside = match mode {
+                    PadMode::Constant(_) => "inside = false;".to_string(),
+                    PadMode::Reflect => format!(
+                        "src = src + u32(select(2 * {} - c, -c, c < 0)) * {}u;",
+                        ins[d] - 1,
+                        is[d]
+                    ),
+                };
                 let _ = writeln!(
                     body,
-                    "    {{ let c = i32((gi / {}u) % {}u) - {}; if (c < 0 || c >= {}) {{ inside = false; }} else {{ src = src + u32(c) * {}u; }} }}",
+                    "    {{ let c = i32((gi / {}u) % {}u) - {}; if (c < 0 || c >= {}) {{ {outside} }} else {{ src = src + u32(c) * {}u; }} }}",
                     os[d], shape[d], pads[d].0, ins[d], is[d]
                 );
             }
+            let fill = match mode {
+                PadMode::Constant(v) => lit(*v),
+                PadMode::Reflect => lit(0.0),
+            };
             let _ = writeln!(
                 body,
-                "    var v = {};\n    if (inside) {{ v = rd0({}); }}\n    wr(gi, epi(v, gi));",
-                lit(*value),
+                "    var v = {fill};\n    if (inside) {{ v = rd0({}); }}\n    wr(gi, epi(v, gi));",
                 offset_code(&k.inputs[0], ins, "src")
             );
             src.push_str(&simple(&body));
