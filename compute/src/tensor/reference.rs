@@ -24,15 +24,22 @@ impl Array {
     /// Element at a broadcast multi-index (missing leading dims and size-1
     /// dims are broadcast).
     fn at_broadcast(&self, idx: &[usize]) -> f32 {
-        let strides = contiguous_strides(&self.shape);
+        self.data[self.offset_broadcast(idx)]
+    }
+
+    /// The offset of `idx` (right-aligned, size-1 dims broadcast): the
+    /// contiguous strides built on the way, without allocating (the suite
+    /// calls this once per element and multiply-add).
+    fn offset_broadcast(&self, idx: &[usize]) -> usize {
         let off = idx.len() - self.shape.len();
-        let mut o = 0;
-        for (i, (&d, &s)) in self.shape.iter().zip(&strides).enumerate() {
+        let (mut o, mut stride) = (0, 1);
+        for (i, &d) in self.shape.iter().enumerate().rev() {
             if d != 1 {
-                o += idx[off + i] * s;
+                o += idx[off + i] * stride;
             }
+            stride *= d;
         }
-        self.data[o]
+        o
     }
 }
 
@@ -435,18 +442,18 @@ fn matmul(a: &Array, b: &Array, out_shape: &[usize]) -> Vec<f32> {
     let batch_shape = &out_shape[..r - 2];
     let nb: usize = batch_shape.iter().product();
     let mut out = vec![0.0; nb * m * n];
-    let mut bi = vec![0; batch_shape.len()];
+    let mut bi = vec![0; batch_shape.len() + 2];
     for bat in 0..nb {
-        unravel(bat, batch_shape, &mut bi);
+        unravel(bat, batch_shape, &mut bi[..batch_shape.len()]);
+        // Each operand's matrix for this batch index (broadcast where its
+        // batch dims are 1 or missing), row-major and contiguous.
+        // (`bi` ends in the row and column 0, 0.)
+        let (oa, ob) = (a.offset_broadcast(&bi), b.offset_broadcast(&bi));
         for i in 0..m {
             for j in 0..n {
                 let mut acc = 0.0f64;
                 for p in 0..k {
-                    let mut ia = bi.clone();
-                    ia.extend([i, p]);
-                    let mut ib = bi.clone();
-                    ib.extend([p, j]);
-                    acc += f64::from(a.at_broadcast(&ia)) * f64::from(b.at_broadcast(&ib));
+                    acc += f64::from(a.data[oa + i * k + p]) * f64::from(b.data[ob + p * n + j]);
                 }
                 out[(bat * m + i) * n + j] = acc as f32;
             }
@@ -560,10 +567,11 @@ fn attention(q: &Array, k: &Array, v: &Array, mask: Option<&Array>, scale: f32) 
             }
             let mx = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let sum: f64 = scores.iter().map(|s| (s - mx).exp()).sum();
+            let probs: Vec<f64> = scores.iter().map(|s| (s - mx).exp() / sum).collect();
             for t in 0..dv {
                 let mut acc = 0.0f64;
-                for (j, s) in scores.iter().enumerate() {
-                    acc += (s - mx).exp() / sum * f64::from(v.data[(bh * skv + j) * dv + t]);
+                for (j, p) in probs.iter().enumerate() {
+                    acc += p * f64::from(v.data[(bh * skv + j) * dv + t]);
                 }
                 out[(bh * sq + i) * dv + t] = acc as f32;
             }
