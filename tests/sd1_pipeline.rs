@@ -262,9 +262,6 @@ fn run_on_gpu(
     preview: sdkit_engine::event::PreviewMethod,
 ) -> Option<(tempfile::TempDir, serde_json::Value, u64, usize)> {
     use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
-    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions, Runtime};
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
 
     let gpu = match WgpuBackend::with_options(&Options {
         device_loops,
@@ -276,10 +273,23 @@ fn run_on_gpu(
             return None;
         }
     };
+    Some(run_on(sdkit_engine::Runtime::wgpu(gpu), text, preview))
+}
+
+/// Runs the workflow `text` on `runtime` in a fresh folder; returns it,
+/// the fixture, the bytes read back from the device and the previews sent.
+fn run_on(
+    runtime: sdkit_engine::Runtime,
+    text: &str,
+    preview: sdkit_engine::event::PreviewMethod,
+) -> (tempfile::TempDir, serde_json::Value, u64, usize) {
+    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
     let (base, fx) = setup();
     let lib = Arc::new(sdkit_nodes::library());
     let paths = Paths::under(base.path());
-    let runtime = Runtime::wgpu(gpu);
     let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime.clone());
     let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
     let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
@@ -295,7 +305,7 @@ fn run_on_gpu(
     let rt = tokio::runtime::Runtime::new().expect("tokio");
     rt.block_on(exec.run(&graph, opts)).expect("runs");
     let sent = previews.load(Ordering::Relaxed);
-    Some((base, fx, runtime.bytes_downloaded(), sent))
+    (base, fx, runtime.bytes_downloaded(), sent)
 }
 
 /// On a GPU the sampling loop runs on the device (`Options::device_loops`):
@@ -340,9 +350,11 @@ fn sampling_loop_stays_on_the_device() {
 }
 
 /// Every sampler with a device loop, on the karras schedule, gives the
-/// host loop's latent on the same GPU (the host samplers are checked
-/// against k-diffusion in `nodes/tests/samplers.rs`): the step's
-/// arithmetic and noise draws are the same.
+/// host loop's latent (the host samplers are checked against k-diffusion
+/// in `nodes/tests/samplers.rs`): the step's arithmetic and noise draws
+/// are the same. The host loop runs on the CPU: on lavapipe each run
+/// takes seconds, on the CPU a fraction of one, and the two backends'
+/// UNets agree far inside the bound.
 #[test]
 fn device_loops_match_host_loops() {
     use sdkit_engine::event::PreviewMethod;
@@ -361,20 +373,23 @@ fn device_loops_match_host_loops() {
             &format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#),
         );
         assert_ne!(graph, text);
-        let mut latents = Vec::new();
-        for device_loops in [true, false] {
-            let Some((base, ..)) = run_on_gpu(&graph, device_loops, PreviewMethod::None) else {
-                return;
-            };
-            let file =
+        let Some((on_gpu, ..)) = run_on_gpu(&graph, true, PreviewMethod::None) else {
+            return;
+        };
+        let (on_cpu, ..) = run_on(sdkit_engine::Runtime::cpu(), &graph, PreviewMethod::None);
+        let latents: Vec<Vec<f32>> = [on_gpu, on_cpu]
+            .iter()
+            .map(|base| {
                 SafeTensors::open(&base.path().join("output/latents/tiny_sd1_00001_.latent"))
-                    .expect("SaveLatent wrote the latent");
-            latents.push(file.to_f32("latent_tensor").expect("f32"));
-        }
+                    .expect("SaveLatent wrote the latent")
+                    .to_f32("latent_tensor")
+                    .expect("f32")
+            })
+            .collect();
         let d = support::rel_diff(&latents[0], &latents[1]);
         eprintln!("{sampler}: device loop vs host loop, max rel diff {d:e}");
         assert!(latents[0].iter().all(|v| v.is_finite()), "{sampler}");
-        assert!(d < 1e-4, "{sampler}: device loop differs by {d}");
+        assert!(d < 3e-5, "{sampler}: device loop differs by {d}");
     }
 }
 
