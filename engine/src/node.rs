@@ -330,7 +330,7 @@ pub struct ImageStage {
     pub input: &'static str,
     /// Tensors the operation reads besides the image (a blur's kernel),
     /// under the names its `append` declares with `GraphBuilder::input`.
-    pub data: Vec<(&'static str, Tensor)>,
+    pub data: Vec<(&'static str, Arc<Vec<f32>>)>,
     pub append: Box<AppendStage>,
 }
 
@@ -362,7 +362,7 @@ impl ImageStage {
     }
 
     /// The stage with `data` bound to the inputs it declares.
-    pub fn with_data(mut self, data: Vec<(&'static str, Tensor)>) -> Self {
+    pub fn with_data(mut self, data: Vec<(&'static str, Arc<Vec<f32>>)>) -> Self {
         self.data = data;
         self
     }
@@ -392,7 +392,7 @@ impl ImageStage {
             .flat_map(|(i, s)| {
                 s.data
                     .iter()
-                    .map(move |(name, t)| (format!("stage{i}.{name}"), Arc::new(t.data.clone())))
+                    .map(move |(name, t)| (format!("stage{i}.{name}"), t.clone()))
             })
             .collect()
     }

@@ -11,8 +11,9 @@
 
 use crate::imageops::{self, Crop, UpscaleMethod};
 use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, ShapeError, UpsampleMode, T};
-use sdkit_engine::{ImageStage, Inputs, Tensor};
+use sdkit_engine::{ImageStage, Inputs};
 use std::str::FromStr;
+use std::sync::Arc;
 
 type R<'a> = Result<T<'a>, ShapeError>;
 
@@ -184,21 +185,15 @@ pub fn sharpen(inputs: &Inputs) -> Option<ImageStage> {
 /// then a depthwise convolution with the `k x k` kernel (its extra zero
 /// padding is cropped away again there, so it is left out here), then
 /// optionally the clamp to 0..1. Radius 0 passes the image through, as the
-/// nodes do; a radius the image is too small to reflect fails the stage,
-/// and the node then reports it.
+/// nodes do; a radius the image is too small to reflect fails the stage
+/// (`pad_reflect` refuses it), and the node then reports it.
 fn reflect_conv(radius: usize, kernel: Vec<f32>, clamp: bool) -> ImageStage {
+    if radius == 0 {
+        return ImageStage::new("image", |_g: &GraphBuilder, x| Ok(x));
+    }
     let k = 2 * radius + 1;
-    let stage = ImageStage::new("image", move |g: &GraphBuilder, x| {
-        if radius == 0 {
-            return Ok(x);
-        }
-        let [_, h, w, c] = dims(&x)?;
-        if radius >= h || radius >= w {
-            return Err(refuse(
-                format!("reflect padding of {radius} needs an image larger than {w}x{h}"),
-                &x.shape(),
-            ));
-        }
+    ImageStage::new("image", move |g: &GraphBuilder, x| {
+        let [_, _, _, c] = dims(&x)?;
         let kernel = g.input("kernel", &[1, 1, k, k])?.expand(&[c, 1, k, k])?;
         let r = radius;
         let y = x
@@ -216,15 +211,6 @@ fn reflect_conv(radius: usize, kernel: Vec<f32>, clamp: bool) -> ImageStage {
             )?;
         let y = if clamp { y.clamp(0.0, 1.0) } else { y };
         y.permute(&[0, 2, 3, 1])
-    });
-    if radius == 0 {
-        return stage;
-    }
-    stage.with_data(vec![(
-        "kernel",
-        Tensor {
-            shape: vec![1, 1, k, k],
-            data: kernel,
-        },
-    )])
+    })
+    .with_data(vec![("kernel", Arc::new(kernel))])
 }

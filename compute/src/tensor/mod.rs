@@ -131,6 +131,23 @@ pub enum PadMode {
     Reflect,
 }
 
+/// Where position `p` of a dimension of size `n` reads under
+/// [`PadMode::Reflect`]: `p` itself inside, `−p` before the start,
+/// `2(n − 1) − p` past the end (valid for `−n < p < 2n − 1`). The CPU
+/// backend and the host image filters share it; the reference evaluator
+/// keeps its own, so the conformance suite compares two.
+pub fn reflect_index(p: isize, n: usize) -> usize {
+    let n = n as isize;
+    let q = if p < 0 {
+        -p
+    } else if p >= n {
+        2 * (n - 1) - p
+    } else {
+        p
+    };
+    q as usize
+}
+
 /// The op set. Elementwise ops broadcast their inputs (numpy rules).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {

@@ -591,17 +591,7 @@ fn reflect_conv(img: &Tensor4, radius: usize, kernel: &[f32]) -> Result<Tensor4>
         )));
     }
     let k = 2 * radius + 1;
-    let reflect = |p: isize, n: usize| -> usize {
-        let n = n as isize;
-        let q = if p < 0 {
-            -p
-        } else if p >= n {
-            2 * (n - 1) - p
-        } else {
-            p
-        };
-        q as usize
-    };
+    let reflect = sdkit_compute::tensor::reflect_index;
     let (h, w, c) = (img.h, img.w, img.c);
     let mut out = new_output(img.b, h, w, c)?;
     let rows: Vec<Vec<usize>> = (0..h)

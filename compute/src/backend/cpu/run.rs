@@ -10,7 +10,9 @@ use super::kernels::{self, MatView, Products};
 use crate::backend::BindError;
 use crate::plan::{BufferKind, Command, Expr, Kernel, KernelKind, Program, View};
 use crate::tensor::reference::{binary, unary, Array};
-use crate::tensor::{contiguous_strides, BinaryOp, PadMode, ReduceOp, UnaryOp, UpsampleMode};
+use crate::tensor::{
+    contiguous_strides, reflect_index, BinaryOp, PadMode, ReduceOp, UnaryOp, UpsampleMode,
+};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -1026,19 +1028,8 @@ fn pad_reflect(
     // Per dim, each output coordinate's contribution to the source offset.
     let maps: Vec<Vec<usize>> = (0..shape.len())
         .map(|d| {
-            let n = shape[d] as isize;
             (0..out_shape[d])
-                .map(|c| {
-                    let p = c as isize - pads[d].0 as isize;
-                    let p = if p < 0 {
-                        -p
-                    } else if p >= n {
-                        2 * (n - 1) - p
-                    } else {
-                        p
-                    };
-                    p as usize * istr[d]
-                })
+                .map(|c| reflect_index(c as isize - pads[d].0 as isize, shape[d]) * istr[d])
                 .collect()
         })
         .collect();
