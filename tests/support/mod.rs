@@ -326,6 +326,11 @@ pub fn run(base: &Path, graph: &str, device: &str) {
         .arg(base)
         .output()
         .expect("runs");
+    // SDKIT_PROFILE: the run's kernel times (printed by the backends to
+    // stderr) shown with the test's output.
+    if std::env::var_os("SDKIT_PROFILE").is_some() {
+        eprint!("{}", String::from_utf8_lossy(&o.stderr));
+    }
     assert!(
         o.status.success(),
         "{graph} on {device}: {}",

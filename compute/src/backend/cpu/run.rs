@@ -238,9 +238,8 @@ pub fn run_with(
     bind: &Bindings,
     products: Products,
 ) -> Result<Vec<Array>, CpuError> {
-    // SDKIT_PROFILE=1: time per kernel kind, printed to stderr after the run.
-    let profile = std::env::var_os("SDKIT_PROFILE").is_some();
-    let mut times: Vec<(&'static str, f64, usize)> = Vec::new();
+    let mut times = crate::backend::KernelTimes::from_env();
+    let profile = times.is_some();
     let mut arena = vec![0f32; prog.stats.arena_bytes / 4];
     let mut external: HashMap<u32, Arc<Vec<f32>>> = HashMap::new();
     // Stored weights by buffer, and the last dispatch that reads each.
@@ -322,12 +321,8 @@ pub fn run_with(
                         external.insert(b, Arc::new(data));
                     }
                 }
-                if let Some(c) = convert {
-                    let secs = c.elapsed().as_secs_f64();
-                    match times.iter_mut().find(|e| e.0 == "weight read") {
-                        Some(e) => e.1 += secs,
-                        None => times.push(("weight read", secs, 0)),
-                    }
+                if let (Some(c), Some(times)) = (convert, times.as_mut()) {
+                    times.add_other("weight read", c.elapsed().as_secs_f64(), 0);
                 }
                 let t = profile.then(std::time::Instant::now);
                 let newly_packed = key.is_some() && packed.is_none();
@@ -365,43 +360,15 @@ pub fn run_with(
                         w.release_pages();
                     }
                 }
-                if let Some(t) = t {
-                    let name = if k.epilogue.is_some() && matches!(k.kind, KernelKind::Elementwise)
-                    {
-                        "elementwise"
-                    } else {
-                        k.kind.name()
-                    };
-                    let secs = t.elapsed().as_secs_f64();
-                    if std::env::var_os("SDKIT_PROFILE_KERNELS").is_some() {
-                        eprintln!(
-                            "profile: k{} {name} {:?} {:.1} ms {:?}",
-                            kernel.0,
-                            k.output.shape,
-                            secs * 1e3,
-                            k.epilogue
-                        );
-                    }
-                    match times.iter_mut().find(|e| e.0 == name) {
-                        Some(e) => {
-                            e.1 += secs;
-                            e.2 += 1;
-                        }
-                        None => times.push((name, secs, 1)),
-                    }
+                if let (Some(t), Some(times)) = (t, times.as_mut()) {
+                    times.add(prog, *kernel, t.elapsed().as_secs_f64());
                 }
             }
             Command::Download { .. } => {}
         }
     }
-    if profile {
-        times.sort_by(|a, b| b.1.total_cmp(&a.1));
-        for (name, secs, n) in &times {
-            eprintln!(
-                "profile: {name:<12} {:9.1} ms in {n} dispatches",
-                secs * 1e3
-            );
-        }
+    if let Some(times) = times {
+        times.print();
     }
     let mut outs = Vec::new();
     for v in &prog.outputs {

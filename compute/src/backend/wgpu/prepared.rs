@@ -151,7 +151,17 @@ impl Prepared<'_> {
         }
         let mut encoder =
             dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        self.record(&mut encoder, 1);
+        match crate::backend::KernelTimes::from_env() {
+            Some(mut times) => {
+                // Each kernel alone: submitted and waited for.
+                queue.submit([encoder.finish()]);
+                self.profiled(&mut times)?;
+                times.print();
+                encoder =
+                    dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            }
+            None => self.record(&mut encoder, 1),
+        }
         // Carried outputs are copied into their inputs' buffers after
         // every dispatch of this run has read them.
         for (src, off, i, bytes) in copies {
@@ -226,45 +236,80 @@ impl Prepared<'_> {
         self.stream.as_ref().map_or(0, |s| s.bytes_per_run)
     }
 
+    /// Runs each dispatch in its own submission, waited for, adding its
+    /// wall time to `times` (`SDKIT_PROFILE`).
+    fn profiled(&self, times: &mut crate::backend::KernelTimes) -> Result<(), WgpuError> {
+        let kernels = self.prog.commands.iter().filter_map(|c| match c {
+            Command::Dispatch { kernel } => Some(*kernel),
+            _ => None,
+        });
+        for (i, kernel) in (0..self.dispatches.len()).zip(kernels) {
+            let mut encoder = self
+                .backend
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            self.record_range(&mut encoder, i..i + 1);
+            let t = std::time::Instant::now();
+            self.backend.queue.submit([encoder.finish()]);
+            self.backend
+                .device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| WgpuError::Lost(e.to_string()))?;
+            times.add(self.prog, kernel, t.elapsed().as_secs_f64());
+        }
+        Ok(())
+    }
+
     /// Records every dispatch `times` times: one compute pass, split where
     /// streamed weights are copied into their slots.
     pub(super) fn record(&self, encoder: &mut wgpu::CommandEncoder, times: usize) {
         for _ in 0..times {
-            // Passes forget the encoder borrow so copies can be recorded
-            // between them.
-            let mut pass = Some(
-                encoder
-                    .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: Some("program"),
-                        timestamp_writes: None,
-                    })
-                    .forget_lifetime(),
-            );
-            for (i, passes) in self.dispatches.iter().enumerate() {
-                if let Some(s) = self.stream.as_ref().filter(|s| !s.copies[i].is_empty()) {
-                    drop(pass.take());
-                    for &(from, to, bytes) in &s.copies[i] {
-                        encoder.copy_buffer_to_buffer(&s.staging, from, &s.arena, to, bytes);
-                    }
-                    self.backend.uploaded.fetch_add(
-                        s.copies[i].iter().map(|c| c.2).sum(),
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
-                    pass = Some(
-                        encoder
-                            .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                                label: Some("program"),
-                                timestamp_writes: None,
-                            })
-                            .forget_lifetime(),
-                    );
+            self.record_range(encoder, 0..self.dispatches.len());
+        }
+    }
+
+    /// Records dispatches `range` (with their streamed weights' copies).
+    fn record_range(&self, encoder: &mut wgpu::CommandEncoder, range: std::ops::Range<usize>) {
+        // Passes forget the encoder borrow so copies can be recorded
+        // between them.
+        let mut pass = Some(
+            encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("program"),
+                    timestamp_writes: None,
+                })
+                .forget_lifetime(),
+        );
+        for (i, passes) in self
+            .dispatches
+            .iter()
+            .enumerate()
+            .skip(range.start)
+            .take(range.len())
+        {
+            if let Some(s) = self.stream.as_ref().filter(|s| !s.copies[i].is_empty()) {
+                drop(pass.take());
+                for &(from, to, bytes) in &s.copies[i] {
+                    encoder.copy_buffer_to_buffer(&s.staging, from, &s.arena, to, bytes);
                 }
-                if let Some(p) = pass.as_mut() {
-                    for (pipeline, group, g) in passes {
-                        p.set_pipeline(pipeline);
-                        p.set_bind_group(0, group.as_ref(), &[]);
-                        p.dispatch_workgroups(g[0], g[1], g[2]);
-                    }
+                self.backend.uploaded.fetch_add(
+                    s.copies[i].iter().map(|c| c.2).sum(),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                pass = Some(
+                    encoder
+                        .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                            label: Some("program"),
+                            timestamp_writes: None,
+                        })
+                        .forget_lifetime(),
+                );
+            }
+            if let Some(p) = pass.as_mut() {
+                for (pipeline, group, g) in passes {
+                    p.set_pipeline(pipeline);
+                    p.set_bind_group(0, group.as_ref(), &[]);
+                    p.dispatch_workgroups(g[0], g[1], g[2]);
                 }
             }
         }
