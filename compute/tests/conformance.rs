@@ -809,9 +809,13 @@ fn attention_with_growing_scores_rescales() {
 fn unet_shaped_graph_matches_reference() {
     // Down and up levels, skip concatenations, upsampling: the whole
     // planned Program (fusion, views, arena reuse) against unfused
-    // evaluation.
+    // evaluation. The planner's work, checked on every native backend;
+    // the cooperative kernels' epilogues on these blocks are checked by
+    // `sd_blocks_match_reference`, and their emulated shaders here would
+    // cost CI minutes of lavapipe compilation (a cold shader cache) for
+    // nothing more.
     let g = sdkit_compute::plan::samples::unet_like_graph(1, 32, 8, 2).expect("builds");
-    check_all(g, 3, 1e-8, 0).expect("unet");
+    check_on(g, 3, 1e-8, 0, false).expect("unet");
 }
 
 #[test]
