@@ -239,25 +239,23 @@ impl Prepared<'_> {
     /// Runs each dispatch in its own submission, waited for, adding its
     /// wall time to `times` (`SDKIT_PROFILE`).
     fn profiled(&self, times: &mut crate::backend::KernelTimes) -> Result<(), WgpuError> {
-        let kernels = self.prog.commands.iter().filter_map(|c| match c {
-            Command::Dispatch { kernel } => Some(*kernel),
-            _ => None,
-        });
-        for (i, kernel) in (0..self.dispatches.len()).zip(kernels) {
+        for (i, kernel) in (0..self.dispatches.len()).zip(self.kernel_ids()) {
             let mut encoder = self
                 .backend
                 .device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
             self.record_range(&mut encoder, i..i + 1);
-            let t = std::time::Instant::now();
-            self.backend.queue.submit([encoder.finish()]);
-            self.backend
-                .device
-                .poll(wgpu::PollType::wait_indefinitely())
-                .map_err(|e| WgpuError::Lost(e.to_string()))?;
-            times.add(self.prog, kernel, t.elapsed().as_secs_f64());
+            times.add(self.prog, kernel, self.backend.submit_timed(encoder)?);
         }
         Ok(())
+    }
+
+    /// The kernel of each dispatch, in Program order.
+    fn kernel_ids(&self) -> impl Iterator<Item = KernelId> + '_ {
+        self.prog.commands.iter().filter_map(|c| match c {
+            Command::Dispatch { kernel } => Some(*kernel),
+            _ => None,
+        })
     }
 
     /// Records every dispatch `times` times: one compute pass, split where
@@ -320,12 +318,8 @@ impl Prepared<'_> {
     /// over `reps`): where a step's time goes, for benchmarks. Streamed
     /// weights are not copied (their slots keep what they hold).
     pub fn profile(&self, reps: usize) -> Result<Vec<(KernelId, f64)>, WgpuError> {
-        let kernels = self.prog.commands.iter().filter_map(|c| match c {
-            Command::Dispatch { kernel } => Some(*kernel),
-            _ => None,
-        });
         let mut out = Vec::new();
-        for (passes, kernel) in self.dispatches.iter().zip(kernels) {
+        for (passes, kernel) in self.dispatches.iter().zip(self.kernel_ids()) {
             self.backend.time_passes(passes, 1)?;
             let n = reps.max(1);
             out.push((kernel, self.backend.time_passes(passes, n)? / n as f64));
@@ -355,7 +349,11 @@ impl WgpuBackend {
     /// and waited for: with `n` large enough the submission's own cost
     /// vanishes in the kernels' time (profiles and tuning).
     pub(super) fn time_passes(&self, passes: &[Pass], n: usize) -> Result<f64, WgpuError> {
-        let encoder = self.record_passes(passes, n);
+        self.submit_timed(self.record_passes(passes, n))
+    }
+
+    /// Wall seconds from submitting `encoder` until the device is idle.
+    pub(super) fn submit_timed(&self, encoder: wgpu::CommandEncoder) -> Result<f64, WgpuError> {
         let t = std::time::Instant::now();
         self.queue.submit([encoder.finish()]);
         self.device
