@@ -160,7 +160,7 @@ fn fragment_scalars(src: &str) -> HashMap<String, String> {
 }
 
 /// Module-scope arrays: `var<…> NAME: array<TYPE…`.
-fn array_scalars(src: &str) -> HashMap<String, String> {
+pub(super) fn array_scalars(src: &str) -> HashMap<String, String> {
     let mut m = HashMap::new();
     for line in src.lines() {
         let Some(v) = line.find("var<") else {

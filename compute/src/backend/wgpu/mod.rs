@@ -29,6 +29,7 @@ pub mod probe;
 mod quant;
 mod required;
 mod resident;
+mod software;
 mod tune;
 
 use crate::backend::cpu::Bindings;
@@ -96,6 +97,8 @@ pub struct WgpuBackend {
     shader_checks: bool,
     bounds_checks: bool,
     poison: bool,
+    /// A CPU adapter (lavapipe): counted loops stay loops ([`software`]).
+    software: bool,
     backend: wgpu::Backend,
     binding_cap: Option<u64>,
     split_operands: std::sync::atomic::AtomicUsize,
@@ -253,6 +256,7 @@ impl WgpuBackend {
             shader_checks: opts.shader_checks,
             bounds_checks: opts.bounds_checks,
             poison: opts.poison_workgroup_memory,
+            software: adapter.get_info().device_type == wgpu::DeviceType::Cpu,
             backend: adapter.get_info().backend,
             binding_cap: opts.max_binding_bytes,
             split_operands: std::sync::atomic::AtomicUsize::new(0),
@@ -447,12 +451,19 @@ impl WgpuBackend {
         if let Some(p) = cache.get(source) {
             return Ok(p.clone());
         }
-        let poisoned;
-        let text = if self.poison {
-            poisoned = poison::poison_workgroup_memory(source)?;
-            &poisoned
+        let looped;
+        let text = if self.software {
+            looped = software::keep_loops(source)?;
+            &looped
         } else {
             source
+        };
+        let poisoned;
+        let text = if self.poison {
+            poisoned = poison::poison_workgroup_memory(text)?;
+            &poisoned
+        } else {
+            text
         };
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let desc = wgpu::ShaderModuleDescriptor {

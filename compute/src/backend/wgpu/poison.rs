@@ -142,7 +142,7 @@ fn matching_paren(src: &str, open: usize) -> Result<usize, String> {
 
 /// The parameter name bound to `@builtin(builtin)` in an entry point's
 /// parameter list.
-fn builtin_name<'a>(params: &'a str, builtin: &str) -> Option<&'a str> {
+pub(super) fn builtin_name<'a>(params: &'a str, builtin: &str) -> Option<&'a str> {
     let tag = format!("@builtin({builtin})");
     let rest = params[params.find(&tag)? + tag.len()..].trim_start();
     Some(rest.split(':').next()?.trim())

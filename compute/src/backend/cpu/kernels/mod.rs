@@ -18,7 +18,7 @@
 //!   `gemm_into`, which first checks every index the product can touch.
 
 use super::amx;
-use gemm::Parallelism;
+use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 mod attention;
@@ -351,21 +351,31 @@ fn gemm_into(
     // elements are pairwise distinct (`dst_rs >= n`), so gemm's threads never
     // write the same element, and `dst` cannot alias `lhs`/`rhs` because it is
     // borrowed mutably. With `read_dst == false` gemm never reads `dst`.
+    //
+    // The kernels prefer a column-major destination: a row-major one is
+    // computed as its transpose, `dstᵀ = rhsᵀ · lhsᵀ`, by swapping the
+    // operands and every row stride with its column stride (the reordering
+    // the `gemm` front crate does, which we do not build).
+    let (m, n, dst_cs, dst_rs, a, a_cs, a_rs, b, b_cs, b_rs) = if dst_rs > 1 {
+        (n, m, dst_rs, 1, rhs, rhs.rs, rhs.cs, lhs, lhs.rs, lhs.cs)
+    } else {
+        (m, n, 1, dst_rs, lhs, lhs.cs, lhs.rs, rhs, rhs.cs, rhs.rs)
+    };
     unsafe {
-        gemm::gemm(
+        gemm_f32::gemm::f32::get_gemm_fn()(
             m,
             n,
             k,
             dst.as_mut_ptr().add(dst_offset),
-            1,
+            st(dst_cs),
             st(dst_rs),
             accumulate,
-            lhs.data.as_ptr().add(lhs.offset),
-            st(lhs.cs),
-            st(lhs.rs),
-            rhs.data.as_ptr().add(rhs.offset),
-            st(rhs.cs),
-            st(rhs.rs),
+            a.data.as_ptr().add(a.offset),
+            st(a_cs),
+            st(a_rs),
+            b.data.as_ptr().add(b.offset),
+            st(b_cs),
+            st(b_rs),
             1.0,
             scale,
             false,
