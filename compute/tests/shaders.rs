@@ -8,6 +8,7 @@
 use sdkit_compute::backend::wgpu::codegen::{
     conv_taps_first, generate, tilings, Caps, Coop, Operand,
 };
+use sdkit_compute::backend::wgpu::keep_loops;
 use sdkit_compute::plan::{plan, Command, KernelKind};
 use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, TensorGraph, UpsampleMode};
 
@@ -341,6 +342,12 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                         eprintln!("// {name} {:?}\n{}", sh.groups, sh.source);
                     }
                     validate(&name, &sh.source);
+                    // The form software adapters compile (counted loops
+                    // kept), for the capability sets they can have.
+                    if cap.coop.is_none_or(|c| c.emulated) {
+                        let kept = keep_loops(&sh.source).unwrap_or_else(|e| panic!("{name}: {e}"));
+                        validate(&format!("{name}, loops kept"), &kept);
+                    }
                     checked += 1;
                 }
             }

@@ -46,6 +46,7 @@ use prepared::*;
 use quant::QuantWeights;
 pub use required::{no_adapter, REQUIRE_VAR};
 use resident::*;
+pub use software::keep_loops;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 pub use tune::{Tuned, TunedKernel, Tuning, TuningObserver, Variant};
