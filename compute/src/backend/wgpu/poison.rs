@@ -30,17 +30,7 @@ pub fn poison_workgroup_memory(src: &str) -> Result<String, String> {
             .find('{')
             .ok_or("poison: `fn main` has no body")?
         + 1;
-    // One local index builtin per entry point: reuse the kernel's own.
-    let (index, extra_param) = match builtin_name(params, "local_invocation_index") {
-        Some(name) => (name.to_string(), String::new()),
-        None => (
-            "poison_li".to_string(),
-            format!(
-                "{}@builtin(local_invocation_index) poison_li: u32",
-                if params.trim().is_empty() { "" } else { ", " }
-            ),
-        ),
-    };
+    let (index, extra_param) = entry_builtin(params, "local_invocation_index", "u32", "poison_li");
     // The NaN pattern through a runtime value: naga folds a constant
     // bitcast and refuses a non-finite constant.
     let mut prologue = format!("    let poison_bits = 0x7fc00000u + min({index}, 0u);\n");
@@ -140,9 +130,31 @@ fn matching_paren(src: &str, open: usize) -> Result<usize, String> {
         .ok_or_else(|| "poison: unbalanced parentheses".to_string())
 }
 
+/// The name under which an entry point with parameters `params` sees
+/// `@builtin(builtin)`, and the parameter text to append for it: none
+/// where the entry point binds it already (each built-in may be bound
+/// once), else `fallback` of type `ty`.
+pub(super) fn entry_builtin(
+    params: &str,
+    builtin: &str,
+    ty: &str,
+    fallback: &str,
+) -> (String, String) {
+    match builtin_name(params, builtin) {
+        Some(name) => (name.to_string(), String::new()),
+        None => (
+            fallback.to_string(),
+            format!(
+                "{}@builtin({builtin}) {fallback}: {ty}",
+                if params.trim().is_empty() { "" } else { ", " }
+            ),
+        ),
+    }
+}
+
 /// The parameter name bound to `@builtin(builtin)` in an entry point's
 /// parameter list.
-pub(super) fn builtin_name<'a>(params: &'a str, builtin: &str) -> Option<&'a str> {
+fn builtin_name<'a>(params: &'a str, builtin: &str) -> Option<&'a str> {
     let tag = format!("@builtin({builtin})");
     let rest = params[params.find(&tag)? + tag.len()..].trim_start();
     Some(rest.split(':').next()?.trim())

@@ -14,7 +14,7 @@
 //! the shader as generated.
 
 use super::emulate::{array_scalars, matching};
-use super::poison::builtin_name;
+use super::poison::entry_builtin;
 use std::fmt::Write;
 
 /// `src` with the trip counts of `fn main`'s counted loops
@@ -67,19 +67,9 @@ pub fn keep_loops(src: &str) -> Result<String, String> {
     if kept == 0 {
         return Ok(src.to_string());
     }
-    // An entry point may bind each built-in once: reuse main's own.
-    let (nwg, new_param) = match builtin_name(params, "num_workgroups") {
-        Some(n) => (n.to_string(), String::new()),
-        None => (
-            "emu_nwg".to_string(),
-            format!(
-                "@builtin(num_workgroups) emu_nwg: vec3<u32>{}",
-                if params.trim().is_empty() { "" } else { ", " }
-            ),
-        ),
-    };
+    let (nwg, extra_param) = entry_builtin(params, "num_workgroups", "vec3<u32>", "emu_nwg");
     Ok(format!(
-        "{}fn main({new_param}{params}) {{\n    let emu_zero = {nwg}.z >> 16u;{body}}}{}",
+        "{}fn main({params}{extra_param}) {{\n    let emu_zero = {nwg}.z >> 16u;{body}}}{}",
         &src[..at],
         &src[body_end..]
     ))
@@ -169,7 +159,7 @@ fn main(@builtin(local_invocation_index) tid: u32) {
 ";
         let out = keep_loops(src).expect("rewrites");
         valid(&out);
-        assert!(out.contains("fn main(@builtin(num_workgroups) emu_nwg: vec3<u32>, @builtin"));
+        assert!(out.contains("tid: u32, @builtin(num_workgroups) emu_nwg: vec3<u32>)"));
         assert!(out.contains("let emu_zero = emu_nwg.z >> 16u;"));
         assert!(out.contains("i < 16u + emu_zero;"), "{out}");
         assert!(out.contains("j < 64u + emu_zero;"), "{out}");
