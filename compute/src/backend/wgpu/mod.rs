@@ -452,24 +452,17 @@ impl WgpuBackend {
         if let Some(p) = cache.get(source) {
             return Ok(p.clone());
         }
-        let looped;
-        let text = if self.software {
-            looped = software::keep_loops(source)?;
-            &looped
-        } else {
-            source
-        };
-        let poisoned;
-        let text = if self.poison {
-            poisoned = poison::poison_workgroup_memory(text)?;
-            &poisoned
-        } else {
-            text
-        };
+        let mut text = std::borrow::Cow::Borrowed(source);
+        if self.software {
+            text = software::keep_loops(&text)?.into();
+        }
+        if self.poison {
+            text = poison::poison_workgroup_memory(&text)?.into();
+        }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let desc = wgpu::ShaderModuleDescriptor {
             label: None,
-            source: wgpu::ShaderSource::Wgsl(text.into()),
+            source: wgpu::ShaderSource::Wgsl(text),
         };
         let module = if self.shader_checks {
             self.device.create_shader_module(desc)

@@ -19,17 +19,11 @@ pub fn poison_workgroup_memory(src: &str) -> Result<String, String> {
         return Ok(src.to_string());
     }
     let threads = workgroup_threads(src)?;
-    let main = src
-        .find("fn main(")
+    let main = entry_point(src)
+        .map_err(|e| format!("poison: {e}"))?
         .ok_or("poison: no `fn main(` in the shader")?;
-    let params_start = main + "fn main".len();
-    let params_end = matching_paren(src, params_start)?;
-    let params = &src[params_start + 1..params_end];
-    let body = params_end
-        + src[params_end..]
-            .find('{')
-            .ok_or("poison: `fn main` has no body")?
-        + 1;
+    let (params_end, body) = (main.params.end, main.body.start);
+    let params = &src[main.params];
     let (index, extra_param) = entry_builtin(params, "local_invocation_index", "u32", "poison_li");
     // The NaN pattern through a runtime value: naga folds a constant
     // bitcast and refuses a non-finite constant.
@@ -128,6 +122,32 @@ fn matching_paren(src: &str, open: usize) -> Result<usize, String> {
     super::emulate::matching(src, open, b'(', b')')
         .map(|past| past - 1)
         .ok_or_else(|| "poison: unbalanced parentheses".to_string())
+}
+
+/// Byte ranges of `fn main`'s parameter list and body, each without its
+/// parentheses or braces.
+pub(super) struct EntryPoint {
+    pub params: std::ops::Range<usize>,
+    pub body: std::ops::Range<usize>,
+}
+
+/// Where `src`'s entry point `fn main` has its parameters and body; None
+/// where there is no `fn main(`. Errors name what is unbalanced.
+pub(super) fn entry_point(src: &str) -> Result<Option<EntryPoint>, String> {
+    let Some(main) = src.find("fn main(") else {
+        return Ok(None);
+    };
+    let open = main + "fn main".len();
+    let params_end = super::emulate::matching(src, open, b'(', b')')
+        .ok_or("unbalanced parentheses in `fn main`")?
+        - 1;
+    let brace = params_end + src[params_end..].find('{').ok_or("`fn main` has no body")?;
+    let body_end =
+        super::emulate::matching(src, brace, b'{', b'}').ok_or("unbalanced braces in `fn main`")?;
+    Ok(Some(EntryPoint {
+        params: open + 1..params_end,
+        body: brace + 1..body_end - 1,
+    }))
 }
 
 /// The name under which an entry point with parameters `params` sees

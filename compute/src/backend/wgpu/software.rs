@@ -14,7 +14,7 @@
 //! the shader as generated.
 
 use super::emulate::{array_scalars, matching};
-use super::poison::entry_builtin;
+use super::poison::{entry_builtin, entry_point};
 use std::fmt::Write;
 
 /// `src` with the trip counts of `fn main`'s counted loops
@@ -24,21 +24,13 @@ use std::fmt::Write;
 /// fragment, an accumulator tile) in registers. Errors name what could
 /// not be parsed.
 pub fn keep_loops(src: &str) -> Result<String, String> {
-    let Some(at) = src.find("fn main(") else {
+    let Some(main) = entry_point(src).map_err(|e| format!("keep_loops: {e}"))? else {
         return Ok(src.to_string());
     };
-    let open = at + "fn main".len();
-    let params_end =
-        matching(src, open, b'(', b')').ok_or("keep_loops: unclosed parameters of main")?;
-    let brace = params_end
-        + src[params_end..]
-            .find('{')
-            .ok_or("keep_loops: main without a body")?;
-    let body_end = matching(src, brace, b'{', b'}').ok_or("keep_loops: unclosed body of main")?;
-    let params = &src[open + 1..params_end - 1];
+    let params = &src[main.params.clone()];
     let module_arrays = array_scalars(src);
-    let mut body = String::with_capacity(body_end - brace + 256);
-    let mut rest = &src[brace + 1..body_end - 1];
+    let mut body = String::with_capacity(main.body.len() + 256);
+    let mut rest = &src[main.body.clone()];
     let mut kept = 0;
     while let Some(f) = rest.find("for (var ") {
         body.push_str(&rest[..f]);
@@ -69,9 +61,10 @@ pub fn keep_loops(src: &str) -> Result<String, String> {
     }
     let (nwg, extra_param) = entry_builtin(params, "num_workgroups", "vec3<u32>", "emu_nwg");
     Ok(format!(
-        "{}fn main({params}{extra_param}) {{\n    let emu_zero = {nwg}.z >> 16u;{body}}}{}",
-        &src[..at],
-        &src[body_end..]
+        "{}{extra_param}{}\n    let emu_zero = {nwg}.z >> 16u;{body}{}",
+        &src[..main.params.end],
+        &src[main.params.end..main.body.start],
+        &src[main.body.end..]
     ))
 }
 
