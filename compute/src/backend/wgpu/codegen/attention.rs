@@ -22,6 +22,10 @@ pub(super) fn attention(
     masked: bool,
     caps: &Caps,
 ) -> (String, [u32; 3]) {
+    // Every form scores in base 2: log2(e) folded into the queries' scale
+    // (and into the mask's term) makes each exp(x) an exp2, the GPU's
+    // native instruction, with no multiply before it.
+    let scale = scale * std::f32::consts::LOG2_E;
     if let Some(c) = caps.coop {
         let single = if caps.two_pass_attention {
             None
@@ -43,7 +47,10 @@ pub(super) fn attention(
         kb /= 2;
     }
     let mask = if masked {
-        format!("s = s + rd3(qi * {skv}u + j0 + jj);")
+        format!(
+            "s = s + rd3(qi * {skv}u + j0 + jj) * {};",
+            lit(std::f32::consts::LOG2_E)
+        )
     } else {
         String::new()
     };
@@ -87,8 +94,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
             for (var t = 0u; t < {d}u; t++) {{ s = s + qr[t] * Ks[jj * {d}u + t]; }}
             {mask}
             let mn = max(m, s);
-            let corr = exp(m - mn);
-            let p = exp(s - mn);
+            let corr = exp2(m - mn);
+            let p = exp2(s - mn);
             l = l * corr + p;
             for (var t = 0u; t < {dv}u; t++) {{ acc[t] = acc[t] * corr + p * Vs[jj * {dv}u + t]; }}
             m = mn;
@@ -366,7 +373,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     /// The additive mask's term for score `s` of key `j0 + j`.
     fn mask(&self, masked: bool) -> String {
         if masked {
-            format!("s = s + rd3(qi * {}u + j0 + j);", self.skv)
+            format!(
+                "s = s + rd3(qi * {}u + j0 + j) * {};",
+                self.skv,
+                lit(std::f32::consts::LOG2_E)
+            )
         } else {
             String::new()
         }
@@ -490,13 +501,14 @@ pub(super) fn attention_coop_single(
             store,
             "    coopStoreT(o{f}, &Ss[sg * {sub}u], {t}u);\n    workgroupBarrier();"
         );
-        for i in 0..cpl {
-            let _ = writeln!(
-                store,
-                "    {{ let col = {}u + part * {cpl}u + {i}u; if (qrow < {sq}u && col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; wr(oi, epi(Ss[sg * {sub}u + r * {t}u + part * {cpl}u + {i}u] / l, oi)); }} }}",
-                f * t,
-            );
-        }
+        // A loop, not one line per column: the same code once unrolled
+        // by a GPU's compiler, and a third of the source lavapipe
+        // compiles lane by lane (its loops are kept, `software.rs`).
+        let _ = writeln!(
+            store,
+            "    for (var i = 0u; i < {cpl}u; i++) {{ let col = {}u + part * {cpl}u + i; if (qrow < {sq}u && col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; wr(oi, epi(Ss[sg * {sub}u + r * {t}u + part * {cpl}u + i] / l, oi)); }} }}",
+            f * t,
+        );
         let _ = writeln!(store, "    workgroupBarrier();");
     }
     // Each lane walks its keys from its own starting point, (jj + lane)
@@ -529,7 +541,7 @@ pub(super) fn attention_coop_single(
         var corr = 1.0;
         if (moved != 0u) {{
             let mn = max(m, bm);
-            corr = exp(m - mn);
+            corr = exp2(m - mn);
             m = mn;
         }}
         var ps = 0.0;
@@ -537,7 +549,7 @@ pub(super) fn attention_coop_single(
             let jr = (jj + lane) % {kpl}u;
             let j = part * {kpl}u + jr;
             var p = 0.0;
-            if (j0 + j < {skv}u) {{ p = exp(Ss[srow + jr] - m); }}
+            if (j0 + j < {skv}u) {{ p = exp2(Ss[srow + jr] - m); }}
             ps = ps + p;
             Ps[prow + jr] = f16(p);
         }}
@@ -561,7 +573,7 @@ pub(super) fn attention_coop_single(
         sqm = sq.saturating_sub(1),
         kfs = bk / t,
         pty = a.ty("A", "f16"),
-        margin = lit(ATTN_RESCALE_MARGIN),
+        margin = lit(ATTN_RESCALE_MARGIN * std::f32::consts::LOG2_E),
         ss = a.ss,
         ps = a.ps,
         red_max = reduce("bm", &|a, b| format!("max({a}, {b})")),
@@ -572,7 +584,8 @@ pub(super) fn attention_coop_single(
 
 /// How far (natural log) a row's block maximum may exceed its reference
 /// maximum before the output is rescaled: probabilities stay ≤ e^8 ≈
-/// 2981, exact enough in f16 (max 65504) and summed in f32.
+/// 2981, exact enough in f16 (max 65504) and summed in f32. The kernels
+/// score in base 2, so they compare against this times log2(e).
 pub(super) const ATTN_RESCALE_MARGIN: f32 = 8.0;
 
 /// Attention on cooperative matrices: a workgroup of 4 subgroups takes
@@ -663,7 +676,7 @@ pub(super) fn attention_coop(
             for (var jj = 0u; jj < {bk}u; jj++) {{
                 let j = (jj + lane) % {bk}u;
                 var p = 0.0;
-                if (j0 + j < {skv}u) {{ var s = Ss[srow + j]; {mask} p = exp(s - m); }}
+                if (j0 + j < {skv}u) {{ var s = Ss[srow + j]; {mask} p = exp2(s - m); }}
                 l = l + p;
                 Ps[prow + j] = f16(p);
             }}
