@@ -352,30 +352,44 @@ fn sampling_loop_stays_on_the_device() {
 /// Every sampler with a device loop, on the karras schedule, gives the
 /// host loop's latent (the host samplers are checked against k-diffusion
 /// in `nodes/tests/samplers.rs`): the step's arithmetic and noise draws
-/// are the same. The host loop runs on the CPU: on lavapipe each run
-/// takes seconds, on the CPU a fraction of one, and the two backends'
-/// UNets agree far inside the bound.
+/// are the same; the two-call samplers (Heun, DPM-2, DPM++ 2S ancestral,
+/// DPM++ SDE) run the program twice a step. Each device loop reads back
+/// the same bytes, so none fell back to the host loop. The host loop runs
+/// on the CPU: on lavapipe each run takes seconds, on the CPU a fraction
+/// of one, and the two backends' UNets agree far inside the bound.
 #[test]
 fn device_loops_match_host_loops() {
     use sdkit_engine::event::PreviewMethod;
     let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
     // (Euler's loop is checked against ComfyUI above.)
+    let mut downloads = None;
     for sampler in [
         "ddim",
         "euler_ancestral",
         "dpmpp_2m",
         "dpmpp_2m_sde",
         "dpmpp_2m_sde_heun",
+        "dpmpp_3m_sde",
         "lcm",
+        "heun",
+        "dpm_2",
+        "dpm_2_ancestral",
+        "dpmpp_2s_ancestral",
+        "dpmpp_sde",
     ] {
         let graph = text.replace(
             r#""sampler_name": "euler", "scheduler": "normal""#,
             &format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#),
         );
         assert_ne!(graph, text);
-        let Some((on_gpu, ..)) = run_on_gpu(&graph, true, PreviewMethod::None) else {
+        let Some((on_gpu, _, bytes, _)) = run_on_gpu(&graph, true, PreviewMethod::None) else {
             return;
         };
+        // Every device loop reads back the same: the last latent and
+        // prediction, whatever its steps and calls (a host loop reads
+        // two predictions a call).
+        let first = *downloads.get_or_insert(bytes);
+        assert_eq!(bytes, first, "{sampler}: bytes read back (ddim's {first})");
         let (on_cpu, ..) = run_on(sdkit_engine::Runtime::cpu(), &graph, PreviewMethod::None);
         let latents: Vec<Vec<f32>> = [on_gpu, on_cpu]
             .iter()

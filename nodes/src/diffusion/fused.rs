@@ -9,8 +9,10 @@
 //! previews; on the CPU the host loop is as fast and stays.
 //!
 //! The arithmetic is the host samplers' (`sampling::samplers`), operation
-//! for operation: the per-step numbers (σ, the step's coefficients) come
-//! from the host as one-element inputs, so one program serves every step.
+//! for operation: the per-step numbers (σ, the step's coefficients, from
+//! `sampling::steps` where both loops share them) come from the host as
+//! one-element inputs, so one program serves every step. Samplers that
+//! call the model twice a step run the program twice ([`Two`]).
 
 use super::cond_batch::{Item, Mult};
 use super::inpaint::Blend;
@@ -39,6 +41,28 @@ pub(crate) enum Step {
     DpmPp2mSde {
         heun: bool,
     },
+    /// DPM++ 3M SDE (η = 1) in the model's half-logSNR, the last two
+    /// predictions carried.
+    DpmPp3mSde,
+    /// Two model calls a step, the second at the point the first moves
+    /// to ([`Two`]).
+    Two(Two),
+}
+
+/// The samplers that call the model twice a step (once on the last
+/// step). Each call is one run of the program: the first carries the
+/// step's starting latent (and Heun's derivative) into `base` (`dold`)
+/// and its move into `lat`; the second moves from `base`. Per-call
+/// selectors (exactly 0 or 1) pick each call's form of one tail, so
+/// every value is the host sampler's to the rounding of the same
+/// operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Two {
+    Heun,
+    Dpm2,
+    Dpm2Ancestral,
+    DpmPp2sAncestral,
+    DpmPpSde,
 }
 
 /// One denoiser call, the CFG combination and a sampler step, as the
@@ -77,10 +101,26 @@ pub(crate) struct Head<'a> {
     blend: Option<(T<'a>, T<'a>, T<'a>)>,
 }
 
-/// The program's outputs: the next latent, then the step's denoised
-/// prediction (previews, SamplerCustom's x0, DPM++ 2M's history).
+/// The program's outputs: the next latent, then the call's denoised
+/// prediction (previews, SamplerCustom's x0, DPM++ 2M's history), then
+/// what a two-call step carries from its first call (the latent it
+/// started from, and Heun's derivative) or DPM++ 3M SDE's older
+/// prediction passed on.
 pub(crate) const NEXT: usize = 0;
 pub(crate) const DENOISED: usize = 1;
+pub(crate) const KEPT: usize = 2;
+pub(crate) const DIR: usize = 3;
+
+/// One run of the fused program: the model called at `sigma`, with the
+/// call's per-run inputs, and what carries into the next run.
+pub(crate) struct Call {
+    pub sigma: f32,
+    pub inputs: HashMap<String, Arc<Vec<f32>>>,
+    pub carry: Vec<(usize, &'static str)>,
+    /// The step's first call: its prediction is the step's (previews,
+    /// SamplerCustom's x0), as ComfyUI's sampler callback reports it.
+    pub first: bool,
+}
 
 impl Fused {
     /// The fused form of this sampling, where it applies: a GPU-shaped
@@ -108,6 +148,18 @@ impl Fused {
             },
             Sampler::DpmPp2mSde => Step::DpmPp2mSde { heun: false },
             Sampler::DpmPp2mSdeHeun => Step::DpmPp2mSde { heun: true },
+            Sampler::DpmPp3mSde => Step::DpmPp3mSde,
+            Sampler::Heun => Step::Two(Two::Heun),
+            Sampler::Dpm2 => Step::Two(Two::Dpm2),
+            Sampler::DpmPpSde => Step::Two(Two::DpmPpSde),
+            // A flow model's ancestral forms are other updates (on the
+            // host).
+            Sampler::Dpm2Ancestral if model.prediction != Prediction::Flow => {
+                Step::Two(Two::Dpm2Ancestral)
+            }
+            Sampler::DpmPp2sAncestral if model.prediction != Prediction::Flow => {
+                Step::Two(Two::DpmPp2sAncestral)
+            }
             _ => return None,
         };
         if !matches!(
@@ -256,6 +308,7 @@ impl Fused {
             None => d,
         };
         let to_d = || lat.sub(d)?.div(sigma);
+        let mut kept = Vec::new();
         let next = match self.step {
             Step::Euler => lat.add(to_d()?.mul(scalar("dt")?)?)?,
             Step::EulerAncestral => {
@@ -294,31 +347,84 @@ impl Fused {
                     .add(noise.mul(scalar("sn")?)?.mul(scalar("k")?)?)?;
                 moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
             }
+            Step::DpmPp3mSde => {
+                // The two-history form; with one (r0m 0, rs 1, c2 0) or
+                // none (c1 = c2 = 0) the terms it lacks are exact zeros.
+                let old = g.input("old", &self.dims)?;
+                let old2 = g.input("old2", &self.dims)?;
+                let d1_0 = d.sub(old)?.div(scalar("r0")?)?;
+                let d1_1 = old.sub(old2)?.div(scalar("r1")?)?;
+                let diff = d1_0.sub(d1_1)?;
+                let rs = scalar("rs")?;
+                let d1 = d1_0.add(diff.mul(scalar("r0m")?)?.div(rs)?)?;
+                let d2 = diff.div(rs)?;
+                let moved = lat
+                    .mul(scalar("a")?)?
+                    .add(d.mul(scalar("b")?)?)?
+                    .add(d1.mul(scalar("c1")?)?)?
+                    .sub(d2.mul(scalar("c2")?)?)?
+                    .add(
+                        g.input("noise", &self.dims)?
+                            .mul(scalar("sn")?)?
+                            .mul(scalar("k")?)?,
+                    )?;
+                kept.push(old);
+                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
+            }
+            Step::Two(two) => {
+                // The point the move starts from: this call's latent (the
+                // first call) or the step's start (the second).
+                let base = g.input("base", &self.dims)?;
+                let src = lat.mul(scalar("sa")?)?.add(base.mul(scalar("sb")?)?)?;
+                let dir = if two == Two::Heun {
+                    // The second call averages both derivatives.
+                    let t = to_d()?;
+                    let mean = g.input("dold", &self.dims)?.add(t)?.mul_scalar(0.5);
+                    t.mul(scalar("pa")?)?.add(mean.mul(scalar("pb")?)?)?
+                } else {
+                    to_d()?
+                };
+                let mut moved = src.add(dir.mul(scalar("dt")?)?)?;
+                if matches!(two, Two::DpmPp2sAncestral | Two::DpmPpSde) {
+                    // The exponential move a·x − b·D, or the Euler one
+                    // above on the last step (DPM++ 2S ancestral).
+                    let exp = src.mul(scalar("a")?)?.sub(d.mul(scalar("b")?)?)?;
+                    moved = moved.mul(scalar("se")?)?.add(exp.mul(scalar("sx")?)?)?;
+                }
+                if !matches!(two, Two::Heun | Two::Dpm2) {
+                    let noise = g.input("noise", &self.dims)?;
+                    moved = moved.add(noise.mul(scalar("al")?)?.mul(scalar("su")?)?)?;
+                }
+                kept.push(src);
+                if two == Two::Heun {
+                    kept.push(dir);
+                }
+                moved
+            }
         };
-        Ok(vec![next, d])
+        let mut outs = vec![next, d];
+        outs.extend(kept);
+        Ok(outs)
     }
 
-    /// What output carries into which input between steps.
-    pub(crate) fn carry(&self) -> Vec<(usize, &'static str)> {
-        let mut c = vec![(NEXT, "lat")];
-        if matches!(self.step, Step::DpmPp2m | Step::DpmPp2mSde { .. }) {
-            c.push((DENOISED, "old"));
+    /// The inputs the tail keeps between runs besides the latent: given
+    /// zeros on the first run where its first call does not set them.
+    fn state(&self) -> &'static [&'static str] {
+        match self.step {
+            Step::Euler => &[],
+            Step::EulerAncestral | Step::Lcm { .. } => &["noise"],
+            Step::DpmPp2m => &["old"],
+            Step::DpmPp2mSde { .. } => &["old", "noise"],
+            Step::DpmPp3mSde => &["old", "old2", "noise"],
+            Step::Two(Two::Heun) => &["base", "dold"],
+            Step::Two(Two::Dpm2) => &["base"],
+            Step::Two(_) => &["base", "noise"],
         }
-        c
     }
 
-    /// Step `i`'s one-element inputs (and the ancestral step's noise, drawn
-    /// from `noise` only where the host sampler draws it), with the same
-    /// f32 arithmetic as the host samplers.
-    pub(crate) fn step_inputs(
-        &self,
-        sigmas: &[f32],
-        i: usize,
-        (c_in, t): (f32, f32),
-        noise: &mut dyn FnMut() -> Vec<f32>,
-    ) -> HashMap<String, Arc<Vec<f32>>> {
-        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-        let mut f: HashMap<String, Arc<Vec<f32>>> = HashMap::new();
+    /// The model-call inputs at σ `s`: σ, c_in, CFG, the prediction's
+    /// factors (`t`, the timestep, for LCM's).
+    fn call_inputs(&self, f: &mut HashMap<String, Arc<Vec<f32>>>, s: f32, (c_in, t): (f32, f32)) {
         let mut put = |name: &str, v: f32| {
             f.insert(name.to_string(), Arc::new(vec![v]));
         };
@@ -340,25 +446,62 @@ impl Fused {
             }
             _ => {}
         }
+    }
+
+    /// Step `i`'s program runs (one, or two for [`Step::Two`]) with their
+    /// one-element inputs and noise, drawn from `noise` where the host
+    /// sampler draws it, in its order; `eval(σ)` is a call's (c_in, t).
+    /// The f32 arithmetic is the host samplers'.
+    pub(crate) fn calls(
+        &self,
+        sigmas: &[f32],
+        i: usize,
+        eval: &dyn Fn(f32) -> (f32, f32),
+        noise: &mut dyn FnMut() -> Vec<f32>,
+    ) -> Vec<Call> {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
         let per: usize = self.dims.iter().product();
-        match self.step {
-            Step::Euler => put("dt", s_next - s),
+        let call = |sigma: f32, scalars: &[(&str, f32)], carry: Vec<(usize, &'static str)>| {
+            let mut inputs = HashMap::new();
+            self.call_inputs(&mut inputs, sigma, eval(sigma));
+            for &(name, v) in scalars {
+                inputs.insert(name.to_string(), Arc::new(vec![v]));
+            }
+            Call {
+                sigma,
+                inputs,
+                carry,
+                first: false,
+            }
+        };
+        let with_noise = |mut c: Call, z: Vec<f32>| {
+            c.inputs.insert("noise".to_string(), Arc::new(z));
+            c
+        };
+        let lat = vec![(NEXT, "lat")];
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        let mut calls = match self.step {
+            Step::Euler => vec![call(s, &[("dt", s_next - s)], lat)],
             Step::EulerAncestral => {
                 let (down, up) = ancestral_step(s, s_next);
                 let last = down == 0.0;
-                put("dt", down - s);
-                put("up", up);
-                put("keep", if last { 0.0 } else { 1.0 });
-                put("take", if last { 1.0 } else { 0.0 });
+                let c = call(
+                    s,
+                    &[
+                        ("dt", down - s),
+                        ("up", up),
+                        ("keep", flag(!last)),
+                        ("take", flag(last)),
+                    ],
+                    lat,
+                );
                 let z = if last { vec![0.0; per] } else { noise() };
-                f.insert("noise".to_string(), Arc::new(z));
+                vec![with_noise(c, z)]
             }
             Step::DpmPp2m => {
                 let (t, t_next) = (-s.ln(), -s_next.ln());
                 let h = t_next - t;
                 let sig = |t: f32| (-t).exp();
-                put("a", sig(t_next) / sig(t));
-                put("b", (-h).exp_m1());
                 // The second-order correction from the step before, except
                 // on the first and the last step.
                 let (c1, c) = if i > 0 && s_next != 0.0 {
@@ -369,11 +512,16 @@ impl Fused {
                 } else {
                     (1.0, 0.0)
                 };
-                put("c1", c1);
-                put("c", c);
-                if i == 0 {
-                    f.insert("old".to_string(), Arc::new(vec![0.0; per]));
-                }
+                vec![call(
+                    s,
+                    &[
+                        ("a", sig(t_next) / sig(t)),
+                        ("b", (-h).exp_m1()),
+                        ("c1", c1),
+                        ("c", c),
+                    ],
+                    vec![(NEXT, "lat"), (DENOISED, "old")],
+                )]
             }
             Step::DpmPp2mSde { heun } => {
                 let sp = self.space;
@@ -399,33 +547,222 @@ impl Fused {
                     }
                     k = (-(-2.0 * hv).exp_m1()).sqrt();
                 }
-                put("a", a);
-                put("b", b);
-                put("c", c);
-                put("sn", s_next);
-                put("k", k);
-                put("keep", if last { 0.0 } else { 1.0 });
-                put("take", if last { 1.0 } else { 0.0 });
+                let c = call(
+                    s,
+                    &[
+                        ("a", a),
+                        ("b", b),
+                        ("c", c),
+                        ("sn", s_next),
+                        ("k", k),
+                        ("keep", flag(!last)),
+                        ("take", flag(last)),
+                    ],
+                    vec![(NEXT, "lat"), (DENOISED, "old")],
+                );
                 let z = if last { vec![0.0; per] } else { noise() };
-                f.insert("noise".to_string(), Arc::new(z));
-                if i == 0 {
-                    f.insert("old".to_string(), Arc::new(vec![0.0; per]));
-                }
+                vec![with_noise(c, z)]
             }
-            Step::Lcm { .. } => {
-                put("sn", s_next);
-                if self.step == (Step::Lcm { flow: true }) {
-                    put("keep", 1.0 - s_next);
+            Step::DpmPp3mSde => {
+                let sp = self.space;
+                let last = s_next == 0.0;
+                // The earlier steps' sizes, as the host sampler kept them.
+                let size = |j: usize| sp.lambda(sigmas[j + 1]) - sp.lambda(sigmas[j]);
+                let h_1 = (i >= 1).then(|| size(i - 1));
+                let h_2 = (i >= 2).then(|| size(i - 2));
+                let mut v = [
+                    ("a", 0.0),
+                    ("b", 0.0),
+                    ("r0", 1.0),
+                    ("r1", 1.0),
+                    ("r0m", 0.0),
+                    ("rs", 1.0),
+                    ("c1", 0.0),
+                    ("c2", 0.0),
+                    ("sn", s_next),
+                    ("k", 0.0),
+                    ("keep", flag(!last)),
+                    ("take", flag(last)),
+                ];
+                if !last {
+                    use crate::sampling::steps::{dpmpp_3m_sde, Corr3};
+                    let st = dpmpp_3m_sde(sp, s, s_next, h_1, h_2);
+                    let (r0, r1, r0m, rs, c1, c2) = match st.corr {
+                        Corr3::None => (1.0, 1.0, 0.0, 1.0, 0.0, 0.0),
+                        Corr3::One { r, c } => (r, 1.0, 0.0, 1.0, c, 0.0),
+                        Corr3::Two { r0, r1, c1, c2 } => (r0, r1, r0, r0 + r1, c1, c2),
+                    };
+                    let vals = [st.a, st.b, r0, r1, r0m, rs, c1, c2, s_next, st.k];
+                    for (slot, val) in v.iter_mut().zip(vals) {
+                        slot.1 = val;
+                    }
                 }
+                // The older prediction moves to `old2` before this one
+                // replaces it (carries are copied in this order).
+                let c = call(
+                    s,
+                    &v,
+                    vec![(NEXT, "lat"), (KEPT, "old2"), (DENOISED, "old")],
+                );
+                let z = if last { vec![0.0; per] } else { noise() };
+                vec![with_noise(c, z)]
+            }
+            Step::Lcm { flow } => {
+                let mut v = vec![("sn", s_next)];
+                if flow {
+                    v.push(("keep", 1.0 - s_next));
+                }
+                let c = call(s, &v, lat);
                 let z = if s_next > 0.0 {
                     noise()
                 } else {
                     vec![0.0; per]
                 };
-                f.insert("noise".to_string(), Arc::new(z));
+                vec![with_noise(c, z)]
+            }
+            Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
+        };
+        if let Some(c) = calls.first_mut() {
+            c.first = true;
+        }
+        calls
+    }
+
+    /// A [`Step::Two`] sampler's calls from σ `s` to `s_next`, built by
+    /// `call(σ, scalars, carry)`.
+    fn two_calls(
+        &self,
+        two: Two,
+        (s, s_next): (f32, f32),
+        call: impl Fn(f32, &[(&str, f32)], Vec<(usize, &'static str)>) -> Call,
+        noise: &mut dyn FnMut() -> Vec<f32>,
+    ) -> Vec<Call> {
+        // The first call moves `lat` and keeps where it started (and
+        // Heun's derivative); the second moves from there.
+        let first_carry = || {
+            let mut c = vec![(NEXT, "lat"), (KEPT, "base")];
+            if two == Two::Heun {
+                c.push((DIR, "dold"));
+            }
+            c
+        };
+        let lat = || vec![(NEXT, "lat")];
+        // Scalars default to the first call's Euler move from `lat`.
+        let mut first = vec![
+            ("sa", 1.0),
+            ("sb", 0.0),
+            ("pa", 1.0),
+            ("pb", 0.0),
+            ("se", 1.0),
+            ("sx", 0.0),
+            ("a", 0.0),
+            ("b", 0.0),
+            ("al", 1.0),
+            ("su", 0.0),
+            ("dt", 0.0),
+        ];
+        let set = |v: &mut Vec<(&str, f32)>, name: &str, val: f32| {
+            if let Some(slot) = v.iter_mut().find(|(n, _)| *n == name) {
+                slot.1 = val;
+            }
+        };
+        let mut second = first.clone();
+        for (name, val) in [("sa", 0.0), ("sb", 1.0)] {
+            set(&mut second, name, val);
+        }
+        let with_noise = |mut c: Call, z: Vec<f32>| {
+            c.inputs.insert("noise".to_string(), Arc::new(z));
+            c
+        };
+        match two {
+            Two::Heun | Two::Dpm2 => {
+                if s_next == 0.0 {
+                    set(&mut first, "dt", s_next - s);
+                    return vec![call(s, &first, lat())];
+                }
+                let mid = if two == Two::Heun {
+                    s_next
+                } else {
+                    crate::sampling::steps::log_mid(s, s_next)
+                };
+                let dt1 = if two == Two::Heun {
+                    s_next - s
+                } else {
+                    mid - s
+                };
+                set(&mut first, "dt", dt1);
+                set(&mut second, "dt", s_next - s);
+                if two == Two::Heun {
+                    set(&mut second, "pa", 0.0);
+                    set(&mut second, "pb", 1.0);
+                }
+                vec![call(s, &first, first_carry()), call(mid, &second, lat())]
+            }
+            Two::Dpm2Ancestral => {
+                let (down, up) = ancestral_step(s, s_next);
+                if down == 0.0 {
+                    set(&mut first, "dt", down - s);
+                    return vec![call(s, &first, lat())];
+                }
+                let mid = crate::sampling::steps::log_mid(s, down);
+                set(&mut first, "dt", mid - s);
+                set(&mut second, "dt", down - s);
+                set(&mut second, "su", up);
+                let z = noise();
+                vec![
+                    call(s, &first, first_carry()),
+                    with_noise(call(mid, &second, lat()), z),
+                ]
+            }
+            Two::DpmPp2sAncestral => {
+                let (down, up) = ancestral_step(s, s_next);
+                if down == 0.0 {
+                    set(&mut first, "dt", down - s);
+                    return vec![call(s, &first, lat())];
+                }
+                let (mid, (a1, b1), (a2, b2)) = crate::sampling::steps::dpmpp_2s(s, down);
+                for (v, a, b) in [(&mut first, a1, b1), (&mut second, a2, b2)] {
+                    set(v, "se", 0.0);
+                    set(v, "sx", 1.0);
+                    set(v, "a", a);
+                    set(v, "b", b);
+                }
+                set(&mut second, "su", up);
+                let z = noise();
+                vec![
+                    call(s, &first, first_carry()),
+                    with_noise(call(mid, &second, lat()), z),
+                ]
+            }
+            Two::DpmPpSde => {
+                for v in [&mut first, &mut second] {
+                    set(v, "se", 0.0);
+                    set(v, "sx", 1.0);
+                }
+                if s_next == 0.0 {
+                    // The prediction itself: 0·x − (−1)·D.
+                    set(&mut first, "b", -1.0);
+                    return vec![call(s, &first, lat())];
+                }
+                let st = crate::sampling::steps::dpmpp_sde(self.space, s, s_next);
+                for (v, e) in [(&mut first, st.first), (&mut second, st.second)] {
+                    set(v, "a", e.a);
+                    set(v, "b", e.b);
+                    set(v, "al", e.alpha);
+                    set(v, "su", e.su);
+                }
+                let (za, zb) = (noise(), noise());
+                let z: Vec<f32> = za
+                    .iter()
+                    .zip(&zb)
+                    .map(|(a, b)| st.ka * a + st.kb * b)
+                    .collect();
+                vec![
+                    with_noise(call(s, &first, first_carry()), za),
+                    with_noise(call(st.s1, &second, lat()), z),
+                ]
             }
         }
-        f
     }
 }
 
@@ -483,49 +820,66 @@ pub(crate) fn run(
         std::borrow::Cow::Borrowed(sigmas)
     };
     let total = sigmas.len() - 1;
-    let carry = f.carry();
     tracing::debug!("sampling loop on the device: {:?}, {total} steps", f.step);
     let mut x0 = Some(x0);
     let mut out = Vec::new();
+    let eval = |s: f32| {
+        (
+            model.prediction.input_divisor(s),
+            model.schedule.timestep(s),
+        )
+    };
     for i in 0..total {
-        ctx.check_cancel()?;
-        let s = sigmas[i];
-        // The fixed inputs once: the session keeps them.
-        let mut feed = if i == 0 {
-            feeds.fixed.clone()
-        } else {
-            HashMap::new()
-        };
-        let t = model.schedule.timestep(s);
-        feed.extend(f.step_inputs(sigmas, i, (model.prediction.input_divisor(s), t), noise));
-        for (name, rows) in &feeds.t {
-            feed.insert(name.clone(), Arc::new(vec![t; *rows]));
-        }
-        if let Some(x) = x0.take() {
-            feed.insert("lat".to_string(), Arc::new(x));
-            if let Some(bl) = blend {
-                feed.insert("inoise".to_string(), Arc::new(bl.noise.to_vec()));
-                feed.insert("ilatent".to_string(), Arc::new(bl.latent.to_vec()));
+        let calls = f.calls(sigmas, i, &eval, noise);
+        let n_calls = calls.len();
+        for (k, call) in calls.into_iter().enumerate() {
+            ctx.check_cancel()?;
+            let s = call.sigma;
+            let mut feed = call.inputs;
+            let t = model.schedule.timestep(s);
+            for (name, rows) in &feeds.t {
+                feed.insert(name.clone(), Arc::new(vec![t; *rows]));
             }
-        }
-        // The mask once, or DifferentialDiffusion's each step.
-        if let Some(bl) = blend.filter(|bl| i == 0 || bl.differential.is_some()) {
-            feed.insert("mask".to_string(), Arc::new(bl.mask_at(s).into_owned()));
-        }
-        let last = i + 1 == total;
-        let read: &[usize] = match (last, watch) {
-            (true, _) => &[NEXT, DENOISED],
-            (false, true) => &[DENOISED],
-            (false, false) => &[],
-        };
-        let mut outs = session
-            .run_carried(feed, &carry, read)
-            .map_err(|e| super::run_error("UNet", e))?;
-        if let Some(d) = outs.get_mut(DENOISED).and_then(Option::take) {
-            *step_x0.borrow_mut() = Some(d.data);
-        }
-        if let Some(x) = outs.get_mut(NEXT).and_then(Option::take) {
-            out = x.data;
+            let mask_now = blend.filter(|bl| x0.is_some() || bl.differential.is_some());
+            if let Some(x) = x0.take() {
+                // The first run: the fixed inputs (the session keeps
+                // them), the latent, and zeros for the state the first
+                // call does not set.
+                for (name, v) in &feeds.fixed {
+                    feed.insert(name.clone(), Arc::clone(v));
+                }
+                feed.insert("lat".to_string(), Arc::new(x));
+                if let Some(bl) = blend {
+                    feed.insert("inoise".to_string(), Arc::new(bl.noise.to_vec()));
+                    feed.insert("ilatent".to_string(), Arc::new(bl.latent.to_vec()));
+                }
+                let per: usize = f.dims.iter().product();
+                for name in f.state() {
+                    feed.entry(name.to_string())
+                        .or_insert_with(|| Arc::new(vec![0.0; per]));
+                }
+            }
+            // The mask once, or DifferentialDiffusion's at each call's σ.
+            if let Some(bl) = mask_now {
+                feed.insert("mask".to_string(), Arc::new(bl.mask_at(s).into_owned()));
+            }
+            let last_step = i + 1 == total;
+            let mut read = Vec::new();
+            if call.first && (watch || last_step) {
+                read.push(DENOISED);
+            }
+            if last_step && k + 1 == n_calls {
+                read.push(NEXT);
+            }
+            let mut outs = session
+                .run_carried(feed, &call.carry, &read)
+                .map_err(|e| super::run_error("UNet", e))?;
+            if let Some(d) = outs.get_mut(DENOISED).and_then(Option::take) {
+                *step_x0.borrow_mut() = Some(d.data);
+            }
+            if let Some(x) = outs.get_mut(NEXT).and_then(Option::take) {
+                out = x.data;
+            }
         }
         on_step(i, total)?;
     }

@@ -6,3 +6,4 @@ pub mod discrete;
 pub mod euler;
 pub mod samplers;
 mod solvers;
+pub(crate) mod steps;

@@ -414,19 +414,14 @@ impl Sampler {
                             *xv += to_d(*xv, s, *dv) * dt;
                         }
                     } else {
-                        // t = −log σ; σ(t) = exp(−t).
-                        let (t, t_next) = (-s.ln(), -down.ln());
-                        let h = t_next - t;
-                        let sm = t + 0.5 * h;
-                        let sig = |t: f32| (-t).exp();
-                        let (a, b) = (sig(sm) / sig(t), (-h * 0.5).exp_m1());
+                        let (mid, (a, b), second) = super::steps::dpmpp_2s(s, down);
                         let x2: Vec<f32> = x
                             .iter()
                             .zip(&denoised)
                             .map(|(xv, dv)| a * xv - b * dv)
                             .collect();
-                        let den2 = denoise(&x2, sig(sm))?;
-                        let (a, b) = (sig(t_next) / sig(t), (-h).exp_m1());
+                        let den2 = denoise(&x2, mid)?;
+                        let (a, b) = second;
                         for (xv, dv) in x.iter_mut().zip(&den2) {
                             *xv = a * *xv - b * dv;
                         }
@@ -613,7 +608,7 @@ impl Sampler {
                     old_denoised = Some(if cfg_pp { u } else { denoised });
                     old_sigma_down = down;
                 }
-                Sampler::DpmPp2mSde | Sampler::DpmPp2mSdeHeun | Sampler::DpmPp3mSde => {
+                Sampler::DpmPp2mSde | Sampler::DpmPp2mSdeHeun => {
                     // eta = 1, s_noise = 1.
                     let mut h = None;
                     if s_next == 0.0 {
@@ -630,12 +625,40 @@ impl Sampler {
                         for (xv, dv) in x.iter_mut().zip(&denoised) {
                             *xv = a * *xv + b * dv;
                         }
-                        let phi_2 = (-h_eta).exp_m1() / h_eta + 1.0;
-                        match (self, old_denoised.as_ref(), h_1, denoised_2.as_ref(), h_2) {
-                            (Sampler::DpmPp3mSde, Some(d1v), Some(h1), Some(d2v), Some(h2)) => {
-                                let (r0, r1) = (h1 / hv, h2 / hv);
-                                let phi_3 = phi_2 / h_eta - 0.5;
-                                let (c1, c2) = (alpha_t * phi_2, alpha_t * phi_3);
+                        if let (Some(old), Some(h_last)) = (old_denoised.as_ref(), h_1) {
+                            let r = h_last / hv;
+                            let c = if self == Sampler::DpmPp2mSdeHeun {
+                                alpha_t * (em / -h_eta + 1.0) * (1.0 / r)
+                            } else {
+                                0.5 * alpha_t * em * (1.0 / r)
+                            };
+                            for (j, xv) in x.iter_mut().enumerate() {
+                                *xv += c * (denoised[j] - old[j]);
+                            }
+                        }
+                        let z = noise();
+                        let k = (-(-2.0 * hv).exp_m1()).sqrt();
+                        for (xv, zv) in x.iter_mut().zip(&z) {
+                            *xv += zv * s_next * k;
+                        }
+                    }
+                    old_denoised = Some(denoised);
+                    h_1 = h;
+                }
+                Sampler::DpmPp3mSde => {
+                    // eta = 1, s_noise = 1.
+                    let mut h = None;
+                    if s_next == 0.0 {
+                        x = denoised.clone();
+                    } else {
+                        use super::steps::Corr3;
+                        let st = super::steps::dpmpp_3m_sde(space, s, s_next, h_1, h_2);
+                        h = Some(st.h);
+                        for (xv, dv) in x.iter_mut().zip(&denoised) {
+                            *xv = st.a * *xv + st.b * dv;
+                        }
+                        match (st.corr, old_denoised.as_ref(), denoised_2.as_ref()) {
+                            (Corr3::Two { r0, r1, c1, c2 }, Some(d1v), Some(d2v)) => {
                                 for (j, xv) in x.iter_mut().enumerate() {
                                     let d1_0 = (denoised[j] - d1v[j]) / r0;
                                     let d1_1 = (d1v[j] - d2v[j]) / r1;
@@ -644,31 +667,16 @@ impl Sampler {
                                     *xv = *xv + c1 * d1 - c2 * d2;
                                 }
                             }
-                            (Sampler::DpmPp3mSde, Some(d1v), Some(h1), _, _) => {
-                                let r = h1 / hv;
-                                let c = alpha_t * phi_2;
+                            (Corr3::One { r, c }, Some(d1v), _) => {
                                 for (j, xv) in x.iter_mut().enumerate() {
                                     *xv += c * ((denoised[j] - d1v[j]) / r);
-                                }
-                            }
-                            (Sampler::DpmPp3mSde, ..) => {}
-                            (_, Some(old), Some(h_last), _, _) => {
-                                let r = h_last / hv;
-                                let c = if self == Sampler::DpmPp2mSdeHeun {
-                                    alpha_t * (em / -h_eta + 1.0) * (1.0 / r)
-                                } else {
-                                    0.5 * alpha_t * em * (1.0 / r)
-                                };
-                                for (j, xv) in x.iter_mut().enumerate() {
-                                    *xv += c * (denoised[j] - old[j]);
                                 }
                             }
                             _ => {}
                         }
                         let z = noise();
-                        let k = (-(-2.0 * hv).exp_m1()).sqrt();
                         for (xv, zv) in x.iter_mut().zip(&z) {
-                            *xv += zv * s_next * k;
+                            *xv += zv * s_next * st.k;
                         }
                     }
                     denoised_2 = old_denoised.take();
@@ -705,41 +713,20 @@ impl Sampler {
                     if s_next == 0.0 {
                         x = denoised;
                     } else {
-                        // r = 1/2, eta = 1.
-                        let (ls, lt) = (space.lambda(s), space.lambda(s_next));
-                        let h = lt - ls;
-                        let ls1 = ls + 0.5 * h;
                         // fac = 1 / (2r) = 1 for r = 1/2.
                         let fac = 1.0f32;
-                        let s1 = space.sigma(ls1);
-                        let alpha_s = s * ls.exp();
-                        let alpha_s1 = s1 * ls1.exp();
-                        let alpha_t = s_next * lt.exp();
-                        // Brownian increments over [s1, s] and [s_next, s1]:
-                        // the second query's interval contains the first's.
+                        let st = super::steps::dpmpp_sde(space, s, s_next);
                         let (za, zb) = (noise(), noise());
-                        let (w1, w2) = (f64::from(s - s1), f64::from(s1 - s_next));
-                        let (ka, kb) = (
-                            (w1 / (w1 + w2)).sqrt() as f32,
-                            (w2 / (w1 + w2)).sqrt() as f32,
-                        );
-                        let (sd, su) = ancestral_step((-ls).exp(), (-ls1).exp());
-                        let h_ = -sd.ln() - ls;
-                        let (a, b) = (
-                            (alpha_s1 / alpha_s) * (-h_).exp(),
-                            alpha_s1 * (-h_).exp_m1(),
-                        );
+                        let e = st.first;
                         let x2: Vec<f32> = (0..x.len())
-                            .map(|j| a * x[j] - b * denoised[j] + alpha_s1 * za[j] * su)
+                            .map(|j| e.a * x[j] - e.b * denoised[j] + e.alpha * za[j] * e.su)
                             .collect();
-                        let den2 = denoise(&x2, s1)?;
-                        let (sd, su) = ancestral_step((-ls).exp(), (-lt).exp());
-                        let h_ = -sd.ln() - ls;
-                        let (a, b) = ((alpha_t / alpha_s) * (-h_).exp(), alpha_t * (-h_).exp_m1());
+                        let den2 = denoise(&x2, st.s1)?;
+                        let e = st.second;
                         for (j, xv) in x.iter_mut().enumerate() {
                             let dd = (1.0 - fac) * denoised[j] + fac * den2[j];
-                            let z = ka * za[j] + kb * zb[j];
-                            *xv = a * *xv - b * dd + alpha_t * z * su;
+                            let z = st.ka * za[j] + st.kb * zb[j];
+                            *xv = e.a * *xv - e.b * dd + e.alpha * z * e.su;
                         }
                     }
                 }

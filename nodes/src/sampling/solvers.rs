@@ -786,7 +786,7 @@ pub(super) fn axpy(x: &mut [f32], d: &[f32], a: f32) {
 
 /// exp(lerp(log a, log b, 0.5)), with torch's lerp (weight ≥ 0.5 computes
 /// from the end: b − (b − a)·(1 − w)).
-pub(super) fn log_mid(a: f32, b: f32) -> f32 {
+pub(crate) fn log_mid(a: f32, b: f32) -> f32 {
     let (la, lb) = (a.ln(), b.ln());
     (lb - (lb - la) * 0.5).exp()
 }

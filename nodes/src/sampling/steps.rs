@@ -1,0 +1,143 @@
+//! The per-step numbers of the two-call and third-order samplers, computed
+//! in one place for both loops: the host samplers (`samplers.rs`) and the
+//! device loop (`diffusion::fused`) take the same f32 values, so the two
+//! differ only in the arithmetic on tensors.
+
+use super::samplers::{ancestral_step, Space};
+
+pub(crate) use super::solvers::log_mid;
+
+/// An exponential-integrator move, `x ← a·x − b·D + alpha·z·su`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Exp {
+    pub a: f32,
+    pub b: f32,
+    pub alpha: f32,
+    pub su: f32,
+}
+
+/// DPM++ SDE (r = 1/2, η = 1) from σ `s` to `s_next` > 0: the first move
+/// to the midpoint `s1` (noise `za`), the model there, then the second
+/// move from x with the midpoint's prediction (noise `ka·za + kb·zb`: the
+/// Brownian increment over the whole step from the two halves).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct DpmPpSde {
+    pub s1: f32,
+    pub first: Exp,
+    pub second: Exp,
+    pub ka: f32,
+    pub kb: f32,
+}
+
+pub(crate) fn dpmpp_sde(space: Space, s: f32, s_next: f32) -> DpmPpSde {
+    let (ls, lt) = (space.lambda(s), space.lambda(s_next));
+    let h = lt - ls;
+    let ls1 = ls + 0.5 * h;
+    let s1 = space.sigma(ls1);
+    let alpha_s = s * ls.exp();
+    let alpha_s1 = s1 * ls1.exp();
+    let alpha_t = s_next * lt.exp();
+    // Brownian increments over [s1, s] and [s_next, s1]: the second
+    // query's interval contains the first's.
+    let (w1, w2) = (f64::from(s - s1), f64::from(s1 - s_next));
+    let (ka, kb) = (
+        (w1 / (w1 + w2)).sqrt() as f32,
+        (w2 / (w1 + w2)).sqrt() as f32,
+    );
+    let toward = |to_lambda: f32, alpha: f32| {
+        let (sd, su) = ancestral_step((-ls).exp(), (-to_lambda).exp());
+        let h_ = -sd.ln() - ls;
+        Exp {
+            a: (alpha / alpha_s) * (-h_).exp(),
+            b: alpha * (-h_).exp_m1(),
+            alpha,
+            su,
+        }
+    };
+    DpmPpSde {
+        s1,
+        first: toward(ls1, alpha_s1),
+        second: toward(lt, alpha_t),
+        ka,
+        kb,
+    }
+}
+
+/// DPM++ 2S ancestral from σ `s` to the ancestral step's `down` > 0: the
+/// midpoint σ and the two moves' (a, b) of `x ← a·x − b·D`.
+pub(crate) fn dpmpp_2s(s: f32, down: f32) -> (f32, (f32, f32), (f32, f32)) {
+    // t = −log σ; σ(t) = exp(−t).
+    let (t, t_next) = (-s.ln(), -down.ln());
+    let h = t_next - t;
+    let sm = t + 0.5 * h;
+    let sig = |t: f32| (-t).exp();
+    (
+        sig(sm),
+        (sig(sm) / sig(t), (-h * 0.5).exp_m1()),
+        (sig(t_next) / sig(t), (-h).exp_m1()),
+    )
+}
+
+/// One DPM++ 3M SDE step (η = 1) from σ `s` to `s_next` > 0: `x ← a·x +
+/// b·D`, the correction from the earlier predictions, then the noise
+/// `x ← x + z·s_next·k`. `h` is this step's size in half-logSNR, for the
+/// next steps' history.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Sde3m {
+    pub a: f32,
+    pub b: f32,
+    pub h: f32,
+    pub k: f32,
+    pub corr: Corr3,
+}
+
+/// DPM++ 3M SDE's correction from the history.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Corr3 {
+    /// The first step: none.
+    None,
+    /// One earlier prediction D₁: `x ← x + c·((D − D₁)/r)`.
+    One { r: f32, c: f32 },
+    /// Two, D₁ and D₂: with d1_0 = (D − D₁)/r0 and d1_1 = (D₁ − D₂)/r1,
+    /// `x ← x + c1·(d1_0 + (d1_0 − d1_1)·r0/(r0 + r1)) − c2·((d1_0 −
+    /// d1_1)/(r0 + r1))`.
+    Two { r0: f32, r1: f32, c1: f32, c2: f32 },
+}
+
+/// `h_1`, `h_2`: the last two steps' sizes, where there were such steps.
+pub(crate) fn dpmpp_3m_sde(
+    space: Space,
+    s: f32,
+    s_next: f32,
+    h_1: Option<f32>,
+    h_2: Option<f32>,
+) -> Sde3m {
+    let (ls, lt) = (space.lambda(s), space.lambda(s_next));
+    let h = lt - ls;
+    let h_eta = h * 2.0;
+    let alpha_t = s_next * lt.exp();
+    let phi_2 = (-h_eta).exp_m1() / h_eta + 1.0;
+    let corr = match (h_1, h_2) {
+        (Some(h1), Some(h2)) => {
+            let phi_3 = phi_2 / h_eta - 0.5;
+            Corr3::Two {
+                r0: h1 / h,
+                r1: h2 / h,
+                c1: alpha_t * phi_2,
+                c2: alpha_t * phi_3,
+            }
+        }
+        (Some(h1), None) => Corr3::One {
+            r: h1 / h,
+            c: alpha_t * phi_2,
+        },
+        _ => Corr3::None,
+    };
+    Sde3m {
+        a: s_next / s * (-h).exp(),
+        b: alpha_t * -(-h_eta).exp_m1(),
+        h,
+        k: (-(-2.0 * h).exp_m1()).sqrt(),
+        corr,
+    }
+}
