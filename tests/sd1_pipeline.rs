@@ -10,7 +10,7 @@
 mod support;
 
 use sdkit_compute::weights::{write_safetensors, DType, SafeTensors, TensorData};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::process::Command;
 use support::{copy_input, root, run, write_tensors};
@@ -360,36 +360,42 @@ fn sampling_loop_stays_on_the_device() {
 #[test]
 fn device_loops_match_host_loops() {
     use sdkit_engine::event::PreviewMethod;
-    let text = std::fs::read_to_string(root().join("graphs/tiny_sd1_txt2img.json")).expect("graph");
+    let read = |name| std::fs::read_to_string(root().join(name)).expect("graph");
+    let txt2img = read("graphs/tiny_sd1_txt2img.json");
+    // Split over two KSamplerAdvanced nodes, the first ending with noise
+    // left: its last step makes both calls.
+    let advanced = read("graphs/tiny_sd1_advanced.json");
+    let plain = r#""sampler_name": "euler", "scheduler": "normal""#;
+    let split = r#""sampler_name": "euler_ancestral""#;
     // (Euler's loop is checked against ComfyUI above.)
-    let mut downloads = None;
-    for sampler in [
-        "ddim",
-        "euler_ancestral",
-        "dpmpp_2m",
-        "dpmpp_2m_sde",
-        "dpmpp_2m_sde_heun",
-        "dpmpp_3m_sde",
-        "lcm",
-        "heun",
-        "dpm_2",
-        "dpm_2_ancestral",
-        "dpmpp_2s_ancestral",
-        "dpmpp_sde",
-    ] {
-        let graph = text.replace(
-            r#""sampler_name": "euler", "scheduler": "normal""#,
-            &format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#),
-        );
-        assert_ne!(graph, text);
+    let samplers = "ddim euler_ancestral dpmpp_2m dpmpp_2m_sde dpmpp_2m_sde_heun dpmpp_3m_sde lcm heun dpm_2 dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde";
+    let mut cases: Vec<(&str, String)> = samplers
+        .split(' ')
+        .map(|sampler| {
+            let with = format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#);
+            (sampler, txt2img.replace(plain, &with))
+        })
+        .collect();
+    for sampler in ["heun", "dpmpp_sde"] {
+        let with = format!(r#""sampler_name": "{sampler}""#);
+        cases.push((sampler, advanced.replace(split, &with)));
+    }
+    // Bytes read back, per graph.
+    let mut downloads: HashMap<usize, u64> = HashMap::new();
+    for (sampler, graph) in cases {
+        assert!(graph != txt2img && graph != advanced, "{sampler}");
         let Some((on_gpu, _, bytes, _)) = run_on_gpu(&graph, true, PreviewMethod::None) else {
             return;
         };
-        // Every device loop reads back the same: the last latent and
-        // prediction, whatever its steps and calls (a host loop reads
-        // two predictions a call).
-        let first = *downloads.get_or_insert(bytes);
-        assert_eq!(bytes, first, "{sampler}: bytes read back (ddim's {first})");
+        // Every device loop over a graph reads back the same: the last
+        // latent and prediction of each sampler node, whatever its steps
+        // and calls (a host loop reads two predictions a call).
+        let kind = usize::from(graph.contains("KSamplerAdvanced"));
+        let first = *downloads.entry(kind).or_insert(bytes);
+        assert_eq!(
+            bytes, first,
+            "{sampler}: bytes read back (the first case's {first})"
+        );
         let (on_cpu, ..) = run_on(sdkit_engine::Runtime::cpu(), &graph, PreviewMethod::None);
         let latents: Vec<Vec<f32>> = [on_gpu, on_cpu]
             .iter()
