@@ -5,7 +5,9 @@
 //! negative by the sampler) and ControlNetApplyAdvanced (a timestep range;
 //! two chained with different images, one cropped to the latent's aspect),
 //! and with a LoRA on the model; an SDXL ControlNet in the diffusers
-//! layout; a T2I-Adapter; the Canny preprocessor.
+//! layout; a T2I-Adapter; the Canny preprocessor. On wgpu (lavapipe in
+//! CI) the same against ComfyUI, and a chain in the sampling loop on the
+//! device against the host loop.
 
 mod support;
 
@@ -69,7 +71,57 @@ fn controlnet_on_wgpu_matches_comfyui() {
         sdkit_compute::backend::wgpu::no_adapter("ControlNet on wgpu", e);
         return;
     }
+    // One net over the whole sampling: its residuals in the device
+    // loop's program; a chain with a range: the host loop.
+    matches_on("tiny_sd1_controlnet", "wgpu", Some(1e-3));
     matches_on("tiny_sd1_controlnet_chain", "wgpu", Some(1e-3));
+}
+
+/// On a GPU a ControlNet chain that every entry shares, active over the
+/// whole sampling, runs in the UNet's program (the device loop): the
+/// residuals never reach the host. The two-net chain (one file in each
+/// layout) with both nets from the first step gives the host loop's
+/// latent on the same adapter, and the run reads back exactly what the
+/// same graph without the nets does: no residuals.
+#[test]
+fn controlnet_chain_runs_in_the_device_loop() {
+    use sdkit_compute::weights::SafeTensors;
+    let path = support::root().join("graphs/tiny_sd1_controlnet_chain.json");
+    let text = std::fs::read_to_string(path).expect("graph");
+    let mut g: serde_json::Value = serde_json::from_str(&text).expect("json");
+    g["25"]["inputs"]["start_percent"] = serde_json::json!(0.0);
+    let with_nets = g.to_string();
+    g["6"]["inputs"]["positive"] = serde_json::json!(["3", 0]);
+    g["6"]["inputs"]["negative"] = serde_json::json!(["4", 0]);
+    let without = g.to_string();
+    let mut runs = Vec::new();
+    for (device_loops, text) in [(true, &with_nets), (false, &with_nets), (true, &without)] {
+        let Some(gpu) = support::gpu_runtime(device_loops, "ControlNet in the device loop") else {
+            return;
+        };
+        let (base, _) = setup();
+        let none = sdkit_engine::event::PreviewMethod::None;
+        let (bytes, _) = support::run_in(base.path(), gpu, text, none);
+        let latent = SafeTensors::open(
+            &base
+                .path()
+                .join("output/latents/tiny_sd1_controlnet_chain_00001_.latent"),
+        )
+        .expect("SaveLatent wrote the latent")
+        .to_f32("latent_tensor")
+        .expect("f32");
+        runs.push((bytes, latent));
+    }
+    let d = support::rel_diff(&runs[0].1, &runs[1].1);
+    eprintln!(
+        "device loop vs host loop: max rel diff {d:e}, bytes read back {} vs {}",
+        runs[0].0, runs[1].0
+    );
+    assert!(d < 3e-5, "device loop differs by {d}");
+    assert_eq!(
+        runs[0].0, runs[2].0,
+        "bytes read back with and without the nets"
+    );
 }
 
 /// A T2I-Adapter (the full kind, average-pooling downsamplers, a grey
@@ -120,20 +172,34 @@ fn canny_matches_comfyui() {
 /// A union ControlNet (xinsir's layout, diffusers format) with and
 /// without SetUnionControlNetType: "auto" on tiny_sdxl; a chosen type on
 /// a 320-wide SDXL (the union layers are 320 wide, as in the real model).
-fn union_matches(graph: &str) {
+fn union_matches(graph: &str, device: &str, tol: Option<f32>) {
     let (base, fx) = setup_from("controlnet_union/expected.json");
-    support::run(base.path(), graph, "cpu");
-    check_graph(base.path(), &fx, graph, None);
+    support::run(base.path(), graph, device);
+    check_graph(base.path(), &fx, graph, tol);
 }
 
 #[test]
 fn union_controlnet_auto_matches_comfyui() {
-    union_matches("tiny_sdxl_controlnet_union_auto");
+    union_matches("tiny_sdxl_controlnet_union_auto", "cpu", None);
 }
 
 #[test]
 fn union_controlnet_with_a_type_matches_comfyui() {
-    union_matches("tiny_sdxl_controlnet_union");
+    union_matches("tiny_sdxl_controlnet_union", "cpu", None);
+}
+
+/// SDXL ControlNets on wgpu, both in the device loop's program: the
+/// diffusers layout (the ADM vector into the net too), and a union net on
+/// "auto" (its control types' one-hot, all zeros, an input of the
+/// program; the 320-wide one with a chosen type runs on the CPU only).
+#[test]
+fn sdxl_controlnets_on_wgpu_match_comfyui() {
+    if let Err(e) = sdkit_compute::backend::wgpu::WgpuBackend::new(None) {
+        sdkit_compute::backend::wgpu::no_adapter("SDXL ControlNets on wgpu", e);
+        return;
+    }
+    matches_on("tiny_sdxl_controlnet", "wgpu", Some(1e-3));
+    union_matches("tiny_sdxl_controlnet_union_auto", "wgpu", Some(1e-3));
 }
 
 /// Stability's control-LoRA: a ControlNet made from the sampling model's

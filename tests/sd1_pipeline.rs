@@ -261,19 +261,8 @@ fn run_on_gpu(
     device_loops: bool,
     preview: sdkit_engine::event::PreviewMethod,
 ) -> Option<(tempfile::TempDir, serde_json::Value, u64, usize)> {
-    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
-
-    let gpu = match WgpuBackend::with_options(&Options {
-        device_loops,
-        ..Options::default()
-    }) {
-        Ok(g) => g,
-        Err(e) => {
-            sdkit_compute::backend::wgpu::no_adapter("sampling loop on the device", e);
-            return None;
-        }
-    };
-    Some(run_on(sdkit_engine::Runtime::wgpu(gpu), text, preview))
+    let gpu = support::gpu_runtime(device_loops, "sampling loop on the device")?;
+    Some(run_on(gpu, text, preview))
 }
 
 /// Runs the workflow `text` on `runtime` in a fresh folder; returns it,
@@ -283,29 +272,9 @@ fn run_on(
     text: &str,
     preview: sdkit_engine::event::PreviewMethod,
 ) -> (tempfile::TempDir, serde_json::Value, u64, usize) {
-    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions};
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-
     let (base, fx) = setup();
-    let lib = Arc::new(sdkit_nodes::library());
-    let paths = Paths::under(base.path());
-    let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime.clone());
-    let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
-    let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
-    let previews = Arc::new(AtomicUsize::new(0));
-    let seen = previews.clone();
-    let events: EventSink = Arc::new(move |e: &Event| {
-        if matches!(e, Event::Preview { .. }) {
-            seen.fetch_add(1, Ordering::Relaxed);
-        }
-    });
-    let mut opts = RunOptions::new(events, CancelToken::new());
-    opts.preview = preview;
-    let rt = tokio::runtime::Runtime::new().expect("tokio");
-    rt.block_on(exec.run(&graph, opts)).expect("runs");
-    let sent = previews.load(Ordering::Relaxed);
-    (base, fx, runtime.bytes_downloaded(), sent)
+    let (bytes, sent) = support::run_in(base.path(), runtime, text, preview);
+    (base, fx, bytes, sent)
 }
 
 /// On a GPU the sampling loop runs on the device (`Options::device_loops`):

@@ -338,6 +338,56 @@ pub fn run(base: &Path, graph: &str, device: &str) {
     );
 }
 
+/// A wgpu runtime with the sampling loop on the device or not
+/// (`Options::device_loops`); None without an adapter, after
+/// `no_adapter` said why (or failed the test where one is required).
+pub fn gpu_runtime(device_loops: bool, what: &str) -> Option<sdkit_engine::Runtime> {
+    use sdkit_compute::backend::wgpu::{Options, WgpuBackend};
+    match WgpuBackend::with_options(&Options {
+        device_loops,
+        ..Options::default()
+    }) {
+        Ok(g) => Some(sdkit_engine::Runtime::wgpu(g)),
+        Err(e) => {
+            sdkit_compute::backend::wgpu::no_adapter(what, e);
+            None
+        }
+    }
+}
+
+/// Runs the workflow `text` (ComfyUI API JSON) in `base` on `runtime`
+/// with `preview`; returns the bytes read back from the device and the
+/// previews sent.
+pub fn run_in(
+    base: &Path,
+    runtime: sdkit_engine::Runtime,
+    text: &str,
+    preview: sdkit_engine::event::PreviewMethod,
+) -> (u64, usize) {
+    use sdkit_engine::{CancelToken, Event, EventSink, Executor, Paths, RunOptions};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let lib = Arc::new(sdkit_nodes::library());
+    let paths = Paths::under(base);
+    let exec = Executor::new(lib.clone(), Arc::new(paths.clone())).with_runtime(runtime.clone());
+    let wf = sdkit_schema::workflow::load(text, &lib.registry).expect("loads");
+    let graph = sdkit_engine::validate(&wf, &lib.registry, &paths).expect("valid");
+    let previews = Arc::new(AtomicUsize::new(0));
+    let seen = previews.clone();
+    let events: EventSink = Arc::new(move |e: &Event| {
+        if matches!(e, Event::Preview { .. }) {
+            seen.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let mut opts = RunOptions::new(events, CancelToken::new());
+    opts.preview = preview;
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    rt.block_on(exec.run(&graph, opts)).expect("runs");
+    let sent = previews.load(Ordering::Relaxed);
+    (runtime.bytes_downloaded(), sent)
+}
+
 /// Max abs difference relative to the reference's largest magnitude.
 pub fn rel_diff(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());

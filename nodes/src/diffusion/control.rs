@@ -139,7 +139,7 @@ pub struct Control {
 
 impl Control {
     /// The chain, oldest first.
-    fn chain(self: &Arc<Self>) -> Vec<Arc<Control>> {
+    pub(crate) fn chain(self: &Arc<Self>) -> Vec<Arc<Control>> {
         let mut v = vec![Arc::clone(self)];
         while let Some(p) = v.last().and_then(|c| c.previous.clone()) {
             v.push(p);
@@ -745,7 +745,7 @@ impl Plans {
     }
 
     /// The control's hint for batches of `shape`, broadcast, and its batch.
-    fn hint_for(
+    pub(crate) fn hint_for(
         &mut self,
         ctx: &NodeContext,
         model: &Model,

@@ -11,8 +11,8 @@ use super::control::{ControlNetModel, Slots};
 use super::flux_control;
 use super::fused::Fused;
 use super::{graph_error, CondEntry, Model};
-use crate::models::controlnet::controlnet;
-use crate::models::detect::{Family, Net, UnetConfig, ADM_EMBED};
+use crate::models::controlnet::{controlnet, ControlNetConfig};
+use crate::models::detect::{Family, Heads, Net, UnetConfig, ADM_EMBED};
 use crate::models::flux::{
     chroma_index_table, flux, grid, ref_placements, rope_table_with, FluxConfig, FluxControl,
     FluxInputs, CHROMA_MODULATIONS,
@@ -144,7 +144,7 @@ impl Model {
                 let mut outs = Vec::new();
                 for grp in groups {
                     let x = g.input("x", &[grp.rows, in_channels, h, w])?;
-                    outs.push(self.model_graph(&g, grp, (h, w), dim, control, x)?);
+                    outs.push(self.model_graph(&g, grp, (h, w), dim, control, x, None)?);
                 }
                 Ok(outs)
             }
@@ -154,7 +154,9 @@ impl Model {
                 for (k, grp) in groups.iter().enumerate() {
                     g.set_input_prefix(&f.prefix(k));
                     let x = f.model_input(&head, k, &[grp.rows, in_channels, h, w])?;
-                    outs.push(self.model_graph(&g, grp, (h, w), dim, control, x)?);
+                    // A ControlNet chain the program runs itself.
+                    let given = f.control_residuals(&g, self, k, grp, (h, w), dim, x)?;
+                    outs.push(self.model_graph(&g, grp, (h, w), dim, control, x, given)?);
                 }
                 g.set_input_prefix("");
                 f.outputs(&g, head, &outs)
@@ -166,7 +168,9 @@ impl Model {
 
     /// The model over `x` ([rows, in, h, w]) for one group: its inputs
     /// `t`, `context` and the family's others, ControlNet residual slots
-    /// where `control` has them.
+    /// where `control` has them, or the residuals `given` (a UNet's,
+    /// computed in the same graph).
+    #[allow(clippy::too_many_arguments)]
     fn model_graph<'a>(
         &self,
         g: &'a GraphBuilder,
@@ -175,6 +179,7 @@ impl Model {
         dim: usize,
         control: Option<&Slots>,
         x: T<'a>,
+        given: Option<ControlResiduals<'a>>,
     ) -> Result<T<'a>, ShapeError> {
         let (batch, tokens) = (grp.rows, grp.tokens);
         match &self.net {
@@ -208,8 +213,9 @@ impl Model {
                 let t = g.input("t", &[batch])?;
                 let c = g.input("context", &[batch, tokens, dim])?;
                 let y = self.adm_vector(g, batch)?;
-                let residuals = match control {
-                    Some(slots) => {
+                let residuals = match (given, control) {
+                    (Some(r), _) => Some(r),
+                    (None, Some(slots)) => {
                         let (skips, mid) = skip_shapes(unet, batch, h, w);
                         let mut r = ControlResiduals {
                             input: vec![None; skips.len()],
@@ -228,7 +234,7 @@ impl Model {
                         }
                         Some(r)
                     }
-                    None => None,
+                    (None, None) => None,
                 };
                 crate::models::unet::unet(g, unet, self.heads, &self.prefix, x, t, c, y, residuals)
             }
@@ -306,7 +312,7 @@ impl Model {
 
     /// The ADM vector `y`, built in the graph from the inputs `pooled` and
     /// `adm_values` (each size value's `Timestep(256)` embedding).
-    fn adm_vector<'a>(
+    pub(crate) fn adm_vector<'a>(
         &self,
         g: &'a GraphBuilder,
         batch: usize,
@@ -334,11 +340,49 @@ impl Model {
         hint_batch: usize,
     ) -> Result<Program, NodeError> {
         let what = format!("ControlNet {}", net.file.name);
+        let (cfg, heads) = self.control_fit(net, batch, (h, w), dim)?;
+        let (cfg, heads) = (&cfg, &heads);
+        let g = GraphBuilder::new();
+        let outs = (|| {
+            let x = g.input("x", &[batch, cfg.unet.in_channels, h, w])?;
+            let t = g.input("t", &[batch])?;
+            let c = g.input("context", &[batch, tokens, dim])?;
+            let y = self.adm_vector(&g, batch)?;
+            let hint = g.input("hint", &[hint_batch, cfg.hint_channels(), 8 * h, 8 * w])?;
+            let (mut outs, mid) = controlnet(
+                &g,
+                cfg,
+                *heads,
+                &net.prefix,
+                x,
+                t,
+                c,
+                y,
+                hint,
+                Some(&net.control_type),
+            )?;
+            outs.push(mid);
+            Ok(outs)
+        })()
+        .map_err(|e: ShapeError| graph_error(&what, e))?;
+        plan(&g.finish(&outs)).map_err(|e| graph_error(&what, e))
+    }
+
+    /// The ControlNet `net` is for this model, refused by name where it
+    /// does not fit batches of `batch` latents `h`×`w` with `dim`-wide
+    /// context (another family's net, an unknown union control type).
+    pub(crate) fn control_fit(
+        &self,
+        net: &ControlNetModel,
+        batch: usize,
+        (h, w): (usize, usize),
+        dim: usize,
+    ) -> Result<(ControlNetConfig, Heads), NodeError> {
+        let what = format!("ControlNet {}", net.file.name);
         let unet: &UnetConfig = self.unet(&what)?;
         let Some((cfg, heads)) = net.net_config(self) else {
             return Err(NodeError::invalid(format!("{what} is not a ControlNet")));
         };
-        let (cfg, heads) = (&cfg, &heads);
         if let (Some(n), Some(&t)) = (cfg.union_types, net.control_type.iter().max()) {
             if t >= n {
                 return Err(NodeError::invalid(format!(
@@ -365,30 +409,7 @@ impl Model {
                 unet.adm_in_channels,
             )));
         }
-        let g = GraphBuilder::new();
-        let outs = (|| {
-            let x = g.input("x", &[batch, cfg.unet.in_channels, h, w])?;
-            let t = g.input("t", &[batch])?;
-            let c = g.input("context", &[batch, tokens, dim])?;
-            let y = self.adm_vector(&g, batch)?;
-            let hint = g.input("hint", &[hint_batch, cfg.hint_channels(), 8 * h, 8 * w])?;
-            let (mut outs, mid) = controlnet(
-                &g,
-                cfg,
-                *heads,
-                &net.prefix,
-                x,
-                t,
-                c,
-                y,
-                hint,
-                Some(&net.control_type),
-            )?;
-            outs.push(mid);
-            Ok(outs)
-        })()
-        .map_err(|e: ShapeError| graph_error(&what, e))?;
-        plan(&g.finish(&outs)).map_err(|e| graph_error(&what, e))
+        Ok((cfg, heads))
     }
 
     /// The per-row model inputs other than `x` and `t` for the entries of

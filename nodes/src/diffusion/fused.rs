@@ -15,8 +15,11 @@
 //! call the model twice a step run the program twice ([`Two`]).
 
 use super::cond_batch::{Item, Mult};
+use super::denoiser::ModelGroup;
+use super::fused_control::{Chain, FusedControl};
 use super::inpaint::Blend;
 use super::{Model, Prediction};
+use crate::models::unet::ControlResiduals;
 use crate::sampling::samplers::{ancestral_step, Sampler, Space};
 use sdkit_compute::runtime::Session;
 use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
@@ -87,6 +90,9 @@ pub(crate) struct Fused {
     /// keeps the original latent there. The mask is uploaded once, or
     /// each step under DifferentialDiffusion.
     pub inpaint: bool,
+    /// The ControlNet chain the program runs, where the entries have one
+    /// ([`FusedControl`]; set after [`Fused::of`] with its hints).
+    pub control: Option<FusedControl>,
 }
 
 /// The inputs the model's head and the step's tail share.
@@ -127,6 +133,7 @@ impl Fused {
     /// runtime is the caller's choice; this checks the sampler, the
     /// prediction type and that the groups are plain (every item over
     /// the whole latent at strength one, always active, no ControlNet).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn of(
         model: &Model,
         sampler: Sampler,
@@ -135,6 +142,7 @@ impl Fused {
         cfg: Option<f32>,
         dims: [usize; 4],
         inpaint: bool,
+        chain: &Chain,
     ) -> Option<Fused> {
         let step = match sampler {
             // ddim is Euler but for inpainting's noise (its own seed),
@@ -175,8 +183,7 @@ impl Fused {
                 && matches!(it.mult, Mult::Scalar(m) if m == 1.0)
                 && it.sigma_start.is_none()
                 && it.sigma_end.is_none()
-                && it.control.is_none()
-        });
+        }) && !matches!(chain, Chain::Host);
         let conds: Vec<Vec<usize>> = groups
             .iter()
             .map(|g| g.iter().map(|&i| items[i].cond).collect())
@@ -194,7 +201,29 @@ impl Fused {
             sampler,
             space: Space::of(&model.schedule),
             inpaint,
+            control: None,
         })
+    }
+
+    /// Group `k`'s ControlNet residuals over its model input `x`, where
+    /// the program runs a chain.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn control_residuals<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        model: &Model,
+        k: usize,
+        grp: &ModelGroup,
+        hw: (usize, usize),
+        dim: usize,
+        x: T<'a>,
+    ) -> Result<Option<ControlResiduals<'a>>, ShapeError> {
+        match &self.control {
+            Some(c) => c
+                .residuals(g, model, (k, &self.prefix(k)), grp, hw, dim, x)
+                .map(Some),
+            None => Ok(None),
+        }
     }
 
     /// The prefix of group `k`'s per-run inputs: none for the first, so
@@ -788,6 +817,9 @@ pub(crate) fn group_feeds(
         let prefix = f.prefix(k);
         for (name, v) in feed {
             fixed.insert(format!("{prefix}{name}"), Arc::clone(v));
+        }
+        if let Some(c) = &f.control {
+            c.feeds(k, &prefix, &mut fixed);
         }
         t.push((format!("{prefix}t"), g.items.len() * b));
     }

@@ -365,32 +365,6 @@ pub fn sample(
     // The transformers' contexts are `CONDRegular`: only equal lengths batch.
     let is_unet = matches!(model.net, Net::Unet(_));
     let groups = cond_batch::groups(&items, is_unet);
-    // The control programs, and per group the UNet inputs its chain
-    // feeds and their shapes (zeros where no model of it is active).
-    let mut plans = control::Plans::default();
-    let mut control_slots: Vec<Option<control::Slots>> = Vec::with_capacity(groups.len());
-    for g in &groups {
-        let first = &items[g.items[0]];
-        control_slots.push(match &first.control {
-            Some(_) if !super::denoiser::ref_shapes(first.model).is_empty() => {
-                return Err(NodeError::invalid(
-                    "a ControlNet together with reference latents (ReferenceLatent) is not supported yet",
-                ));
-            }
-            Some(chain) => {
-                let [ah, aw, ..] = first.area;
-                let shape = control::Shape {
-                    rows: g.items.len() * b,
-                    entries: g.items.len(),
-                    hw: (ah, aw),
-                    tokens: g.tokens,
-                    dim,
-                };
-                Some(plans.add(ctx, model, chain, &shape)?)
-            }
-            None => None,
-        });
-    }
     let slot_shapes: Vec<_> = groups
         .iter()
         .map(|g| {
@@ -410,13 +384,16 @@ pub fn sample(
     )?;
     // Models with extra input channels (inpainting, Fill, Canny/Depth,
     // InstructPix2Pix) join them on the host.
+    // A ControlNet chain shared by every entry may run in that program
+    // too (`fused_control`).
+    let chain = super::fused_control::chain_of(model, &items);
     let simple = concats.iter().all(Option::is_none)
         && !(flow && denoise_mask.is_some())
         && !sampler.needs_uncond()
         && groups.len() <= 2
-        && control_slots.iter().all(Option::is_none)
+        && !matches!(chain, super::fused_control::Chain::Host)
         && (model.slg.is_empty() || is_unet);
-    let fused = if simple && ctx.runtime.device_loops() {
+    let mut fused = if simple && ctx.runtime.device_loops() {
         let lists: Vec<&[usize]> = groups.iter().map(|g| g.items.as_slice()).collect();
         Fused::of(
             model,
@@ -426,10 +403,53 @@ pub fn sample(
             use_uncond.then_some(cfg as f32),
             dims,
             blend.is_some(),
+            &chain,
         )
     } else {
         None
     };
+    if let (Some(f), super::fused_control::Chain::Fused(chain)) = (fused.as_mut(), chain) {
+        let shapes: Vec<(usize, usize, usize)> = groups
+            .iter()
+            .map(|g| (g.items.len() * b, g.items.len(), g.tokens))
+            .collect();
+        f.control = Some(super::fused_control::FusedControl::new(
+            ctx,
+            model,
+            chain,
+            &shapes,
+            (h, w),
+            dim,
+        )?);
+    }
+    // The control programs, and per group the UNet inputs its chain
+    // feeds and their shapes (zeros where no model of it is active).
+    // (None where the fused program runs the chain itself.)
+    let mut plans = control::Plans::default();
+    let mut control_slots: Vec<Option<control::Slots>> = Vec::with_capacity(groups.len());
+    for g in &groups {
+        let first = &items[g.items[0]];
+        control_slots.push(match &first.control {
+            Some(_) if !super::denoiser::ref_shapes(first.model).is_empty() => {
+                return Err(NodeError::invalid(
+                    "a ControlNet together with reference latents (ReferenceLatent) is not supported yet",
+                ));
+            }
+            Some(_) if fused.as_ref().is_some_and(|f| f.control.is_some()) => None,
+            Some(chain) => {
+                let [ah, aw, ..] = first.area;
+                let shape = control::Shape {
+                    rows: g.items.len() * b,
+                    entries: g.items.len(),
+                    hw: (ah, aw),
+                    tokens: g.tokens,
+                    dim,
+                };
+                Some(plans.add(ctx, model, chain, &shape)?)
+            }
+            None => None,
+        });
+    }
     let progs = match &fused {
         Some(f) => {
             let shapes: Vec<ModelGroup> = groups
@@ -444,9 +464,21 @@ pub fn sample(
         }
         None => group_programs(model, &items, &groups, b, dim, &control_slots)?,
     };
-    let bind = match progs.first() {
-        Some(p) => model.file.bindings(p, Some(&model.patches), None)?,
-        None => return Err(NodeError::invalid("nothing to sample")),
+    let bind = match (
+        progs.first(),
+        fused.as_ref().and_then(|f| f.control.as_ref()),
+    ) {
+        // The program runs ControlNets too: their weights from their files.
+        (Some(p), Some(c)) => {
+            let others = |n: &str| c.owner(n).is_some();
+            let mut b = model
+                .file
+                .bindings_except(p, Some(&model.patches), None, &others)?;
+            c.bind(p, &mut b)?;
+            b
+        }
+        (Some(p), None) => model.file.bindings(p, Some(&model.patches), None)?,
+        (None, _) => return Err(NodeError::invalid("nothing to sample")),
     };
     let pixels = ((h * 8) as f64, (w * 8) as f64);
     let feeds = group_feeds(model, &items, &groups, b, pixels, dim)?;

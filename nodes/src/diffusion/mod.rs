@@ -17,6 +17,7 @@ pub mod denoiser;
 pub mod embeddings;
 pub mod flux_control;
 pub(crate) mod fused;
+pub(crate) mod fused_control;
 pub mod inpaint;
 pub mod ksampler;
 pub mod loaders;
@@ -113,10 +114,25 @@ impl ModelFile {
         patches: Option<&crate::adapters::Patches>,
         held_as: Option<DType>,
     ) -> Result<Bindings, NodeError> {
+        self.bindings_except(prog, patches, held_as, &|_| false)
+    }
+
+    /// [`ModelFile::bindings`] of the weights `others` does not claim
+    /// (those of another file in the same program).
+    pub fn bindings_except(
+        &self,
+        prog: &Program,
+        patches: Option<&crate::adapters::Patches>,
+        held_as: Option<DType>,
+        others: &dyn Fn(&str) -> bool,
+    ) -> Result<Bindings, NodeError> {
         let mut b = Bindings::default();
         let cast = self.cast.or(held_as);
         for c in &prog.commands {
             if let Command::Upload { name, .. } = c {
+                if others(name) {
+                    continue;
+                }
                 if let Some(p) = patches {
                     let hold = cast.or_else(|| self.gguf_held(name));
                     if let Some(d) = p.patched(self, name, hold)? {
