@@ -349,13 +349,20 @@ fn device_loops_match_host_loops() {
         let with = format!(r#""sampler_name": "{sampler}""#);
         cases.push((sampler, advanced.replace(split, &with)));
     }
+    // One adapter and one CPU runtime for every case: their pipelines and
+    // packed weights carry over.
+    let Some(gpu) = support::gpu_runtime(true, "sampling loop on the device") else {
+        return;
+    };
+    let cpu = sdkit_engine::Runtime::cpu();
     // Bytes read back, per graph.
     let mut downloads: HashMap<usize, u64> = HashMap::new();
     for (sampler, graph) in cases {
         assert!(graph != txt2img && graph != advanced, "{sampler}");
-        let Some((on_gpu, _, bytes, _)) = run_on_gpu(&graph, true, PreviewMethod::None) else {
-            return;
-        };
+        let graph = support::latent_only(&graph);
+        let before = gpu.bytes_downloaded();
+        let (on_gpu, ..) = run_on(gpu.clone(), &graph, PreviewMethod::None);
+        let bytes = gpu.bytes_downloaded() - before;
         // Every device loop over a graph reads back the same: the last
         // latent and prediction of each sampler node, whatever its steps
         // and calls (a host loop reads two predictions a call).
@@ -365,7 +372,7 @@ fn device_loops_match_host_loops() {
             bytes, first,
             "{sampler}: bytes read back (the first case's {first})"
         );
-        let (on_cpu, ..) = run_on(sdkit_engine::Runtime::cpu(), &graph, PreviewMethod::None);
+        let (on_cpu, ..) = run_on(cpu.clone(), &graph, PreviewMethod::None);
         let latents: Vec<Vec<f32>> = [on_gpu, on_cpu]
             .iter()
             .map(|base| {
