@@ -1,12 +1,15 @@
 //! The sampling loop on the device: for the common case (the positive
 //! and negative prediction over the whole latent, in one batch or two of
-//! different context lengths; no ControlNet, area or guidance pass; a
-//! noise mask allowed) the denoiser's program also blends the inpainting
-//! mask, combines the predictions (CFG) and takes the sampler's step, and
-//! the latent and the sampler's history stay on the device between steps
+//! different context lengths; no area or guidance pass; a noise mask
+//! allowed; a ControlNet chain every entry shares, `fused_control`) the
+//! denoiser's program also blends the inpainting mask, combines the
+//! predictions (CFG) and takes the sampler's step, and the latent and the
+//! sampler's history stay on the device between steps
 //! ([`sdkit_compute::runtime::Session::run_carried`]). Only the final
 //! latent is read back, and each step's prediction when someone watches
-//! previews; on the CPU the host loop is as fast and stays.
+//! previews (and the carried state once where the loop moves to another
+//! program: another set of active ControlNets); on the CPU the host loop
+//! is as fast and stays.
 //!
 //! The arithmetic is the host samplers' (`sampling::samplers`), operation
 //! for operation: the per-step numbers (σ, the step's coefficients, from
@@ -223,6 +226,44 @@ impl Fused {
                 .residuals(g, model, (k, &self.prefix(k)), grp, hw, dim, x)
                 .map(Some),
             None => Ok(None),
+        }
+    }
+
+    /// The schedule the loop steps through: the SDE samplers step in
+    /// half-logSNR, so a flow model's first σ of 1 moves just below it, as
+    /// on the host.
+    pub(crate) fn sigmas<'s>(&self, sigmas: &'s [f32]) -> std::borrow::Cow<'s, [f32]> {
+        if self.sampler.offsets_first_sigma() {
+            self.space.offset_first(sigmas)
+        } else {
+            std::borrow::Cow::Borrowed(sigmas)
+        }
+    }
+
+    /// Which ControlNets of the chain run at each call of each step over
+    /// `sigmas` (as [`Fused::sigmas`] gives them), as bit masks (all 0
+    /// without a chain): each distinct mask is a program of its own.
+    pub(crate) fn call_masks(
+        &self,
+        sigmas: &[f32],
+        eval: &dyn Fn(f32) -> (f32, f32),
+    ) -> Vec<Vec<u64>> {
+        (0..sigmas.len().saturating_sub(1))
+            .map(|i| {
+                // The calls' σ without drawing noise.
+                self.calls(sigmas, i, eval, &mut Vec::new)
+                    .iter()
+                    .map(|c| self.control.as_ref().map_or(0, |fc| fc.mask_at(c.sigma)))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// This loop's program for the nets of `mask`.
+    pub(crate) fn narrowed(&self, mask: u64) -> Fused {
+        Fused {
+            control: self.control.as_ref().and_then(|c| c.active(mask)),
+            ..self.clone()
         }
     }
 
@@ -826,15 +867,28 @@ pub(crate) fn group_feeds(
     GroupFeeds { fixed, t }
 }
 
-/// The sampling loop on `session` (prepared from the fused program) with
-/// the program's fixed inputs `feeds`. Reads back the final latent, and each step's prediction into
-/// `step_x0` where `watch` (previews) or on the last step.
+/// The device loop's programs as [`run`] switches between them.
+pub(crate) struct Programs<'a, 'p> {
+    /// The current session (the first program's, prepared), the last one
+    /// at the end.
+    pub session: &'a mut Option<Session<'p>>,
+    /// Prepares program `k`'s session.
+    pub open: &'a mut dyn FnMut(usize) -> Result<Session<'p>, NodeError>,
+    /// Per step and call, the program it runs.
+    pub plan: &'a [Vec<usize>],
+}
+
+/// The sampling loop on the device with the program's fixed inputs
+/// `feeds`, over `programs`: a change of program moves the carried state
+/// to a session of the new one. Reads back the final latent,
+/// and each step's prediction into `step_x0` where `watch` (previews) or
+/// on the last step.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn run(
+pub(crate) fn run<'p>(
     ctx: &NodeContext,
     model: &Model,
     f: &Fused,
-    session: &mut Session<'_>,
+    programs: Programs<'_, 'p>,
     feeds: &GroupFeeds,
     sigmas: &[f32],
     x0: Vec<f32>,
@@ -844,16 +898,21 @@ pub(crate) fn run(
     watch: bool,
     on_step: &mut dyn FnMut(usize, usize) -> Result<(), NodeError>,
 ) -> Result<Vec<f32>, NodeError> {
-    // The SDE samplers step in half-logSNR: a flow model's first σ of 1
-    // moves just below it, as on the host.
-    let sigmas: &[f32] = &if f.sampler.offsets_first_sigma() {
-        f.space.offset_first(sigmas)
-    } else {
-        std::borrow::Cow::Borrowed(sigmas)
-    };
+    let Programs {
+        session,
+        open,
+        plan,
+    } = programs;
+    let sigmas = f.sigmas(sigmas);
     let total = sigmas.len() - 1;
     tracing::debug!("sampling loop on the device: {:?}, {total} steps", f.step);
-    let mut x0 = Some(x0);
+    let per: usize = f.dims.iter().product();
+    // The state the next run starts from where its session is new: the
+    // latent at first, then what the last run of the session before
+    // carried.
+    let mut handoff: Option<HashMap<String, Arc<Vec<f32>>>> =
+        Some(HashMap::from([("lat".to_string(), Arc::new(x0))]));
+    let mut current = plan.first().and_then(|c| c.first()).copied().unwrap_or(0);
     let mut out = Vec::new();
     let eval = |s: f32| {
         (
@@ -861,56 +920,94 @@ pub(crate) fn run(
             model.schedule.timestep(s),
         )
     };
+    let program = |i: usize, k: usize| plan.get(i).and_then(|c| c.get(k)).copied().unwrap_or(0);
     for i in 0..total {
-        let calls = f.calls(sigmas, i, &eval, noise);
+        let calls = f.calls(&sigmas, i, &eval, noise);
         let n_calls = calls.len();
         for (k, call) in calls.into_iter().enumerate() {
             ctx.check_cancel()?;
+            if program(i, k) != current {
+                current = program(i, k);
+                // The old session's memory goes before the new one takes
+                // its own.
+                *session = None;
+                *session = Some(open(current)?);
+            }
+            let Some(session) = session.as_mut() else {
+                return Err(NodeError::invalid("the device loop has no session"));
+            };
             let s = call.sigma;
             let mut feed = call.inputs;
             let t = model.schedule.timestep(s);
             for (name, rows) in &feeds.t {
                 feed.insert(name.clone(), Arc::new(vec![t; *rows]));
             }
-            let mask_now = blend.filter(|bl| x0.is_some() || bl.differential.is_some());
-            if let Some(x) = x0.take() {
-                // The first run: the fixed inputs (the session keeps
-                // them), the latent, and zeros for the state the first
-                // call does not set.
+            let fresh = handoff.is_some();
+            let mask_now = blend.filter(|bl| fresh || bl.differential.is_some());
+            if let Some(state) = handoff.take() {
+                // A new session: the fixed inputs (it keeps them), the
+                // carried state, zeros for the state not set yet.
                 for (name, v) in &feeds.fixed {
                     feed.insert(name.clone(), Arc::clone(v));
                 }
-                feed.insert("lat".to_string(), Arc::new(x));
+                feed.extend(state);
                 if let Some(bl) = blend {
                     feed.insert("inoise".to_string(), Arc::new(bl.noise.to_vec()));
                     feed.insert("ilatent".to_string(), Arc::new(bl.latent.to_vec()));
                 }
-                let per: usize = f.dims.iter().product();
                 for name in f.state() {
                     feed.entry(name.to_string())
                         .or_insert_with(|| Arc::new(vec![0.0; per]));
                 }
             }
-            // The mask once, or DifferentialDiffusion's at each call's σ.
+            // The mask once a session, or DifferentialDiffusion's at each
+            // call's σ.
             if let Some(bl) = mask_now {
                 feed.insert("mask".to_string(), Arc::new(bl.mask_at(s).into_owned()));
             }
             let last_step = i + 1 == total;
+            let last_call = last_step && k + 1 == n_calls;
+            // The next call's program: where it changes, this run's
+            // carried outputs come back to seed the next session.
+            let next = if k + 1 < n_calls {
+                program(i, k + 1)
+            } else {
+                program(i + 1, 0)
+            };
+            let moving = !last_call && next != current;
             let mut read = Vec::new();
             if call.first && (watch || last_step) {
                 read.push(DENOISED);
             }
-            if last_step && k + 1 == n_calls {
+            if last_call {
                 read.push(NEXT);
             }
+            if moving {
+                read.extend(call.carry.iter().map(|c| c.0));
+            }
+            read.sort_unstable();
+            read.dedup();
             let mut outs = session
                 .run_carried(feed, &call.carry, &read)
                 .map_err(|e| super::run_error("UNet", e))?;
-            if let Some(d) = outs.get_mut(DENOISED).and_then(Option::take) {
-                *step_x0.borrow_mut() = Some(d.data);
+            if moving {
+                let mut state = HashMap::new();
+                for &(o, name) in &call.carry {
+                    if let Some(a) = outs.get(o).and_then(Option::as_ref) {
+                        state.insert(name.to_string(), Arc::new(a.data.clone()));
+                    }
+                }
+                handoff = Some(state);
             }
-            if let Some(x) = outs.get_mut(NEXT).and_then(Option::take) {
-                out = x.data;
+            if call.first {
+                if let Some(d) = outs.get_mut(DENOISED).and_then(Option::take) {
+                    *step_x0.borrow_mut() = Some(d.data);
+                }
+            }
+            if last_call {
+                if let Some(x) = outs.get_mut(NEXT).and_then(Option::take) {
+                    out = x.data;
+                }
             }
         }
         on_step(i, total)?;

@@ -1,9 +1,10 @@
 //! ControlNets in the sampling loop on the device: where every entry
-//! shares one chain of SD ControlNets that are active over the whole
-//! sampling, the UNet's fused program runs the chain itself on the same
-//! model input, timestep, context and ADM vector, scales each net's
-//! residuals by its strength and adds them up (`prev + own`, oldest
-//! first), as `control::Runner` does on the host. The residuals never
+//! shares one chain of SD ControlNets, the UNet's fused program runs the
+//! nets active at its σ itself on the same model input, timestep, context
+//! and ADM vector, scales each net's residuals by its strength and adds
+//! them up (`prev + own`, oldest first), as `control::Runner` does on the
+//! host. Each set of nets active together (their start and end percent)
+//! is a program of its own ([`FusedControl::active`]). The residuals never
 //! leave the device: on the host loop each step downloads every net's
 //! twelve skips and middle (about 54 MB a step for SD1 at 512², four
 //! times that for SDXL at 1024²) and uploads their sum to the UNet.
@@ -39,7 +40,7 @@ pub(crate) enum Chain {
 
 /// The chain of `items`' ControlNets as [`Chain`] says: the program runs
 /// plain SD ControlNets (no control-LoRA, T2I-Adapter, Flux or SD3.5 net)
-/// whose range is the whole sampling, on a UNet.
+/// on a UNet.
 pub(crate) fn chain_of(model: &Model, items: &[Item<'_>]) -> Chain {
     let Some(first) = items.first() else {
         return Chain::None;
@@ -55,9 +56,10 @@ pub(crate) fn chain_of(model: &Model, items: &[Item<'_>]) -> Chain {
     };
     let chain = head.chain();
     let runs = matches!(model.net, Net::Unet(_))
-        && chain.iter().all(|c| {
-            matches!(c.net.kind, ControlKind::Net { .. }) && c.range.0 <= 0.0 && c.range.1 >= 1.0
-        });
+        && chain.len() <= 64
+        && chain
+            .iter()
+            .all(|c| matches!(c.net.kind, ControlKind::Net { .. }));
     if runs {
         Chain::Fused(chain)
     } else {
@@ -65,10 +67,17 @@ pub(crate) fn chain_of(model: &Model, items: &[Item<'_>]) -> Chain {
     }
 }
 
-/// A chain the fused program runs, with what each net needs.
+/// A chain the fused program runs, with what each net needs; or the part
+/// of one active at some σ ([`FusedControl::active`]).
 #[derive(Clone, Debug)]
 pub(crate) struct FusedControl {
     chain: Vec<Arc<Control>>,
+    /// Each net's place in the whole chain: its weights and inputs are
+    /// named by it, the same in every program of the sampling.
+    ids: Vec<usize>,
+    /// Each net's σ range, `(start, end)`: it runs while `end ≤ σ ≤
+    /// start`, compared in f32 as ComfyUI does.
+    ranges: Vec<(f32, f32)>,
     /// Per net, its config for this model.
     nets: Vec<(ControlNetConfig, Heads)>,
     /// Per group, per net: its hint as the group's rows take it, and the
@@ -93,6 +102,14 @@ impl FusedControl {
         dim: usize,
     ) -> Result<Self, NodeError> {
         let mut plans = control::Plans::default();
+        let ranges = chain
+            .iter()
+            .map(|c| {
+                let s = model.schedule.percent_to_sigma(c.range.0) as f32;
+                let e = model.schedule.percent_to_sigma(c.range.1) as f32;
+                (s, e)
+            })
+            .collect();
         let mut nets = Vec::with_capacity(chain.len());
         for c in &chain {
             let rows = groups.first().map_or(1, |g| g.0);
@@ -114,7 +131,43 @@ impl FusedControl {
                     .collect::<Result<Vec<_>, _>>()?,
             );
         }
-        Ok(FusedControl { chain, nets, hints })
+        Ok(FusedControl {
+            ids: (0..chain.len()).collect(),
+            chain,
+            ranges,
+            nets,
+            hints,
+        })
+    }
+
+    /// The nets active at `sigma`, as a bit mask over the whole chain.
+    pub(crate) fn mask_at(&self, sigma: f32) -> u64 {
+        self.ids
+            .iter()
+            .zip(&self.ranges)
+            .filter(|(_, &(start, end))| !(sigma > start || sigma < end))
+            .fold(0, |m, (&i, _)| m | 1 << i)
+    }
+
+    /// The nets of `mask`; None when it has none.
+    pub(crate) fn active(&self, mask: u64) -> Option<FusedControl> {
+        let keep: Vec<usize> = (0..self.ids.len())
+            .filter(|&k| mask & (1 << self.ids[k]) != 0)
+            .collect();
+        if keep.is_empty() {
+            return None;
+        }
+        Some(FusedControl {
+            chain: keep.iter().map(|&k| Arc::clone(&self.chain[k])).collect(),
+            ids: keep.iter().map(|&k| self.ids[k]).collect(),
+            ranges: keep.iter().map(|&k| self.ranges[k]).collect(),
+            nets: keep.iter().map(|&k| self.nets[k].clone()).collect(),
+            hints: self
+                .hints
+                .iter()
+                .map(|g| keep.iter().filter_map(|&k| g.get(k).cloned()).collect())
+                .collect(),
+        })
     }
 
     /// The summed residuals of the chain for group `k` (`prefix` its
@@ -136,8 +189,9 @@ impl FusedControl {
         let context = g.input("context", &[rows, grp.tokens, dim])?;
         let y = model.adm_vector(g, rows)?;
         let mut sum: Option<(Vec<T<'a>>, T<'a>)> = None;
-        for (i, (c, (cfg, heads))) in self.chain.iter().zip(&self.nets).enumerate() {
-            let hb = self.hints.get(k).and_then(|v| v.get(i)).map_or(1, |h| h.1);
+        for (n, (c, (cfg, heads))) in self.chain.iter().zip(&self.nets).enumerate() {
+            let hb = self.hints.get(k).and_then(|v| v.get(n)).map_or(1, |h| h.1);
+            let i = self.ids[n];
             // The net's own inputs (hint, control types) under its prefix.
             g.set_input_prefix(&format!("{prefix}ctl{i}."));
             let built = (|| {
@@ -187,8 +241,9 @@ impl FusedControl {
     /// Group `k`'s fixed inputs (`prefix` its prefix): each net's hint and
     /// a union net's one-hot control types.
     pub(crate) fn feeds(&self, k: usize, prefix: &str, into: &mut HashMap<String, Arc<Vec<f32>>>) {
-        for (i, (c, (cfg, _))) in self.chain.iter().zip(&self.nets).enumerate() {
-            if let Some((hint, _)) = self.hints.get(k).and_then(|v| v.get(i)) {
+        for (n, (c, (cfg, _))) in self.chain.iter().zip(&self.nets).enumerate() {
+            let i = self.ids[n];
+            if let Some((hint, _)) = self.hints.get(k).and_then(|v| v.get(n)) {
                 into.insert(format!("{prefix}ctl{i}.hint"), Arc::clone(hint));
             }
             if let Some(n) = cfg.union_types {
@@ -213,7 +268,12 @@ impl FusedControl {
             let Some((i, own)) = self.owner(name) else {
                 continue;
             };
-            let Some(net) = self.chain.get(i) else {
+            let Some(net) = self
+                .ids
+                .iter()
+                .position(|&id| id == i)
+                .map(|n| &self.chain[n])
+            else {
                 continue;
             };
             let file = &net.net.file;

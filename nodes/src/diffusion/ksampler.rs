@@ -450,6 +450,35 @@ pub fn sample(
             None => None,
         });
     }
+    // The device loop's program per call: which ControlNets run.
+    let (fused_masks, fused_plan) = match &fused {
+        Some(f) => {
+            let eval = |s: f32| {
+                (
+                    model.prediction.input_divisor(s),
+                    model.schedule.timestep(s),
+                )
+            };
+            let calls = f.call_masks(&f.sigmas(sigmas), &eval);
+            let mut masks: Vec<u64> = Vec::new();
+            let plan: Vec<Vec<usize>> = calls
+                .iter()
+                .map(|step| {
+                    step.iter()
+                        .map(|m| match masks.iter().position(|x| x == m) {
+                            Some(i) => i,
+                            None => {
+                                masks.push(*m);
+                                masks.len() - 1
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            (masks, plan)
+        }
+        None => (Vec::new(), Vec::new()),
+    };
     let progs = match &fused {
         Some(f) => {
             let shapes: Vec<ModelGroup> = groups
@@ -460,7 +489,19 @@ pub fn sample(
                     refs: super::denoiser::ref_shapes(items[g.items[0]].model),
                 })
                 .collect();
-            vec![model.program_groups(&shapes, (h, w), dim, None, Some(f))?]
+            // A program per set of ControlNets active together, in the
+            // order the loop first runs them.
+            let mut p = Vec::with_capacity(fused_masks.len());
+            for &mask in &fused_masks {
+                p.push(model.program_groups(
+                    &shapes,
+                    (h, w),
+                    dim,
+                    None,
+                    Some(&f.narrowed(mask)),
+                )?);
+            }
+            p
         }
         None => group_programs(model, &items, &groups, b, dim, &control_slots)?,
     };
@@ -468,13 +509,15 @@ pub fn sample(
         progs.first(),
         fused.as_ref().and_then(|f| f.control.as_ref()),
     ) {
-        // The program runs ControlNets too: their weights from their files.
+        // The programs run ControlNets too: their weights from their files.
         (Some(p), Some(c)) => {
             let others = |n: &str| c.owner(n).is_some();
             let mut b = model
                 .file
                 .bindings_except(p, Some(&model.patches), None, &others)?;
-            c.bind(p, &mut b)?;
+            for p in &progs {
+                c.bind(p, &mut b)?;
+            }
             b
         }
         (Some(p), None) => model.file.bindings(p, Some(&model.patches), None)?,
@@ -526,10 +569,16 @@ pub fn sample(
     }
     let before_prepare = ctx.runtime.bytes_uploaded();
     let mut controls = control::Runner::new(ctx, &plans)?;
+    // The device loop prepares its first program only; the others as it
+    // reaches them, one session at a time.
+    let prepared = match &fused {
+        Some(_) => &progs[..progs.len().min(1)],
+        None => &progs[..],
+    };
     let mut sessions: Vec<Session<'_>> = ctx
         .runtime
         .with_tuning_progress(ctx.progress_sink(), || {
-            ctx.runtime.prepare_many(&progs, &bind)
+            ctx.runtime.prepare_many(prepared, &bind)
         })
         .map_err(|e| run_error("UNet", e))?;
     // The fused program's session runs the loop itself (see below).
@@ -761,15 +810,28 @@ pub fn sample(
         }
         Ok(())
     };
-    let x = match (&fused, fused_session.as_mut()) {
-        (Some(f), Some(session)) => {
+    // The device loop's next program, where the active ControlNets change.
+    let mut open = |k: usize| -> Result<Session<'_>, NodeError> {
+        let prog = progs
+            .get(k)
+            .ok_or_else(|| NodeError::invalid("a device-loop program was not planned"))?;
+        ctx.runtime
+            .with_tuning_progress(ctx.progress_sink(), || ctx.runtime.prepare(prog, &bind))
+            .map_err(|e| run_error("UNet", e))
+    };
+    let x = match &fused {
+        Some(f) if fused_session.is_some() => {
             let mut noise = noise;
             let mut on_step = on_step;
             fused::run(
                 ctx,
                 model,
                 f,
-                session,
+                fused::Programs {
+                    session: &mut fused_session,
+                    open: &mut open,
+                    plan: &fused_plan,
+                },
                 &fused::group_feeds(f, &feeds, &groups, b),
                 sigmas,
                 x0,
@@ -795,7 +857,10 @@ pub fn sample(
             ctx,
             &model.file.name,
             first,
-            (total * progs.len()) as u64,
+            match &fused {
+                Some(_) => fused_plan.iter().map(Vec::len).sum::<usize>(),
+                None => total * progs.len(),
+            } as u64,
             before_prepare,
         );
     }
