@@ -340,7 +340,7 @@ fn device_loops_match_host_loops() {
     // (ddim is Euler's loop; Euler ancestral, DPM++ 2M and LCM are
     // checked against ComfyUI below; DPM-2 is DPM-2 ancestral's two calls
     // without the noise; the Heun form of 2M SDE one coefficient.)
-    let samplers = "dpmpp_2m_sde dpmpp_3m_sde heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde";
+    let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde";
     let mut cases: Vec<(&str, String)> = samplers
         .split(' ')
         .map(|sampler| {

@@ -50,6 +50,11 @@ pub(crate) enum Step {
     /// DPM++ 3M SDE (η = 1) in the model's half-logSNR, the last two
     /// predictions carried.
     DpmPp3mSde,
+    /// Euler CFG++ (plain or ancestral): the move from the unconditional
+    /// prediction, the conditional one as the target.
+    EulerCfgPp {
+        ancestral: bool,
+    },
     /// Two model calls a step, the second at the point the first moves
     /// to ([`Two`]).
     Two(Two),
@@ -160,6 +165,13 @@ impl Fused {
             Sampler::DpmPp2mSde => Step::DpmPp2mSde { heun: false },
             Sampler::DpmPp2mSdeHeun => Step::DpmPp2mSde { heun: true },
             Sampler::DpmPp3mSde => Step::DpmPp3mSde,
+            // The unconditional prediction runs even at cfg 1 (the caller
+            // gives the CFG scale).
+            Sampler::EulerCfgPp | Sampler::EulerAncestralCfgPp if cfg.is_some() => {
+                Step::EulerCfgPp {
+                    ancestral: sampler == Sampler::EulerAncestralCfgPp,
+                }
+            }
             Sampler::Heun => Step::Two(Two::Heun),
             Sampler::Dpm2 => Step::Two(Two::Dpm2),
             Sampler::DpmPpSde => Step::Two(Two::DpmPpSde),
@@ -364,9 +376,11 @@ impl Fused {
             }
         };
         // uncond + (cond − uncond)·cfg.
+        let mut uncond_pred = None;
         let d = match self.cfg {
             Some(_) => {
                 let (cond, uncond) = (of(0)?, of(1)?);
+                uncond_pred = Some(uncond);
                 uncond.add(cond.sub(uncond)?.mul(scalar("cfg")?)?)?
             }
             None => of(0)?,
@@ -441,6 +455,23 @@ impl Fused {
                 kept.push(old);
                 moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
             }
+            Step::EulerCfgPp { ancestral } => {
+                // α_t·D + down·(x − α_s·u)/σ (+ α_t·z·up); the prediction
+                // itself on the last step (keep 0, take 1).
+                let u = uncond_pred.ok_or_else(|| ShapeError {
+                    op: "CFG++",
+                    message: "no unconditional prediction".into(),
+                    shapes: Vec::new(),
+                })?;
+                let dd = lat.sub(u.mul(scalar("alpha_s")?)?)?.div(sigma)?;
+                let alpha_t = scalar("alpha_t")?;
+                let mut moved = d.mul(alpha_t)?.add(dd.mul(scalar("down")?)?)?;
+                if ancestral {
+                    let z = g.input("noise", &self.dims)?;
+                    moved = moved.add(z.mul(alpha_t)?.mul(scalar("up")?)?)?;
+                }
+                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
+            }
             Step::Two(two) => {
                 // The point the move starts from: this call's latent (the
                 // first call) or the step's start (the second).
@@ -483,6 +514,8 @@ impl Fused {
         match self.step {
             Step::Euler => &[],
             Step::EulerAncestral | Step::Lcm { .. } => &["noise"],
+            Step::EulerCfgPp { ancestral: true } => &["noise"],
+            Step::EulerCfgPp { ancestral: false } => &[],
             Step::DpmPp2m => &["old"],
             Step::DpmPp2mSde { .. } => &["old", "noise"],
             Step::DpmPp3mSde => &["old", "old2", "noise"],
@@ -676,6 +709,41 @@ impl Fused {
                 );
                 let z = if last { vec![0.0; per] } else { noise() };
                 vec![with_noise(c, z)]
+            }
+            Step::EulerCfgPp { ancestral } => {
+                let sp = self.space;
+                let last = s_next == 0.0;
+                let (mut alpha_s, mut alpha_t, mut down, mut up) = (0.0, 0.0, 0.0, 0.0);
+                if !last {
+                    // As the host sampler: α = σ·exp(half-logSNR).
+                    alpha_s = s * sp.lambda(s).exp();
+                    alpha_t = s_next * sp.lambda(s_next).exp();
+                    let (dn, u) = if ancestral {
+                        ancestral_step(s / alpha_s, s_next / alpha_t)
+                    } else {
+                        (s_next / alpha_t, 0.0)
+                    };
+                    down = alpha_t * dn;
+                    up = u;
+                }
+                let c = call(
+                    s,
+                    &[
+                        ("alpha_s", alpha_s),
+                        ("alpha_t", alpha_t),
+                        ("down", down),
+                        ("up", up),
+                        ("keep", flag(!last)),
+                        ("take", flag(last)),
+                    ],
+                    lat,
+                );
+                if !ancestral {
+                    vec![c]
+                } else {
+                    let z = if last { vec![0.0; per] } else { noise() };
+                    vec![with_noise(c, z)]
+                }
             }
             Step::Lcm { flow } => {
                 let mut v = vec![("sn", s_next)];

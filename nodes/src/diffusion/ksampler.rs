@@ -389,7 +389,9 @@ pub fn sample(
     let chain = super::fused_control::chain_of(model, &items);
     let simple = concats.iter().all(Option::is_none)
         && !(flow && denoise_mask.is_some())
-        && !sampler.needs_uncond()
+        // (The CFG++ samplers but Euler's need the host's post-CFG hook.)
+        && (!sampler.needs_uncond()
+            || matches!(sampler, Sampler::EulerCfgPp | Sampler::EulerAncestralCfgPp))
         && groups.len() <= 2
         && !matches!(chain, super::fused_control::Chain::Host)
         && (model.slg.is_empty() || is_unet);
