@@ -252,23 +252,30 @@ impl Fused {
         }
     }
 
-    /// Which ControlNets of the chain run at each call of each step over
-    /// `sigmas` (as [`Fused::sigmas`] gives them), as bit masks (all 0
-    /// without a chain): each distinct mask is a program of its own.
-    pub(crate) fn call_masks(
-        &self,
-        sigmas: &[f32],
-        eval: &dyn Fn(f32) -> (f32, f32),
-    ) -> Vec<Vec<u64>> {
-        (0..sigmas.len().saturating_sub(1))
+    /// The loop's programs over the schedule `sigmas`: the sets of
+    /// ControlNets that run together (bit masks over the chain, 0 without
+    /// one), in the order the loop first needs them, and per step and
+    /// call the index of its set.
+    pub(crate) fn plan(&self, model: &Model, sigmas: &[f32]) -> (Vec<u64>, Vec<Vec<usize>>) {
+        let sigmas = self.sigmas(sigmas);
+        let eval = |s: f32| call_eval(model, s);
+        let mut masks: Vec<u64> = Vec::new();
+        let plan = (0..sigmas.len().saturating_sub(1))
             .map(|i| {
-                // The calls' σ without drawing noise.
-                self.calls(sigmas, i, eval, &mut Vec::new)
+                // The calls' σ, without drawing noise.
+                self.calls(&sigmas, i, &eval, &mut Vec::new)
                     .iter()
-                    .map(|c| self.control.as_ref().map_or(0, |fc| fc.mask_at(c.sigma)))
+                    .map(|c| {
+                        let m = self.control.as_ref().map_or(0, |fc| fc.mask_at(c.sigma));
+                        masks.iter().position(|&x| x == m).unwrap_or_else(|| {
+                            masks.push(m);
+                            masks.len() - 1
+                        })
+                    })
                     .collect()
             })
-            .collect()
+            .collect();
+        (masks, plan)
     }
 
     /// This loop's program for the nets of `mask`.
@@ -812,95 +819,78 @@ impl Fused {
             c.inputs.insert("noise".to_string(), Arc::new(z));
             c
         };
-        match two {
-            Two::Heun | Two::Dpm2 => {
-                if s_next == 0.0 {
-                    set(&mut first, "dt", s_next - s);
-                    return vec![call(s, &first, lat())];
-                }
-                let mid = if two == Two::Heun {
-                    s_next
-                } else {
-                    crate::sampling::steps::log_mid(s, s_next)
-                };
-                let dt1 = if two == Two::Heun {
-                    s_next - s
-                } else {
-                    mid - s
-                };
-                set(&mut first, "dt", dt1);
-                set(&mut second, "dt", s_next - s);
-                if two == Two::Heun {
-                    set(&mut second, "pa", 0.0);
-                    set(&mut second, "pb", 1.0);
-                }
-                vec![call(s, &first, first_carry()), call(mid, &second, lat())]
+        if two == Two::DpmPpSde {
+            for v in [&mut first, &mut second] {
+                set(v, "se", 0.0);
+                set(v, "sx", 1.0);
             }
-            Two::Dpm2Ancestral => {
-                let (down, up) = ancestral_step(s, s_next);
-                if down == 0.0 {
-                    set(&mut first, "dt", down - s);
-                    return vec![call(s, &first, lat())];
-                }
-                let mid = crate::sampling::steps::log_mid(s, down);
-                set(&mut first, "dt", mid - s);
-                set(&mut second, "dt", down - s);
-                set(&mut second, "su", up);
-                let z = noise();
-                vec![
-                    call(s, &first, first_carry()),
-                    with_noise(call(mid, &second, lat()), z),
-                ]
+            if s_next == 0.0 {
+                // The prediction itself: 0·x − (−1)·D.
+                set(&mut first, "b", -1.0);
+                return vec![call(s, &first, lat())];
+            }
+            let st = crate::sampling::steps::dpmpp_sde(self.space, s, s_next);
+            for (v, e) in [(&mut first, st.first), (&mut second, st.second)] {
+                set(v, "a", e.a);
+                set(v, "b", e.b);
+                set(v, "al", e.alpha);
+                set(v, "su", e.su);
+            }
+            let (za, zb) = (noise(), noise());
+            let z: Vec<f32> = za
+                .iter()
+                .zip(&zb)
+                .map(|(a, b)| st.ka * a + st.kb * b)
+                .collect();
+            return vec![
+                with_noise(call(s, &first, first_carry()), za),
+                with_noise(call(st.s1, &second, lat()), z),
+            ];
+        }
+        // The others move toward `end` (the ancestral forms' σ_down, then
+        // noise × σ_up), on the last step by one Euler call.
+        let ancestral = matches!(two, Two::Dpm2Ancestral | Two::DpmPp2sAncestral);
+        let (end, up) = if ancestral {
+            ancestral_step(s, s_next)
+        } else {
+            (s_next, 0.0)
+        };
+        set(&mut first, "dt", end - s);
+        if end == 0.0 {
+            return vec![call(s, &first, lat())];
+        }
+        set(&mut second, "dt", end - s);
+        let mid = match two {
+            // The second call at σ_next averages both derivatives.
+            Two::Heun => {
+                set(&mut second, "pa", 0.0);
+                set(&mut second, "pb", 1.0);
+                end
             }
             Two::DpmPp2sAncestral => {
-                let (down, up) = ancestral_step(s, s_next);
-                if down == 0.0 {
-                    set(&mut first, "dt", down - s);
-                    return vec![call(s, &first, lat())];
-                }
-                let (mid, (a1, b1), (a2, b2)) = crate::sampling::steps::dpmpp_2s(s, down);
+                let (mid, (a1, b1), (a2, b2)) = crate::sampling::steps::dpmpp_2s(s, end);
                 for (v, a, b) in [(&mut first, a1, b1), (&mut second, a2, b2)] {
                     set(v, "se", 0.0);
                     set(v, "sx", 1.0);
                     set(v, "a", a);
                     set(v, "b", b);
                 }
-                set(&mut second, "su", up);
-                let z = noise();
-                vec![
-                    call(s, &first, first_carry()),
-                    with_noise(call(mid, &second, lat()), z),
-                ]
+                mid
             }
-            Two::DpmPpSde => {
-                for v in [&mut first, &mut second] {
-                    set(v, "se", 0.0);
-                    set(v, "sx", 1.0);
-                }
-                if s_next == 0.0 {
-                    // The prediction itself: 0·x − (−1)·D.
-                    set(&mut first, "b", -1.0);
-                    return vec![call(s, &first, lat())];
-                }
-                let st = crate::sampling::steps::dpmpp_sde(self.space, s, s_next);
-                for (v, e) in [(&mut first, st.first), (&mut second, st.second)] {
-                    set(v, "a", e.a);
-                    set(v, "b", e.b);
-                    set(v, "al", e.alpha);
-                    set(v, "su", e.su);
-                }
-                let (za, zb) = (noise(), noise());
-                let z: Vec<f32> = za
-                    .iter()
-                    .zip(&zb)
-                    .map(|(a, b)| st.ka * a + st.kb * b)
-                    .collect();
-                vec![
-                    with_noise(call(s, &first, first_carry()), za),
-                    with_noise(call(st.s1, &second, lat()), z),
-                ]
+            // DPM-2: the first call moves to the log-midpoint.
+            _ => {
+                let mid = crate::sampling::steps::log_mid(s, end);
+                set(&mut first, "dt", mid - s);
+                mid
             }
+        };
+        let first = call(s, &first, first_carry());
+        if !ancestral {
+            return vec![first, call(mid, &second, lat())];
         }
+        set(&mut second, "su", up);
+        let z = noise();
+        vec![first, with_noise(call(mid, &second, lat()), z)]
     }
 }
 
@@ -933,6 +923,14 @@ pub(crate) fn group_feeds(
         t.push((format!("{prefix}t"), g.items.len() * b));
     }
     GroupFeeds { fixed, t }
+}
+
+/// A model call's (c_in, timestep) at σ `s`.
+fn call_eval(model: &Model, s: f32) -> (f32, f32) {
+    (
+        model.prediction.input_divisor(s),
+        model.schedule.timestep(s),
+    )
 }
 
 /// The device loop's programs as [`run`] switches between them.
@@ -982,12 +980,7 @@ pub(crate) fn run<'p>(
         Some(HashMap::from([("lat".to_string(), Arc::new(x0))]));
     let mut current = plan.first().and_then(|c| c.first()).copied().unwrap_or(0);
     let mut out = Vec::new();
-    let eval = |s: f32| {
-        (
-            model.prediction.input_divisor(s),
-            model.schedule.timestep(s),
-        )
-    };
+    let eval = |s: f32| call_eval(model, s);
     let program = |i: usize, k: usize| plan.get(i).and_then(|c| c.get(k)).copied().unwrap_or(0);
     for i in 0..total {
         let calls = f.calls(&sigmas, i, &eval, noise);

@@ -21,7 +21,7 @@ use crate::models::controlnet::{controlnet, ControlNetConfig};
 use crate::models::detect::{Heads, Net};
 use crate::models::unet::ControlResiduals;
 use sdkit_compute::backend::cpu::Bindings;
-use sdkit_compute::plan::{Command, Program};
+use sdkit_compute::plan::Program;
 use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
 use sdkit_engine::{NodeContext, NodeError};
 use std::collections::HashMap;
@@ -261,33 +261,20 @@ impl FusedControl {
     /// Binds the nets' weights `prog` uploads (`ctl{i}/…`) from their
     /// files into `b`.
     pub(crate) fn bind(&self, prog: &Program, b: &mut Bindings) -> Result<(), NodeError> {
-        for c in &prog.commands {
-            let Command::Upload { name, .. } = c else {
-                continue;
-            };
-            let Some((i, own)) = self.owner(name) else {
-                continue;
-            };
-            let Some(net) = self
-                .ids
-                .iter()
-                .position(|&id| id == i)
-                .map(|n| &self.chain[n])
-            else {
-                continue;
-            };
-            let file = &net.net.file;
-            let w = file
-                .store
-                .stored(own)
-                .map_err(|e| file.tensor_error(own, e))?;
-            b.stored.insert(name.clone(), w);
+        for (c, &id) in self.chain.iter().zip(&self.ids) {
+            c.net.file.bind_into(
+                prog,
+                None,
+                None,
+                &|n| Self::owner(n).and_then(|(i, name)| (i == id).then_some(name)),
+                b,
+            )?;
         }
         Ok(())
     }
 
     /// The net a weight name belongs to and its name in the net's file.
-    pub(crate) fn owner<'n>(&self, name: &'n str) -> Option<(usize, &'n str)> {
+    pub(crate) fn owner(name: &str) -> Option<(usize, &str)> {
         let rest = name.strip_prefix("ctl")?;
         let (i, own) = rest.split_once('/')?;
         Some((i.parse().ok()?, own))

@@ -23,6 +23,7 @@
 use super::cond_batch::{self, Item};
 use super::denoiser::ModelGroup;
 use super::fused::{self, Fused};
+use super::fused_control::FusedControl;
 use super::slg::{SkipLayerGuidance, SlgMode};
 use super::{control, inpaint};
 use super::{input, opaque, run_error, CondEntry, Conditioning, Model, Prediction};
@@ -415,14 +416,7 @@ pub fn sample(
             .iter()
             .map(|g| (g.items.len() * b, g.items.len(), g.tokens))
             .collect();
-        f.control = Some(super::fused_control::FusedControl::new(
-            ctx,
-            model,
-            chain,
-            &shapes,
-            (h, w),
-            dim,
-        )?);
+        f.control = Some(FusedControl::new(ctx, model, chain, &shapes, (h, w), dim)?);
     }
     // The control programs, and per group the UNet inputs its chain
     // feeds and their shapes (zeros where no model of it is active).
@@ -454,31 +448,7 @@ pub fn sample(
     }
     // The device loop's program per call: which ControlNets run.
     let (fused_masks, fused_plan) = match &fused {
-        Some(f) => {
-            let eval = |s: f32| {
-                (
-                    model.prediction.input_divisor(s),
-                    model.schedule.timestep(s),
-                )
-            };
-            let calls = f.call_masks(&f.sigmas(sigmas), &eval);
-            let mut masks: Vec<u64> = Vec::new();
-            let plan: Vec<Vec<usize>> = calls
-                .iter()
-                .map(|step| {
-                    step.iter()
-                        .map(|m| match masks.iter().position(|x| x == m) {
-                            Some(i) => i,
-                            None => {
-                                masks.push(*m);
-                                masks.len() - 1
-                            }
-                        })
-                        .collect()
-                })
-                .collect();
-            (masks, plan)
-        }
+        Some(f) => f.plan(model, sigmas),
         None => (Vec::new(), Vec::new()),
     };
     let progs = match &fused {
@@ -513,10 +483,14 @@ pub fn sample(
     ) {
         // The programs run ControlNets too: their weights from their files.
         (Some(p), Some(c)) => {
-            let others = |n: &str| c.owner(n).is_some();
-            let mut b = model
-                .file
-                .bindings_except(p, Some(&model.patches), None, &others)?;
+            let mut b = sdkit_compute::backend::cpu::Bindings::default();
+            model.file.bind_into(
+                p,
+                Some(&model.patches),
+                None,
+                &|n| FusedControl::owner(n).is_none().then_some(n),
+                &mut b,
+            )?;
             for p in &progs {
                 c.bind(p, &mut b)?;
             }

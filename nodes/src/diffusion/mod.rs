@@ -114,44 +114,48 @@ impl ModelFile {
         patches: Option<&crate::adapters::Patches>,
         held_as: Option<DType>,
     ) -> Result<Bindings, NodeError> {
-        self.bindings_except(prog, patches, held_as, &|_| false)
+        let mut b = Bindings::default();
+        self.bind_into(prog, patches, held_as, &|n| Some(n), &mut b)?;
+        Ok(b)
     }
 
-    /// [`ModelFile::bindings`] of the weights `others` does not claim
-    /// (those of another file in the same program).
-    pub fn bindings_except(
+    /// [`ModelFile::bindings`] into `b` of the weights of this file in a
+    /// program that holds other files' too: `in_file` gives an upload's
+    /// name in this file, None for another file's.
+    pub fn bind_into(
         &self,
         prog: &Program,
         patches: Option<&crate::adapters::Patches>,
         held_as: Option<DType>,
-        others: &dyn Fn(&str) -> bool,
-    ) -> Result<Bindings, NodeError> {
-        let mut b = Bindings::default();
+        in_file: &dyn Fn(&str) -> Option<&str>,
+        b: &mut Bindings,
+    ) -> Result<(), NodeError> {
         let cast = self.cast.or(held_as);
         for c in &prog.commands {
-            if let Command::Upload { name, .. } = c {
-                if others(name) {
+            let Command::Upload { name: bound, .. } = c else {
+                continue;
+            };
+            let Some(name) = in_file(bound) else {
+                continue;
+            };
+            if let Some(p) = patches {
+                let hold = cast.or_else(|| self.gguf_held(name));
+                if let Some(d) = p.patched(self, name, hold)? {
+                    b.weights.insert(bound.clone(), d);
                     continue;
                 }
-                if let Some(p) = patches {
-                    let hold = cast.or_else(|| self.gguf_held(name));
-                    if let Some(d) = p.patched(self, name, hold)? {
-                        b.weights.insert(name.clone(), d);
-                        continue;
-                    }
-                }
-                let w = self
-                    .store
-                    .stored(name)
-                    .map_err(|e| self.tensor_error(name, e))?;
-                let w = match cast {
-                    Some(d) => w.cast_to(d),
-                    None => w,
-                };
-                b.stored.insert(name.clone(), w);
             }
+            let w = self
+                .store
+                .stored(name)
+                .map_err(|e| self.tensor_error(name, e))?;
+            let w = match cast {
+                Some(d) => w.cast_to(d),
+                None => w,
+            };
+            b.stored.insert(bound.clone(), w);
         }
-        Ok(b)
+        Ok(())
     }
 
     /// The dtype ComfyUI-GGUF keeps a GGUF file's unquantized f16/bf16
