@@ -21,14 +21,29 @@ use std::fmt::Write;
 /// (`for (var v = …; v < Nu; …)`) hidden from the compiler. A loop that
 /// indexes a function-local array with an expression of its counter
 /// keeps its literal bound: unrolling is what keeps such an array (a
-/// fragment, an accumulator tile) in registers. Errors name what could
-/// not be parsed.
+/// fragment, an accumulator tile) in registers. Vectors indexed by a
+/// counter do not count: a vector stays in registers either way. Errors
+/// name what could not be parsed.
 pub fn keep_loops(src: &str) -> Result<String, String> {
     let Some(main) = entry_point(src).map_err(|e| format!("keep_loops: {e}"))? else {
         return Ok(src.to_string());
     };
     let params = &src[main.params.clone()];
     let module_arrays = array_scalars(src);
+    let local_arrays: std::collections::HashSet<&str> = src
+        .match_indices(": array<")
+        .chain(src.match_indices(" = array<"))
+        .map(|(at, _)| {
+            let name = src[..at].trim_end_matches(' ');
+            let len = name
+                .bytes()
+                .rev()
+                .take_while(|&b| super::codegen::is_ident(b))
+                .count();
+            &name[name.len() - len..]
+        })
+        .filter(|name| !name.is_empty() && !module_arrays.contains_key(*name))
+        .collect();
     let mut body = String::with_capacity(main.body.len() + 256);
     let mut rest = &src[main.body.clone()];
     let mut kept = 0;
@@ -47,7 +62,7 @@ pub fn keep_loops(src: &str) -> Result<String, String> {
             })
             .ok_or("keep_loops: loop without a body")?;
         match literal_bound(header, counter) {
-            Some(end) if !indexes_local(loop_body, counter, &module_arrays) => {
+            Some(end) if !indexes_local(loop_body, counter, &local_arrays) => {
                 let _ = write!(body, "{} + emu_zero{}", &header[..end], &header[end..]);
                 kept += 1;
             }
@@ -89,12 +104,12 @@ fn literal_bound(header: &str, counter: &str) -> Option<usize> {
     (digits > 0 && header[start + digits..].starts_with("u;")).then_some(start + digits + 1)
 }
 
-/// Whether `body` indexes an array that is not a module-scope one with
-/// an expression naming `counter`.
+/// Whether `body` indexes one of `local_arrays` with an expression
+/// naming `counter`.
 fn indexes_local(
     body: &str,
     counter: &str,
-    module_arrays: &std::collections::HashMap<String, String>,
+    local_arrays: &std::collections::HashSet<&str>,
 ) -> bool {
     let mut from = 0;
     while let Some(i) = body[from..].find('[') {
@@ -106,7 +121,7 @@ fn indexes_local(
             .take_while(|&b| super::codegen::is_ident(b))
             .count();
         let name = &body[open - name_len..open];
-        if name.is_empty() || module_arrays.contains_key(name) {
+        if !local_arrays.contains(name) {
             continue;
         }
         let Some(close) = matching(body, open, b'[', b']') else {
@@ -148,6 +163,8 @@ fn main(@builtin(local_invocation_index) tid: u32) {
         for (var q = 0u; q < 2u; q += 1u) { acc[r * 2u + q] += 1.0; }
     }
     for (var j = tid; j < 64u; j += 8u) { S[j] = acc[0]; }
+    let v = vec4<f32>(acc[0], acc[1], acc[2], acc[3]);
+    for (var t = 0u; t < 4u; t++) { S[t] = v[t]; }
 }
 ";
         let out = keep_loops(src).expect("rewrites");
@@ -156,6 +173,8 @@ fn main(@builtin(local_invocation_index) tid: u32) {
         assert!(out.contains("let emu_zero = emu_nwg.z >> 16u;"));
         assert!(out.contains("i < 16u + emu_zero;"), "{out}");
         assert!(out.contains("j < 64u + emu_zero;"), "{out}");
+        // A vector stays in registers without unrolling.
+        assert!(out.contains("t < 4u + emu_zero;"), "{out}");
         // acc[c], acc[r * 2u + q]: unrolled as before.
         assert!(out.contains("c < 4u;"), "{out}");
         assert!(out.contains("r < 2u;"), "{out}");
