@@ -1,42 +1,65 @@
-//! The matrix products: the portable 64×64-tiled GEMM and the
+//! The matrix products: the portable register-tiled GEMM and the
 //! cooperative-matrix (tensor-core) GEMM with its tilings, staging,
 //! direct fragment loads, prefetch and split-K, over the `load_a` /
 //! `load_b` / `store` functions each kernel kind supplies.
 
 use super::*;
 
-/// A 64x64-tiled GEMM (16x16 threads, 4x4 outputs each, K-steps of 16
-/// through workgroup memory) over `load_a(z, row, k)`, `load_b(z, k0, kr,
-/// col)` (depth k0 + kr, k0 the step's start)
-/// and `store(z, row, col, v)`, which precede it in the shader. Workgroup (x, y, z) = (col tile, row tile,
-/// batch).
+/// The portable kernel's tile edge for a dimension of `len`: 64, or 32
+/// or 16 for smaller ones, so a small product (the UNet's deepest levels,
+/// a few tokens) does not compute a 64-wide tile of which a quarter is
+/// kept: every lane of a workgroup runs its whole loop whatever part of
+/// the tile is in bounds.
+pub(super) fn portable_tile(len: usize) -> usize {
+    match len {
+        0..=16 => 16,
+        17..=32 => 32,
+        _ => 64,
+    }
+}
+
+/// A register-tiled GEMM: `tm`×`tn` output tiles ([`portable_tile`]),
+/// (`tn`/4)×(`tm`/4) threads with 4x4 outputs each, K-steps of 16 through
+/// workgroup memory, over `load_a(z, row, k)`, `load_b(z, k0, kr, col)`
+/// (depth k0 + kr, k0 the step's start) and `store(z, row, col, v)`,
+/// which precede it in the shader. Workgroup (x, y, z) = (col tile, row
+/// tile, batch).
 pub(super) fn gemm(m: usize, n: usize, k: usize) -> String {
+    let (tm, tn) = (portable_tile(m), portable_tile(n));
+    let (tx, ty) = (tn / 4, tm / 4);
+    let threads = tx * ty;
+    // Each thread stages 16·tm/threads elements of A and 16·tn/threads
+    // of B per depth step (whole numbers: tm, tn ≥ 16).
+    let (qa, qb) = (16 * tm / threads, 16 * tn / threads);
     format!(
-        "var<workgroup> As: array<f32, 1024>;
-var<workgroup> Bs: array<f32, 1024>;
-@compute @workgroup_size(16, 16, 1)
+        "var<workgroup> As: array<f32, {sa}>;
+var<workgroup> Bs: array<f32, {sb}>;
+@compute @workgroup_size({tx}, {ty}, 1)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {{
     let z = wg.z;
-    let row0 = wg.y * 64u;
-    let col0 = wg.x * 64u;
-    let tid = lid.y * 16u + lid.x;
+    let row0 = wg.y * {tm}u;
+    let col0 = wg.x * {tn}u;
+    let tid = lid.y * {tx}u + lid.x;
     var acc0 = vec4<f32>(); var acc1 = vec4<f32>(); var acc2 = vec4<f32>(); var acc3 = vec4<f32>();
     for (var k0 = 0u; k0 < {k}u; k0 = k0 + 16u) {{
-        for (var q = 0u; q < 4u; q++) {{
-            let e = tid + q * 256u;
+        for (var q = 0u; q < {qa}u; q++) {{
+            let e = tid + q * {threads}u;
             let ka = e % 16u; let ma = e / 16u;
             var va = 0.0;
             if (row0 + ma < {m}u && k0 + ka < {k}u) {{ va = load_a(z, row0 + ma, k0 + ka); }}
-            As[ka * 64u + ma] = va;
-            let nb = e % 64u; let kb = e / 64u;
+            As[ka * {tm}u + ma] = va;
+        }}
+        for (var q = 0u; q < {qb}u; q++) {{
+            let e = tid + q * {threads}u;
+            let nb = e % {tn}u; let kb = e / {tn}u;
             var vb = 0.0;
             if (col0 + nb < {n}u && k0 + kb < {k}u) {{ vb = load_b(z, k0, kb, col0 + nb); }}
-            Bs[kb * 64u + nb] = vb;
+            Bs[kb * {tn}u + nb] = vb;
         }}
         workgroupBarrier();
         for (var kk = 0u; kk < 16u; kk++) {{
-            let ai = kk * 64u + lid.y * 4u;
-            let bi = kk * 64u + lid.x * 4u;
+            let ai = kk * {tm}u + lid.y * 4u;
+            let bi = kk * {tn}u + lid.x * 4u;
             let b = vec4<f32>(Bs[bi], Bs[bi + 1u], Bs[bi + 2u], Bs[bi + 3u]);
             acc0 = acc0 + As[ai] * b;
             acc1 = acc1 + As[ai + 1u] * b;
@@ -59,7 +82,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         }}
     }}
 }}
-"
+",
+        sa = 16 * tm,
+        sb = 16 * tn,
     )
 }
 
@@ -197,8 +222,8 @@ impl Gemm {
             return (
                 funcs + &gemm(self.m, self.n, self.k),
                 [
-                    self.n.div_ceil(64) as u32,
-                    self.m.div_ceil(64) as u32,
+                    self.n.div_ceil(portable_tile(self.n)) as u32,
+                    self.m.div_ceil(portable_tile(self.m)) as u32,
                     self.batch as u32,
                 ],
                 None,

@@ -5,34 +5,49 @@
 
 use super::lit;
 
-/// Workgroup-wide sum and max of one value per thread (256 threads). The
-/// portable form reduces a tree in workgroup memory; the subgroup form
-/// reduces within each subgroup in registers, then across subgroups.
-pub(super) const REDUCE_TREE: &str = r#"
-var<workgroup> red: array<f32, 256>;
-fn wg_sum(v: f32, t: u32) -> f32 {
+/// Threads of a row-wise kernel's workgroup for rows of `len`: 256, or
+/// fewer (at least 32) for shorter rows, whose other threads would only
+/// join the reductions. On lavapipe a workgroup costs in proportion to
+/// its threads whether they work or not: a layer norm over rows of 32
+/// took ~6.5 ms at 256 threads.
+pub(super) fn row_threads(len: usize) -> usize {
+    len.next_power_of_two().clamp(32, 256)
+}
+
+/// Workgroup-wide sum and max of one value per thread (`threads` of
+/// them, a power of two up to 256). The portable form reduces a tree in
+/// workgroup memory; the subgroup form reduces within each subgroup in
+/// registers, then across subgroups.
+fn reduce_tree(threads: usize) -> String {
+    let half = threads / 2;
+    format!(
+        r#"
+var<workgroup> red: array<f32, {threads}>;
+fn wg_sum(v: f32, t: u32) -> f32 {{
     red[t] = v;
     workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (t < s) { red[t] = red[t] + red[t + s]; }
+    for (var s = {half}u; s > 0u; s = s >> 1u) {{
+        if (t < s) {{ red[t] = red[t] + red[t + s]; }}
         workgroupBarrier();
-    }
+    }}
     let r = red[0];
     workgroupBarrier();
     return r;
-}
-fn wg_max(v: f32, t: u32) -> f32 {
+}}
+fn wg_max(v: f32, t: u32) -> f32 {{
     red[t] = v;
     workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (t < s) { red[t] = max(red[t], red[t + s]); }
+    for (var s = {half}u; s > 0u; s = s >> 1u) {{
+        if (t < s) {{ red[t] = max(red[t], red[t + s]); }}
         workgroupBarrier();
-    }
+    }}
     let r = red[0];
     workgroupBarrier();
     return r;
+}}
+"#
+    )
 }
-"#;
 
 pub(super) const REDUCE_SUBGROUP: &str = r#"
 var<workgroup> red: array<f32, 256>;
@@ -63,24 +78,24 @@ fn wg_max(v: f32, t: u32) -> f32 {
 const SG_PARAMS: &str = ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_id) sgid: u32, @builtin(num_subgroups) nsg: u32";
 const SG_SETUP: &str = "sg_lane = sgi; sg_index = sgid; sg_count = nsg;";
 
-/// The reduction helpers, the entry point's extra parameters and their
-/// setup line, for the chosen reduction form.
-fn reductions(subgroups: bool) -> (&'static str, &'static str, &'static str) {
+/// The reduction helpers for `threads` threads, the entry point's extra
+/// parameters and their setup line, for the chosen reduction form.
+fn reductions(subgroups: bool, threads: usize) -> (String, &'static str, &'static str) {
     if subgroups {
-        (REDUCE_SUBGROUP, SG_PARAMS, SG_SETUP)
+        (REDUCE_SUBGROUP.into(), SG_PARAMS, SG_SETUP)
     } else {
-        (REDUCE_TREE, "", "")
+        (reduce_tree(threads), "", "")
     }
 }
 
-/// The entry point of a row-wise kernel: 256 threads, with the
+/// The entry point of a row-wise kernel of `threads` threads, with the
 /// reductions' parameters.
-fn entry(subgroups: bool) -> String {
-    let (reduce, params, _) = reductions(subgroups);
+fn entry(subgroups: bool, threads: usize) -> String {
+    let (reduce, params, _) = reductions(subgroups, threads);
     format!(
         "
 {reduce}
-@compute @workgroup_size(256)
+@compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>{params}) {{
 "
     )
@@ -132,10 +147,11 @@ pub(super) struct RowNorm {
 
 impl RowNorm {
     pub(super) fn wgsl(&self, subgroups: bool) -> String {
-        let (_, _, setup) = reductions(subgroups);
         let RowNorm {
             rows, len, center, ..
         } = *self;
+        let threads = row_threads(len);
+        let (_, _, setup) = reductions(subgroups, threads);
         let read = if self.viewed {
             "rd0(off0(base + j))"
         } else {
@@ -150,13 +166,13 @@ impl RowNorm {
     var mean = 0.0;
     if ({center}) {{
         var s = 0.0;
-        for (var j = t; j < {len}u; j = j + 256u) {{ s = s + {read}; }}
+        for (var j = t; j < {len}u; j = j + {threads}u) {{ s = s + {read}; }}
         mean = wg_sum(s, t) / f32({len}u);
     }}
     var q = 0.0;
-    for (var j = t; j < {len}u; j = j + 256u) {{ let d = {read} - mean; q = q + d * d; }}
+    for (var j = t; j < {len}u; j = j + {threads}u) {{ let d = {read} - mean; q = q + d * d; }}
     let rstd = inverseSqrt(wg_sum(q, t) / f32({len}u) + {eps});
-    for (var j = t; j < {len}u; j = j + 256u) {{
+    for (var j = t; j < {len}u; j = j + {threads}u) {{
         var y = ({read} - mean) * rstd;
         {affine}
         let oi = base + j;
@@ -164,7 +180,7 @@ impl RowNorm {
     }}
 }}
 ",
-            entry = entry(subgroups),
+            entry = entry(subgroups, threads),
             eps = lit(self.eps),
             affine = self.affine.wgsl(),
         )
@@ -213,7 +229,7 @@ impl SplitNorm {
     /// The start of both passes: the workgroup's (row, chunk), its thread,
     /// and the chunk's element range within the row.
     fn setup(&self, subgroups: bool) -> String {
-        let (_, _, setup) = reductions(subgroups);
+        let (_, _, setup) = reductions(subgroups, 256);
         let SplitNorm {
             rows,
             per,
@@ -249,7 +265,7 @@ impl SplitNorm {
     if (t == 0u) {{ part[id * 2u] = mean; part[id * 2u + 1u] = m2; }}
 }}
 ",
-            entry(subgroups),
+            entry(subgroups, 256),
             self.setup(subgroups)
         )
     }
@@ -283,7 +299,7 @@ impl SplitNorm {
     }}
 }}
 ",
-            entry = entry(subgroups),
+            entry = entry(subgroups, 256),
             setup = self.setup(subgroups),
             eps = lit(self.eps),
             affine = self.affine.wgsl(),
@@ -301,8 +317,9 @@ pub(super) struct Softmax {
 
 impl Softmax {
     pub(super) fn wgsl(&self, subgroups: bool) -> String {
-        let (_, _, setup) = reductions(subgroups);
         let Softmax { rows, len, inner } = *self;
+        let threads = row_threads(len);
+        let (_, _, setup) = reductions(subgroups, threads);
         format!(
             "{entry}    {setup}
     let row = wg.x + wg.y * 65535u;
@@ -311,18 +328,18 @@ impl Softmax {
     let o = row / {inner}u; let i = row % {inner}u;
     let base = o * {len}u * {inner}u + i;
     var m = -3.4028235e38;
-    for (var j = t; j < {len}u; j = j + 256u) {{ m = max(m, rd0(base + j * {inner}u)); }}
+    for (var j = t; j < {len}u; j = j + {threads}u) {{ m = max(m, rd0(base + j * {inner}u)); }}
     m = wg_max(m, t);
     var sum = 0.0;
-    for (var j = t; j < {len}u; j = j + 256u) {{ sum = sum + exp(rd0(base + j * {inner}u) - m); }}
+    for (var j = t; j < {len}u; j = j + {threads}u) {{ sum = sum + exp(rd0(base + j * {inner}u) - m); }}
     sum = wg_sum(sum, t);
-    for (var j = t; j < {len}u; j = j + 256u) {{
+    for (var j = t; j < {len}u; j = j + {threads}u) {{
         let oi = base + j * {inner}u;
         wr(oi, epi(exp(rd0(oi) - m) / sum, oi));
     }}
 }}
 ",
-            entry = entry(subgroups),
+            entry = entry(subgroups, threads),
         )
     }
 }
