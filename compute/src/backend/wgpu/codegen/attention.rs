@@ -1,4 +1,4 @@
-//! The attention kernels: the portable flash-attention form (64 queries a
+//! The attention kernels: the portable flash-attention form (up to 64 queries a
 //! workgroup, online softmax over staged key blocks) and the cooperative
 //! (tensor-core) forms, single- and two-pass, as WGSL generated from
 //! their shapes.
@@ -7,7 +7,8 @@ use super::*;
 
 /// Attention with online softmax (flash-attention style, no sq×skv
 /// buffer): a workgroup of 64 threads takes 64 queries of one (batch,
-/// head), each thread one query; blocks of keys and values are staged in
+/// head) (16 or 32 of each where the sequence is that short), each thread
+/// one query; blocks of keys and values are staged in
 /// workgroup memory once for all 64, and each key is folded into the
 /// thread's running max, sum and output as it is scored (a per-block
 /// score array spills to local memory on NVIDIA and ran slower).
@@ -38,12 +39,16 @@ pub(super) fn attention(
             return code;
         }
     }
-    const Q: usize = 64;
+    // Queries per workgroup: 64, or as few as 16 for shorter sequences
+    // (every thread runs the whole key loop, in bounds or not).
+    let q = sq.next_power_of_two().clamp(16, 64);
     // Keys per block: K and V blocks together within the workgroup memory
-    // (at most 24 KiB, leaving room on 32 KiB adapters).
+    // (at most 24 KiB, leaving room on 32 KiB adapters), and no more
+    // keys than threads, so a thread's staging loop runs at most `d`
+    // trips, as with 64 of each.
     let room = (caps.workgroup_memory as usize).min(24576);
     let mut kb = 64;
-    while kb > 1 && kb * (d + dv) * 4 > room {
+    while kb > 1 && (kb * (d + dv) * 4 > room || kb > q) {
         kb /= 2;
     }
     let mask = if masked {
@@ -54,7 +59,7 @@ pub(super) fn attention(
     } else {
         String::new()
     };
-    let qblocks = sq.div_ceil(Q);
+    let qblocks = sq.div_ceil(q);
     let blocks = bh * qblocks;
     // Copies the block of keys from `j0` of `input` (rows `width` wide)
     // into `array`, zeros past the last key.
@@ -63,7 +68,7 @@ pub(super) fn attention(
             "        ",
             "lid.x",
             kb * width,
-            Q,
+            q,
             &format!(
                 "            let jj = e / {width}u; var v = 0.0;
             if (j0 + jj < {skv}u) {{ v = {input}({offset}(bh, j0 + jj, e % {width}u)); }}
@@ -75,12 +80,12 @@ pub(super) fn attention(
     let code = format!(
         "var<workgroup> Ks: array<f32, {kl}>;
 var<workgroup> Vs: array<f32, {vl}>;
-@compute @workgroup_size({Q})
+@compute @workgroup_size({q})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {{
     let blk = wg.x + wg.y * 65535u;
     if (blk >= {blocks}u) {{ return; }}
     let bh = blk / {qblocks}u;
-    let i = (blk % {qblocks}u) * {Q}u + lid.x;
+    let i = (blk % {qblocks}u) * {q}u + lid.x;
     let qi = min(i, {sqm}u);
     var qr: array<f32, {d}>;
     for (var t = 0u; t < {d}u; t++) {{ qr[t] = rd0(q_off(bh, qi, t)) * {sc}; }}
