@@ -6,10 +6,10 @@
 use super::*;
 
 /// Attention with online softmax (flash-attention style, no sq×skv
-/// buffer): a workgroup of 64 threads takes 64 queries of one (batch,
-/// head) (16 or 32 of each where the sequence is that short), each thread
-/// one query; blocks of keys and values are staged in
-/// workgroup memory once for all 64, and each key is folded into the
+/// buffer): a workgroup takes 64 queries of one (batch, head), or 16 or
+/// 32 where the sequence is that short, a thread each; blocks of keys
+/// and values are staged in workgroup memory once for all of them, and
+/// each key is folded into the
 /// thread's running max, sum and output as it is scored (a per-block
 /// score array spills to local memory on NVIDIA and ran slower).
 #[allow(clippy::too_many_arguments)]

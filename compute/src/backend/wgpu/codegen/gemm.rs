@@ -10,7 +10,7 @@ use super::*;
 /// a few tokens) does not compute a 64-wide tile of which a quarter is
 /// kept: every lane of a workgroup runs its whole loop whatever part of
 /// the tile is in bounds.
-pub(super) fn portable_tile(len: usize) -> usize {
+fn portable_tile(len: usize) -> usize {
     match len {
         0..=16 => 16,
         17..=32 => 32,

@@ -10,9 +10,13 @@ use super::lit;
 /// join the reductions. On lavapipe a workgroup costs in proportion to
 /// its threads whether they work or not: a layer norm over rows of 32
 /// took ~6.5 ms at 256 threads.
-pub(super) fn row_threads(len: usize) -> usize {
-    len.next_power_of_two().clamp(32, 256)
+fn row_threads(len: usize) -> usize {
+    len.next_power_of_two().clamp(32, MAX_THREADS)
 }
+
+/// Threads of the widest row-wise workgroup, and of a split group
+/// norm's (its rows are long by construction).
+const MAX_THREADS: usize = 256;
 
 /// Workgroup-wide sum and max of one value per thread (`threads` of
 /// them, a power of two up to 256). The portable form reduces a tree in
@@ -78,20 +82,23 @@ fn wg_max(v: f32, t: u32) -> f32 {
 const SG_PARAMS: &str = ", @builtin(subgroup_invocation_id) sgi: u32, @builtin(subgroup_id) sgid: u32, @builtin(num_subgroups) nsg: u32";
 const SG_SETUP: &str = "sg_lane = sgi; sg_index = sgid; sg_count = nsg;";
 
-/// The reduction helpers for `threads` threads, the entry point's extra
-/// parameters and their setup line, for the chosen reduction form.
-fn reductions(subgroups: bool, threads: usize) -> (String, &'static str, &'static str) {
+/// The setup line the subgroup reductions need at the top of `main`.
+fn setup_line(subgroups: bool) -> &'static str {
     if subgroups {
-        (REDUCE_SUBGROUP.into(), SG_PARAMS, SG_SETUP)
+        SG_SETUP
     } else {
-        (reduce_tree(threads), "", "")
+        ""
     }
 }
 
-/// The entry point of a row-wise kernel of `threads` threads, with the
-/// reductions' parameters.
+/// The entry point of a row-wise kernel of `threads` threads, after the
+/// reduction helpers of the chosen form (with their parameters).
 fn entry(subgroups: bool, threads: usize) -> String {
-    let (reduce, params, _) = reductions(subgroups, threads);
+    let (reduce, params) = if subgroups {
+        (REDUCE_SUBGROUP.to_string(), SG_PARAMS)
+    } else {
+        (reduce_tree(threads), "")
+    };
     format!(
         "
 {reduce}
@@ -151,7 +158,7 @@ impl RowNorm {
             rows, len, center, ..
         } = *self;
         let threads = row_threads(len);
-        let (_, _, setup) = reductions(subgroups, threads);
+        let setup = setup_line(subgroups);
         let read = if self.viewed {
             "rd0(off0(base + j))"
         } else {
@@ -204,7 +211,7 @@ pub(super) fn norm_split(rows: usize, per: usize) -> Option<(usize, usize)> {
     let want = NORM_SPLIT_TARGET
         .div_ceil(rows)
         .min(per / NORM_MIN_CHUNK)
-        .min(256);
+        .min(MAX_THREADS);
     if want < 2 {
         return None;
     }
@@ -229,7 +236,7 @@ impl SplitNorm {
     /// The start of both passes: the workgroup's (row, chunk), its thread,
     /// and the chunk's element range within the row.
     fn setup(&self, subgroups: bool) -> String {
-        let (_, _, setup) = reductions(subgroups, 256);
+        let setup = setup_line(subgroups);
         let SplitNorm {
             rows,
             per,
@@ -257,15 +264,15 @@ impl SplitNorm {
         format!(
             "{}    {}
     var s = 0.0;
-    for (var j = lo + t; j < hi; j = j + 256u) {{ s = s + rd0(base + j); }}
+    for (var j = lo + t; j < hi; j = j + {MAX_THREADS}u) {{ s = s + rd0(base + j); }}
     let mean = wg_sum(s, t) / f32(hi - lo);
     var q = 0.0;
-    for (var j = lo + t; j < hi; j = j + 256u) {{ let d = rd0(base + j) - mean; q = q + d * d; }}
+    for (var j = lo + t; j < hi; j = j + {MAX_THREADS}u) {{ let d = rd0(base + j) - mean; q = q + d * d; }}
     let m2 = wg_sum(q, t);
     if (t == 0u) {{ part[id * 2u] = mean; part[id * 2u + 1u] = m2; }}
 }}
 ",
-            entry(subgroups, 256),
+            entry(subgroups, MAX_THREADS),
             self.setup(subgroups)
         )
     }
@@ -291,7 +298,7 @@ impl SplitNorm {
     let mean = wg_sum(cnt * cm, t) / f32({per}u);
     let dm = cm - mean;
     let rstd = inverseSqrt(wg_sum(cq + cnt * dm * dm, t) / f32({per}u) + {eps});
-    for (var j = lo + t; j < hi; j = j + 256u) {{
+    for (var j = lo + t; j < hi; j = j + {MAX_THREADS}u) {{
         var y = (rd0(base + j) - mean) * rstd;
         {affine}
         let oi = base + j;
@@ -299,7 +306,7 @@ impl SplitNorm {
     }}
 }}
 ",
-            entry = entry(subgroups, 256),
+            entry = entry(subgroups, MAX_THREADS),
             setup = self.setup(subgroups),
             eps = lit(self.eps),
             affine = self.affine.wgsl(),
@@ -319,7 +326,7 @@ impl Softmax {
     pub(super) fn wgsl(&self, subgroups: bool) -> String {
         let Softmax { rows, len, inner } = *self;
         let threads = row_threads(len);
-        let (_, _, setup) = reductions(subgroups, threads);
+        let setup = setup_line(subgroups);
         format!(
             "{entry}    {setup}
     let row = wg.x + wg.y * 65535u;
