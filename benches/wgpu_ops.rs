@@ -270,6 +270,15 @@ fn main() {
                     paths.push((name.to_string(), g));
                 }
             }
+            // Staged operands element by element, as before they were
+            // read in 16-byte units.
+            if let Ok(g) = WgpuBackend::with_options(&Options {
+                adapter: adapter.clone(),
+                vector_staging: false,
+                ..Options::default()
+            }) {
+                paths.push(("coop element loads".to_string(), g));
+            }
         }
         _ => println!("wgpu_ops: no cooperative-matrix path on this adapter"),
     }

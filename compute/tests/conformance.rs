@@ -708,6 +708,83 @@ fn large_products_use_every_tile_shape() {
     check_all(g, 13, 1e-9, 0).expect("conv, direct weights");
 }
 
+#[test]
+fn staged_operands_in_16_byte_units() {
+    // Views whose unit-stride axis and offsets are whole 16-byte units
+    // are staged a unit at a time on the cooperative paths: A along its
+    // depth and along its rows (transposed), B along its columns and
+    // along its depth (a linear's weight), at an offset into its tensor
+    // (a slice), with edges that are not whole blocks. Depths and widths
+    // that are whole units but not whole depth steps end inside a step.
+    //
+    // Attention stages K and V in units where its views allow.
+    //
+    // The suite's cooperative paths keep activations in f32 (units of 4);
+    // f16 activations (units of 8) run here too, on staged tiles with
+    // two workgroup stages.
+    static HALF: GpuSlot = std::sync::OnceLock::new();
+    let half = coop_slot(
+        &HALF,
+        Options {
+            f16_activations: true,
+            gemm_tiles: sdkit_compute::backend::wgpu::codegen::tilings()
+                .into_iter()
+                .find(|t| !t.direct),
+            double_buffer: true,
+            emulate_coopmat: true,
+            poison_workgroup_memory: true,
+            ..Options::default()
+        },
+    );
+    let graphs = [
+        (
+            "A along depth, sliced B along columns",
+            build(|g| {
+                g.input("a", &[2, 70, 40])?
+                    .matmul(g.input("b", &[2, 40, 88])?.slice(2, 8, 88)?)
+            }),
+        ),
+        (
+            "A along rows",
+            build(|g| {
+                g.input("a", &[2, 24, 40])?
+                    .transpose(1, 2)?
+                    .matmul(g.input("b", &[2, 24, 20])?)
+            }),
+        ),
+        (
+            "sliced A, B along depth",
+            build(|g| {
+                g.input("a", &[3, 50, 48])?
+                    .slice(2, 8, 48)?
+                    .linear(g.weight("w", &[36, 40])?, Some(g.weight("bias", &[36])?))
+            }),
+        ),
+        (
+            // K and V as heads of a [batch, tokens, heads·width] tensor
+            // (as split from a projection), over several key blocks.
+            "attention, head views",
+            build(|g| {
+                let heads = |name: &str, len: usize| -> Result<T<'_>, ShapeError> {
+                    g.input(name, &[1, len, 2, 40])?.transpose(1, 2)
+                };
+                heads("q", 70)?.attention(heads("k", 150)?, heads("v", 150)?, None, 0.16)
+            }),
+        ),
+    ];
+    for (seed, (what, g)) in graphs.into_iter().enumerate() {
+        let inputs = inputs_for(&g, seed as u64, 0);
+        let want = evaluate(&g, &inputs).expect("reference");
+        let prog = plan(&g).expect("plans");
+        if half.is_some() {
+            let got = run_on(half, &prog, &inputs).expect(what);
+            let err = nmse(&got[0].data, &want[0].data);
+            assert!(err <= F16_NMSE, "{what}: f16 activations, nmse {err:e}");
+        }
+        check_inputs(g, &inputs, 1e-9, true).expect(what);
+    }
+}
+
 /// A 3×3 convolution's parameters that keep the image size.
 fn same_3x3() -> Conv2dParams {
     Conv2dParams {

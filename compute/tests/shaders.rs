@@ -202,6 +202,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 split_k: true,
                 prefetch: false,
                 double_buffer: false,
+                vector_staging: true,
             },
         ),
         (
@@ -215,6 +216,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 split_k: true,
                 prefetch: false,
                 double_buffer: false,
+                vector_staging: true,
             },
         ),
     ];
@@ -269,6 +271,17 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
             },
         ));
     }
+    // Staged tilings reading element by element (the comparison rows).
+    for tiles in tilings().into_iter().filter(|t| !t.direct) {
+        caps.push((
+            "coop16, staged, element loads",
+            Caps {
+                gemm_tiles: Some(tiles),
+                vector_staging: false,
+                ..caps[2].1
+            },
+        ));
+    }
     // The emulated fragments CI runs on lavapipe (8 lanes), both forms.
     for two_pass_attention in [false, true] {
         caps.push((
@@ -300,7 +313,14 @@ fn every_kernel_form_compiles_for_every_capability_set() {
             let k = &prog.kernels[kernel.0 as usize];
             for (cname, cap) in &caps {
                 for f16 in [false, true] {
-                    let mut ops = vec![Operand::whole(f16); k.inputs.len() + 1];
+                    // Each operand as long as its buffer, so products
+                    // stage whole-unit views in 16-byte units.
+                    let mut ops: Vec<Operand> = k
+                        .inputs
+                        .iter()
+                        .chain([&k.output])
+                        .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
+                        .collect();
                     // Conv weights as the backend stores them.
                     if let KernelKind::Conv2d { kh, kw, .. } = &k.kind {
                         ops[1].taps_first = conv_taps_first(cap.coop.is_some(), kh * kw);
@@ -358,6 +378,60 @@ fn every_kernel_form_compiles_for_every_capability_set() {
 }
 
 #[test]
+fn staged_views_load_whole_units() {
+    // A linear with depth 64 on staged tiles: the activations (A, along
+    // the depth) and the weight (B, depth-contiguous) are whole units,
+    // read as `vec4<u32>` (f16) or `vec4<f32>`; element loads only when
+    // asked.
+    let g = GraphBuilder::new();
+    let y = g
+        .input("a", &[2, 100, 64])
+        .and_then(|a| a.linear(g.weight("w", &[48, 64])?, None));
+    let prog = plan(&g.finish(&[y.expect("linear")])).expect("plan");
+    let k = prog
+        .kernels
+        .iter()
+        .find(|k| k.kind.name() == "matmul")
+        .expect("a matmul");
+    let staged = tilings().into_iter().find(|t| !t.direct);
+    let caps = all_caps()[2].1;
+    for (f16, unit) in [(true, "vec4<u32>"), (false, "vec4<f32>")] {
+        let ops: Vec<Operand> = k
+            .inputs
+            .iter()
+            .chain([&k.output])
+            .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
+            .collect();
+        for vector_staging in [true, false] {
+            let cap = Caps {
+                gemm_tiles: staged,
+                vector_staging,
+                ..caps
+            };
+            let src = generate(k, &ops, &cap).expect("generates").source;
+            for j in 0..2 {
+                let declared = format!("in{j}_0: array<{unit}>");
+                assert_eq!(
+                    src.contains(&declared),
+                    vector_staging,
+                    "f16 {f16}: {declared}"
+                );
+                assert_eq!(src.contains(&format!("vld{j}(")), vector_staging);
+            }
+        }
+        // A tensor of a partial unit is staged element by element.
+        let mut short = ops.clone();
+        short[0] = short[0].with_len(100 * 64 * 2 + 1);
+        let cap = Caps {
+            gemm_tiles: staged,
+            ..caps
+        };
+        let src = generate(k, &short, &cap).expect("generates").source;
+        assert!(!src.contains("vld0(") && src.contains("vld1("), "f16 {f16}");
+    }
+}
+
+#[test]
 fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
     // SD1.5's 1280-channel 3×3 convs, batch 2, on 16×16 fragments: at 8²
     // and 16² the output tiles alone are 20 and 80 workgroups, so the
@@ -376,6 +450,7 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
         split_k: true,
         prefetch: false,
         double_buffer: false,
+        vector_staging: true,
     };
     let p = Conv2dParams {
         stride: [1; 2],

@@ -247,6 +247,7 @@ impl WgpuBackend {
             split_k: opts.split_k,
             prefetch: opts.prefetch,
             double_buffer: opts.double_buffer,
+            vector_staging: opts.vector_staging,
         };
         Ok(WgpuBackend {
             f16_weights: f16,
@@ -672,7 +673,7 @@ impl WgpuBackend {
             let op = if bytes <= limit {
                 codegen::Operand {
                     taps_first,
-                    ..codegen::Operand::whole(half)
+                    ..codegen::Operand::whole(half).with_len(b.len)
                 }
             } else {
                 // Chunks start on the storage offset alignment.
@@ -684,6 +685,7 @@ impl WgpuBackend {
                     chunk_elems: (chunk_bytes / elem) as usize,
                     taps_first,
                     quant: None,
+                    len: Some(b.len),
                 }
             };
             operands.push((op, bytes));

@@ -41,6 +41,10 @@ pub struct Options {
     /// ([`codegen::Caps::double_buffer`]); off until a GPU run shows it
     /// helps.
     pub double_buffer: bool,
+    /// Staged cooperative operands read in 16-byte units where their
+    /// layout allows ([`codegen::Caps::vector_staging`]); off only to
+    /// compare.
+    pub vector_staging: bool,
     /// Compile shaders with all of wgpu's runtime checks: index clamping
     /// on every array access, a counter bounding every loop, guarded
     /// integer division and zeroed workgroup memory. Off by default: the
@@ -114,6 +118,7 @@ impl Default for Options {
             split_k: true,
             prefetch: false,
             double_buffer: false,
+            vector_staging: true,
             shader_checks: false,
             bounds_checks: false,
             poison_workgroup_memory: false,

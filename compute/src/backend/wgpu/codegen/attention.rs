@@ -3,6 +3,7 @@
 //! (tensor-core) forms, single- and two-pass, as WGSL generated from
 //! their shapes.
 
+use super::gemm::{unit_writes, unit_zero};
 use super::*;
 
 /// Attention with online softmax (flash-attention style, no sq×skv
@@ -22,6 +23,7 @@ pub(super) fn attention(
     scale: f32,
     masked: bool,
     caps: &Caps,
+    units: Units,
 ) -> (String, [u32; 3]) {
     // Every form scores in base 2: log2(e) folded into the queries' scale
     // (and into the mask's term) makes each exp(x) an exp2, the GPU's
@@ -31,10 +33,10 @@ pub(super) fn attention(
         let single = if caps.two_pass_attention {
             None
         } else {
-            attention_coop_single(bh, sq, skv, d, dv, scale, masked, c, caps)
+            attention_coop_single(bh, sq, skv, d, dv, scale, masked, c, caps, units)
         };
         if let Some(code) =
-            single.or_else(|| attention_coop(bh, sq, skv, d, dv, scale, masked, c, caps))
+            single.or_else(|| attention_coop(bh, sq, skv, d, dv, scale, masked, c, caps, units))
         {
             return code;
         }
@@ -190,7 +192,14 @@ pub(super) struct CoopAttention {
     threads: usize,
     qblocks: usize,
     blocks: usize,
+    units: Units,
 }
+
+/// Elements per 16-byte unit in which K (`[1]`) and V (`[2]`) may be
+/// read when staged (`[0]`, Q, is staged once per workgroup, element by
+/// element): views of whole-unit bindings with the head contiguous and
+/// every other stride, the offset and the head's width whole units.
+pub(super) type Units = [Option<usize>; 3];
 
 /// Subgroups per cooperative attention workgroup.
 pub(super) const COOP_ATTN_SUBGROUPS: usize = 4;
@@ -208,6 +217,7 @@ impl CoopAttention {
         caps: &Caps,
         lanes_per_row: usize,
         extra_bytes: usize,
+        units: Units,
     ) -> Option<Self> {
         const NS: usize = COOP_ATTN_SUBGROUPS;
         let t = c.tile as usize;
@@ -250,6 +260,7 @@ impl CoopAttention {
             threads: NS * lanes,
             qblocks,
             blocks: bh * qblocks,
+            units,
         })
     }
 
@@ -315,25 +326,48 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     /// Stages the key block at `j0` into `KQ` (zeros past the keys and the
     /// head).
     fn stage_k(&self) -> String {
-        self.stage("KQ", "rd1", "k_off", (self.dp, self.ks), self.d)
+        self.stage("KQ", 1, "k_off", (self.dp, self.ks), self.d)
     }
 
     /// Stages the value block at `j0` into `Vs`.
     fn stage_v(&self) -> String {
-        self.stage("Vs", "rd2", "v_off", (self.dvp, self.vs), self.dv)
+        self.stage("Vs", 2, "v_off", (self.dvp, self.vs), self.dv)
     }
 
-    /// Copies `bk` rows (keys from `j0`) of `input` (rows `width` wide,
+    /// Copies `bk` rows (keys from `j0`) of input `j` (rows `width` wide,
     /// addressed by `offset`) into `array` as f16 rows `padded` wide,
-    /// `stride` apart.
+    /// `stride` apart: in 16-byte units where the input allows
+    /// ([`Units`]), neighbouring threads taking neighbouring units.
     fn stage(
         &self,
         array: &str,
-        input: &str,
+        j: usize,
         offset: &str,
         (padded, stride): (usize, usize),
         width: usize,
     ) -> String {
+        if let Some(w) = self.units[j] {
+            // Units per padded row (the head's width is whole units, so a
+            // unit is wholly in the head or wholly padding).
+            let per_row = padded / w;
+            return strided(
+                "        ",
+                "tid",
+                self.bk * per_row,
+                self.threads,
+                &format!(
+                    "            let kr = e / {per_row}u; let t = (e % {per_row}u) * {w}u;
+            var v = {zero};
+            if (j0 + kr < {skv}u && t < {width}u) {{ v = vld{j}({offset}(bh, j0 + kr, t) / {w}u); }}
+            {write}
+",
+                    zero = unit_zero(w),
+                    skv = self.skv,
+                    write = unit_writes(array, &format!("kr * {stride}u + t"), "v", w, 1),
+                ),
+            );
+        }
+        let input = format!("rd{j}");
         self.by_rows(
             "        ",
             self.bk,
@@ -427,6 +461,7 @@ pub(super) fn attention_coop_single(
     masked: bool,
     c: Coop,
     caps: &Caps,
+    units: Units,
 ) -> Option<(String, [u32; 3])> {
     let t = c.tile as usize;
     let lanes = c.subgroup as usize;
@@ -439,7 +474,7 @@ pub(super) fn attention_coop_single(
         return None;
     }
     let cpl = t / lpr;
-    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, lpr, 4)?;
+    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, lpr, 4, units)?;
     let (bk, dvp) = (a.bk, a.dvp);
     let kpl = bk / lpr;
     let ofrags = dvp / t;
@@ -613,6 +648,7 @@ pub(super) fn attention_coop(
     masked: bool,
     c: Coop,
     caps: &Caps,
+    units: Units,
 ) -> Option<(String, [u32; 3])> {
     let t = c.tile as usize;
     let lanes = c.subgroup as usize;
@@ -621,7 +657,7 @@ pub(super) fn attention_coop(
     }
     // The row sums, for the epilogue.
     let ll = COOP_ATTN_SUBGROUPS * t;
-    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, 1, ll * 4)?;
+    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, 1, ll * 4, units)?;
     let (bk, dvp) = (a.bk, a.dvp);
     let ofrags = dvp / t;
     let mut odecl = String::new();

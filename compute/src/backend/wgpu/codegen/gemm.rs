@@ -106,6 +106,10 @@ pub(super) struct Gemm {
     pub(super) direct_a: Option<Direct>,
     /// B's columns read straight from its f16 binding, where possible.
     pub(super) direct_b: Option<Direct>,
+    /// A staged in 16-byte units, where its layout allows.
+    pub(super) vector_a: Option<Vector>,
+    /// B staged in 16-byte units, where its layout allows.
+    pub(super) vector_b: Option<Vector>,
 }
 
 /// An operand stored as f16 in one binding with its depth index
@@ -143,6 +147,88 @@ impl Direct {
             z_stride,
             stride,
         })
+    }
+}
+
+/// An operand read in 16-byte units (8 f16 or 4 f32 elements) when it
+/// is staged: one load per unit instead of one per element, the unit
+/// running along the operand's contiguous axis. Its element (z, R, C)
+/// (A: row, depth; B: depth, column) is at `offset + z·z_stride +
+/// R·strides[0] + C·strides[1]`, one of the strides 1; every other
+/// stride and the offset are whole units, so a unit that starts on a
+/// multiple of `width` along the contiguous axis is one aligned load.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Vector {
+    /// The input whose binding (of whole units) holds it.
+    pub(super) input: usize,
+    pub(super) offset: usize,
+    pub(super) z_stride: usize,
+    pub(super) strides: [usize; 2],
+    /// Elements per unit: 8 (f16) or 4 (f32).
+    pub(super) width: usize,
+}
+
+impl Vector {
+    /// For operand `j` bound as `op`, viewed with these offset and
+    /// strides, where the layout allows (see the type).
+    pub(super) fn of(
+        j: usize,
+        op: &Operand,
+        offset: usize,
+        z_stride: usize,
+        strides: [usize; 2],
+    ) -> Option<Self> {
+        let width = op.unit()?;
+        let whole = |x: usize| x.is_multiple_of(width);
+        let aligned = whole(offset)
+            && whole(z_stride)
+            && match strides {
+                [1, other] | [other, 1] => whole(other),
+                _ => false,
+            };
+        aligned.then_some(Vector {
+            input: j,
+            offset,
+            z_stride,
+            strides,
+            width,
+        })
+    }
+
+    /// The unit runs along the operand's columns (A: depth; B: output
+    /// columns), else along its rows.
+    fn along_cols(&self) -> bool {
+        self.strides[1] == 1
+    }
+}
+
+/// WGSL writing a 16-byte unit `x` (`vec4<u32>` of 8 f16, or
+/// `vec4<f32>`) into the f16 workgroup array `array`: element i at
+/// `slot + i·step`.
+pub(super) fn unit_writes(array: &str, slot: &str, x: &str, width: usize, step: usize) -> String {
+    let mut out = format!("{{ let w = {x}; let s = {slot};");
+    if width == 8 {
+        for (p, l) in ["x", "y", "z", "w"].iter().enumerate() {
+            let _ = write!(out, " let h{p} = unpack2x16float(w.{l});");
+        }
+    }
+    for i in 0..width {
+        let value = match width {
+            8 => format!("f16(h{}[{}])", i / 2, i % 2),
+            _ => format!("f16(w[{i}])"),
+        };
+        let _ = write!(out, " {array}[s + {}u] = {value};", i * step);
+    }
+    out.push_str(" }");
+    out
+}
+
+/// The zero of a 16-byte unit of `width` elements.
+pub(super) fn unit_zero(width: usize) -> &'static str {
+    if width == 8 {
+        "vec4<u32>()"
+    } else {
+        "vec4<f32>()"
     }
 }
 
@@ -279,6 +365,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let usable = |d: Option<Direct>, dim: usize| {
             d.filter(|_| tiles.direct && self.k.is_multiple_of(t) && dim.is_multiple_of(t))
         };
+        // Units need the extent along their axis to be whole units (a
+        // unit starting in range is then wholly in range).
+        let vector = |v: Option<Vector>, [rows, cols]: [usize; 2]| {
+            v.filter(|v| {
+                caps.vector_staging
+                    && if v.along_cols() { cols } else { rows }.is_multiple_of(v.width)
+            })
+        };
         // Staged tiles' rows are padded (see [`SMEM_PAD`]); neighbouring
         // threads walk the operand's contiguous axis.
         let a = match usable(self.direct_a, self.m) {
@@ -288,6 +382,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 cols: bk,
                 stride: bk + SMEM_PAD,
                 along_cols: self.a_k_contiguous,
+                vector: vector(self.vector_a, [self.m, self.k]),
             }),
         };
         let b = match usable(self.direct_b, self.n) {
@@ -297,6 +392,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 cols: bn,
                 stride: bn + SMEM_PAD,
                 along_cols: self.b_n_contiguous,
+                vector: vector(self.vector_b, [self.k, self.n]),
             }),
         };
         // Register prefetch needs whole elements per thread.
@@ -428,6 +524,24 @@ pub(super) struct Staging {
     /// Neighbouring threads take neighbouring columns (the operand's
     /// contiguous axis), else neighbouring rows: their reads coalesce.
     pub(super) along_cols: bool,
+    /// Read in 16-byte units rather than element by element.
+    pub(super) vector: Option<Vector>,
+}
+
+/// How a thread stages its units (elements, or 16-byte vectors) of one
+/// operand tile: its position in the tile (`r`, `c`), the value `v` read
+/// at a depth step (after `let v = zero`), the register form `keep` of
+/// it (prefetch holds `reg_ty`s) and the statements writing such a value
+/// into the tile.
+struct Stager<'a> {
+    reg: &'static str,
+    units: usize,
+    position: String,
+    zero: &'static str,
+    reg_ty: &'static str,
+    keep: &'static str,
+    value: Box<dyn Fn(&str) -> String + 'a>,
+    write: Box<dyn Fn(&str) -> String + 'a>,
 }
 
 /// A cooperative-matrix (tensor-core) GEMM kernel as data: each workgroup
@@ -629,12 +743,13 @@ impl CoopGemm {
                 );
             }
         }
-        // Staging: neighbouring threads take neighbouring memory. Element
-        // e = tid + se·threads of a tile `width` wide is at (e / width,
-        // e % width); where the threads are a multiple of the width each
-        // thread keeps one position along it for all its elements, said
-        // so, so the driver computes what depends on it once (a conv's
-        // output pixel, from its column).
+        // Staging: neighbouring threads take neighbouring memory. Unit
+        // (element, or 16-byte vector) e = tid + se·threads of a tile
+        // `width` units wide is at (e / width, e % width); where the
+        // threads are a multiple of the width each thread keeps one
+        // position along it for all its units, said so, so the driver
+        // computes what depends on it once (a conv's output pixel, from
+        // its column).
         let across = |width: usize| {
             if threads.is_multiple_of(width) {
                 (
@@ -645,59 +760,107 @@ impl CoopGemm {
                 (format!("e / {width}u"), format!("e % {width}u"))
             }
         };
-        // This thread's (row, column) of a staged tile's element.
-        let position = |st: &Staging| {
-            if st.along_cols {
-                across(st.cols)
-            } else {
-                let (q, rem) = across(st.rows);
-                (rem, q)
-            }
-        };
-        // The staged operands: register name, elements per step, the
-        // element's row and column, its value at depth step `K`, its slot.
-        type Value = Box<dyn Fn(&str) -> String>;
-        let mut staged: Vec<(&str, usize, String, Value, String)> = Vec::new();
+        let mut staged: Vec<Stager> = Vec::new();
         let mut shared = String::new();
-        if let Feed::Staged(st) = self.a {
-            let sa = st.stride;
-            let (a_r, a_c) = position(&st);
+        for (name, feed) in [("A", self.a), ("B", self.b)] {
+            let Feed::Staged(st) = feed else { continue };
             let _ = writeln!(
                 shared,
-                "var<workgroup> As: array<f16, {}>;",
-                self.stages * bm * sa
+                "var<workgroup> {name}s: array<f16, {}>;",
+                self.stages * st.rows * st.stride
             );
-            staged.push((
-                "a",
-                bm * bk,
-                format!("let r = {a_r}; let kc = {a_c};"),
-                Box::new(move |kv: &str| {
-                    let g = guard(&[("row0 + r", m, bm), (&format!("{kv} + kc"), k, bk)]);
-                    format!("{g}{{ v = load_a(z, row0 + r, {kv} + kc); }}")
-                }),
-                format!("As[{}r * {sa}u + kc]", filling(&st)),
-            ));
+            // The tile's element (r, c) is the operand's (row, depth) for
+            // A, (depth, column) for B, at depth step `kv`.
+            let a = name == "A";
+            let global = move |kv: &str| -> (String, String) {
+                if a {
+                    ("row0 + r".to_string(), format!("{kv} + c"))
+                } else {
+                    (format!("{kv} + r"), "col0 + c".to_string())
+                }
+            };
+            let (rows_extent, cols_extent, rows_block, cols_block) =
+                if a { (m, k, bm, bk) } else { (k, n, bk, bn) };
+            let guard_at = move |kv: &str| {
+                let (gr, gc) = global(kv);
+                guard(&[
+                    (&gr, rows_extent, rows_block),
+                    (&gc, cols_extent, cols_block),
+                ])
+            };
+            // The tile index of position (r, c).
+            let slot = format!("{}r * {}u + c", filling(&st), st.stride);
+            // Units along the contiguous axis: (units per row or column,
+            // which index is scaled by the width).
+            let stager = match st.vector {
+                None => {
+                    let (r, c) = if st.along_cols {
+                        across(st.cols)
+                    } else {
+                        let (q, rem) = across(st.rows);
+                        (rem, q)
+                    };
+                    let load = if a {
+                        |kv: &str| format!("v = load_a(z, row0 + r, {kv} + c);")
+                    } else {
+                        |kv: &str| format!("v = load_b(z, {kv}, r, col0 + c);")
+                    };
+                    Stager {
+                        reg: name,
+                        units: st.rows * st.cols,
+                        position: format!("let r = {r}; let c = {c};"),
+                        zero: "0.0",
+                        reg_ty: "f16",
+                        keep: "f16(v)",
+                        value: Box::new(move |kv| format!("{}{{ {} }}", guard_at(kv), load(kv))),
+                        write: Box::new(move |x| format!("{name}s[{slot}] = {x};")),
+                    }
+                }
+                Some(vec) => {
+                    let w = vec.width;
+                    let (r, c) = if vec.along_cols() {
+                        let (q, rem) = across(st.cols / w);
+                        (q, format!("({rem}) * {w}u"))
+                    } else {
+                        let (q, rem) = across(st.rows / w);
+                        (format!("({rem}) * {w}u"), q)
+                    };
+                    let zero = unit_zero(w);
+                    let term = |x: &str, stride: usize| match stride {
+                        1 => format!(" + {x}"),
+                        s => format!(" + ({x}) * {s}u"),
+                    };
+                    let value = move |kv: &str| {
+                        let (gr, gc) = global(kv);
+                        format!(
+                            "{}{{ v = vld{}(({}u + z * {}u{}{}) / {w}u); }}",
+                            guard_at(kv),
+                            vec.input,
+                            vec.offset,
+                            vec.z_stride,
+                            term(&gr, vec.strides[0]),
+                            term(&gc, vec.strides[1]),
+                        )
+                    };
+                    // Element i of the unit goes `i·step` past its first.
+                    let step = if vec.along_cols() { 1 } else { st.stride };
+                    let tile = format!("{name}s");
+                    let write = move |x: &str| unit_writes(&tile, &slot, x, w, step);
+                    Stager {
+                        reg: name,
+                        units: st.rows * st.cols / w,
+                        position: format!("let r = {r}; let c = {c};"),
+                        zero,
+                        reg_ty: zero.trim_end_matches("()"),
+                        keep: "v",
+                        value: Box::new(value),
+                        write: Box::new(write),
+                    }
+                }
+            };
+            staged.push(stager);
         }
-        if let Feed::Staged(st) = self.b {
-            let sb = st.stride;
-            let (b_r, b_c) = position(&st);
-            let _ = writeln!(
-                shared,
-                "var<workgroup> Bs: array<f16, {}>;",
-                self.stages * bk * sb
-            );
-            staged.push((
-                "b",
-                bk * bn,
-                format!("let kr = {b_r}; let c = {b_c};"),
-                Box::new(move |kv: &str| {
-                    let g = guard(&[(&format!("{kv} + kr"), k, bk), ("col0 + c", n, bn)]);
-                    format!("{g}{{ v = load_b(z, {kv}, kr, col0 + c); }}")
-                }),
-                format!("Bs[{}kr * {sb}u + c]", filling(&st)),
-            ));
-        }
-        // Register prefetch: each thread's elements of the next step load
+        // Register prefetch: each thread's units of the next step load
         // into registers before this step's products, so global latency
         // overlaps them; written to workgroup memory after.
         let prefetch = self.prefetch;
@@ -708,41 +871,54 @@ impl CoopGemm {
             String::new(),
             String::new(),
         );
-        for (reg, len, idx, value, at) in &staged {
-            // This thread's elements at depth step `kv`, loaded into `into`.
-            let load = |kv: &str, into: &str| {
+        for st in &staged {
+            let Stager {
+                reg,
+                units,
+                position,
+                zero,
+                reg_ty,
+                keep,
+                value,
+                write,
+            } = st;
+            // This thread's units at depth step `kv`, into the tile or
+            // into registers.
+            let load = |kv: &str, into: &dyn Fn(&str) -> String| {
                 strided(
                     "        ",
                     "tid",
-                    *len,
+                    *units,
                     threads,
                     &format!(
-                        "            {idx}
-            var v = 0.0;
+                        "            {position}
+            var v = {zero};
             {}
-            {into} = f16(v);
+            {}
 ",
-                        value(kv)
+                        value(kv),
+                        into(keep)
                     ),
                 )
             };
-            stage.push_str(&load("k0", at));
+            stage.push_str(&load("k0", write));
             if double {
-                next.push_str(&load("kn", at));
+                next.push_str(&load("kn", write));
             }
             if prefetch {
-                let per = len / threads;
-                let _ = writeln!(regs, "    var p{reg}: array<f16, {per}>;");
-                fetch.push_str(&load("kn", &format!("p{reg}[se]")));
+                let per = units / threads;
+                let _ = writeln!(regs, "    var p{reg}: array<{reg_ty}, {per}>;");
+                fetch.push_str(&load("kn", &|x| format!("p{reg}[se] = {x};")));
                 commit.push_str(&strided(
                     "        ",
                     "tid",
-                    *len,
+                    *units,
                     threads,
                     &format!(
-                        "            {idx}
-            {at} = p{reg}[se];
-"
+                        "            {position}
+            {}
+",
+                        write(&format!("p{reg}[se]"))
                     ),
                 ));
             }

@@ -237,6 +237,9 @@ pub struct Operand {
     /// A GGUF weight bound as its file's quant blocks and decoded where
     /// it is read (one binding; `f16` is false).
     pub quant: Option<Quant>,
+    /// Elements the tensor holds, where known: a product may stage a
+    /// tensor of whole 16-byte units in units ([`gemm::Vector`]).
+    pub len: Option<usize>,
 }
 
 impl Operand {
@@ -247,7 +250,25 @@ impl Operand {
             chunk_elems: usize::MAX,
             taps_first: false,
             quant: None,
+            len: None,
         }
+    }
+
+    /// The same binding, of a tensor of `len` elements.
+    pub fn with_len(self, len: usize) -> Self {
+        Operand {
+            len: Some(len),
+            ..self
+        }
+    }
+
+    /// Elements in one 16-byte unit of this binding (8 f16, 4 f32) where
+    /// it is one plain binding of whole units, which a kernel may then
+    /// read a unit at a time.
+    pub(super) fn unit(&self) -> Option<usize> {
+        let width = if self.f16 { 8 } else { 4 };
+        (self.chunks == 1 && self.quant.is_none() && self.len.is_some_and(|l| l % width == 0))
+            .then_some(width)
     }
 
     /// A weight bound as its quant blocks, in one binding.
@@ -346,6 +367,10 @@ pub struct Caps {
     /// GPU; tuning tries it). Register prefetch, where on, takes
     /// precedence.
     pub double_buffer: bool,
+    /// Staged cooperative operands that are plain views of whole 16-byte
+    /// units are read a unit at a time ([`gemm::Vector`]), not element by
+    /// element (on by default; off only to compare).
+    pub vector_staging: bool,
 }
 
 impl Caps {
@@ -361,6 +386,7 @@ impl Caps {
             split_k: true,
             prefetch: false,
             double_buffer: false,
+            vector_staging: true,
         }
     }
 }
@@ -640,7 +666,26 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             src.push_str(&off(&k.inputs[0], "q_off"));
             src.push_str(&off(&k.inputs[1], "k_off"));
             src.push_str(&off(&k.inputs[2], "v_off"));
-            let (code, tiles) = attention(*b * *h, *sq, *skv, *d, *dv, *scale, *masked, caps);
+            // K and V in 16-byte units where their views allow (a
+            // dimension of one takes any stride).
+            let unit = |j: usize, width: usize| -> Option<usize> {
+                let v = &k.inputs[j];
+                let w = operands.get(j)?.unit()?;
+                let whole = |x: usize| x.is_multiple_of(w);
+                let strided = v.strides[..3]
+                    .iter()
+                    .zip(&v.shape[..3])
+                    .all(|(&s, &n)| n == 1 || whole(s));
+                (caps.vector_staging
+                    && v.strides[3] == 1
+                    && whole(v.offset)
+                    && whole(width)
+                    && strided)
+                    .then_some(w)
+            };
+            let units = [None, unit(1, *d), unit(2, *dv)];
+            let (code, tiles) =
+                attention(*b * *h, *sq, *skv, *d, *dv, *scale, *masked, caps, units);
             src.push_str(&code);
             groups = tiles;
         }
@@ -840,6 +885,32 @@ fn bind(
             continue;
         }
         let ty = if op.f16 { "f16" } else { "f32" };
+        // A product that stages this input in 16-byte units reads it
+        // through `vld{j}(unit)`: the binding is declared as units, and
+        // single elements are taken out of them.
+        if !is_out && src.contains(&format!("vld{j}(")) {
+            if op.unit().is_none() {
+                return Err(format!(
+                    "operand {j} is read in 16-byte units but is not bound as whole units"
+                ));
+            }
+            let (unit, rd) = if op.f16 {
+                (
+                    "vec4<u32>",
+                    format!("let w = {name}_0[i / 8u][(i / 2u) % 4u]; return unpack2x16float(w)[i % 2u];"),
+                )
+            } else {
+                ("vec4<f32>", format!("return {name}_0[i / 4u][i % 4u];"))
+            };
+            let _ = writeln!(
+                head,
+                "@group(0) @binding({binding}) var<storage, read_write> {name}_0: array<{unit}>;
+fn vld{j}(u: u32) -> {unit} {{ return {name}_0[u]; }}
+fn rd{j}(i: u32) -> f32 {{ {rd} }}"
+            );
+            binding += 1;
+            continue;
+        }
         for c in 0..op.chunks {
             let _ = writeln!(
                 head,

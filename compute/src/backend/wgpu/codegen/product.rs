@@ -5,7 +5,7 @@
 //! descriptions; nothing in them is WGSL text, so another renderer
 //! (PTX) can read the same descriptions.
 
-use super::gemm::{Direct, Gemm};
+use super::gemm::{Direct, Gemm, Vector};
 use super::{Caps, Operand};
 use crate::tensor::Conv2dParams;
 
@@ -111,6 +111,23 @@ impl Source {
             } => operands
                 .get(input)
                 .and_then(|o| Direct::of(input, o, 1, (0, 0), depth)),
+            Source::ConvWeights { .. } | Source::Im2col(_) => None,
+        }
+    }
+
+    /// The source staged in 16-byte units, where it is a view of one
+    /// binding of whole units with one unit stride ([`Vector::of`]).
+    fn vector(&self, operands: &[Operand]) -> Option<Vector> {
+        match *self {
+            Source::View {
+                input,
+                offset,
+                batch,
+                row,
+                col,
+            } => operands
+                .get(input)
+                .and_then(|o| Vector::of(input, o, offset, batch, [row, col])),
             Source::ConvWeights { .. } | Source::Im2col(_) => None,
         }
     }
@@ -256,6 +273,8 @@ impl Product {
             b_n_contiguous: self.b.fast_along_cols(),
             direct_a: self.a.direct(operands, true),
             direct_b: self.b.direct(operands, false),
+            vector_a: self.a.vector(operands),
+            vector_b: self.b.vector(operands),
         }
     }
 
