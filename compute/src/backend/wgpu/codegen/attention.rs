@@ -363,7 +363,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 ",
                     zero = unit_zero(w),
                     skv = self.skv,
-                    write = unit_writes(array, &format!("kr * {stride}u + t"), "v", w, 1),
+                    write = unit_writes(array, &format!("kr * {stride}u + t"), "v", "f16", w, 1),
                 ),
             );
         }

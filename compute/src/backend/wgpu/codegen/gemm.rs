@@ -24,13 +24,107 @@ fn portable_tile(len: usize) -> usize {
 /// (depth k0 + kr, k0 the step's start) and `store(z, row, col, v)`,
 /// which precede it in the shader. Workgroup (x, y, z) = (col tile, row
 /// tile, batch).
-pub(super) fn gemm(m: usize, n: usize, k: usize) -> String {
+pub(super) fn gemm(m: usize, n: usize, k: usize, units: [Option<Vector>; 2]) -> String {
     let (tm, tn) = (portable_tile(m), portable_tile(n));
     let (tx, ty) = (tn / 4, tm / 4);
     let threads = tx * ty;
     // Each thread stages 16·tm/threads elements of A and 16·tn/threads
     // of B per depth step (whole numbers: tm, tn ≥ 16).
     let (qa, qb) = (16 * tm / threads, 16 * tn / threads);
+    // Operands of whole 16-byte units are staged a unit at a time: the
+    // tile (16 × `cols`, rows `cols` apart in `array`) in units along the
+    // operand's contiguous axis (along the tile's columns or its rows),
+    // the unit at tile position (r, c) being operand element (`row`,
+    // `col`).
+    let by_units = |v: Vector,
+                    array: &str,
+                    cols: usize,
+                    along_cols: bool,
+                    (row, col): (&str, &str),
+                    tests: &str| {
+        let (w, rows) = (v.width, 16);
+        let (r, c, step) = if along_cols {
+            ("u / PERu", "(u % PERu) * Wu", 1)
+        } else {
+            ("(u % PERu) * Wu", "u / PERu", cols)
+        };
+        let stride = cols;
+        let per = if along_cols { cols / w } else { rows / w };
+        let pos = |x: &str| {
+            x.replace("PER", &per.to_string())
+                .replace('W', &w.to_string())
+        };
+        let term = |x: &str, s: usize| match s {
+            1 => format!(" + {x}"),
+            s => format!(" + ({x}) * {s}u"),
+        };
+        strided_as(
+            "        ",
+            "u",
+            "su",
+            "tid",
+            rows * cols / w,
+            threads,
+            &format!(
+                "            let r = {}; let c = {};
+            var v = {zero};
+            if ({tests}) {{ v = vld{j}(({off}u + z * {zs}u{tr}{tc}) / {w}u); }}
+            {write}
+",
+                pos(r),
+                pos(c),
+                zero = unit_zero(w),
+                j = v.input,
+                off = v.offset,
+                zs = v.z_stride,
+                tr = term(row, v.strides[0]),
+                tc = term(col, v.strides[1]),
+                write = unit_writes(array, &format!("r * {stride}u + c"), "v", "", w, step),
+            ),
+        )
+    };
+    // A's tile is stored depth-major (element (row, depth) at depth·tm +
+    // row), B's row-major (depth·tn + column).
+    let stage_a = match units[0] {
+        Some(v) => by_units(
+            v,
+            "As",
+            tm,
+            !v.along_cols(),
+            ("row0 + c", "k0 + r"),
+            &format!("row0 + c < {m}u && k0 + r < {k}u"),
+        ),
+        None => format!(
+            "        for (var q = 0u; q < {qa}u; q++) {{
+            let e = tid + q * {threads}u;
+            let ka = e % 16u; let ma = e / 16u;
+            var va = 0.0;
+            if (row0 + ma < {m}u && k0 + ka < {k}u) {{ va = load_a(z, row0 + ma, k0 + ka); }}
+            As[ka * {tm}u + ma] = va;
+        }}
+"
+        ),
+    };
+    let stage_b = match units[1] {
+        Some(v) => by_units(
+            v,
+            "Bs",
+            tn,
+            v.along_cols(),
+            ("k0 + r", "col0 + c"),
+            &format!("k0 + r < {k}u && col0 + c < {n}u"),
+        ),
+        None => format!(
+            "        for (var q = 0u; q < {qb}u; q++) {{
+            let e = tid + q * {threads}u;
+            let nb = e % {tn}u; let kb = e / {tn}u;
+            var vb = 0.0;
+            if (col0 + nb < {n}u && k0 + kb < {k}u) {{ vb = load_b(z, k0, kb, col0 + nb); }}
+            Bs[kb * {tn}u + nb] = vb;
+        }}
+"
+        ),
+    };
     format!(
         "var<workgroup> As: array<f32, {sa}>;
 var<workgroup> Bs: array<f32, {sb}>;
@@ -42,21 +136,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let tid = lid.y * {tx}u + lid.x;
     var acc0 = vec4<f32>(); var acc1 = vec4<f32>(); var acc2 = vec4<f32>(); var acc3 = vec4<f32>();
     for (var k0 = 0u; k0 < {k}u; k0 = k0 + 16u) {{
-        for (var q = 0u; q < {qa}u; q++) {{
-            let e = tid + q * {threads}u;
-            let ka = e % 16u; let ma = e / 16u;
-            var va = 0.0;
-            if (row0 + ma < {m}u && k0 + ka < {k}u) {{ va = load_a(z, row0 + ma, k0 + ka); }}
-            As[ka * {tm}u + ma] = va;
-        }}
-        for (var q = 0u; q < {qb}u; q++) {{
-            let e = tid + q * {threads}u;
-            let nb = e % {tn}u; let kb = e / {tn}u;
-            var vb = 0.0;
-            if (col0 + nb < {n}u && k0 + kb < {k}u) {{ vb = load_b(z, k0, kb, col0 + nb); }}
-            Bs[kb * {tn}u + nb] = vb;
-        }}
-        workgroupBarrier();
+{stage_a}{stage_b}        workgroupBarrier();
         for (var kk = 0u; kk < 16u; kk++) {{
             let ai = kk * {tm}u + lid.y * 4u;
             let bi = kk * {tn}u + lid.x * 4u;
@@ -203,9 +283,16 @@ impl Vector {
 }
 
 /// WGSL writing a 16-byte unit `x` (`vec4<u32>` of 8 f16, or
-/// `vec4<f32>`) into the f16 workgroup array `array`: element i at
-/// `slot + i·step`.
-pub(super) fn unit_writes(array: &str, slot: &str, x: &str, width: usize, step: usize) -> String {
+/// `vec4<f32>`) into the workgroup array `array`: element i, converted by
+/// `cast` (`f16`, or empty for f32), at `slot + i·step`.
+pub(super) fn unit_writes(
+    array: &str,
+    slot: &str,
+    x: &str,
+    cast: &str,
+    width: usize,
+    step: usize,
+) -> String {
     let mut out = format!("{{ let w = {x}; let s = {slot};");
     if width == 8 {
         for (p, l) in ["x", "y", "z", "w"].iter().enumerate() {
@@ -214,8 +301,8 @@ pub(super) fn unit_writes(array: &str, slot: &str, x: &str, width: usize, step: 
     }
     for i in 0..width {
         let value = match width {
-            8 => format!("f16(h{}[{}])", i / 2, i % 2),
-            _ => format!("f16(w[{i}])"),
+            8 => format!("{cast}(h{}[{}])", i / 2, i % 2),
+            _ => format!("{cast}(w[{i}])"),
         };
         let _ = write!(out, " {array}[s + {}u] = {value};", i * step);
     }
@@ -306,7 +393,7 @@ impl Gemm {
         let funcs = format!("{load_a}\n{load_b}\n{store}\n");
         let Some(desc) = self.describe(caps) else {
             return (
-                funcs + &gemm(self.m, self.n, self.k),
+                funcs + &gemm(self.m, self.n, self.k, self.staged_units(caps)),
                 [
                     self.n.div_ceil(portable_tile(self.n)) as u32,
                     self.m.div_ceil(portable_tile(self.m)) as u32,
@@ -337,6 +424,22 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         (code, desc.grid(), finish)
     }
 
+    /// The operands staged in 16-byte units (when staged): views of
+    /// whole units whose extent along the unit is whole units (a unit
+    /// starting in range is then wholly in range).
+    fn staged_units(&self, caps: &Caps) -> [Option<Vector>; 2] {
+        let whole = |v: Option<Vector>, [rows, cols]: [usize; 2]| {
+            v.filter(|v| {
+                caps.vector_staging
+                    && if v.along_cols() { cols } else { rows }.is_multiple_of(v.width)
+            })
+        };
+        [
+            whole(self.vector_a, [self.m, self.k]),
+            whole(self.vector_b, [self.k, self.n]),
+        ]
+    }
+
     /// The cooperative kernel for this product as data (None without
     /// cooperative matrices): the tiling (chosen by size, or fixed by
     /// `caps`), how each operand reaches the fragments, split-K and
@@ -365,14 +468,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let usable = |d: Option<Direct>, dim: usize| {
             d.filter(|_| tiles.direct && self.k.is_multiple_of(t) && dim.is_multiple_of(t))
         };
-        // Units need the extent along their axis to be whole units (a
-        // unit starting in range is then wholly in range).
-        let vector = |v: Option<Vector>, [rows, cols]: [usize; 2]| {
-            v.filter(|v| {
-                caps.vector_staging
-                    && if v.along_cols() { cols } else { rows }.is_multiple_of(v.width)
-            })
-        };
+        let [unit_a, unit_b] = self.staged_units(caps);
         // Staged tiles' rows are padded (see [`SMEM_PAD`]); neighbouring
         // threads walk the operand's contiguous axis.
         let a = match usable(self.direct_a, self.m) {
@@ -382,7 +478,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 cols: bk,
                 stride: bk + SMEM_PAD,
                 along_cols: self.a_k_contiguous,
-                vector: vector(self.vector_a, [self.m, self.k]),
+                vector: unit_a,
             }),
         };
         let b = match usable(self.direct_b, self.n) {
@@ -392,7 +488,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 cols: bn,
                 stride: bn + SMEM_PAD,
                 along_cols: self.b_n_contiguous,
-                vector: vector(self.vector_b, [self.k, self.n]),
+                vector: unit_b,
             }),
         };
         // Register prefetch needs whole elements per thread.
@@ -845,7 +941,7 @@ impl CoopGemm {
                     // Element i of the unit goes `i·step` past its first.
                     let step = if vec.along_cols() { 1 } else { st.stride };
                     let tile = format!("{name}s");
-                    let write = move |x: &str| unit_writes(&tile, &slot, x, w, step);
+                    let write = move |x: &str| unit_writes(&tile, &slot, x, "f16", w, step);
                     Stager {
                         reg: name,
                         units: st.rows * st.cols / w,
