@@ -717,7 +717,8 @@ fn staged_operands_in_16_byte_units() {
     // (a slice), with edges that are not whole blocks. Depths and widths
     // that are whole units but not whole depth steps end inside a step.
     //
-    // Attention stages K and V in units where its views allow.
+    // Attention stages K and V in units where its views allow, and convs
+    // on cooperative matrices read a channels-last copy of their input.
     //
     // The suite's cooperative paths keep activations in f32 (units of 4);
     // f16 activations (units of 8) run here too, on staged tiles with
@@ -769,6 +770,35 @@ fn staged_operands_in_16_byte_units() {
                     g.input(name, &[1, len, 2, 40])?.transpose(1, 2)
                 };
                 heads("q", 70)?.attention(heads("k", 150)?, heads("v", 150)?, None, 0.16)
+            }),
+        ),
+        (
+            // Channels-last convs: the input copied as f16 units of 8
+            // channels, a tap's units read with the padding as zeros;
+            // strided and dilated, channels not a whole depth step.
+            "conv, channels last",
+            build(|g| {
+                let p = Conv2dParams {
+                    stride: [2, 1],
+                    padding: [1, 2],
+                    dilation: [1, 2],
+                    groups: 1,
+                };
+                g.input("x", &[2, 24, 13, 11])?.conv2d(
+                    g.weight("w", &[20, 24, 3, 3])?,
+                    Some(g.weight("bias", &[20])?),
+                    p,
+                )
+            }),
+        ),
+        (
+            "conv, channels last, same size",
+            build(|g| {
+                g.input("x", &[1, 16, 9, 9])?.conv2d(
+                    g.weight("w", &[8, 16, 3, 3])?,
+                    None,
+                    same_3x3(),
+                )
             }),
         ),
     ];

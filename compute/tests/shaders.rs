@@ -203,6 +203,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 prefetch: false,
                 double_buffer: false,
                 vector_staging: true,
+                channels_last: true,
             },
         ),
         (
@@ -217,6 +218,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 prefetch: false,
                 double_buffer: false,
                 vector_staging: true,
+                channels_last: true,
             },
         ),
     ];
@@ -271,6 +273,14 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
             },
         ));
     }
+    // Convs reading their NCHW input element by element.
+    caps.push((
+        "coop16, NCHW convs",
+        Caps {
+            channels_last: false,
+            ..caps[2].1
+        },
+    ));
     // Staged tilings reading element by element (the comparison rows).
     for tiles in tilings().into_iter().filter(|t| !t.direct) {
         caps.push((
@@ -351,8 +361,9 @@ fn every_kernel_form_compiles_for_every_capability_set() {
                     // (an empty one prints all: diff two dumps to prove a
                     // generator refactor changes no shader).
                     let dump = std::env::var("SDKIT_SHADER_DUMP").is_ok_and(|d| name.contains(&d));
-                    if let Some(f) = &sh.finish {
-                        let pass = format!("{gname} [{cname}, f16 {f16}, second pass]");
+                    for (which, f) in [("first", &sh.pre), ("second", &sh.finish)] {
+                        let Some(f) = f else { continue };
+                        let pass = format!("{gname} [{cname}, f16 {f16}, {which} pass]");
                         if dump {
                             eprintln!("// {pass} {:?}\n{}", f.groups, f.source);
                         }
@@ -451,6 +462,7 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
         prefetch: false,
         double_buffer: false,
         vector_staging: true,
+        channels_last: true,
     };
     let p = Conv2dParams {
         stride: [1; 2],

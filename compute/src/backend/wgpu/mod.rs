@@ -248,6 +248,7 @@ impl WgpuBackend {
             prefetch: opts.prefetch,
             double_buffer: opts.double_buffer,
             vector_staging: opts.vector_staging,
+            channels_last: opts.channels_last,
         };
         Ok(WgpuBackend {
             f16_weights: f16,
@@ -731,9 +732,9 @@ impl WgpuBackend {
         conv
     }
 
-    /// Bytes of the one scratch buffer `prog`'s split-K products and split
-    /// group norms share (kernels run one after another, so the largest
-    /// one's partial results).
+    /// Bytes of the one scratch buffer `prog`'s split-K products, split
+    /// group norms and channels-last convs share (kernels run one after
+    /// another, so the largest one's).
     pub fn scratch_bytes(&self, prog: &Program) -> u64 {
         self.scratch_bytes_with(prog, &self.taps_first_weights(prog), &QuantWeights::new())
     }
@@ -741,7 +742,7 @@ impl WgpuBackend {
     /// [`WgpuBackend::scratch_bytes`] with the tap-major and quantized
     /// weights known.
     fn scratch_bytes_with(&self, prog: &Program, taps: &TapsFirst, quant: &QuantWeights) -> u64 {
-        if !self.caps.split_k {
+        if !self.caps.split_k && !self.caps.channels_last {
             return 0;
         }
         prog.kernels
@@ -753,8 +754,7 @@ impl WgpuBackend {
                     .iter()
                     .map(|(o, _)| *o)
                     .collect();
-                let f = self.generate(k, &ops).ok()?.finish?;
-                Some(f.scratch_elems as u64 * 4)
+                Some(self.generate(k, &ops).ok()?.scratch_words()? as u64 * 4)
             })
             .max()
             .unwrap_or(0)

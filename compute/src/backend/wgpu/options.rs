@@ -45,6 +45,9 @@ pub struct Options {
     /// layout allows ([`codegen::Caps::vector_staging`]); off only to
     /// compare.
     pub vector_staging: bool,
+    /// Cooperative convs copy their input channels-last first, where it
+    /// allows ([`codegen::Caps::channels_last`]); off only to compare.
+    pub channels_last: bool,
     /// Compile shaders with all of wgpu's runtime checks: index clamping
     /// on every array access, a counter bounding every loop, guarded
     /// integer division and zeroed workgroup memory. Off by default: the
@@ -119,6 +122,7 @@ impl Default for Options {
             prefetch: false,
             double_buffer: false,
             vector_staging: true,
+            channels_last: true,
             shader_checks: false,
             bounds_checks: false,
             poison_workgroup_memory: false,

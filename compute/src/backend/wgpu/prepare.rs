@@ -165,7 +165,8 @@ impl WgpuBackend {
                 _ => {}
             }
         }
-        // One scratch buffer for every split-K product's partial sums.
+        // One scratch buffer for every split kernel's partial results and
+        // every channels-last conv's copy of its input.
         let scratch =
             (scratch_bytes > 0).then(|| self.storage_buffer(scratch_bytes, "split-k scratch"));
         let mut prepared = Vec::new();
@@ -197,22 +198,28 @@ impl WgpuBackend {
             let layouts: Vec<codegen::Operand> = operands.iter().map(|(o, _)| *o).collect();
             let mut shader = self.generate(k, &layouts).map_err(unsupported)?;
             let max_bindings = self.limits.max_storage_buffers_per_shader_stage as usize;
-            if shader.finish.is_some() && total_bindings == max_bindings {
-                // No binding left for the split-K scratch: unsplit.
+            if shader.scratch_words().is_some() && total_bindings == max_bindings {
+                // No binding left for the scratch: unsplit, no
+                // channels-last copy.
                 let caps = codegen::Caps {
                     split_k: false,
+                    channels_last: false,
                     ..self.caps
                 };
                 shader = codegen::generate(k, &layouts, &caps).map_err(unsupported)?;
             }
-            let bindings = total_bindings as u32 + u32::from(shader.finish.is_some());
-            let pipeline =
-                self.pipeline(&shader.source, bindings)
-                    .map_err(|m| WgpuError::Unsupported {
-                        kernel: ki,
-                        kind: k.kind.name(),
-                        message: m,
-                    })?;
+            let bindings = total_bindings as u32 + u32::from(shader.scratch_words().is_some());
+            let mut passes = Vec::new();
+            for (source, groups) in shader.passes() {
+                let pipeline =
+                    self.pipeline(source, bindings)
+                        .map_err(|m| WgpuError::Unsupported {
+                            kernel: ki,
+                            kind: k.kind.name(),
+                            message: m,
+                        })?;
+                passes.push((pipeline, groups));
+            }
             let mut at = Vec::new();
             for v in &views {
                 let b = prog.buffer(v.buffer);
@@ -231,26 +238,22 @@ impl WgpuBackend {
                 });
             }
             let mut entries = operand_entries(&operands, &at);
-            let mut passes = Vec::new();
-            if let Some(f) = &shader.finish {
+            if let Some(words) = shader.scratch_words() {
                 let scratch = scratch.as_ref().ok_or_else(|| {
-                    unsupported("split-K scratch was not sized for this kernel".into())
+                    unsupported("the scratch buffer was not sized for this kernel".into())
                 })?;
                 entries.push(buffer_entry(
                     entries.len() as u32,
                     scratch,
                     0,
-                    f.scratch_elems as u64 * 4,
+                    words as u64 * 4,
                 ));
-                let second = self.pipeline(&f.source, bindings).map_err(unsupported)?;
-                passes.push((second, f.groups));
             }
             let group = Arc::new(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: None,
                 layout: &self.layout(bindings).0,
                 entries: &entries,
             }));
-            passes.insert(0, (pipeline, shader.groups));
             prepared.push(
                 passes
                     .into_iter()

@@ -562,7 +562,7 @@ impl WgpuBackend {
         // splits and no binding is left for the scratch.
         let admit = |trials: &mut Trials, s: &codegen::Shader| {
             trials.seen.insert(key(&s.source))
-                && !(s.finish.is_some() && operand_bindings >= max_bindings)
+                && !(s.scratch_words().is_some() && operand_bindings >= max_bindings)
         };
         // Tilings whose workgroup tiles cover over 1.5 times the output
         // area the tightest one covers mostly pay for padding: not
@@ -635,9 +635,7 @@ impl WgpuBackend {
         let keep = codegen::generate(k, &ops, &variant.apply(&self.caps)).ok();
         let keep: HashSet<&str> = keep
             .iter()
-            .flat_map(|s| {
-                std::iter::once(s.source.as_str()).chain(s.finish.iter().map(|f| f.source.as_str()))
-            })
+            .flat_map(|s| s.passes().into_iter().map(|(source, _)| source))
             .collect();
         self.forget_pipelines(sources.iter().filter(|s| !keep.contains(s.as_str())));
         Ok(Some(Tuned {
@@ -664,7 +662,7 @@ impl WgpuBackend {
         operands: &Operands,
     ) -> Result<bool, WgpuError> {
         let operand_bindings: usize = operands.layouts.iter().map(|(o, _)| o.chunks).sum();
-        let bindings = (operand_bindings + usize::from(shader.finish.is_some())) as u32;
+        let bindings = (operand_bindings + usize::from(shader.scratch_words().is_some())) as u32;
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let built = self.variant_passes(shader, bindings, operands.layouts, &operands.at);
@@ -674,9 +672,8 @@ impl WgpuBackend {
             (Ok(p), None, None) => p,
             _ => return Ok(trials.default.is_some()),
         };
-        trials.compiled.push(shader.source.clone());
-        if let Some(f) = &shader.finish {
-            trials.compiled.push(f.source.clone());
+        for (source, _) in shader.passes() {
+            trials.compiled.push(source.to_string());
         }
         let out = self.output_of(&passes, &operands.output)?;
         match &trials.reference {
@@ -768,7 +765,7 @@ impl WgpuBackend {
     }
 
     /// The passes of one variant bound to the operand buffers `at`, with a
-    /// scratch buffer of its own for split-K.
+    /// scratch buffer of its own (split-K, channels-last copies).
     #[allow(clippy::type_complexity)]
     fn variant_passes(
         &self,
@@ -777,22 +774,22 @@ impl WgpuBackend {
         layouts: &[(codegen::Operand, u64)],
         at: &[(&wgpu::Buffer, u64)],
     ) -> Result<Vec<Pass>, String> {
-        let first = self.pipeline(&shader.source, bindings)?;
-        let scratch = shader.finish.as_ref().map(|f| {
+        let words = shader.scratch_words();
+        let scratch = words.map(|w| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("tuning scratch"),
-                size: (f.scratch_elems as u64 * 4).max(4),
+                size: (w as u64 * 4).max(4),
                 usage: STORAGE,
                 mapped_at_creation: false,
             })
         });
         let mut entries = super::operand_entries(layouts, at);
-        if let (Some(s), Some(f)) = (&scratch, &shader.finish) {
+        if let (Some(s), Some(w)) = (&scratch, words) {
             entries.push(super::buffer_entry(
                 entries.len() as u32,
                 s,
                 0,
-                f.scratch_elems as u64 * 4,
+                w as u64 * 4,
             ));
         }
         let group = Arc::new(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -800,11 +797,13 @@ impl WgpuBackend {
             layout: &self.layout(bindings).0,
             entries: &entries,
         }));
-        let mut passes = vec![(first, Arc::clone(&group), shader.groups)];
-        if let Some(f) = &shader.finish {
-            passes.push((self.pipeline(&f.source, bindings)?, group, f.groups));
-        }
-        Ok(passes)
+        shader
+            .passes()
+            .into_iter()
+            .map(|(source, groups)| {
+                Ok((self.pipeline(source, bindings)?, Arc::clone(&group), groups))
+            })
+            .collect()
     }
 
     /// The tuned kernels `prog` runs (with tuning on), in kernel order.

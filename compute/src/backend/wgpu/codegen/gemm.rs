@@ -54,10 +54,6 @@ pub(super) fn gemm(m: usize, n: usize, k: usize, units: [Option<Vector>; 2]) -> 
             x.replace("PER", &per.to_string())
                 .replace('W', &w.to_string())
         };
-        let term = |x: &str, s: usize| match s {
-            1 => format!(" + {x}"),
-            s => format!(" + ({x}) * {s}u"),
-        };
         strided_as(
             "        ",
             "u",
@@ -68,17 +64,13 @@ pub(super) fn gemm(m: usize, n: usize, k: usize, units: [Option<Vector>; 2]) -> 
             &format!(
                 "            let r = {}; let c = {};
             var v = {zero};
-            if ({tests}) {{ v = vld{j}(({off}u + z * {zs}u{tr}{tc}) / {w}u); }}
+            if ({tests}) {{ {load} }}
             {write}
 ",
                 pos(r),
                 pos(c),
                 zero = unit_zero(w),
-                j = v.input,
-                off = v.offset,
-                zs = v.z_stride,
-                tr = term(row, v.strides[0]),
-                tc = term(col, v.strides[1]),
+                load = v.load(row, col),
                 write = unit_writes(array, &format!("r * {stride}u + c"), "v", "", w, step),
             ),
         )
@@ -232,25 +224,51 @@ impl Direct {
 
 /// An operand read in 16-byte units (8 f16 or 4 f32 elements) when it
 /// is staged: one load per unit instead of one per element, the unit
-/// running along the operand's contiguous axis. Its element (z, R, C)
-/// (A: row, depth; B: depth, column) is at `offset + z·z_stride +
-/// R·strides[0] + C·strides[1]`, one of the strides 1; every other
-/// stride and the offset are whole units, so a unit that starts on a
-/// multiple of `width` along the contiguous axis is one aligned load.
+/// running along the operand's contiguous axis.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Vector {
-    /// The input whose binding (of whole units) holds it.
-    pub(super) input: usize,
-    pub(super) offset: usize,
-    pub(super) z_stride: usize,
-    pub(super) strides: [usize; 2],
+    pub(super) at: UnitAt,
     /// Elements per unit: 8 (f16) or 4 (f32).
     pub(super) width: usize,
 }
 
+/// Where an operand's units are.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum UnitAt {
+    /// A view of input `input`, whose binding holds whole units: element
+    /// (z, R, C) (A: row, depth; B: depth, column) at
+    /// `offset + z·z_stride + R·strides[0] + C·strides[1]`, one of the
+    /// strides 1; every other stride and the offset are whole units, so
+    /// a unit that starts on a multiple of the width along the contiguous
+    /// axis is one aligned load.
+    View {
+        input: usize,
+        offset: usize,
+        z_stride: usize,
+        strides: [usize; 2],
+    },
+    /// A conv's input as its im2col operand B (depth = tap·C + channel,
+    /// columns = output pixels), read from the channels-last f16 copy of
+    /// it that the kernel's first pass writes into the scratch binding
+    /// (`part`, `[image][y][x][C / 8]` units): a unit is 8 channels of one
+    /// input pixel, all zero where the tap falls in the padding.
+    ChannelsLast(ChannelsLast),
+}
+
+/// A conv's input shape as [`UnitAt::ChannelsLast`] reads it (one group).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ChannelsLast {
+    pub(super) channels: usize,
+    pub(super) h: usize,
+    pub(super) w: usize,
+    pub(super) out_w: usize,
+    pub(super) kw: usize,
+    pub(super) params: crate::tensor::Conv2dParams,
+}
+
 impl Vector {
     /// For operand `j` bound as `op`, viewed with these offset and
-    /// strides, where the layout allows (see the type).
+    /// strides, where the layout allows (see [`UnitAt::View`]).
     pub(super) fn of(
         j: usize,
         op: &Operand,
@@ -267,18 +285,69 @@ impl Vector {
                 _ => false,
             };
         aligned.then_some(Vector {
-            input: j,
-            offset,
-            z_stride,
-            strides,
+            at: UnitAt::View {
+                input: j,
+                offset,
+                z_stride,
+                strides,
+            },
             width,
         })
     }
 
     /// The unit runs along the operand's columns (A: depth; B: output
     /// columns), else along its rows.
-    fn along_cols(&self) -> bool {
-        self.strides[1] == 1
+    pub(super) fn along_cols(&self) -> bool {
+        match self.at {
+            UnitAt::View { strides, .. } => strides[1] == 1,
+            UnitAt::ChannelsLast(_) => false,
+        }
+    }
+
+    /// WGSL setting `v` to the unit whose first element is the operand's
+    /// (`row`, `col`) in batch entry `z` (in range).
+    pub(super) fn load(&self, row: &str, col: &str) -> String {
+        let w = self.width;
+        match self.at {
+            UnitAt::View {
+                input,
+                offset,
+                z_stride,
+                strides,
+            } => {
+                let term = |x: &str, s: usize| match s {
+                    1 => format!(" + {x}"),
+                    s => format!(" + ({x}) * {s}u"),
+                };
+                format!(
+                    "v = vld{input}(({offset}u + z * {z_stride}u{}{}) / {w}u);",
+                    term(row, strides[0]),
+                    term(col, strides[1])
+                )
+            }
+            UnitAt::ChannelsLast(cl) => {
+                let p = cl.params;
+                let c = cl.channels;
+                format!(
+                    "let dd = {row}; let tap = dd / {c}u; let p = {col}; \
+                     let iy = i32((p / {ow}u) * {sh}u + (tap / {kw}u) * {dh}u) - {ph}; \
+                     let ix = i32((p % {ow}u) * {sw}u + (tap % {kw}u) * {dw}u) - {pw}; \
+                     if (iy >= 0 && ix >= 0 && iy < {h} && ix < {wd}) {{ \
+                     v = part[((z * {h}u + u32(iy)) * {wd}u + u32(ix)) * {cu}u + (dd % {c}u) / {w}u]; }}",
+                    ow = cl.out_w,
+                    kw = cl.kw,
+                    h = cl.h,
+                    wd = cl.w,
+                    cu = c / w,
+                    sh = p.stride[0],
+                    sw = p.stride[1],
+                    dh = p.dilation[0],
+                    dw = p.dilation[1],
+                    ph = p.padding[0],
+                    pw = p.padding[1],
+                )
+            }
+        }
     }
 }
 
@@ -922,21 +991,9 @@ impl CoopGemm {
                         (format!("({rem}) * {w}u"), q)
                     };
                     let zero = unit_zero(w);
-                    let term = |x: &str, stride: usize| match stride {
-                        1 => format!(" + {x}"),
-                        s => format!(" + ({x}) * {s}u"),
-                    };
                     let value = move |kv: &str| {
                         let (gr, gc) = global(kv);
-                        format!(
-                            "{}{{ v = vld{}(({}u + z * {}u{}{}) / {w}u); }}",
-                            guard_at(kv),
-                            vec.input,
-                            vec.offset,
-                            vec.z_stride,
-                            term(&gr, vec.strides[0]),
-                            term(&gc, vec.strides[1]),
-                        )
+                        format!("{}{{ {} }}", guard_at(kv), vec.load(&gr, &gc))
                     };
                     // Element i of the unit goes `i·step` past its first.
                     let step = if vec.along_cols() { 1 } else { st.stride };

@@ -36,14 +36,44 @@ pub struct Shader {
     /// scratch binding after the operands, and this second pass (same
     /// bindings) combines them and applies the epilogue.
     pub finish: Option<Finish>,
+    /// A pass before the one above (same bindings) that writes the
+    /// scratch binding for it: a conv's input copied channels-last
+    /// ([`Caps::channels_last`]).
+    pub pre: Option<Finish>,
 }
 
-/// The second pass of a split-K product.
+impl Shader {
+    /// 4-byte words of the scratch binding the kernel's passes share
+    /// (after its operands), if it has one.
+    pub fn scratch_words(&self) -> Option<usize> {
+        self.finish
+            .iter()
+            .chain(&self.pre)
+            .map(|p| p.scratch_elems)
+            .max()
+    }
+
+    /// The passes in the order they run: (source, workgroups).
+    pub fn passes(&self) -> Vec<(&str, [u32; 3])> {
+        fn extra(p: &Finish) -> (&str, [u32; 3]) {
+            (p.source.as_str(), p.groups)
+        }
+        self.pre
+            .iter()
+            .map(extra)
+            .chain([(self.source.as_str(), self.groups)])
+            .chain(self.finish.iter().map(extra))
+            .collect()
+    }
+}
+
+/// A pass of a kernel besides its main one, sharing its bindings: the
+/// second pass of a split kernel, or the first of a channels-last conv.
 #[derive(Clone, Debug)]
 pub struct Finish {
     pub source: String,
     pub groups: [u32; 3],
-    /// f32 elements the scratch binding holds.
+    /// 4-byte words the scratch binding holds.
     pub scratch_elems: usize,
 }
 
@@ -221,6 +251,37 @@ fn grid(threads: usize) -> [u32; 3] {
 
 const LINEAR_ID: &str = "let gi = gid.x + gid.y * (nwg.x * 256u);";
 
+/// The first pass of a channels-last conv: its NCHW input (`rd0`, f32 or
+/// f16) copied as f16 into the scratch `part`, `[image][pixel][c / 8]`
+/// units of 8 channels. A thread per unit; neighbouring threads take
+/// neighbouring pixels, so each of a unit's 8 reads coalesces.
+fn channels_last_copy(n: usize, c: usize, pixels: usize) -> (String, [u32; 3], usize) {
+    let units = n * c / 8 * pixels;
+    let mut pack = Vec::new();
+    for pair in 0..4 {
+        pack.push(format!(
+            "pack2x16float(vec2<f32>(rd0(base + {}u), rd0(base + {}u)))",
+            2 * pair * pixels,
+            (2 * pair + 1) * pixels
+        ));
+    }
+    let body = format!(
+        "@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {{
+    {LINEAR_ID}
+    if (gi >= {units}u) {{ return; }}
+    let p = gi % {pixels}u; let cu = (gi / {pixels}u) % {cu}u; let b = gi / {per_image}u;
+    let base = (b * {c}u + cu * 8u) * {pixels}u + p;
+    part[(b * {pixels}u + p) * {cu}u + cu] = vec4<u32>({});
+}}
+",
+        pack.join(", "),
+        cu = c / 8,
+        per_image = c / 8 * pixels,
+    );
+    (body, grid(units), units * 4)
+}
+
 /// Generates the shader for a kernel, or says what is unsupported.
 /// How one kernel operand is bound: its element type and, for tensors larger
 /// than the device's binding limit, how it is split into several bindings.
@@ -371,7 +432,19 @@ pub struct Caps {
     /// units are read a unit at a time ([`gemm::Vector`]), not element by
     /// element (on by default; off only to compare).
     pub vector_staging: bool,
+    /// Cooperative 3×3-style convs (several taps, one group, channels a
+    /// multiple of 8) whose input is at most [`CHANNELS_LAST_MAX`]
+    /// elements first copy it channels-last as f16 into the scratch
+    /// binding, so the im2col operand is staged 8 channels (16 bytes) at a
+    /// time instead of element by element (on by default; off to
+    /// compare). Not with split-K, which uses the scratch itself.
+    pub channels_last: bool,
 }
+
+/// Input elements up to which a conv copies its input channels-last
+/// (64 MiB of f16: a 512² VAE level of 128 channels; the UNet's levels
+/// are far smaller).
+pub const CHANNELS_LAST_MAX: usize = 32 << 20;
 
 impl Caps {
     /// The portable path: no optional feature, WebGPU's minimum workgroup
@@ -387,6 +460,7 @@ impl Caps {
             prefetch: false,
             double_buffer: false,
             vector_staging: true,
+            channels_last: true,
         }
     }
 }
@@ -410,6 +484,8 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
     let groups;
     // The split-K second pass's body, grid and scratch size.
     let mut finish: Option<(String, [u32; 3], usize)> = None;
+    // Likewise a first pass (a conv's channels-last copy).
+    let mut pre: Option<(String, [u32; 3], usize)> = None;
     match &k.kind {
         KernelKind::Elementwise => {
             src.push_str(&simple("    wr(gi, epi(0.0, gi));"));
@@ -465,7 +541,8 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             // cols = output pixels, depth = input channels x kernel taps.
             // Weights are [out][in x taps] (depth contiguous, in either
             // order); the implicit im2col operand walks pixels contiguously.
-            let product = Product {
+            let taps_first = operands.get(1).is_some_and(|o| o.taps_first);
+            let product = |channels_last: bool| Product {
                 m: og,
                 n: oh * ow,
                 k: cg * kh * kw,
@@ -487,7 +564,8 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                     kw: *kw,
                     taps: kh * kw,
                     params: *params,
-                    taps_first: operands.get(1).is_some_and(|o| o.taps_first),
+                    taps_first,
+                    channels_last,
                 }),
                 out: Sink::Conv {
                     groups: g,
@@ -497,10 +575,27 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                     bias: bias.then_some(2),
                 },
             };
-            let (code, tiles, split) = product.emit(operands, caps)?;
+            // Channels-last needs the tap-major depth (a unit of 8
+            // channels then lies within one tap) and a scratch of its own.
+            let mut channels_last = caps.coop.is_some()
+                && caps.channels_last
+                && caps.vector_staging
+                && g == 1
+                && taps_first
+                && c.is_multiple_of(8)
+                && n * c * h * w <= CHANNELS_LAST_MAX;
+            let mut emitted = product(channels_last).emit(operands, caps)?;
+            if channels_last && emitted.2.is_some() {
+                channels_last = false;
+                emitted = product(false).emit(operands, caps)?;
+            }
+            let (code, tiles, split) = emitted;
             src.push_str(&code);
             groups = tiles;
             finish = split;
+            if channels_last {
+                pre = Some(channels_last_copy(*n, *c, h * w));
+            }
         }
         KernelKind::GroupNorm {
             n,
@@ -817,26 +912,33 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             k.inputs.len()
         ));
     }
-    let split = finish.is_some();
-    let source = bind(&src, k.inputs.len(), operands, caps, split)?;
-    let finish = match finish {
-        Some((body, groups, scratch_elems)) => Some(Finish {
-            source: bind(
-                &format!("{PRELUDE}{}{body}", epilogue_fn(k)),
-                k.inputs.len(),
-                operands,
-                caps,
-                true,
-            )?,
-            groups,
-            scratch_elems,
-        }),
-        None => None,
+    // The scratch: f32 partial results for a second pass, or f16 units
+    // a first pass writes.
+    let scratch = match (&finish, &pre) {
+        (Some(_), _) => Some("f32"),
+        (None, Some(_)) => Some("vec4<u32>"),
+        (None, None) => None,
     };
+    let source = bind(&src, k.inputs.len(), operands, caps, scratch)?;
+    let pass =
+        |(body, groups, scratch_elems): (String, [u32; 3], usize)| -> Result<Finish, String> {
+            Ok(Finish {
+                source: bind(
+                    &format!("{PRELUDE}{}{body}", epilogue_fn(k)),
+                    k.inputs.len(),
+                    operands,
+                    caps,
+                    scratch,
+                )?,
+                groups,
+                scratch_elems,
+            })
+        };
     Ok(Shader {
         source,
         groups,
-        finish,
+        finish: finish.map(pass).transpose()?,
+        pre: pre.map(pass).transpose()?,
     })
 }
 
@@ -848,7 +950,7 @@ fn bind(
     n_inputs: usize,
     operands: &[Operand],
     caps: &Caps,
-    scratch: bool,
+    scratch: Option<&str>,
 ) -> Result<String, String> {
     // The kernels read input `j` through `rd{j}(i)` and store through
     // `wr(i, v)`, defined here: they widen f16 storage to f32 (arithmetic
@@ -940,10 +1042,10 @@ fn rd{j}(i: u32) -> f32 {{ {rd} }}"
             let _ = writeln!(head, "fn rd{j}(i: u32) -> f32 {{ {access} }}");
         }
     }
-    if scratch {
+    if let Some(elem) = scratch {
         let _ = writeln!(
             head,
-            "@group(0) @binding({binding}) var<storage, read_write> part: array<f32>;"
+            "@group(0) @binding({binding}) var<storage, read_write> part: array<{elem}>;"
         );
     }
     head.push_str(src);

@@ -5,7 +5,7 @@
 //! descriptions; nothing in them is WGSL text, so another renderer
 //! (PTX) can read the same descriptions.
 
-use super::gemm::{Direct, Gemm, Vector};
+use super::gemm::{ChannelsLast, Direct, Gemm, UnitAt, Vector};
 use super::{Caps, Operand};
 use crate::tensor::Conv2dParams;
 
@@ -54,6 +54,10 @@ pub(super) struct Im2col {
     /// stored tap-major, [`super::conv_taps_first`]); else channel by
     /// channel over the taps.
     pub taps_first: bool,
+    /// Staged from the channels-last f16 copy of the input that the
+    /// kernel's first pass writes (tap-major, one group, channels a
+    /// multiple of 8: [`UnitAt::ChannelsLast`]).
+    pub channels_last: bool,
 }
 
 /// Where a product's results go: `store(z, r, c, v)` applies the kernel's
@@ -128,6 +132,17 @@ impl Source {
             } => operands
                 .get(input)
                 .and_then(|o| Vector::of(input, o, offset, batch, [row, col])),
+            Source::Im2col(ref i) if i.channels_last => Some(Vector {
+                at: UnitAt::ChannelsLast(ChannelsLast {
+                    channels: i.channels,
+                    h: i.h,
+                    w: i.w,
+                    out_w: i.out_w,
+                    kw: i.kw,
+                    params: i.params,
+                }),
+                width: 8,
+            }),
             Source::ConvWeights { .. } | Source::Im2col(_) => None,
         }
     }
@@ -179,6 +194,7 @@ impl Im2col {
             taps,
             params,
             taps_first,
+            ..
         } = self;
         // The depth index r = k0 + kr as (channel, ky, kx). Tap-major
         // with whole steps of channels (every SD conv but the first),
