@@ -257,6 +257,12 @@ fn main() {
         ("f16 weights, f32 activations", false, false, ""),
         ("coop, f32 activations", false, true, ""),
         ("coop, f16 activations", true, true, ""),
+        (
+            "coop, f16 activations, element loads, NCHW convs",
+            true,
+            true,
+            "elements",
+        ),
         ("coop, f16 activations, bounds checks", true, true, "bounds"),
         (
             "coop, f16 activations, shader checks",
@@ -280,6 +286,8 @@ fn main() {
             allow_coopmat: coop,
             shader_checks,
             bounds_checks: mode == "bounds",
+            vector_staging: mode != "elements",
+            channels_last: mode != "elements",
             tuning: if mode == "tuned" {
                 Tuning::Measure
             } else {

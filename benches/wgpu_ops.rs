@@ -271,13 +271,19 @@ fn main() {
                 }
             }
             // Staged operands element by element, as before they were
-            // read in 16-byte units.
-            if let Ok(g) = WgpuBackend::with_options(&Options {
-                adapter: adapter.clone(),
-                vector_staging: false,
-                ..Options::default()
-            }) {
-                paths.push(("coop element loads".to_string(), g));
+            // read in 16-byte units; convs over their NCHW input.
+            for (name, vector_staging, channels_last) in [
+                ("coop element loads", false, false),
+                ("coop NCHW convs", true, false),
+            ] {
+                if let Ok(g) = WgpuBackend::with_options(&Options {
+                    adapter: adapter.clone(),
+                    vector_staging,
+                    channels_last,
+                    ..Options::default()
+                }) {
+                    paths.push((name.to_string(), g));
+                }
             }
         }
         _ => println!("wgpu_ops: no cooperative-matrix path on this adapter"),

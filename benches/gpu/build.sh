@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # Builds the release binaries that benches/gpu/device.sh runs on a lent GPU
-# machine without a Rust toolchain, into .gpubin/ (ignored; carry it).
+# machine without a Rust toolchain, into .gpubin/, and fetches the Vulkan
+# loader it lacks as .deb files into .gl/. Both are excluded from git
+# here (.git/info/exclude): name them in the device call's `carry`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+for d in /.gpubin/ /.gl/; do
+    grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >>.git/info/exclude
+done
+if ! ls .gl/libvulkan1_*.deb >/dev/null 2>&1; then
+    mkdir -p .gl /tmp/amd64/partial
+    o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
+    # shellcheck disable=SC2086
+    apt-get $o update -qq
+    # shellcheck disable=SC2086
+    (cd .gl && apt-get $o download -qq libvulkan1)
+fi
 mkdir -p .gpubin
 cargo build --release -q --bin sdkit
 cp target/release/sdkit .gpubin/
 # Test and bench executables: cargo prints their paths as JSON messages.
-for spec in "test --release -p sdkit-engine --test conformance --test wgpu_backend --test shaders" \
+for spec in "test --release -p sdkit-compute --test conformance --test wgpu_backend --test shaders" \
     "bench --bench wgpu_ops --bench unet_step"; do
     # shellcheck disable=SC2086
     cargo $spec --no-run --message-format=json -q |

@@ -13,7 +13,7 @@ out="${OUT:-/tmp}/sdkit-gpu-report.txt"
     echo "== devices"
     cargo run --release -q -- devices --probe "${SDKIT_ADAPTER:-}"
     echo "== conformance (cpu + wgpu on the real adapter)"
-    cargo test --release -q -p sdkit-engine --test conformance --test wgpu_backend 2>&1 | tail -n 30
+    cargo test --release -q -p sdkit-compute --test conformance --test wgpu_backend 2>&1 | tail -n 30
     echo "== benchmarks"
     SDKIT_BENCH_PYTHON="${SDKIT_BENCH_PYTHON:-python3}" cargo bench -q --bench wgpu_ops 2>&1
     SDKIT_BENCH_PYTHON="${SDKIT_BENCH_PYTHON:-python3}" cargo bench -q --bench unet_step 2>&1
