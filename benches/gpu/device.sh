@@ -22,7 +22,18 @@ if [ -f "$icd" ] && ! ls /usr/share/vulkan/icd.d/*nvidia* /etc/vulkan/icd.d/*nvi
     export VK_DRIVER_FILES="$icd"
 fi
 export SDKIT_ADAPTER="${SDKIT_ADAPTER:-nvidia}"
-b=.gpubin
+# build.sh leaves the binaries xz-compressed (the carried tree's size
+# limit); Python's lzma unpacks them without needing xz there.
+b=/tmp/gpubin
+mkdir -p "$b"
+python3 - <<'PY'
+import glob, lzma, os, shutil
+for f in glob.glob(".gpubin/*.xz"):
+    dst = os.path.join("/tmp/gpubin", os.path.basename(f)[:-3])
+    with lzma.open(f) as src, open(dst, "wb") as out:
+        shutil.copyfileobj(src, out)
+    os.chmod(dst, 0o755)
+PY
 {
     echo "== machine"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader

@@ -792,6 +792,21 @@ fn staged_operands_in_16_byte_units() {
             }),
         ),
         (
+            // A 1×1 conv reads its input as a view: pixels in units.
+            "conv 1x1",
+            build(|g| {
+                let p = Conv2dParams {
+                    padding: [0; 2],
+                    ..same_3x3()
+                };
+                g.input("x", &[2, 20, 8, 6])?.conv2d(
+                    g.weight("w", &[12, 20, 1, 1])?,
+                    Some(g.weight("bias", &[12])?),
+                    p,
+                )
+            }),
+        ),
+        (
             "conv, channels last, same size",
             build(|g| {
                 g.input("x", &[1, 16, 9, 9])?.conv2d(

@@ -132,6 +132,19 @@ impl Source {
             } => operands
                 .get(input)
                 .and_then(|o| Vector::of(input, o, offset, batch, [row, col])),
+            // A 1×1 conv of stride 1 without padding reads its input as
+            // it lies: [channel][pixel] per image.
+            Source::Im2col(ref i)
+                if i.taps == 1
+                    && i.groups == 1
+                    && i.params.stride == [1, 1]
+                    && i.params.padding == [0, 0] =>
+            {
+                let pixels = i.h * i.w;
+                operands
+                    .get(i.input)
+                    .and_then(|o| Vector::of(i.input, o, 0, i.channels * pixels, [pixels, 1]))
+            }
             Source::Im2col(ref i) if i.channels_last => Some(Vector {
                 at: UnitAt::ChannelsLast(ChannelsLast {
                     channels: i.channels,
