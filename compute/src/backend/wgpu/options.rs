@@ -41,9 +41,8 @@ pub struct Options {
     /// ([`codegen::Caps::double_buffer`]); off until a GPU run shows it
     /// helps.
     pub double_buffer: bool,
-    /// Staged cooperative operands read in 16-byte units where their
-    /// layout allows ([`codegen::Caps::vector_staging`]); off only to
-    /// compare.
+    /// Staged operands read in 16-byte units where their layout allows
+    /// ([`codegen::Caps::vector_staging`]); off only to compare.
     pub vector_staging: bool,
     /// Cooperative convs copy their input channels-last first, where it
     /// allows ([`codegen::Caps::channels_last`]); off only to compare.

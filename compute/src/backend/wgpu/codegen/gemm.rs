@@ -560,9 +560,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 vector: unit_b,
             }),
         };
-        // Register prefetch needs whole elements per thread.
+        // Register prefetch needs whole units (elements or 16-byte
+        // vectors) per thread.
         let staged = [&a, &b].into_iter().filter_map(|f| match f {
-            Feed::Staged(s) => Some(s.rows * s.cols),
+            Feed::Staged(s) => Some(s.rows * s.cols / s.vector.map_or(1, |v| v.width)),
             Feed::Direct(_) => None,
         });
         let prefetch = caps.prefetch

@@ -282,7 +282,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     (body, grid(units), units * 4)
 }
 
-/// Generates the shader for a kernel, or says what is unsupported.
 /// How one kernel operand is bound: its element type and, for tensors larger
 /// than the device's binding limit, how it is split into several bindings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -428,9 +427,10 @@ pub struct Caps {
     /// GPU; tuning tries it). Register prefetch, where on, takes
     /// precedence.
     pub double_buffer: bool,
-    /// Staged cooperative operands that are plain views of whole 16-byte
-    /// units are read a unit at a time ([`gemm::Vector`]), not element by
-    /// element (on by default; off only to compare).
+    /// Staged product operands (cooperative and portable kernels) and
+    /// attention's K and V that are views of whole 16-byte units are read
+    /// a unit at a time ([`gemm::Vector`]), not element by element (on by
+    /// default; off only to compare).
     pub vector_staging: bool,
     /// Cooperative 3×3-style convs (several taps, one group, channels a
     /// multiple of 8) whose input is at most [`CHANNELS_LAST_MAX`]
