@@ -3,6 +3,7 @@
 //! direct fragment loads, prefetch and split-K, over the `load_a` /
 //! `load_b` / `store` functions each kernel kind supplies.
 
+use super::product::input_pixel;
 use super::*;
 
 /// The portable kernel's tile edge for a dimension of `len`: 64, or 32
@@ -326,25 +327,15 @@ impl Vector {
                 )
             }
             UnitAt::ChannelsLast(cl) => {
-                let p = cl.params;
                 let c = cl.channels;
                 format!(
-                    "let dd = {row}; let tap = dd / {c}u; let p = {col}; \
-                     let iy = i32((p / {ow}u) * {sh}u + (tap / {kw}u) * {dh}u) - {ph}; \
-                     let ix = i32((p % {ow}u) * {sw}u + (tap % {kw}u) * {dw}u) - {pw}; \
+                    "let dd = {row}; let tap = dd / {c}u; let p = {col}; {} \
                      if (iy >= 0 && ix >= 0 && iy < {h} && ix < {wd}) {{ \
                      v = part[((z * {h}u + u32(iy)) * {wd}u + u32(ix)) * {cu}u + (dd % {c}u) / {w}u]; }}",
-                    ow = cl.out_w,
-                    kw = cl.kw,
+                    input_pixel(&cl.params, cl.out_w, cl.kw, "p", "tap"),
                     h = cl.h,
                     wd = cl.w,
                     cu = c / w,
-                    sh = p.stride[0],
-                    sw = p.stride[1],
-                    dh = p.dilation[0],
-                    dw = p.dilation[1],
-                    ph = p.padding[0],
-                    pw = p.padding[1],
                 )
             }
         }

@@ -232,20 +232,36 @@ impl Im2col {
         format!(
             "{head}
     let b = z / {g}u; let g = z % {g}u;
-    {depth} let ky = tap / {kw}u; let kx = tap % {kw}u;
-    let oy = c / {ow}u; let ox = c % {ow}u;
-    let iy = i32(oy * {sh}u + ky * {dh}u) - {ph}; let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};
+    {depth}
+    {}
     if (iy < 0 || ix < 0 || iy >= {h} || ix >= {w}) {{ return 0.0; }}
     return rd{input}(((b * {c}u + g * {cg}u + ci) * {h}u + u32(iy)) * {w}u + u32(ix){tail});
 }}",
-            sh = params.stride[0],
-            sw = params.stride[1],
-            dh = params.dilation[0],
-            dw = params.dilation[1],
-            ph = params.padding[0],
-            pw = params.padding[1],
+            input_pixel(params, *ow, *kw, "c", "tap"),
         )
     }
+}
+
+/// WGSL: `iy`, `ix` (i32, outside the image in the padding), the input
+/// pixel that output pixel `pixel` (of rows `out_w` wide) reads at kernel
+/// tap `tap` (of rows `kw` wide).
+pub(super) fn input_pixel(
+    params: &Conv2dParams,
+    out_w: usize,
+    kw: usize,
+    pixel: &str,
+    tap: &str,
+) -> String {
+    format!(
+        "let iy = i32(({pixel} / {out_w}u) * {sh}u + ({tap} / {kw}u) * {dh}u) - {ph}; \
+         let ix = i32(({pixel} % {out_w}u) * {sw}u + ({tap} % {kw}u) * {dw}u) - {pw};",
+        sh = params.stride[0],
+        sw = params.stride[1],
+        dh = params.dilation[0],
+        dw = params.dilation[1],
+        ph = params.padding[0],
+        pw = params.padding[1],
+    )
 }
 
 impl Sink {
