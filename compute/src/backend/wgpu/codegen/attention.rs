@@ -3,7 +3,7 @@
 //! (tensor-core) forms, single- and two-pass, as WGSL generated from
 //! their shapes.
 
-use super::gemm::{unit_writes, unit_zero};
+use super::units::{unit_writes, unit_zero};
 use super::*;
 
 /// Attention with online softmax (flash-attention style, no sq×skv

@@ -17,6 +17,7 @@ mod attention;
 mod gemm;
 mod product;
 mod rowwise;
+mod units;
 pub use super::quant::Quant;
 use crate::plan::{Expr, Kernel, KernelKind, View};
 use crate::tensor::{contiguous_strides, BinaryOp, PadMode, ReduceOp, UnaryOp, UpsampleMode};
@@ -298,7 +299,7 @@ pub struct Operand {
     /// it is read (one binding; `f16` is false).
     pub quant: Option<Quant>,
     /// Elements the tensor holds, where known: a product may stage a
-    /// tensor of whole 16-byte units in units ([`gemm::Vector`]).
+    /// tensor of whole 16-byte units in units ([`units::Vector`]).
     pub len: Option<usize>,
 }
 
@@ -429,7 +430,7 @@ pub struct Caps {
     pub double_buffer: bool,
     /// Staged product operands (cooperative and portable kernels) and
     /// attention's K and V that are views of whole 16-byte units are read
-    /// a unit at a time ([`gemm::Vector`]), not element by element (on by
+    /// a unit at a time ([`units::Vector`]), not element by element (on by
     /// default; off only to compare).
     pub vector_staging: bool,
     /// Cooperative 3×3-style convs (several taps, one group, channels a

@@ -5,7 +5,8 @@
 //! descriptions; nothing in them is WGSL text, so another renderer
 //! (PTX) can read the same descriptions.
 
-use super::gemm::{ChannelsLast, Direct, Gemm, UnitAt, Vector};
+use super::gemm::{Direct, Gemm};
+use super::units::{ChannelsLast, UnitAt, Vector};
 use super::{Caps, Operand};
 use crate::tensor::Conv2dParams;
 
