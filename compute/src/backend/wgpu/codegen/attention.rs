@@ -63,9 +63,29 @@ pub(super) fn attention(
     };
     let qblocks = sq.div_ceil(q);
     let blocks = bh * qblocks;
-    // Copies the block of keys from `j0` of `input` (rows `width` wide)
-    // into `array`, zeros past the last key.
-    let stage = |array: &str, input: &str, offset: &str, width: usize| {
+    // Copies the block of keys from `j0` of input `j` (rows `width`
+    // wide) into `array`, zeros past the last key: in 16-byte units
+    // where the input allows ([`Units`]).
+    let stage = |array: &str, j: usize, offset: &str, width: usize| {
+        if let Some(w) = units[j] {
+            let per_row = width / w;
+            return strided(
+                "        ",
+                "lid.x",
+                kb * per_row,
+                q,
+                &format!(
+                    "            let jj = e / {per_row}u; let t = (e % {per_row}u) * {w}u;
+            var v = {zero};
+            if (j0 + jj < {skv}u) {{ v = vld{j}({offset}(bh, j0 + jj, t) / {w}u); }}
+            {write}
+",
+                    zero = unit_zero(w),
+                    write = unit_writes(array, &format!("jj * {width}u + t"), "v", "", w, 1),
+                ),
+            );
+        }
+        let input = format!("rd{j}");
         strided(
             "        ",
             "lid.x",
@@ -119,8 +139,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         vl = kb * dv,
         sqm = sq.saturating_sub(1),
         sc = lit(scale),
-        stage_k = stage("Ks", "rd1", "k_off", d),
-        stage_v = stage("Vs", "rd2", "v_off", dv),
+        stage_k = stage("Ks", 1, "k_off", d),
+        stage_v = stage("Vs", 2, "v_off", dv),
     );
     let groups = [blocks.min(65535) as u32, blocks.div_ceil(65535) as u32, 1];
     (code, groups)
@@ -196,8 +216,8 @@ pub(super) struct CoopAttention {
 }
 
 /// Elements per 16-byte unit in which K (`[1]`) and V (`[2]`) may be
-/// read when staged (`[0]`, Q, is staged once per workgroup, element by
-/// element): views of whole-unit bindings with the head contiguous and
+/// read when staged, by every attention form (`[0]`, Q, is read once per
+/// workgroup, element by element): views of whole-unit bindings with the head contiguous and
 /// every other stride, the offset and the head's width whole units.
 pub(super) type Units = [Option<usize>; 3];
 
