@@ -272,14 +272,17 @@ fn main() {
             }
             // Staged operands element by element, as before they were
             // read in 16-byte units; convs over their NCHW input.
-            for (name, vector_staging, channels_last) in [
-                ("coop element loads", false, false),
-                ("coop NCHW convs", true, false),
+            // Products' blocks in plain row order.
+            for (name, vector_staging, channels_last, raster) in [
+                ("coop element loads", false, false, true),
+                ("coop NCHW convs", true, false, true),
+                ("coop row-major grid", true, true, false),
             ] {
                 if let Ok(g) = WgpuBackend::with_options(&Options {
                     adapter: adapter.clone(),
                     vector_staging,
                     channels_last,
+                    raster,
                     ..Options::default()
                 }) {
                     paths.push((name.to_string(), g));

@@ -204,6 +204,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 double_buffer: false,
                 vector_staging: true,
                 channels_last: true,
+                raster: true,
             },
         ),
         (
@@ -219,6 +220,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 double_buffer: false,
                 vector_staging: true,
                 channels_last: true,
+                raster: true,
             },
         ),
     ];
@@ -463,6 +465,7 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
         double_buffer: false,
         vector_staging: true,
         channels_last: true,
+        raster: true,
     };
     let p = Conv2dParams {
         stride: [1; 2],

@@ -249,6 +249,7 @@ impl WgpuBackend {
             double_buffer: opts.double_buffer,
             vector_staging: opts.vector_staging,
             channels_last: opts.channels_last,
+            raster: opts.raster,
         };
         Ok(WgpuBackend {
             f16_weights: f16,

@@ -47,6 +47,9 @@ pub struct Options {
     /// Cooperative convs copy their input channels-last first, where it
     /// allows ([`codegen::Caps::channels_last`]); off only to compare.
     pub channels_last: bool,
+    /// Cooperative GEMM workgroups take their output blocks in grouped
+    /// order ([`codegen::Caps::raster`]); off only to compare.
+    pub raster: bool,
     /// Compile shaders with all of wgpu's runtime checks: index clamping
     /// on every array access, a counter bounding every loop, guarded
     /// integer division and zeroed workgroup memory. Off by default: the
@@ -122,6 +125,7 @@ impl Default for Options {
             double_buffer: false,
             vector_staging: true,
             channels_last: true,
+            raster: true,
             shader_checks: false,
             bounds_checks: false,
             poison_workgroup_memory: false,

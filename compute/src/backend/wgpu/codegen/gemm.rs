@@ -423,6 +423,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         } else {
             1
         };
+        // Grouped workgroup order where the grid is tall and wide enough
+        // for it to matter.
+        let raster = (caps.raster && gy > RASTER_ROWS && gx > 1).then_some(RASTER_ROWS);
         Some(CoopGemm {
             shape: [self.m, self.n, self.k, self.batch],
             frag: t,
@@ -433,6 +436,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             split,
             prefetch,
             stages,
+            raster,
         })
     }
 
@@ -569,7 +573,15 @@ pub(super) struct CoopGemm {
     /// Workgroup stages of the staged operands: 2 stages the next depth
     /// step into one while the other is multiplied.
     pub(super) stages: usize,
+    /// Workgroups take their output blocks in groups of this many block
+    /// rows, column by column within a group, instead of row by row, so
+    /// workgroups running together share A's and B's blocks in L2.
+    pub(super) raster: Option<usize>,
 }
+
+/// Block rows per group of a rasterised cooperative GEMM grid
+/// ([`CoopGemm::raster`]).
+pub(super) const RASTER_ROWS: usize = 8;
 
 impl CoopGemm {
     fn block(&self) -> (usize, usize, usize) {
@@ -579,6 +591,29 @@ impl CoopGemm {
 
     fn threads(&self) -> usize {
         self.tiles.sg_rows * self.tiles.sg_cols * self.lanes
+    }
+
+    /// WGSL: `row0`, `col0`, the first output row and column of this
+    /// workgroup's block. Rasterised, workgroup (x, y) is taken as the
+    /// linear index y·gx + x and walks groups of `raster` block rows, a
+    /// column of the group at a time (the last group may be shorter): a
+    /// one-to-one map of the grid onto the blocks.
+    fn blocks_wgsl(&self) -> String {
+        let [gx, gy, _] = self.grid();
+        let (bm, bn, _) = self.block();
+        match self.raster {
+            None => format!("    let row0 = wg.y * {bm}u;\n    let col0 = wg.x * {bn}u;\n"),
+            Some(g) => format!(
+                "    let lin = wg.y * {gx}u + wg.x;
+    let first = (lin / {span}u) * {g}u;
+    let rows = min({gy}u - first, {g}u);
+    let within = lin % {span}u;
+    let row0 = (first + within % rows) * {bm}u;
+    let col0 = (within / rows) * {bn}u;
+",
+                span = g as u32 * gx,
+            ),
+        }
     }
 
     /// Workgroups along x (column blocks), y (row blocks), z (batch ×
@@ -983,14 +1018,13 @@ impl CoopGemm {
             "{shared}var<workgroup> Cs: array<f32, {c_len}>;
 @compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
-{prologue}    let row0 = wg.y * {bm}u;
-    let col0 = wg.x * {bn}u;
-    let sm = sg / {sgc}u;
+{prologue}{blocks}    let sm = sg / {sgc}u;
     let sn = sg % {sgc}u;
 {decl}{main_loop}{epi}}}
 ",
             c_len = nsg * t * t,
             sgc = sh.sg_cols,
+            blocks = self.blocks_wgsl(),
         )
     }
 }

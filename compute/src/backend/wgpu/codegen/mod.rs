@@ -440,6 +440,10 @@ pub struct Caps {
     /// time instead of element by element (on by default; off to
     /// compare). Not with split-K, which uses the scratch itself.
     pub channels_last: bool,
+    /// Cooperative GEMM grids with more than [`gemm::RASTER_ROWS`] block
+    /// rows take their blocks in grouped order for L2 reuse (on by
+    /// default; off to compare).
+    pub raster: bool,
 }
 
 /// Input elements up to which a conv copies its input channels-last
@@ -462,6 +466,7 @@ impl Caps {
             double_buffer: false,
             vector_staging: true,
             channels_last: true,
+            raster: true,
         }
     }
 }
