@@ -792,6 +792,15 @@ fn staged_operands_in_16_byte_units() {
             }),
         ),
         (
+            // Whole blocks and no epilogue: the cooperative kernel stores
+            // its fragments straight into an f32 output.
+            "whole blocks, fragments stored directly",
+            build(|g| {
+                g.input("a", &[2, 64, 48])?
+                    .matmul(g.input("b", &[2, 48, 128])?)
+            }),
+        ),
+        (
             // A 1×1 conv reads its input as a view: pixels in units.
             "conv 1x1",
             build(|g| {

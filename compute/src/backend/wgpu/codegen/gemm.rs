@@ -183,6 +183,9 @@ pub(super) struct Gemm {
     pub(super) vector_a: Option<Vector>,
     /// B staged in 16-byte units, where its layout allows.
     pub(super) vector_b: Option<Vector>,
+    /// The output is a plain dense f32 binding with no epilogue: whole
+    /// blocks may store their fragments into it directly.
+    pub(super) store_fragments: bool,
 }
 
 /// An operand stored as f16 in one binding with its depth index
@@ -426,6 +429,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         // Grouped workgroup order where the grid is tall and wide enough
         // for it to matter.
         let raster = (caps.raster && gy > RASTER_ROWS && gx > 1).then_some(RASTER_ROWS);
+        // Fragments stored straight to the output: whole blocks only (no
+        // bounds to test), not split (partial sums go to the scratch).
+        let store_direct = self.store_fragments
+            && split.is_none()
+            && self.m.is_multiple_of(bm)
+            && self.n.is_multiple_of(bn);
         Some(CoopGemm {
             shape: [self.m, self.n, self.k, self.batch],
             frag: t,
@@ -437,6 +446,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             prefetch,
             stages,
             raster,
+            store_direct,
         })
     }
 
@@ -577,6 +587,9 @@ pub(super) struct CoopGemm {
     /// rows, column by column within a group, instead of row by row, so
     /// workgroups running together share A's and B's blocks in L2.
     pub(super) raster: Option<usize>,
+    /// Accumulators stored as fragments straight into the f32 output
+    /// (`dst_0`), skipping the copy through workgroup memory.
+    pub(super) store_direct: bool,
 }
 
 /// Block rows per group of a rasterised cooperative GEMM grid
@@ -752,6 +765,18 @@ impl CoopGemm {
                     mac,
                     "            c{i}_{j} = coopMultiplyAdd(a{i}, b{j}, c{i}_{j});"
                 );
+                if self.store_direct {
+                    let _ = writeln!(
+                        epi,
+                        "    coopStoreT(c{i}_{j}, &dst_0[z * {mn}u + (row0 + sm * {rows}u + {ri}u) * {n}u + col0 + sn * {cols}u + {ci}u], {n}u);",
+                        mn = m * n,
+                        rows = sh.rows,
+                        cols = sh.cols,
+                        ri = i * t,
+                        ci = j * t,
+                    );
+                    continue;
+                }
                 let _ = write!(
                     epi,
                     "    coopStoreT(c{i}_{j}, &Cs[sg * {tt}u], {t}u);
@@ -1015,14 +1040,19 @@ impl CoopGemm {
             )
         };
         format!(
-            "{shared}var<workgroup> Cs: array<f32, {c_len}>;
-@compute @workgroup_size({threads})
+            "{shared}{cs}@compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32, @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {{
 {prologue}{blocks}    let sm = sg / {sgc}u;
     let sn = sg % {sgc}u;
 {decl}{main_loop}{epi}}}
 ",
-            c_len = nsg * t * t,
+            // The epilogue's per-subgroup fragment, unless fragments go
+            // straight to the output.
+            cs = if self.store_direct {
+                String::new()
+            } else {
+                format!("var<workgroup> Cs: array<f32, {}>;\n", nsg * t * t)
+            },
             sgc = sh.sg_cols,
             blocks = self.blocks_wgsl(),
         )

@@ -519,7 +519,11 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                 batch: *batch,
                 a: view(0)?,
                 b: view(1)?,
-                out: Sink::Dense { rows: *m, cols: *n },
+                out: Sink::Dense {
+                    rows: *m,
+                    cols: *n,
+                    plain: k.epilogue.is_none(),
+                },
             };
             let (code, tiles, split) = product.emit(operands, caps)?;
             src.push_str(&code);

@@ -65,8 +65,13 @@ pub(super) struct Im2col {
 /// epilogue at the output index.
 #[derive(Clone, Debug)]
 pub(super) enum Sink {
-    /// Dense [batch][rows][cols].
-    Dense { rows: usize, cols: usize },
+    /// Dense [batch][rows][cols]; `plain` where the kernel has no
+    /// epilogue (results are stored as they are).
+    Dense {
+        rows: usize,
+        cols: usize,
+        plain: bool,
+    },
     /// A conv's NCHW output: rows are a group's output channels, columns
     /// output pixels, batch index z = image·groups + group; the bias
     /// (input `bias`) added per output channel.
@@ -270,7 +275,7 @@ impl Sink {
     fn wgsl(&self) -> String {
         let head = "fn store(z: u32, r: u32, c: u32, v: f32) {";
         match self {
-            Sink::Dense { rows, cols } => format!(
+            Sink::Dense { rows, cols, .. } => format!(
                 "{head} let oi = z * {}u + r * {cols}u + c; wr(oi, epi(v, oi)); }}",
                 rows * cols
             ),
@@ -321,6 +326,11 @@ impl Product {
             direct_b: self.b.direct(operands, false),
             vector_a: self.a.vector(operands),
             vector_b: self.b.vector(operands),
+            // Fragments can go straight to a plain f32 output binding.
+            store_fragments: matches!(self.out, Sink::Dense { plain: true, .. })
+                && operands
+                    .last()
+                    .is_some_and(|o| !o.f16 && o.chunks == 1 && o.quant.is_none()),
         }
     }
 
