@@ -43,24 +43,22 @@ pub(super) fn gemm(m: usize, n: usize, k: usize, units: [Option<Vector>; 2]) -> 
                     along_cols: bool,
                     (row, col): (&str, &str),
                     tests: &str| {
-        let (w, rows) = (v.width, 16);
+        let w = v.width;
+        // Units per tile row (along the columns) or per tile column (16
+        // deep, along the rows); a unit's elements are `step` apart.
+        let per = if along_cols { cols / w } else { 16 / w };
+        let (index, first) = (format!("u / {per}u"), format!("(u % {per}u) * {w}u"));
         let (r, c, step) = if along_cols {
-            ("u / PERu", "(u % PERu) * Wu", 1)
+            (index, first, 1)
         } else {
-            ("(u % PERu) * Wu", "u / PERu", cols)
-        };
-        let stride = cols;
-        let per = if along_cols { cols / w } else { rows / w };
-        let pos = |x: &str| {
-            x.replace("PER", &per.to_string())
-                .replace('W', &w.to_string())
+            (first, index, cols)
         };
         strided_as(
             "        ",
             "u",
             "su",
             "tid",
-            rows * cols / w,
+            16 * cols / w,
             threads,
             &format!(
                 "            let r = {}; let c = {};
@@ -68,11 +66,11 @@ pub(super) fn gemm(m: usize, n: usize, k: usize, units: [Option<Vector>; 2]) -> 
             if ({tests}) {{ {load} }}
             {write}
 ",
-                pos(r),
-                pos(c),
+                r,
+                c,
                 zero = unit_zero(w),
                 load = v.load(row, col),
-                write = unit_writes(array, &format!("r * {stride}u + c"), "v", "", w, step),
+                write = unit_writes(array, &format!("r * {cols}u + c"), "v", "", w, step),
             ),
         )
     };
