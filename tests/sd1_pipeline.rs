@@ -322,7 +322,8 @@ fn sampling_loop_stays_on_the_device() {
 /// host loop's latent (the host samplers are checked against k-diffusion
 /// in `nodes/tests/samplers.rs`): the step's arithmetic and noise draws
 /// are the same; the two-call samplers (Heun, DPM-2, DPM++ 2S ancestral,
-/// DPM++ SDE) run the program twice a step. Each device loop reads back
+/// DPM++ SDE) run the program twice a step, the linear multistep ones
+/// (LMS, DEIS, iPNDM, iPNDM-v) carry three derivatives. Each device loop reads back
 /// the same bytes, so none fell back to the host loop. The host loop runs
 /// on the CPU: on lavapipe each run takes seconds, on the CPU a fraction
 /// of one, and the two backends' UNets agree far inside the bound.
@@ -351,6 +352,15 @@ fn device_loops_match_host_loops() {
     for sampler in ["heun", "dpmpp_sde"] {
         let with = format!(r#""sampler_name": "{sampler}""#);
         cases.push((sampler, advanced.replace(split, &with)));
+    }
+    // The linear multistep samplers over 7 steps: the history fills to
+    // its three carried derivatives (LMS and iPNDM reach order 4).
+    for sampler in ["lms", "deis", "ipndm", "ipndm_v"] {
+        let with = format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#);
+        let graph = txt2img
+            .replace(plain, &with)
+            .replace(r#""steps": 4"#, r#""steps": 7"#);
+        cases.push((sampler, graph));
     }
     // One adapter and one CPU runtime for every case: their pipelines and
     // packed weights carry over.

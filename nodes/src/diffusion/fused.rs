@@ -58,6 +58,12 @@ pub(crate) enum Step {
     /// Two model calls a step, the second at the point the first moves
     /// to ([`Two`]).
     Two(Two),
+    /// The linear multistep samplers (LMS, iPNDM, iPNDM-v; DEIS
+    /// `accumulate`s into x): the last three derivatives carried
+    /// (`sampling::steps::Linear`).
+    Linear {
+        accumulate: bool,
+    },
 }
 
 /// The samplers that call the model twice a step (once on the last
@@ -172,6 +178,8 @@ impl Fused {
                     ancestral: sampler == Sampler::EulerAncestralCfgPp,
                 }
             }
+            Sampler::Lms | Sampler::Ipndm | Sampler::IpndmV => Step::Linear { accumulate: false },
+            Sampler::Deis => Step::Linear { accumulate: true },
             Sampler::Heun => Step::Two(Two::Heun),
             Sampler::Dpm2 => Step::Two(Two::Dpm2),
             Sampler::DpmPpSde => Step::Two(Two::DpmPpSde),
@@ -479,6 +487,31 @@ impl Fused {
                 }
                 moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
             }
+            Step::Linear { accumulate } => {
+                // The derivative and the three before it, each times its
+                // coefficient, summed in the host's order.
+                let d0 = to_d()?;
+                let h: Vec<T<'a>> = ["h1", "h2", "h3"]
+                    .iter()
+                    .map(|n| g.input(n, &self.dims))
+                    .collect::<Result<_, _>>()?;
+                let terms = std::iter::once(d0).chain(h.iter().copied());
+                let mut moved = if accumulate { Some(lat) } else { None };
+                for (k, t) in terms.enumerate() {
+                    let term = t.mul(scalar(&format!("m{k}"))?)?;
+                    moved = Some(match moved {
+                        Some(acc) => acc.add(term)?,
+                        None => term,
+                    });
+                }
+                let mut moved = moved.unwrap_or(lat);
+                if !accumulate {
+                    moved = lat.add(moved.mul(scalar("dt")?)?.div(scalar("div")?)?)?;
+                }
+                // The history moves up one: d₂ → d₃, d₁ → d₂, d₀ → d₁.
+                kept.extend([h[1], h[0], d0]);
+                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
+            }
             Step::Two(two) => {
                 // The point the move starts from: this call's latent (the
                 // first call) or the step's start (the second).
@@ -529,6 +562,7 @@ impl Fused {
             Step::Two(Two::Heun) => &["base", "dold"],
             Step::Two(Two::Dpm2) => &["base"],
             Step::Two(_) => &["base", "noise"],
+            Step::Linear { .. } => &["h1", "h2", "h3"],
         }
     }
 
@@ -766,6 +800,24 @@ impl Fused {
                 vec![with_noise(c, z)]
             }
             Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
+            Step::Linear { accumulate } => {
+                let l = crate::sampling::steps::linear(self.sampler, sigmas, i);
+                let mut v: Vec<(&str, f32)> =
+                    ["m0", "m1", "m2", "m3"].into_iter().zip(l.m).collect();
+                if !accumulate {
+                    v.extend([("dt", l.dt), ("div", l.div)]);
+                }
+                v.extend([("keep", flag(!l.take)), ("take", flag(l.take))]);
+                // Carries are copied in this order: each moves up before
+                // the one below replaces it.
+                let carry = vec![
+                    (NEXT, "lat"),
+                    (KEPT, "h3"),
+                    (KEPT + 1, "h2"),
+                    (KEPT + 2, "h1"),
+                ];
+                vec![call(s, &v, carry)]
+            }
         };
         if let Some(c) = calls.first_mut() {
             c.first = true;

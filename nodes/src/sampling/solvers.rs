@@ -12,7 +12,7 @@ use super::samplers::*;
 /// sigmas, in f64. The integrand is a polynomial of degree < 4, which
 /// 4-point Gauss–Legendre integrates exactly (scipy's quad agrees to
 /// rounding).
-pub(super) fn lms_coeff(order: usize, t: &[f32], i: usize, j: usize) -> f64 {
+pub(crate) fn lms_coeff(order: usize, t: &[f32], i: usize, j: usize) -> f64 {
     let basis = |tau: f64| -> f64 {
         let mut prod = 1.0;
         for k in 0..order {
@@ -58,59 +58,59 @@ pub(super) fn res_coeffs(s: f32, old_down: f32, down: f32, prev: f32) -> (f32, f
 /// integrand times each Lagrange basis polynomial on the last `order`
 /// times (sums accumulated in f64).
 pub(super) fn deis_coeffs(sigmas: &[f32], max_order: usize) -> Vec<Vec<f32>> {
+    (0..sigmas.len().saturating_sub(1))
+        .map(|i| deis_step(sigmas, i, max_order))
+        .collect()
+}
+
+/// Step `i`'s [`deis_coeffs`] (empty where its order is 1): the device
+/// loop asks for one step at a time.
+pub(crate) fn deis_step(sigmas: &[f32], i: usize, max_order: usize) -> Vec<f32> {
+    let order = (i + 1).min(max_order);
+    if order == 1 || i + 1 >= sigmas.len() {
+        return Vec::new();
+    }
     let (eps_s, smin, smax) = (1e-3f32, 0.002f32, 80f32);
     let beta_d =
         2.0 * ((smin * smin + 1.0).ln() / eps_s - (smax * smax + 1.0).ln()) / (eps_s - 1.0);
     let beta_min = (smax * smax + 1.0).ln() - 0.5 * beta_d;
     let (b0, b1) = (beta_min, beta_d + beta_min);
-    let t: Vec<f32> = sigmas
+    let t = |k: usize| {
+        let s = sigmas[k];
+        ((beta_min * beta_min + 2.0 * beta_d * (s * s + 1.0).ln()).sqrt() - beta_min) / beta_d
+    };
+    const N: usize = 10_000;
+    let (tc, tn) = (t(i), t(i + 1));
+    let dtau = (tn - tc) / N as f32;
+    let taus = linspace_f32(tc, tn, N);
+    let prev: Vec<f32> = (0..order).map(|k| t(i - k)).collect();
+    let integrand: Vec<f32> = taus
         .iter()
-        .map(|&s| {
-            ((beta_min * beta_min + 2.0 * beta_d * (s * s + 1.0).ln()).sqrt() - beta_min) / beta_d
+        .map(|&tau| {
+            let alpha = (-0.5 * (tau * tau) * (b1 - b0) - tau * b0).exp();
+            // d/dτ log α, as autograd finds it.
+            let dlog = -(tau * (b1 - b0)) - b0;
+            -0.5 * dlog / (alpha * (1.0 - alpha)).sqrt()
         })
         .collect();
-    const N: usize = 10_000;
-    let mut out = Vec::new();
-    for i in 0..t.len().saturating_sub(1) {
-        let order = (i + 1).min(max_order);
-        if order == 1 {
-            out.push(Vec::new());
-            continue;
-        }
-        let (tc, tn) = (t[i], t[i + 1]);
-        let dtau = (tn - tc) / N as f32;
-        let taus = linspace_f32(tc, tn, N);
-        let prev: Vec<f32> = (0..order).map(|k| t[i - k]).collect();
-        let integrand: Vec<f32> = taus
-            .iter()
-            .map(|&tau| {
-                let alpha = (-0.5 * (tau * tau) * (b1 - b0) - tau * b0).exp();
-                // d/dτ log α, as autograd finds it.
-                let dlog = -(tau * (b1 - b0)) - b0;
-                -0.5 * dlog / (alpha * (1.0 - alpha)).sqrt()
-            })
-            .collect();
-        let coeffs = (0..order)
-            .map(|j| {
-                let sum: f64 = taus
-                    .iter()
-                    .zip(&integrand)
-                    .map(|(&tau, &g)| {
-                        let mut poly = 1f32;
-                        for (k, &pk) in prev.iter().enumerate() {
-                            if k != j {
-                                poly *= (tau - pk) / (prev[j] - pk);
-                            }
+    (0..order)
+        .map(|j| {
+            let sum: f64 = taus
+                .iter()
+                .zip(&integrand)
+                .map(|(&tau, &g)| {
+                    let mut poly = 1f32;
+                    for (k, &pk) in prev.iter().enumerate() {
+                        if k != j {
+                            poly *= (tau - pk) / (prev[j] - pk);
                         }
-                        f64::from(g * poly)
-                    })
-                    .sum();
-                sum as f32 * dtau
-            })
-            .collect();
-        out.push(coeffs);
-    }
-    out
+                    }
+                    f64::from(g * poly)
+                })
+                .sum();
+            sum as f32 * dtau
+        })
+        .collect()
 }
 
 /// DPM-Solver-Fast (eta 0), as ComfyUI's `dpm_fast` runs it: from the
@@ -738,7 +738,7 @@ pub(super) fn nan_to_num(v: f32) -> f32 {
 /// ipndm_v's variable-step Adams–Bashforth coefficients for `order`
 /// (1–4), on the current and up to three earlier derivatives; f32 in the
 /// reference's evaluation order.
-pub(super) fn ipndm_v_coeffs(order: usize, t: &[f32], i: usize) -> Vec<f32> {
+pub(crate) fn ipndm_v_coeffs(order: usize, t: &[f32], i: usize) -> Vec<f32> {
     let hn = t[i + 1] - t[i];
     if order == 1 {
         return vec![1.0];

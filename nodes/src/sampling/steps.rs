@@ -3,7 +3,7 @@
 //! device loop (`diffusion::fused`) take the same f32 values, so the two
 //! differ only in the arithmetic on tensors.
 
-use super::samplers::{ancestral_step, Space};
+use super::samplers::{ancestral_step, Sampler, Space};
 
 pub(crate) use super::solvers::log_mid;
 
@@ -140,4 +140,80 @@ pub(crate) fn dpmpp_3m_sde(
         k: (-(-2.0 * h).exp_m1()).sqrt(),
         corr,
     }
+}
+
+/// One step of the linear multistep samplers (LMS, DEIS, iPNDM,
+/// iPNDM-v) as the device loop runs it, over the derivative
+/// d₀ = (x − D)/σ and the last three carried d₁, d₂, d₃ (zeros before
+/// there are three):
+/// - the sum form, `x ← x + (dt·Σ mₖ·dₖ)/div` (LMS: dt = div = 1);
+/// - DEIS's accumulating form, `x ← ((x + m₀·d₀) + m₁·d₁) + …`;
+/// - where `take`, the prediction itself (the last step, σ_next = 0).
+///
+/// The terms the host sampler lacks at this step have mₖ = 0, and
+/// multiplying by 1 or dividing by 1 is exact, so each form rounds as
+/// the host's (`samplers.rs`) does, term by term.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Linear {
+    pub m: [f32; 4],
+    pub dt: f32,
+    pub div: f32,
+    pub take: bool,
+}
+
+/// Step `i` of `sampler` (one of the four) over `sigmas`.
+pub(crate) fn linear(sampler: Sampler, sigmas: &[f32], i: usize) -> Linear {
+    use super::solvers::{deis_step, ipndm_v_coeffs, lms_coeff};
+    let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+    let mut l = Linear {
+        m: [0.0; 4],
+        dt: 1.0,
+        div: 1.0,
+        take: false,
+    };
+    let order = (i + 1).min(4);
+    let put = |m: &mut [f32; 4], c: &[f32]| {
+        for (slot, v) in m.iter_mut().zip(c) {
+            *slot = *v;
+        }
+    };
+    match sampler {
+        Sampler::Deis => {
+            // Order 1 (the first and the last step) is Euler.
+            let c = if s_next <= 0.0 {
+                Vec::new()
+            } else {
+                deis_step(sigmas, i, 3)
+            };
+            if c.is_empty() {
+                l.m[0] = s_next - s;
+            } else {
+                put(&mut l.m, &c);
+            }
+        }
+        _ if s_next == 0.0 => l.take = true,
+        Sampler::Lms => {
+            let c: Vec<f32> = (0..order)
+                .map(|j| lms_coeff(order, sigmas, i, j) as f32)
+                .collect();
+            put(&mut l.m, &c);
+        }
+        Sampler::IpndmV => {
+            l.dt = s_next - s;
+            put(&mut l.m, &ipndm_v_coeffs(order, sigmas, i));
+        }
+        // iPNDM's fixed Adams–Bashforth forms.
+        _ => {
+            l.dt = s_next - s;
+            let (c, div): (&[f32], f32) = match order {
+                1 => (&[1.0], 1.0),
+                2 => (&[3.0, -1.0], 2.0),
+                3 => (&[23.0, -16.0, 5.0], 12.0),
+                _ => (&[55.0, -59.0, 37.0, -9.0], 24.0),
+            };
+            put(&mut l.m, c);
+            l.div = div;
+        }
+    }
+    l
 }
