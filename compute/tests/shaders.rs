@@ -442,6 +442,52 @@ fn staged_views_load_whole_units() {
         let src = generate(k, &short, &cap).expect("generates").source;
         assert!(!src.contains("vld0(") && src.contains("vld1("), "f16 {f16}");
     }
+    // A conv's weights of one group (A, [out][C·9]) are whole units where
+    // C·9 is: 16 channels are, 3 are not (27), on the portable kernel and
+    // on staged tiles; grouped weights stay element by element.
+    for (c, groups, units) in [(16, 1, true), (3, 1, false), (16, 2, false)] {
+        let g = GraphBuilder::new();
+        let p = Conv2dParams {
+            stride: [1; 2],
+            padding: [1; 2],
+            dilation: [1; 2],
+            groups,
+        };
+        let y = g
+            .input("x", &[2, c, 12, 12])
+            .and_then(|x| x.conv2d(g.weight("w", &[24, c / groups, 3, 3])?, None, p));
+        let prog = plan(&g.finish(&[y.expect("conv")])).expect("plan");
+        let k = prog
+            .kernels
+            .iter()
+            .find(|k| k.kind.name() == "conv2d")
+            .expect("a conv");
+        let w = k
+            .inputs
+            .iter()
+            .position(|v| prog.buffer(v.buffer).len == 24 * (c / groups) * 9)
+            .expect("the weights");
+        for (name, caps) in [("plain", Caps::plain()), ("staged", all_caps()[2].1)] {
+            let caps = Caps {
+                gemm_tiles: tilings().into_iter().find(|t| !t.direct),
+                ..caps
+            };
+            for f16 in [true, false] {
+                let ops: Vec<Operand> = k
+                    .inputs
+                    .iter()
+                    .chain([&k.output])
+                    .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
+                    .collect();
+                let src = generate(k, &ops, &caps).expect("generates").source;
+                assert_eq!(
+                    src.contains(&format!("vld{w}(")),
+                    units,
+                    "{name}, f16 {f16}, {c} channels, {groups} groups"
+                );
+            }
+        }
+    }
 }
 
 #[test]

@@ -162,6 +162,16 @@ impl Source {
                 }),
                 width: 8,
             }),
+            // Weights of one group are a plain [out][depth] matrix (the
+            // same for every image).
+            Source::ConvWeights {
+                input,
+                groups: 1,
+                depth,
+                ..
+            } => operands
+                .get(input)
+                .and_then(|o| Vector::of(input, o, 0, 0, [depth, 1])),
             Source::ConvWeights { .. } | Source::Im2col(_) => None,
         }
     }
