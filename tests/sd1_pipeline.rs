@@ -323,7 +323,8 @@ fn sampling_loop_stays_on_the_device() {
 /// in `nodes/tests/samplers.rs`): the step's arithmetic and noise draws
 /// are the same; the two-call samplers (Heun, DPM-2, DPM++ 2S ancestral,
 /// DPM++ SDE) run the program twice a step, the linear multistep ones
-/// (LMS, DEIS, iPNDM, iPNDM-v) carry three derivatives. Each device loop reads back
+/// (LMS, DEIS, iPNDM, iPNDM-v) carry three derivatives, UniPC three
+/// model outputs and its corrector's base. Each device loop reads back
 /// the same bytes, so none fell back to the host loop. The host loop runs
 /// on the CPU: on lavapipe each run takes seconds, on the CPU a fraction
 /// of one, and the two backends' UNets agree far inside the bound.
@@ -349,17 +350,28 @@ fn device_loops_match_host_loops() {
             (sampler, txt2img.replace(plain, &with))
         })
         .collect();
-    for sampler in ["heun", "dpmpp_sde"] {
+    for sampler in ["heun", "dpmpp_sde", "uni_pc_bh2"] {
         let with = format!(r#""sampler_name": "{sampler}""#);
         cases.push((sampler, advanced.replace(split, &with)));
     }
     // The linear multistep samplers over 7 steps: the history fills to
     // its three carried derivatives (LMS and iPNDM reach order 4).
-    for sampler in ["lms", "deis", "ipndm", "ipndm_v"] {
+    // UniPC reaches order 3 and falls back at the end; over 2 steps it
+    // is first order, over 1 only rescaled.
+    for (sampler, steps) in [
+        ("lms", 7),
+        ("deis", 7),
+        ("ipndm", 7),
+        ("ipndm_v", 7),
+        ("uni_pc", 7),
+        ("uni_pc_bh2", 7),
+        ("uni_pc", 2),
+        ("uni_pc", 1),
+    ] {
         let with = format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#);
         let graph = txt2img
             .replace(plain, &with)
-            .replace(r#""steps": 4"#, r#""steps": 7"#);
+            .replace(r#""steps": 4"#, &format!(r#""steps": {steps}"#));
         cases.push((sampler, graph));
     }
     // One adapter and one CPU runtime for every case: their pipelines and

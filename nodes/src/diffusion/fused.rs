@@ -64,6 +64,11 @@ pub(crate) enum Step {
     Linear {
         accumulate: bool,
     },
+    /// UniPC (bh1 or bh2): each call corrects the update that led to its
+    /// point and predicts the next (`sampling::unipc::device_call`).
+    UniPc {
+        bh2: bool,
+    },
 }
 
 /// The samplers that call the model twice a step (once on the last
@@ -180,6 +185,9 @@ impl Fused {
             }
             Sampler::Lms | Sampler::Ipndm | Sampler::IpndmV => Step::Linear { accumulate: false },
             Sampler::Deis => Step::Linear { accumulate: true },
+            Sampler::UniPc | Sampler::UniPcBh2 => Step::UniPc {
+                bh2: sampler == Sampler::UniPcBh2,
+            },
             Sampler::Heun => Step::Two(Two::Heun),
             Sampler::Dpm2 => Step::Two(Two::Dpm2),
             Sampler::DpmPpSde => Step::Two(Two::DpmPpSde),
@@ -512,6 +520,37 @@ impl Fused {
                 kept.extend([h[1], h[0], d0]);
                 moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
             }
+            Step::UniPc { .. } => {
+                // The model output at xt (whose input `lat` is), the
+                // corrected x, the next point predicted from there.
+                let xt = g.input("xt", &self.dims)?;
+                let xb = g.input("xb", &self.dims)?;
+                let h: Vec<T<'a>> = ["h0", "h1", "h2"]
+                    .iter()
+                    .map(|n| g.input(n, &self.dims))
+                    .collect::<Result<_, _>>()?;
+                let eps = lat.sub(d)?.div(sigma)?;
+                let mt = xt.sub(eps.mul(scalar("sd")?)?)?.div(scalar("a")?)?;
+                let d1 = |k: usize, r: &str| h[k].sub(h[0])?.div(scalar(r)?);
+                let corr = d1(1, "rk1")?
+                    .mul(scalar("rc1")?)?
+                    .add(d1(2, "rk2")?.mul(scalar("rc2")?)?)?;
+                let d1_t = mt.sub(h[0])?;
+                let fixed = corr.add(d1_t.mul(scalar("rcl")?)?)?.mul(scalar("cb")?)?;
+                let x = xb
+                    .sub(fixed)?
+                    .mul(scalar("sc")?)?
+                    .add(xt.mul(scalar("st")?)?)?;
+                let e = |k: usize, r: &str| h[k].sub(mt)?.div(scalar(r)?);
+                let pred = e(0, "rp1")?
+                    .mul(scalar("pp1")?)?
+                    .add(e(1, "rp2")?.mul(scalar("pp2")?)?)?;
+                let base = x.mul(scalar("cx")?)?.sub(mt.mul(scalar("cm")?)?)?;
+                let point = base.sub(pred.mul(scalar("cbp")?)?)?;
+                // The history moves up one (h₁ → h₂, h₀ → h₁, m_t → h₀).
+                kept.extend([h[1], h[0], mt, point, base]);
+                point.mul(scalar("kmul")?)?.div(scalar("kdiv")?)?
+            }
             Step::Two(two) => {
                 // The point the move starts from: this call's latent (the
                 // first call) or the step's start (the second).
@@ -548,6 +587,22 @@ impl Fused {
         Ok(outs)
     }
 
+    /// The carried state before the first run, from the sampler's
+    /// starting latent `x0`.
+    fn start(&self, sigmas: &[f32], x0: Vec<f32>) -> HashMap<String, Arc<Vec<f32>>> {
+        match self.step {
+            // UniPC carries the model's input and the point itself.
+            Step::UniPc { .. } => {
+                let (lat, xt) = crate::sampling::unipc::device_start(&x0, sigmas);
+                HashMap::from([
+                    ("lat".to_string(), Arc::new(lat)),
+                    ("xt".to_string(), Arc::new(xt)),
+                ])
+            }
+            _ => HashMap::from([("lat".to_string(), Arc::new(x0))]),
+        }
+    }
+
     /// The inputs the tail keeps between runs besides the latent: given
     /// zeros on the first run where its first call does not set them.
     fn state(&self) -> &'static [&'static str] {
@@ -563,6 +618,7 @@ impl Fused {
             Step::Two(Two::Dpm2) => &["base"],
             Step::Two(_) => &["base", "noise"],
             Step::Linear { .. } => &["h1", "h2", "h3"],
+            Step::UniPc { .. } => &["xb", "h0", "h1", "h2"],
         }
     }
 
@@ -800,6 +856,18 @@ impl Fused {
                 vec![with_noise(c, z)]
             }
             Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
+            Step::UniPc { bh2 } => {
+                let v = crate::sampling::unipc::device_call(sigmas, i, bh2);
+                let carry = vec![
+                    (NEXT, "lat"),
+                    (KEPT, "h2"),
+                    (KEPT + 1, "h1"),
+                    (KEPT + 2, "h0"),
+                    (KEPT + 3, "xt"),
+                    (KEPT + 4, "xb"),
+                ];
+                vec![call(s, &v, carry)]
+            }
             Step::Linear { accumulate } => {
                 let l = crate::sampling::steps::linear(self.sampler, sigmas, i);
                 let mut v: Vec<(&str, f32)> =
@@ -823,126 +891,6 @@ impl Fused {
             c.first = true;
         }
         calls
-    }
-
-    /// A [`Step::Two`] sampler's calls from σ `s` to `s_next`, built by
-    /// `call(σ, scalars, carry)`.
-    fn two_calls(
-        &self,
-        two: Two,
-        (s, s_next): (f32, f32),
-        call: impl Fn(f32, &[(&str, f32)], Vec<(usize, &'static str)>) -> Call,
-        noise: &mut dyn FnMut() -> Vec<f32>,
-    ) -> Vec<Call> {
-        // The first call moves `lat` and keeps where it started (and
-        // Heun's derivative); the second moves from there.
-        let first_carry = || {
-            let mut c = vec![(NEXT, "lat"), (KEPT, "base")];
-            if two == Two::Heun {
-                c.push((DIR, "dold"));
-            }
-            c
-        };
-        let lat = || vec![(NEXT, "lat")];
-        // Scalars default to the first call's Euler move from `lat`.
-        let mut first = vec![
-            ("sa", 1.0),
-            ("sb", 0.0),
-            ("pa", 1.0),
-            ("pb", 0.0),
-            ("se", 1.0),
-            ("sx", 0.0),
-            ("a", 0.0),
-            ("b", 0.0),
-            ("al", 1.0),
-            ("su", 0.0),
-            ("dt", 0.0),
-        ];
-        let set = |v: &mut Vec<(&str, f32)>, name: &str, val: f32| {
-            if let Some(slot) = v.iter_mut().find(|(n, _)| *n == name) {
-                slot.1 = val;
-            }
-        };
-        let mut second = first.clone();
-        for (name, val) in [("sa", 0.0), ("sb", 1.0)] {
-            set(&mut second, name, val);
-        }
-        let with_noise = |mut c: Call, z: Vec<f32>| {
-            c.inputs.insert("noise".to_string(), Arc::new(z));
-            c
-        };
-        if two == Two::DpmPpSde {
-            for v in [&mut first, &mut second] {
-                set(v, "se", 0.0);
-                set(v, "sx", 1.0);
-            }
-            if s_next == 0.0 {
-                // The prediction itself: 0·x − (−1)·D.
-                set(&mut first, "b", -1.0);
-                return vec![call(s, &first, lat())];
-            }
-            let st = crate::sampling::steps::dpmpp_sde(self.space, s, s_next);
-            for (v, e) in [(&mut first, st.first), (&mut second, st.second)] {
-                set(v, "a", e.a);
-                set(v, "b", e.b);
-                set(v, "al", e.alpha);
-                set(v, "su", e.su);
-            }
-            let (za, zb) = (noise(), noise());
-            let z: Vec<f32> = za
-                .iter()
-                .zip(&zb)
-                .map(|(a, b)| st.ka * a + st.kb * b)
-                .collect();
-            return vec![
-                with_noise(call(s, &first, first_carry()), za),
-                with_noise(call(st.s1, &second, lat()), z),
-            ];
-        }
-        // The others move toward `end` (the ancestral forms' σ_down, then
-        // noise × σ_up), on the last step by one Euler call.
-        let ancestral = matches!(two, Two::Dpm2Ancestral | Two::DpmPp2sAncestral);
-        let (end, up) = if ancestral {
-            ancestral_step(s, s_next)
-        } else {
-            (s_next, 0.0)
-        };
-        set(&mut first, "dt", end - s);
-        if end == 0.0 {
-            return vec![call(s, &first, lat())];
-        }
-        set(&mut second, "dt", end - s);
-        let mid = match two {
-            // The second call at σ_next averages both derivatives.
-            Two::Heun => {
-                set(&mut second, "pa", 0.0);
-                set(&mut second, "pb", 1.0);
-                end
-            }
-            Two::DpmPp2sAncestral => {
-                let (mid, (a1, b1), (a2, b2)) = crate::sampling::steps::dpmpp_2s(s, end);
-                for (v, a, b) in [(&mut first, a1, b1), (&mut second, a2, b2)] {
-                    set(v, "se", 0.0);
-                    set(v, "sx", 1.0);
-                    set(v, "a", a);
-                    set(v, "b", b);
-                }
-                mid
-            }
-            // DPM-2: the first call moves to the log-midpoint.
-            _ => {
-                let mid = crate::sampling::steps::log_mid(s, end);
-                set(&mut first, "dt", mid - s);
-                mid
-            }
-        };
-        let first = call(s, &first, first_carry());
-        if !ancestral {
-            return vec![first, call(mid, &second, lat())];
-        }
-        set(&mut second, "su", up);
-        let z = noise();
-        vec![first, with_noise(call(mid, &second, lat()), z)]
     }
 }
 
@@ -1028,8 +976,7 @@ pub(crate) fn run<'p>(
     // The state the next run starts from where its session is new: the
     // latent at first, then what the last run of the session before
     // carried.
-    let mut handoff: Option<HashMap<String, Arc<Vec<f32>>>> =
-        Some(HashMap::from([("lat".to_string(), Arc::new(x0))]));
+    let mut handoff = Some(f.start(&sigmas, x0));
     let mut current = plan.first().and_then(|c| c.first()).copied().unwrap_or(0);
     let mut out = Vec::new();
     let eval = |s: f32| call_eval(model, s);

@@ -7,3 +7,4 @@ pub mod euler;
 pub mod samplers;
 mod solvers;
 pub(crate) mod steps;
+pub(crate) mod unipc;

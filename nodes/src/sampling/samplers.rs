@@ -12,6 +12,7 @@
 
 use super::discrete::DiscreteSchedule;
 use super::solvers::*;
+use super::unipc::uni_pc;
 use std::borrow::Cow;
 
 /// What sigma means to the samplers that ask (ComfyUI tests the model

@@ -1,0 +1,130 @@
+//! The device loop's two-call samplers ([`Two`]): the first call moves
+//! `lat` and keeps where the step started (and Heun's derivative), the
+//! second moves from there; per-call 0/1 selectors pick each call's form
+//! of the shared tail (`Fused::outputs`).
+
+use super::fused::{Call, Fused, Two, DIR, KEPT, NEXT};
+use crate::sampling::samplers::ancestral_step;
+use std::sync::Arc;
+
+impl Fused {
+    /// A [`Step::Two`] sampler's calls from σ `s` to `s_next`, built by
+    /// `call(σ, scalars, carry)`.
+    pub(super) fn two_calls(
+        &self,
+        two: Two,
+        (s, s_next): (f32, f32),
+        call: impl Fn(f32, &[(&str, f32)], Vec<(usize, &'static str)>) -> Call,
+        noise: &mut dyn FnMut() -> Vec<f32>,
+    ) -> Vec<Call> {
+        // The first call moves `lat` and keeps where it started (and
+        // Heun's derivative); the second moves from there.
+        let first_carry = || {
+            let mut c = vec![(NEXT, "lat"), (KEPT, "base")];
+            if two == Two::Heun {
+                c.push((DIR, "dold"));
+            }
+            c
+        };
+        let lat = || vec![(NEXT, "lat")];
+        // Scalars default to the first call's Euler move from `lat`.
+        let mut first = vec![
+            ("sa", 1.0),
+            ("sb", 0.0),
+            ("pa", 1.0),
+            ("pb", 0.0),
+            ("se", 1.0),
+            ("sx", 0.0),
+            ("a", 0.0),
+            ("b", 0.0),
+            ("al", 1.0),
+            ("su", 0.0),
+            ("dt", 0.0),
+        ];
+        let set = |v: &mut Vec<(&str, f32)>, name: &str, val: f32| {
+            if let Some(slot) = v.iter_mut().find(|(n, _)| *n == name) {
+                slot.1 = val;
+            }
+        };
+        let mut second = first.clone();
+        for (name, val) in [("sa", 0.0), ("sb", 1.0)] {
+            set(&mut second, name, val);
+        }
+        let with_noise = |mut c: Call, z: Vec<f32>| {
+            c.inputs.insert("noise".to_string(), Arc::new(z));
+            c
+        };
+        if two == Two::DpmPpSde {
+            for v in [&mut first, &mut second] {
+                set(v, "se", 0.0);
+                set(v, "sx", 1.0);
+            }
+            if s_next == 0.0 {
+                // The prediction itself: 0·x − (−1)·D.
+                set(&mut first, "b", -1.0);
+                return vec![call(s, &first, lat())];
+            }
+            let st = crate::sampling::steps::dpmpp_sde(self.space, s, s_next);
+            for (v, e) in [(&mut first, st.first), (&mut second, st.second)] {
+                set(v, "a", e.a);
+                set(v, "b", e.b);
+                set(v, "al", e.alpha);
+                set(v, "su", e.su);
+            }
+            let (za, zb) = (noise(), noise());
+            let z: Vec<f32> = za
+                .iter()
+                .zip(&zb)
+                .map(|(a, b)| st.ka * a + st.kb * b)
+                .collect();
+            return vec![
+                with_noise(call(s, &first, first_carry()), za),
+                with_noise(call(st.s1, &second, lat()), z),
+            ];
+        }
+        // The others move toward `end` (the ancestral forms' σ_down, then
+        // noise × σ_up), on the last step by one Euler call.
+        let ancestral = matches!(two, Two::Dpm2Ancestral | Two::DpmPp2sAncestral);
+        let (end, up) = if ancestral {
+            ancestral_step(s, s_next)
+        } else {
+            (s_next, 0.0)
+        };
+        set(&mut first, "dt", end - s);
+        if end == 0.0 {
+            return vec![call(s, &first, lat())];
+        }
+        set(&mut second, "dt", end - s);
+        let mid = match two {
+            // The second call at σ_next averages both derivatives.
+            Two::Heun => {
+                set(&mut second, "pa", 0.0);
+                set(&mut second, "pb", 1.0);
+                end
+            }
+            Two::DpmPp2sAncestral => {
+                let (mid, (a1, b1), (a2, b2)) = crate::sampling::steps::dpmpp_2s(s, end);
+                for (v, a, b) in [(&mut first, a1, b1), (&mut second, a2, b2)] {
+                    set(v, "se", 0.0);
+                    set(v, "sx", 1.0);
+                    set(v, "a", a);
+                    set(v, "b", b);
+                }
+                mid
+            }
+            // DPM-2: the first call moves to the log-midpoint.
+            _ => {
+                let mid = crate::sampling::steps::log_mid(s, end);
+                set(&mut first, "dt", mid - s);
+                mid
+            }
+        };
+        let first = call(s, &first, first_carry());
+        if !ancestral {
+            return vec![first, call(mid, &second, lat())];
+        }
+        set(&mut second, "su", up);
+        let z = noise();
+        vec![first, with_noise(call(mid, &second, lat()), z)]
+    }
+}
