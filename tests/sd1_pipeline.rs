@@ -324,7 +324,8 @@ fn sampling_loop_stays_on_the_device() {
 /// are the same; the two-call samplers (Heun, DPM-2, DPM++ 2S ancestral,
 /// DPM++ SDE) run the program twice a step, the linear multistep ones
 /// (LMS, DEIS, iPNDM, iPNDM-v) carry three derivatives, UniPC three
-/// model outputs and its corrector's base. Each device loop reads back
+/// model outputs and its corrector's base, res_multistep, gradient
+/// estimation and DPM++ 2M CFG++ (each plain and CFG++) one. Each device loop reads back
 /// the same bytes, so none fell back to the host loop. The host loop runs
 /// on the CPU: on lavapipe each run takes seconds, on the CPU a fraction
 /// of one, and the two backends' UNets agree far inside the bound.
@@ -342,9 +343,11 @@ fn device_loops_match_host_loops() {
     // (ddim is Euler's loop; Euler ancestral, DPM++ 2M and LCM are
     // checked against ComfyUI below; DPM-2 is DPM-2 ancestral's two calls
     // without the noise; the Heun form of 2M SDE one coefficient.)
-    let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde";
+    let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde \
+        res_multistep res_multistep_ancestral res_multistep_cfg_pp res_multistep_ancestral_cfg_pp \
+        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp";
     let mut cases: Vec<(&str, String)> = samplers
-        .split(' ')
+        .split_whitespace()
         .map(|sampler| {
             let with = format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#);
             (sampler, txt2img.replace(plain, &with))

@@ -20,6 +20,7 @@
 use super::cond_batch::{Item, Mult};
 use super::denoiser::ModelGroup;
 use super::fused_control::{Chain, FusedControl};
+use super::fused_multi::{Multi, Tail};
 use super::inpaint::Blend;
 use super::{Model, Prediction};
 use crate::models::unet::ControlResiduals;
@@ -58,17 +59,8 @@ pub(crate) enum Step {
     /// Two model calls a step, the second at the point the first moves
     /// to ([`Two`]).
     Two(Two),
-    /// The linear multistep samplers (LMS, iPNDM, iPNDM-v; DEIS
-    /// `accumulate`s into x): the last three derivatives carried
-    /// (`sampling::steps::Linear`).
-    Linear {
-        accumulate: bool,
-    },
-    /// UniPC (bh1 or bh2): each call corrects the update that led to its
-    /// point and predicts the next (`sampling::unipc::device_call`).
-    UniPc {
-        bh2: bool,
-    },
+    /// The multistep samplers of `fused_multi` ([`Multi`]).
+    Multi(Multi),
 }
 
 /// The samplers that call the model twice a step (once on the last
@@ -183,11 +175,6 @@ impl Fused {
                     ancestral: sampler == Sampler::EulerAncestralCfgPp,
                 }
             }
-            Sampler::Lms | Sampler::Ipndm | Sampler::IpndmV => Step::Linear { accumulate: false },
-            Sampler::Deis => Step::Linear { accumulate: true },
-            Sampler::UniPc | Sampler::UniPcBh2 => Step::UniPc {
-                bh2: sampler == Sampler::UniPcBh2,
-            },
             Sampler::Heun => Step::Two(Two::Heun),
             Sampler::Dpm2 => Step::Two(Two::Dpm2),
             Sampler::DpmPpSde => Step::Two(Two::DpmPpSde),
@@ -199,7 +186,7 @@ impl Fused {
             Sampler::DpmPp2sAncestral if model.prediction != Prediction::Flow => {
                 Step::Two(Two::DpmPp2sAncestral)
             }
-            _ => return None,
+            _ => Step::Multi(Multi::of(sampler, cfg.is_some())?),
         };
         if !matches!(
             model.prediction,
@@ -495,61 +482,14 @@ impl Fused {
                 }
                 moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
             }
-            Step::Linear { accumulate } => {
-                // The derivative and the three before it, each times its
-                // coefficient, summed in the host's order.
-                let d0 = to_d()?;
-                let h: Vec<T<'a>> = ["h1", "h2", "h3"]
-                    .iter()
-                    .map(|n| g.input(n, &self.dims))
-                    .collect::<Result<_, _>>()?;
-                let terms = std::iter::once(d0).chain(h.iter().copied());
-                let mut moved = if accumulate { Some(lat) } else { None };
-                for (k, t) in terms.enumerate() {
-                    let term = t.mul(scalar(&format!("m{k}"))?)?;
-                    moved = Some(match moved {
-                        Some(acc) => acc.add(term)?,
-                        None => term,
-                    });
-                }
-                let mut moved = moved.unwrap_or(lat);
-                if !accumulate {
-                    moved = lat.add(moved.mul(scalar("dt")?)?.div(scalar("div")?)?)?;
-                }
-                // The history moves up one: d₂ → d₃, d₁ → d₂, d₀ → d₁.
-                kept.extend([h[1], h[0], d0]);
-                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
-            }
-            Step::UniPc { .. } => {
-                // The model output at xt (whose input `lat` is), the
-                // corrected x, the next point predicted from there.
-                let xt = g.input("xt", &self.dims)?;
-                let xb = g.input("xb", &self.dims)?;
-                let h: Vec<T<'a>> = ["h0", "h1", "h2"]
-                    .iter()
-                    .map(|n| g.input(n, &self.dims))
-                    .collect::<Result<_, _>>()?;
-                let eps = lat.sub(d)?.div(sigma)?;
-                let mt = xt.sub(eps.mul(scalar("sd")?)?)?.div(scalar("a")?)?;
-                let d1 = |k: usize, r: &str| h[k].sub(h[0])?.div(scalar(r)?);
-                let corr = d1(1, "rk1")?
-                    .mul(scalar("rc1")?)?
-                    .add(d1(2, "rk2")?.mul(scalar("rc2")?)?)?;
-                let d1_t = mt.sub(h[0])?;
-                let fixed = corr.add(d1_t.mul(scalar("rcl")?)?)?.mul(scalar("cb")?)?;
-                let x = xb
-                    .sub(fixed)?
-                    .mul(scalar("sc")?)?
-                    .add(xt.mul(scalar("st")?)?)?;
-                let e = |k: usize, r: &str| h[k].sub(mt)?.div(scalar(r)?);
-                let pred = e(0, "rp1")?
-                    .mul(scalar("pp1")?)?
-                    .add(e(1, "rp2")?.mul(scalar("pp2")?)?)?;
-                let base = x.mul(scalar("cx")?)?.sub(mt.mul(scalar("cm")?)?)?;
-                let point = base.sub(pred.mul(scalar("cbp")?)?)?;
-                // The history moves up one (h₁ → h₂, h₀ → h₁, m_t → h₀).
-                kept.extend([h[1], h[0], mt, point, base]);
-                point.mul(scalar("kmul")?)?.div(scalar("kdiv")?)?
+            Step::Multi(m) => {
+                let t = Tail {
+                    lat,
+                    d,
+                    sigma,
+                    uncond: uncond_pred,
+                };
+                m.tail(self, g, t, &mut kept)?
             }
             Step::Two(two) => {
                 // The point the move starts from: this call's latent (the
@@ -592,7 +532,7 @@ impl Fused {
     fn start(&self, sigmas: &[f32], x0: Vec<f32>) -> HashMap<String, Arc<Vec<f32>>> {
         match self.step {
             // UniPC carries the model's input and the point itself.
-            Step::UniPc { .. } => {
+            Step::Multi(Multi::UniPc { .. }) => {
                 let (lat, xt) = crate::sampling::unipc::device_start(&x0, sigmas);
                 HashMap::from([
                     ("lat".to_string(), Arc::new(lat)),
@@ -617,8 +557,7 @@ impl Fused {
             Step::Two(Two::Heun) => &["base", "dold"],
             Step::Two(Two::Dpm2) => &["base"],
             Step::Two(_) => &["base", "noise"],
-            Step::Linear { .. } => &["h1", "h2", "h3"],
-            Step::UniPc { .. } => &["xb", "h0", "h1", "h2"],
+            Step::Multi(m) => m.state(),
         }
     }
 
@@ -856,35 +795,13 @@ impl Fused {
                 vec![with_noise(c, z)]
             }
             Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
-            Step::UniPc { bh2 } => {
-                let v = crate::sampling::unipc::device_call(sigmas, i, bh2);
-                let carry = vec![
-                    (NEXT, "lat"),
-                    (KEPT, "h2"),
-                    (KEPT + 1, "h1"),
-                    (KEPT + 2, "h0"),
-                    (KEPT + 3, "xt"),
-                    (KEPT + 4, "xb"),
-                ];
-                vec![call(s, &v, carry)]
-            }
-            Step::Linear { accumulate } => {
-                let l = crate::sampling::steps::linear(self.sampler, sigmas, i);
-                let mut v: Vec<(&str, f32)> =
-                    ["m0", "m1", "m2", "m3"].into_iter().zip(l.m).collect();
-                if !accumulate {
-                    v.extend([("dt", l.dt), ("div", l.div)]);
+            Step::Multi(m) => {
+                let mc = m.call(self, sigmas, i, noise);
+                let c = call(s, &mc.scalars, mc.carry);
+                match mc.noise {
+                    Some(z) => vec![with_noise(c, z)],
+                    None => vec![c],
                 }
-                v.extend([("keep", flag(!l.take)), ("take", flag(l.take))]);
-                // Carries are copied in this order: each moves up before
-                // the one below replaces it.
-                let carry = vec![
-                    (NEXT, "lat"),
-                    (KEPT, "h3"),
-                    (KEPT + 1, "h2"),
-                    (KEPT + 2, "h1"),
-                ];
-                vec![call(s, &v, carry)]
             }
         };
         if let Some(c) = calls.first_mut() {

@@ -18,6 +18,7 @@ pub mod embeddings;
 pub mod flux_control;
 pub(crate) mod fused;
 pub(crate) mod fused_control;
+mod fused_multi;
 mod fused_two;
 pub mod inpaint;
 pub mod ksampler;

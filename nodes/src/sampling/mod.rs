@@ -5,6 +5,6 @@
 pub mod discrete;
 pub mod euler;
 pub mod samplers;
-mod solvers;
+pub(crate) mod solvers;
 pub(crate) mod steps;
 pub(crate) mod unipc;

@@ -40,7 +40,7 @@ pub(crate) fn lms_coeff(order: usize, t: &[f32], i: usize, j: usize) -> f64 {
 
 /// res_multistep's second-order step (arXiv 2308.02157) from σ to σ_down,
 /// given the previous step's σ and σ_down: (exp(−h), h, b1, b2).
-pub(super) fn res_coeffs(s: f32, old_down: f32, down: f32, prev: f32) -> (f32, f32, f32, f32) {
+pub(crate) fn res_coeffs(s: f32, old_down: f32, down: f32, prev: f32) -> (f32, f32, f32, f32) {
     let t_fn = |sigma: f32| -sigma.ln();
     let (t, t_old, t_next, t_prev) = (t_fn(s), t_fn(old_down), t_fn(down), t_fn(prev));
     let h = t_next - t;

@@ -1,0 +1,340 @@
+//! The device loop's multistep samplers beyond DPM++ 2M and the SDE
+//! ones ([`Multi`]): the tail each appends to the model's program, and
+//! each call's one-element inputs and carries. As everywhere in the
+//! device loop, the arithmetic is the host sampler's, operation for
+//! operation; terms a step lacks get zero coefficients (and the state
+//! they read starts as zeros), so they add exact zeros.
+
+use super::fused::{Fused, KEPT, NEXT};
+use crate::sampling::samplers::{ancestral_step, Sampler};
+use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
+
+/// The multistep samplers of this module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Multi {
+    /// LMS, iPNDM, iPNDM-v (DEIS `accumulate`s into x): the last three
+    /// derivatives carried (`sampling::steps::Linear`).
+    Linear { accumulate: bool },
+    /// UniPC (bh1 or bh2): each call corrects the update that led to its
+    /// point and predicts the next (`sampling::unipc::device_call`).
+    UniPc { bh2: bool },
+    /// res_multistep (plain, ancestral, CFG++): the exponential
+    /// second-order move from the previous prediction, Euler where
+    /// there is none.
+    Res { cfg_pp: bool, ancestral: bool },
+    /// Gradient estimation (γ = 2; CFG++ steps from the unconditional
+    /// prediction): the previous derivative carried.
+    GradEst { cfg_pp: bool },
+    /// DPM++ 2M CFG++: the previous unconditional prediction carried.
+    DpmPp2mCfgPp,
+}
+
+/// What a multistep tail reads: the carried latent, the combined
+/// prediction D, σ, and the unconditional prediction where it ran.
+pub(crate) struct Tail<'a> {
+    pub lat: T<'a>,
+    pub d: T<'a>,
+    pub sigma: T<'a>,
+    pub uncond: Option<T<'a>>,
+}
+
+/// One call's one-element inputs, carries and noise (where it draws).
+pub(crate) struct MultiCall {
+    pub scalars: Vec<(&'static str, f32)>,
+    pub carry: Vec<(usize, &'static str)>,
+    pub noise: Option<Vec<f32>>,
+}
+
+fn flag(b: bool) -> f32 {
+    if b {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+impl Multi {
+    /// `sampler`'s form here, if it has one; the CFG++ forms need the
+    /// unconditional prediction to run (`cfg`).
+    pub(crate) fn of(sampler: Sampler, cfg: bool) -> Option<Multi> {
+        Some(match sampler {
+            Sampler::Lms | Sampler::Ipndm | Sampler::IpndmV => Multi::Linear { accumulate: false },
+            Sampler::Deis => Multi::Linear { accumulate: true },
+            Sampler::UniPc | Sampler::UniPcBh2 => Multi::UniPc {
+                bh2: sampler == Sampler::UniPcBh2,
+            },
+            Sampler::ResMultistep | Sampler::ResMultistepAncestral => Multi::Res {
+                cfg_pp: false,
+                ancestral: sampler == Sampler::ResMultistepAncestral,
+            },
+            Sampler::ResMultistepCfgPp | Sampler::ResMultistepAncestralCfgPp if cfg => Multi::Res {
+                cfg_pp: true,
+                ancestral: sampler == Sampler::ResMultistepAncestralCfgPp,
+            },
+            Sampler::GradientEstimation => Multi::GradEst { cfg_pp: false },
+            Sampler::GradientEstimationCfgPp if cfg => Multi::GradEst { cfg_pp: true },
+            Sampler::DpmPp2mCfgPp if cfg => Multi::DpmPp2mCfgPp,
+            _ => return None,
+        })
+    }
+
+    /// The state the tail carries besides the latent (zeros at first).
+    pub(crate) fn state(self) -> &'static [&'static str] {
+        match self {
+            Multi::Linear { .. } => &["h1", "h2", "h3"],
+            Multi::UniPc { .. } => &["xb", "h0", "h1", "h2"],
+            Multi::Res {
+                ancestral: true, ..
+            } => &["old", "noise"],
+            Multi::Res { .. } | Multi::GradEst { .. } | Multi::DpmPp2mCfgPp => &["old"],
+        }
+    }
+
+    /// The next latent, the carried outputs pushed to `kept` (outputs
+    /// `KEPT`, `KEPT + 1`, …).
+    pub(crate) fn tail<'a>(
+        self,
+        f: &Fused,
+        g: &'a GraphBuilder,
+        t: Tail<'a>,
+        kept: &mut Vec<T<'a>>,
+    ) -> Result<T<'a>, ShapeError> {
+        let Tail {
+            lat,
+            d,
+            sigma,
+            uncond,
+        } = t;
+        let scalar = |name: &str| g.input(name, &[1]);
+        let input = |name: &str| g.input(name, &f.dims);
+        let uncond = || {
+            uncond.ok_or_else(|| ShapeError {
+                op: "CFG++",
+                message: "no unconditional prediction".into(),
+                shapes: Vec::new(),
+            })
+        };
+        let select = |moved: T<'a>| moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?);
+        match self {
+            Multi::Linear { accumulate } => {
+                // The derivative and the three before it, each times its
+                // coefficient, summed in the host's order.
+                let d0 = lat.sub(d)?.div(sigma)?;
+                let h = [input("h1")?, input("h2")?, input("h3")?];
+                let terms = std::iter::once(d0).chain(h.iter().copied());
+                let mut moved = if accumulate { Some(lat) } else { None };
+                for (k, t) in terms.enumerate() {
+                    let term = t.mul(scalar(&format!("m{k}"))?)?;
+                    moved = Some(match moved {
+                        Some(acc) => acc.add(term)?,
+                        None => term,
+                    });
+                }
+                let mut moved = moved.unwrap_or(lat);
+                if !accumulate {
+                    moved = lat.add(moved.mul(scalar("dt")?)?.div(scalar("div")?)?)?;
+                }
+                // The history moves up one: d₂ → d₃, d₁ → d₂, d₀ → d₁.
+                kept.extend([h[1], h[0], d0]);
+                select(moved)
+            }
+            Multi::UniPc { .. } => {
+                // The model output at xt (whose input `lat` is), the
+                // corrected x, the next point predicted from there.
+                let (xt, xb) = (input("xt")?, input("xb")?);
+                let h = [input("h0")?, input("h1")?, input("h2")?];
+                let eps = lat.sub(d)?.div(sigma)?;
+                let mt = xt.sub(eps.mul(scalar("sd")?)?)?.div(scalar("a")?)?;
+                let d1 = |k: usize, r: &str| h[k].sub(h[0])?.div(scalar(r)?);
+                let corr = d1(1, "rk1")?
+                    .mul(scalar("rc1")?)?
+                    .add(d1(2, "rk2")?.mul(scalar("rc2")?)?)?;
+                let d1_t = mt.sub(h[0])?;
+                let fixed = corr.add(d1_t.mul(scalar("rcl")?)?)?.mul(scalar("cb")?)?;
+                let x = xb
+                    .sub(fixed)?
+                    .mul(scalar("sc")?)?
+                    .add(xt.mul(scalar("st")?)?)?;
+                let e = |k: usize, r: &str| h[k].sub(mt)?.div(scalar(r)?);
+                let pred = e(0, "rp1")?
+                    .mul(scalar("pp1")?)?
+                    .add(e(1, "rp2")?.mul(scalar("pp2")?)?)?;
+                let base = x.mul(scalar("cx")?)?.sub(mt.mul(scalar("cm")?)?)?;
+                let point = base.sub(pred.mul(scalar("cbp")?)?)?;
+                // The history moves up one (h₁ → h₂, h₀ → h₁, m_t → h₀).
+                kept.extend([h[1], h[0], mt, point, base]);
+                point.mul(scalar("kmul")?)?.div(scalar("kdiv")?)
+            }
+            Multi::Res { cfg_pp, ancestral } => {
+                // Euler where there is no previous prediction (`sf`),
+                // else e·x + h·(b1·D + b2·old) (`se`); CFG++ moves from
+                // the unconditional prediction.
+                let old = input("old")?;
+                let (first, exp, keep) = if cfg_pp {
+                    let u = uncond()?;
+                    let first = d.add(lat.sub(u)?.div(sigma)?.mul(scalar("down")?)?)?;
+                    let xs = lat.add(d.sub(u)?)?;
+                    (first, xs, u)
+                } else {
+                    let first = lat.add(lat.sub(d)?.div(sigma)?.mul(scalar("dt")?)?)?;
+                    (first, lat, d)
+                };
+                let mix = keep.mul(scalar("b1")?)?.add(old.mul(scalar("b2")?)?)?;
+                let exp = exp.mul(scalar("e")?)?.add(mix.mul(scalar("h")?)?)?;
+                let mut moved = first.mul(scalar("sf")?)?.add(exp.mul(scalar("se")?)?)?;
+                if ancestral {
+                    moved = moved.add(input("noise")?.mul(scalar("up")?)?)?;
+                }
+                kept.push(keep);
+                Ok(moved)
+            }
+            Multi::GradEst { cfg_pp } => {
+                let base = if cfg_pp { uncond()? } else { d };
+                let d0 = lat.sub(base)?.div(sigma)?;
+                let moved = if cfg_pp {
+                    d.add(d0.mul(scalar("sn")?)?)?
+                } else {
+                    lat.add(d0.mul(scalar("dt")?)?)?
+                };
+                // γ = 2: + (1·(d − d_old))·dt from the second step (`dg`).
+                let moved = moved.add(d0.sub(input("old")?)?.mul(scalar("dg")?)?)?;
+                kept.push(d0);
+                select(moved)
+            }
+            Multi::DpmPp2mCfgPp => {
+                // D + (−e·u − e₁c·(D − old)) + e·x.
+                let u = uncond()?;
+                let mix = u
+                    .mul(scalar("ne")?)?
+                    .sub(d.sub(input("old")?)?.mul(scalar("ec")?)?)?;
+                let moved = d.add(mix)?.add(lat.mul(scalar("e")?)?)?;
+                kept.push(u);
+                Ok(moved)
+            }
+        }
+    }
+
+    /// Step `i`'s call over `sigmas` (the loop's, as [`Fused::sigmas`]
+    /// gives them), drawing from `noise` where the host sampler draws.
+    pub(crate) fn call(
+        self,
+        f: &Fused,
+        sigmas: &[f32],
+        i: usize,
+        noise: &mut dyn FnMut() -> Vec<f32>,
+    ) -> MultiCall {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let old = vec![(NEXT, "lat"), (KEPT, "old")];
+        let mut noise_drawn = None;
+        let (scalars, carry) = match self {
+            Multi::Linear { accumulate } => {
+                let l = crate::sampling::steps::linear(f.sampler, sigmas, i);
+                let mut v: Vec<(&str, f32)> =
+                    ["m0", "m1", "m2", "m3"].into_iter().zip(l.m).collect();
+                if !accumulate {
+                    v.extend([("dt", l.dt), ("div", l.div)]);
+                }
+                v.extend([("keep", flag(!l.take)), ("take", flag(l.take))]);
+                // Carries are copied in this order: each moves up before
+                // the one below replaces it.
+                let carry = vec![
+                    (NEXT, "lat"),
+                    (KEPT, "h3"),
+                    (KEPT + 1, "h2"),
+                    (KEPT + 2, "h1"),
+                ];
+                (v, carry)
+            }
+            Multi::UniPc { bh2 } => {
+                let v = crate::sampling::unipc::device_call(sigmas, i, bh2);
+                let carry = vec![
+                    (NEXT, "lat"),
+                    (KEPT, "h2"),
+                    (KEPT + 1, "h1"),
+                    (KEPT + 2, "h0"),
+                    (KEPT + 3, "xt"),
+                    (KEPT + 4, "xb"),
+                ];
+                (v, carry)
+            }
+            Multi::Res { cfg_pp, ancestral } => {
+                let down_at = |a: f32, b: f32| {
+                    if ancestral {
+                        ancestral_step(a, b)
+                    } else {
+                        (b, 0.0)
+                    }
+                };
+                let (down, up) = down_at(s, s_next);
+                let mut v = vec![
+                    ("e", 0.0),
+                    ("h", 0.0),
+                    ("b1", 0.0),
+                    ("b2", 0.0),
+                    ("sf", 1.0),
+                    ("se", 0.0),
+                ];
+                if i > 0 && down != 0.0 {
+                    // The previous step's σ_down, as the host kept it.
+                    let old_down = down_at(sigmas[i - 1], s).0;
+                    let (e, h, b1, b2) =
+                        crate::sampling::solvers::res_coeffs(s, old_down, down, sigmas[i - 1]);
+                    v = vec![
+                        ("e", e),
+                        ("h", h),
+                        ("b1", b1),
+                        ("b2", b2),
+                        ("sf", 0.0),
+                        ("se", 1.0),
+                    ];
+                }
+                v.push(if cfg_pp {
+                    ("down", down)
+                } else {
+                    ("dt", down - s)
+                });
+                if ancestral {
+                    v.push(("up", up));
+                    let per: usize = f.dims.iter().product();
+                    noise_drawn = Some(if s_next > 0.0 && up != 0.0 {
+                        noise()
+                    } else {
+                        vec![0.0; per]
+                    });
+                }
+                (v, old)
+            }
+            Multi::GradEst { cfg_pp } => {
+                let last = s_next == 0.0;
+                let dt = s_next - s;
+                let mut v = vec![
+                    ("dg", if i >= 1 && !last { dt } else { 0.0 }),
+                    ("keep", flag(!last)),
+                    ("take", flag(last)),
+                ];
+                v.push(if cfg_pp { ("sn", s_next) } else { ("dt", dt) });
+                (v, old)
+            }
+            Multi::DpmPp2mCfgPp => {
+                let (t, t_next) = (-s.ln(), -s_next.ln());
+                let h = t_next - t;
+                let e = (-h).exp();
+                let em1 = (-h).exp_m1();
+                // The correction from the step before, except on the first
+                // and the last step.
+                let ec = if i > 0 && s_next != 0.0 {
+                    let h_last = t - (-sigmas[i - 1].ln());
+                    em1 * (1.0 / (2.0 * (h_last / h)))
+                } else {
+                    0.0
+                };
+                (vec![("ne", -e), ("ec", ec), ("e", e)], old)
+            }
+        };
+        MultiCall {
+            scalars,
+            carry,
+            noise: noise_drawn,
+        }
+    }
+}
