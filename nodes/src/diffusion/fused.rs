@@ -37,6 +37,9 @@ use std::sync::Arc;
 pub(crate) enum Step {
     Euler,
     EulerAncestral,
+    /// Euler ancestral on a flow model (`rf_ancestral_step`): the flow
+    /// Euler move to σ_down, then scaled and renoised to σ_next.
+    EulerAncestralRf,
     DpmPp2m,
     /// The prediction, renoised to the next σ (the model's noise
     /// scaling).
@@ -161,6 +164,7 @@ impl Fused {
             Sampler::Euler | Sampler::Ddim => Step::Euler,
             // The flow form of the ancestral step is another update.
             Sampler::EulerAncestral if model.prediction != Prediction::Flow => Step::EulerAncestral,
+            Sampler::EulerAncestral => Step::EulerAncestralRf,
             Sampler::DpmPp2m => Step::DpmPp2m,
             Sampler::Lcm => Step::Lcm {
                 flow: model.prediction == Prediction::Flow,
@@ -405,6 +409,16 @@ impl Fused {
         let mut kept = Vec::new();
         let next = match self.step {
             Step::Euler => lat.add(to_d()?.mul(scalar("dt")?)?)?,
+            Step::EulerAncestralRf => {
+                // r·x + (1 − r)·D, then a·x + z·renoise; the prediction
+                // itself on the last step (keep 0, take 1).
+                let moved = lat
+                    .mul(scalar("r")?)?
+                    .add(d.mul(scalar("omr")?)?)?
+                    .mul(scalar("a")?)?
+                    .add(g.input("noise", &self.dims)?.mul(scalar("renoise")?)?)?;
+                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
+            }
             Step::EulerAncestral => {
                 // keep = 0 on the last step (σ_down = 0): the latent is
                 // the prediction itself.
@@ -548,7 +562,7 @@ impl Fused {
     fn state(&self) -> &'static [&'static str] {
         match self.step {
             Step::Euler => &[],
-            Step::EulerAncestral | Step::Lcm { .. } => &["noise"],
+            Step::EulerAncestral | Step::EulerAncestralRf | Step::Lcm { .. } => &["noise"],
             Step::EulerCfgPp { ancestral: true } => &["noise"],
             Step::EulerCfgPp { ancestral: false } => &[],
             Step::DpmPp2m => &["old"],
@@ -629,6 +643,35 @@ impl Fused {
                     &[
                         ("dt", down - s),
                         ("up", up),
+                        ("keep", flag(!last)),
+                        ("take", flag(last)),
+                    ],
+                    lat,
+                );
+                let z = if last { vec![0.0; per] } else { noise() };
+                vec![with_noise(c, z)]
+            }
+            Step::EulerAncestralRf => {
+                let last = s_next == 0.0;
+                let (mut r, mut a, mut renoise) = (0.0, 0.0, 0.0);
+                if !last {
+                    // As the host's `rf_ancestral_step` (eta 1).
+                    let ratio = 1.0 + (s_next / s - 1.0);
+                    let down = s_next * ratio;
+                    let (a_next, a_down) = (1.0 - s_next, 1.0 - down);
+                    renoise = (s_next * s_next
+                        - down * down * (a_next * a_next) / (a_down * a_down))
+                        .sqrt();
+                    r = down / s;
+                    a = a_next / a_down;
+                }
+                let c = call(
+                    s,
+                    &[
+                        ("r", r),
+                        ("omr", 1.0 - r),
+                        ("a", a),
+                        ("renoise", renoise),
                         ("keep", flag(!last)),
                         ("take", flag(last)),
                     ],
