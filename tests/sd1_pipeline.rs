@@ -325,7 +325,7 @@ fn sampling_loop_stays_on_the_device() {
 /// DPM++ SDE) run the program twice a step, the linear multistep ones
 /// (LMS, DEIS, iPNDM, iPNDM-v) carry three derivatives, UniPC three
 /// model outputs and its corrector's base, res_multistep, gradient
-/// estimation and DPM++ 2M CFG++ (each plain and CFG++) one. Each device loop reads back
+/// estimation and DPM++ 2M CFG++ (each plain and CFG++) one; DDPM none. Each device loop reads back
 /// the same bytes, so none fell back to the host loop. The host loop runs
 /// on the CPU: on lavapipe each run takes seconds, on the CPU a fraction
 /// of one, and the two backends' UNets agree far inside the bound.
@@ -345,7 +345,7 @@ fn device_loops_match_host_loops() {
     // without the noise; the Heun form of 2M SDE one coefficient.)
     let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde \
         res_multistep res_multistep_ancestral res_multistep_cfg_pp res_multistep_ancestral_cfg_pp \
-        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp";
+        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp ddpm";
     let mut cases: Vec<(&str, String)> = samplers
         .split_whitespace()
         .map(|sampler| {

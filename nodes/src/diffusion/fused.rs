@@ -37,6 +37,8 @@ use std::sync::Arc;
 pub(crate) enum Step {
     Euler,
     EulerAncestral,
+    /// DDPM's ancestral step in VP form (`Sampler::Ddpm` on the host).
+    Ddpm,
     /// Euler ancestral on a flow model (`rf_ancestral_step`): the flow
     /// Euler move to σ_down, then scaled and renoised to σ_next.
     EulerAncestralRf,
@@ -165,6 +167,7 @@ impl Fused {
             // The flow form of the ancestral step is another update.
             Sampler::EulerAncestral if model.prediction != Prediction::Flow => Step::EulerAncestral,
             Sampler::EulerAncestral => Step::EulerAncestralRf,
+            Sampler::Ddpm => Step::Ddpm,
             Sampler::DpmPp2m => Step::DpmPp2m,
             Sampler::Lcm => Step::Lcm {
                 flow: model.prediction == Prediction::Flow,
@@ -409,6 +412,17 @@ impl Fused {
         let mut kept = Vec::new();
         let next = match self.step {
             Step::Euler => lat.add(to_d()?.mul(scalar("dt")?)?)?,
+            Step::Ddpm => {
+                // c0·(x/k − c1·ε/c2) + c3·z, scaled to the next σ's input
+                // (zero noise and `kn` 1 on the last step).
+                let eps = lat.sub(d)?.div(sigma)?;
+                let xs = lat.div(scalar("k")?)?;
+                let mu = xs
+                    .sub(eps.mul(scalar("c1")?)?.div(scalar("c2")?)?)?
+                    .mul(scalar("c0")?)?
+                    .add(g.input("noise", &self.dims)?.mul(scalar("c3")?)?)?;
+                mu.mul(scalar("kn")?)?
+            }
             Step::EulerAncestralRf => {
                 // r·x + (1 − r)·D, then a·x + z·renoise; the prediction
                 // itself on the last step (keep 0, take 1).
@@ -562,7 +576,9 @@ impl Fused {
     fn state(&self) -> &'static [&'static str] {
         match self.step {
             Step::Euler => &[],
-            Step::EulerAncestral | Step::EulerAncestralRf | Step::Lcm { .. } => &["noise"],
+            Step::EulerAncestral | Step::EulerAncestralRf | Step::Ddpm | Step::Lcm { .. } => {
+                &["noise"]
+            }
             Step::EulerCfgPp { ancestral: true } => &["noise"],
             Step::EulerCfgPp { ancestral: false } => &[],
             Step::DpmPp2m => &["old"],
@@ -645,6 +661,35 @@ impl Fused {
                         ("up", up),
                         ("keep", flag(!last)),
                         ("take", flag(last)),
+                    ],
+                    lat,
+                );
+                let z = if last { vec![0.0; per] } else { noise() };
+                vec![with_noise(c, z)]
+            }
+            Step::Ddpm => {
+                // As the host sampler, in its operation order.
+                let k = (1.0f32 + s * s).sqrt();
+                let ac = 1.0 / ((s * s) + 1.0);
+                let acp = 1.0 / ((s_next * s_next) + 1.0);
+                let alpha = ac / acp;
+                let last = s_next == 0.0;
+                let c = call(
+                    s,
+                    &[
+                        ("k", k),
+                        ("c0", (1.0 / alpha).sqrt()),
+                        ("c1", 1.0 - alpha),
+                        ("c2", (1.0 - ac).sqrt()),
+                        ("c3", ((1.0 - alpha) * (1.0 - acp) / (1.0 - ac)).sqrt()),
+                        (
+                            "kn",
+                            if last {
+                                1.0
+                            } else {
+                                (1.0f32 + s_next * s_next).sqrt()
+                            },
+                        ),
                     ],
                     lat,
                 );
