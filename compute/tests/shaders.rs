@@ -9,7 +9,7 @@ use sdkit_compute::backend::wgpu::codegen::{
     conv_taps_first, generate, tilings, Caps, Coop, Operand,
 };
 use sdkit_compute::backend::wgpu::keep_loops;
-use sdkit_compute::plan::{plan, Command, KernelKind};
+use sdkit_compute::plan::{plan, Command, Kernel, KernelKind, Program};
 use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, TensorGraph, UpsampleMode};
 
 fn graphs() -> Vec<(&'static str, TensorGraph)> {
@@ -171,6 +171,30 @@ fn validate(name: &str, src: &str) {
 }
 
 /// Every capability set the backend may pick, by name.
+/// The first kernel of `prog` named `name`.
+fn kernel<'p>(prog: &'p Program, name: &str) -> &'p Kernel {
+    prog.kernels
+        .iter()
+        .find(|k| k.kind.name() == name)
+        .unwrap_or_else(|| panic!("a {name} kernel"))
+}
+
+/// Kernel `k`'s operands, each as long as its buffer (so products stage
+/// whole-unit views in 16-byte units), conv weights as the backend
+/// stores them for `cap`.
+fn whole_operands(prog: &Program, k: &Kernel, f16: bool, cap: &Caps) -> Vec<Operand> {
+    let mut ops: Vec<Operand> = k
+        .inputs
+        .iter()
+        .chain([&k.output])
+        .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
+        .collect();
+    if let KernelKind::Conv2d { kh, kw, .. } = &k.kind {
+        ops[1].taps_first = conv_taps_first(cap.coop.is_some(), kh * kw);
+    }
+    ops
+}
+
 fn all_caps() -> Vec<(&'static str, Caps)> {
     let coop16 = Some(Coop {
         tile: 16,
@@ -325,18 +349,7 @@ fn every_kernel_form_compiles_for_every_capability_set() {
             let k = &prog.kernels[kernel.0 as usize];
             for (cname, cap) in &caps {
                 for f16 in [false, true] {
-                    // Each operand as long as its buffer, so products
-                    // stage whole-unit views in 16-byte units.
-                    let mut ops: Vec<Operand> = k
-                        .inputs
-                        .iter()
-                        .chain([&k.output])
-                        .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
-                        .collect();
-                    // Conv weights as the backend stores them.
-                    if let KernelKind::Conv2d { kh, kw, .. } = &k.kind {
-                        ops[1].taps_first = conv_taps_first(cap.coop.is_some(), kh * kw);
-                    }
+                    let ops = whole_operands(&prog, k, f16, cap);
                     let sh =
                         generate(k, &ops, cap).unwrap_or_else(|e| panic!("{gname} {cname}: {e}"));
                     if let Some(c) = cap
@@ -401,20 +414,11 @@ fn staged_views_load_whole_units() {
         .input("a", &[2, 100, 64])
         .and_then(|a| a.linear(g.weight("w", &[48, 64])?, None));
     let prog = plan(&g.finish(&[y.expect("linear")])).expect("plan");
-    let k = prog
-        .kernels
-        .iter()
-        .find(|k| k.kind.name() == "matmul")
-        .expect("a matmul");
+    let k = kernel(&prog, "matmul");
     let staged = tilings().into_iter().find(|t| !t.direct);
     let caps = all_caps()[2].1;
     for (f16, unit) in [(true, "vec4<u32>"), (false, "vec4<f32>")] {
-        let ops: Vec<Operand> = k
-            .inputs
-            .iter()
-            .chain([&k.output])
-            .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
-            .collect();
+        let ops = whole_operands(&prog, k, f16, &Caps::plain());
         for vector_staging in [true, false] {
             let cap = Caps {
                 gemm_tiles: staged,
@@ -457,11 +461,7 @@ fn staged_views_load_whole_units() {
             .input("x", &[2, c, 12, 12])
             .and_then(|x| x.conv2d(g.weight("w", &[24, c / groups, 3, 3])?, None, p));
         let prog = plan(&g.finish(&[y.expect("conv")])).expect("plan");
-        let k = prog
-            .kernels
-            .iter()
-            .find(|k| k.kind.name() == "conv2d")
-            .expect("a conv");
+        let k = kernel(&prog, "conv2d");
         let w = k
             .inputs
             .iter()
@@ -473,12 +473,7 @@ fn staged_views_load_whole_units() {
                 ..caps
             };
             for f16 in [true, false] {
-                let ops: Vec<Operand> = k
-                    .inputs
-                    .iter()
-                    .chain([&k.output])
-                    .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
-                    .collect();
+                let ops = whole_operands(&prog, k, f16, &caps);
                 let src = generate(k, &ops, &caps).expect("generates").source;
                 assert_eq!(
                     src.contains(&format!("vld{w}(")),
@@ -525,11 +520,7 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
             .input("x", &[2, ch, size, size])
             .and_then(|x| x.conv2d(g.weight("w", &[ch, ch, 3, 3])?, None, p));
         let prog = plan(&g.finish(&[y.expect("conv")])).expect("plan");
-        let k = prog
-            .kernels
-            .iter()
-            .find(|k| k.kind.name() == "conv2d")
-            .expect("a conv kernel");
+        let k = kernel(&prog, "conv2d");
         let ops = vec![Operand::whole(true); k.inputs.len() + 1];
         let sh = generate(k, &ops, &caps).expect("generates");
         let outputs = 2 * ch * size * size;
