@@ -124,6 +124,53 @@ fn controlnet_chain_runs_in_the_device_loop() {
     );
 }
 
+/// Samplers that carry state besides the latent, on the chain whose
+/// second net starts at 30%: the device loop changes program where the
+/// set of active nets changes and hands the carried state to the next
+/// session. heunpp2's three calls a step (σᵢ, σᵢ₊₁, σᵢ₊₂) cross the
+/// net's start back and forth, its second call handing on the step's
+/// start and first derivative to the third; UniPC's history includes
+/// model outputs passed through from its inputs (read back before the
+/// run's carries overwrite them). Each gives the host loop's latent on
+/// the same adapter and reads back less.
+#[test]
+fn carried_state_crosses_program_changes() {
+    use sdkit_compute::weights::SafeTensors;
+    let path = support::root().join("graphs/tiny_sd1_controlnet_chain.json");
+    let text = std::fs::read_to_string(path).expect("graph");
+    for sampler in ["heunpp2", "uni_pc"] {
+        let mut g: serde_json::Value = serde_json::from_str(&text).expect("json");
+        g["6"]["inputs"]["sampler_name"] = serde_json::json!(sampler);
+        g["6"]["inputs"]["steps"] = serde_json::json!(5);
+        let graph = support::latent_only(&g.to_string());
+        let mut runs = Vec::new();
+        for device_loops in [true, false] {
+            let Some(gpu) = support::gpu_runtime(device_loops, "state across programs") else {
+                return;
+            };
+            let (base, _) = setup();
+            let none = sdkit_engine::event::PreviewMethod::None;
+            let (bytes, _) = support::run_in(base.path(), gpu, &graph, none);
+            let latent = SafeTensors::open(
+                &base
+                    .path()
+                    .join("output/latents/tiny_sd1_controlnet_chain_00001_.latent"),
+            )
+            .expect("SaveLatent wrote the latent")
+            .to_f32("latent_tensor")
+            .expect("f32");
+            runs.push((bytes, latent));
+        }
+        let d = support::rel_diff(&runs[0].1, &runs[1].1);
+        eprintln!(
+            "{sampler}: device loop vs host loop: max rel diff {d:e}, bytes read back {} vs {}",
+            runs[0].0, runs[1].0
+        );
+        assert!(d < 3e-5, "{sampler}: device loop differs by {d}");
+        assert!(runs[0].0 < runs[1].0, "{sampler}: the device loop ran");
+    }
+}
+
 /// A T2I-Adapter (the full kind, average-pooling downsamplers, a grey
 /// hint) on an SD1 UNet with SD1's twelve input blocks, in a time range.
 #[test]

@@ -322,13 +322,15 @@ fn sampling_loop_stays_on_the_device() {
 /// host loop's latent (the host samplers are checked against k-diffusion
 /// in `nodes/tests/samplers.rs`): the step's arithmetic and noise draws
 /// are the same; the two-call samplers (Heun, DPM-2, DPM++ 2S ancestral,
-/// DPM++ SDE) run the program twice a step, the linear multistep ones
+/// DPM++ SDE) run the program twice a step, heunpp2 three times (twice on
+/// the second-last step, once on the last), the linear multistep ones
 /// (LMS, DEIS, iPNDM, iPNDM-v) carry three derivatives, UniPC three
 /// model outputs and its corrector's base, res_multistep, gradient
-/// estimation and DPM++ 2M CFG++ (each plain and CFG++) one; DDPM none. Each device loop reads back
-/// the same bytes, so none fell back to the host loop. The host loop runs
-/// on the CPU: on lavapipe each run takes seconds, on the CPU a fraction
-/// of one, and the two backends' UNets agree far inside the bound.
+/// estimation and DPM++ 2M CFG++ (each plain and CFG++) one; DDPM none.
+/// Each device loop reads back the same bytes, so none fell back to the
+/// host loop. The host loop runs on the CPU: on lavapipe each run takes
+/// seconds, on the CPU a fraction of one, and the two backends' UNets
+/// agree far inside the bound.
 #[test]
 fn device_loops_match_host_loops() {
     use sdkit_engine::event::PreviewMethod;
@@ -343,39 +345,27 @@ fn device_loops_match_host_loops() {
     // (ddim is Euler's loop; Euler ancestral, DPM++ 2M and LCM are
     // checked against ComfyUI below; DPM-2 is DPM-2 ancestral's two calls
     // without the noise; the Heun form of 2M SDE one coefficient.)
+    // Over 7 steps (`:7`) the linear multistep samplers' history fills
+    // (LMS and iPNDM reach order 4) and UniPC reaches order 3 and falls
+    // back at the end; over 2 steps it is first order, over 1 only
+    // rescaled.
     let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde \
         res_multistep res_multistep_ancestral res_multistep_cfg_pp res_multistep_ancestral_cfg_pp \
-        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp ddpm";
+        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp ddpm heunpp2 \
+        lms:7 deis:7 ipndm:7 ipndm_v:7 uni_pc:7 uni_pc_bh2:7 uni_pc:2 uni_pc:1";
     let mut cases: Vec<(&str, String)> = samplers
         .split_whitespace()
-        .map(|sampler| {
+        .map(|spec| {
+            let (sampler, steps) = spec.split_once(':').unwrap_or((spec, "4"));
             let with = format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#);
-            (sampler, txt2img.replace(plain, &with))
+            let steps = format!(r#""steps": {steps}"#);
+            let graph = txt2img.replace(plain, &with);
+            (sampler, graph.replace(r#""steps": 4"#, &steps))
         })
         .collect();
-    for sampler in ["heun", "dpmpp_sde", "uni_pc_bh2"] {
+    for sampler in ["heun", "dpmpp_sde", "uni_pc_bh2", "heunpp2"] {
         let with = format!(r#""sampler_name": "{sampler}""#);
         cases.push((sampler, advanced.replace(split, &with)));
-    }
-    // The linear multistep samplers over 7 steps: the history fills to
-    // its three carried derivatives (LMS and iPNDM reach order 4).
-    // UniPC reaches order 3 and falls back at the end; over 2 steps it
-    // is first order, over 1 only rescaled.
-    for (sampler, steps) in [
-        ("lms", 7),
-        ("deis", 7),
-        ("ipndm", 7),
-        ("ipndm_v", 7),
-        ("uni_pc", 7),
-        ("uni_pc_bh2", 7),
-        ("uni_pc", 2),
-        ("uni_pc", 1),
-    ] {
-        let with = format!(r#""sampler_name": "{sampler}", "scheduler": "karras""#);
-        let graph = txt2img
-            .replace(plain, &with)
-            .replace(r#""steps": 4"#, &format!(r#""steps": {steps}"#));
-        cases.push((sampler, graph));
     }
     // A flow model (ModelSamplingSD3 on SD1): Euler ancestral's flow form,
     // an SDE sampler's offset first σ, UniPC.
@@ -392,14 +382,9 @@ fn device_loops_match_host_loops() {
     };
     let cpu = sdkit_engine::Runtime::cpu();
     // Bytes read back, per graph.
-    let mut downloads: HashMap<usize, u64> = HashMap::new();
+    let mut downloads: HashMap<[bool; 2], u64> = HashMap::new();
     for (sampler, graph) in cases {
-        assert!(
-            graph != txt2img
-                && graph != advanced
-                && (graph != flow || sampler == "euler_ancestral"),
-            "{sampler}"
-        );
+        assert!(graph != txt2img && graph != advanced, "{sampler}");
         let graph = support::latent_only(&graph);
         let before = gpu.bytes_downloaded();
         let (on_gpu, ..) = run_on(gpu.clone(), &graph, PreviewMethod::None);
@@ -407,11 +392,7 @@ fn device_loops_match_host_loops() {
         // Every device loop over a graph reads back the same: the last
         // latent and prediction of each sampler node, whatever its steps
         // and calls (a host loop reads two predictions a call).
-        let kind = if graph.contains("ModelSamplingSD3") {
-            2
-        } else {
-            usize::from(graph.contains("KSamplerAdvanced"))
-        };
+        let kind = ["KSamplerAdvanced", "ModelSamplingSD3"].map(|n| graph.contains(n));
         let first = *downloads.entry(kind).or_insert(bytes);
         assert_eq!(
             bytes, first,

@@ -775,6 +775,46 @@ fn a_quantized_row_longer_than_its_file_parses() {
     assert_eq!(file.get("w").expect("tensor").shape, vec![1, 512]);
 }
 
+/// What a run reads back is that run's outputs, also where an output is
+/// a carried input itself (a sampler's history passed on) that a carry
+/// of the same run overwrites: reads come before carries.
+#[test]
+fn reads_see_the_run_before_its_carries() {
+    use sdkit_compute::tensor::GraphBuilder;
+    use sdkit_compute::{Bindings, Runtime};
+    use std::collections::HashMap;
+    let Some(gpu) = backend() else { return };
+    let g = GraphBuilder::new();
+    let outs = (|| {
+        let a = g.input("a", &[16])?;
+        Ok::<_, sdkit_compute::tensor::ShapeError>(vec![a.add_scalar(1.0), a])
+    })()
+    .expect("builds");
+    let prog = plan(&g.finish(&outs)).expect("plans");
+    let a0: Vec<f32> = (0..16).map(|i| i as f32 * 0.25).collect();
+    let rt = Runtime::wgpu(gpu);
+    for runtime in [&Runtime::cpu(), &rt] {
+        let mut s = runtime
+            .prepare(&prog, &Bindings::default())
+            .expect("prepares");
+        let feed = HashMap::from([("a".to_string(), Arc::new(a0.clone()))]);
+        for (run, want) in [(0, 0.0), (1, 1.0)] {
+            let f = if run == 0 {
+                feed.clone()
+            } else {
+                HashMap::new()
+            };
+            let outs = s.run_carried(f, &[(0, "a")], &[0, 1]).expect("runs");
+            let (next, this) = (&outs[0], &outs[1]);
+            let (next, this) = (next.as_ref().expect("read"), this.as_ref().expect("read"));
+            for (i, v) in a0.iter().enumerate() {
+                assert_eq!(this.data[i], v + want, "{} run {run}", runtime.describe());
+                assert_eq!(next.data[i], v + want + 1.0, "{}", runtime.describe());
+            }
+        }
+    }
+}
+
 /// A loop whose state stays on the device: output 0 feeds input `x` of
 /// the next run without a download, and only what is read comes back.
 /// The CPU session carries the same way; both give the host loop's

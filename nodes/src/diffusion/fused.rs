@@ -66,6 +66,8 @@ pub(crate) enum Step {
     Two(Two),
     /// The multistep samplers of `fused_multi` ([`Multi`]).
     Multi(Multi),
+    /// heunpp2: up to three calls a step (`fused_two::heunpp2_calls`).
+    HeunPp2,
 }
 
 /// The samplers that call the model twice a step (once on the last
@@ -168,6 +170,7 @@ impl Fused {
             Sampler::EulerAncestral if model.prediction != Prediction::Flow => Step::EulerAncestral,
             Sampler::EulerAncestral => Step::EulerAncestralRf,
             Sampler::Ddpm => Step::Ddpm,
+            Sampler::HeunPp2 => Step::HeunPp2,
             Sampler::DpmPp2m => Step::DpmPp2m,
             Sampler::Lcm => Step::Lcm {
                 flow: model.prediction == Prediction::Flow,
@@ -510,6 +513,25 @@ impl Fused {
                 }
                 moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
             }
+            Step::HeunPp2 => {
+                // The move from this call's latent or the step's start
+                // (`sa`, `sb`) along the weighted derivatives: the first
+                // call's, the second's, this call's.
+                let base = g.input("base", &self.dims)?;
+                let d1 = g.input("d1", &self.dims)?;
+                let src = lat.mul(scalar("sa")?)?.add(base.mul(scalar("sb")?)?)?;
+                let dc = to_d()?;
+                let dir = d1
+                    .mul(scalar("w1")?)?
+                    .add(g.input("d2", &self.dims)?.mul(scalar("w2")?)?)?
+                    .add(dc.mul(scalar("wc")?)?)?;
+                // The step's start and first derivative again (copies:
+                // an input cannot be carried into itself), so a second
+                // call hands them on where the program changes before
+                // the third.
+                kept.extend([lat, dc, base.mul_scalar(1.0), d1.mul_scalar(1.0)]);
+                src.add(dir.mul(scalar("dt")?)?)?
+            }
             Step::Multi(m) => {
                 let t = Tail {
                     lat,
@@ -588,6 +610,7 @@ impl Fused {
             Step::Two(Two::Dpm2) => &["base"],
             Step::Two(_) => &["base", "noise"],
             Step::Multi(m) => m.state(),
+            Step::HeunPp2 => &["base", "d1", "d2"],
         }
     }
 
@@ -883,6 +906,7 @@ impl Fused {
                 vec![with_noise(c, z)]
             }
             Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
+            Step::HeunPp2 => self.heunpp2_calls(sigmas, i, call),
             Step::Multi(m) => {
                 let mc = m.call(self, sigmas, i, noise);
                 let c = call(s, &mc.scalars, mc.carry);

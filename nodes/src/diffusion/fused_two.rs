@@ -1,7 +1,8 @@
-//! The device loop's two-call samplers ([`Two`]): the first call moves
-//! `lat` and keeps where the step started (and Heun's derivative), the
-//! second moves from there; per-call 0/1 selectors pick each call's form
-//! of the shared tail (`Fused::outputs`).
+//! The device loop's samplers of more than one call a step: the
+//! two-call ones ([`Two`]), whose first call moves `lat` and keeps where
+//! the step started (and Heun's derivative) and whose second moves from
+//! there, and heunpp2 (up to three calls). Per-call 0/1 selectors pick
+//! each call's form of the shared tail (`Fused::outputs`).
 
 use super::fused::{Call, Fused, Two, DIR, KEPT, NEXT};
 use crate::sampling::samplers::ancestral_step;
@@ -126,5 +127,79 @@ impl Fused {
         set(&mut second, "su", up);
         let z = noise();
         vec![first, with_noise(call(mid, &second, lat()), z)]
+    }
+
+    /// heunpp2's calls for step `i` over `sigmas`, as the host sampler
+    /// makes them: one Euler call where σ_next is the schedule's end;
+    /// else a second call at σ_next (from x₂ = x + d·dt), and where
+    /// σ₂ = σ[i + 2] is not the end a third at σ₂ (from x₃ = x₂ +
+    /// d₂·(σ₂ − σ_next)); the last call moves the step's start x by the
+    /// weighted derivatives times dt. Each move is `src` plus
+    /// `(w1·d1 + w2·d2 + wc·d)·dt` with the host's weights (1 where it
+    /// has one term, 0 for the terms it lacks).
+    pub(super) fn heunpp2_calls(
+        &self,
+        sigmas: &[f32],
+        i: usize,
+        call: impl Fn(f32, &[(&str, f32)], Vec<(usize, &'static str)>) -> Call,
+    ) -> Vec<Call> {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let s_end = sigmas[sigmas.len() - 1];
+        let dt = s_next - s;
+        // (sa, sb, w1, w2, wc, dt): from this call's latent along its own
+        // derivative, by default.
+        let along = |dt: f32| {
+            [
+                ("sa", 1.0),
+                ("sb", 0.0),
+                ("w1", 0.0),
+                ("w2", 0.0),
+                ("wc", 1.0),
+                ("dt", dt),
+            ]
+        };
+        let lat = || vec![(NEXT, "lat")];
+        if s_next == s_end {
+            return vec![call(s, &along(dt), lat())];
+        }
+        // The first call keeps the step's start (its own input, copied
+        // before the move replaces it) and its derivative.
+        let first = call(
+            s,
+            &along(dt),
+            vec![(KEPT, "base"), (NEXT, "lat"), (DIR, "d1")],
+        );
+        let s2 = sigmas[i + 2];
+        let from_start = |w1: f32, w2: f32, wc: f32| {
+            [
+                ("sa", 0.0),
+                ("sb", 1.0),
+                ("w1", w1),
+                ("w2", w2),
+                ("wc", wc),
+                ("dt", dt),
+            ]
+        };
+        if s2 == s_end {
+            let w2 = s_next / (2.0 * sigmas[0]);
+            let w1 = 1.0 - w2;
+            return vec![first, call(s_next, &from_start(w1, 0.0, w2), lat())];
+        }
+        // The second hands on the step's start and first derivative too
+        // (copies), for a third call in another program.
+        let second = call(
+            s_next,
+            &along(s2 - s_next),
+            vec![
+                (NEXT, "lat"),
+                (DIR, "d2"),
+                (KEPT + 2, "base"),
+                (KEPT + 3, "d1"),
+            ],
+        );
+        let w = 3.0 * sigmas[0];
+        let (w2, w3) = (s_next / w, s2 / w);
+        let w1 = 1.0 - w2 - w3;
+        vec![first, second, call(s2, &from_start(w1, w2, w3), lat())]
     }
 }

@@ -162,16 +162,18 @@ impl Prepared<'_> {
             }
             None => self.record(&mut encoder, 1),
         }
+        // Read back the outputs' whole buffers (their views applied after),
+        // before any carry: an output may be a carried input itself (a
+        // sampler's history passed on), which its carry overwrites.
+        for ((src, off), st) in reads {
+            encoder.copy_buffer_to_buffer(src, off, st, 0, st.size());
+        }
         // Carried outputs are copied into their inputs' buffers after
         // every dispatch of this run has read them.
         for (src, off, i, bytes) in copies {
             if let Some(dst) = self.external.get(&self.inputs[i].0) {
                 encoder.copy_buffer_to_buffer(src, off, dst, 0, bytes);
             }
-        }
-        // Read back the outputs' whole buffers, then apply their views.
-        for ((src, off), st) in reads {
-            encoder.copy_buffer_to_buffer(src, off, st, 0, st.size());
         }
         queue.submit([encoder.finish()]);
         let outs = self.read_back(read);
