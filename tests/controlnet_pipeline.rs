@@ -77,6 +77,20 @@ fn controlnet_on_wgpu_matches_comfyui() {
     matches_on("tiny_sd1_controlnet_chain", "wgpu", Some(1e-3));
 }
 
+/// The chain graph `text` (latent only) run on `gpu` in a fresh folder:
+/// the bytes read back and the saved latent.
+fn chain_run(gpu: sdkit_engine::Runtime, text: &str) -> (u64, Vec<f32>) {
+    let (base, _) = setup();
+    let none = sdkit_engine::event::PreviewMethod::None;
+    let (bytes, _) = support::run_in(base.path(), gpu, text, none);
+    let path = "output/latents/tiny_sd1_controlnet_chain_00001_.latent";
+    let latent = sdkit_compute::weights::SafeTensors::open(&base.path().join(path))
+        .expect("SaveLatent wrote the latent")
+        .to_f32("latent_tensor")
+        .expect("f32");
+    (bytes, latent)
+}
+
 /// On a GPU a ControlNet chain that every entry shares runs in the UNet's
 /// program (the device loop): the residuals never reach the host. The
 /// two-net chain (one file in each layout) with both nets from the first
@@ -85,7 +99,6 @@ fn controlnet_on_wgpu_matches_comfyui() {
 /// stop are checked against ComfyUI above.)
 #[test]
 fn controlnet_chain_runs_in_the_device_loop() {
-    use sdkit_compute::weights::SafeTensors;
     let path = support::root().join("graphs/tiny_sd1_controlnet_chain.json");
     let text = std::fs::read_to_string(path).expect("graph");
     let mut g: serde_json::Value = serde_json::from_str(&text).expect("json");
@@ -99,18 +112,7 @@ fn controlnet_chain_runs_in_the_device_loop() {
         let Some(gpu) = support::gpu_runtime(device_loops, "ControlNet in the device loop") else {
             return;
         };
-        let (base, _) = setup();
-        let none = sdkit_engine::event::PreviewMethod::None;
-        let (bytes, _) = support::run_in(base.path(), gpu, text, none);
-        let latent = SafeTensors::open(
-            &base
-                .path()
-                .join("output/latents/tiny_sd1_controlnet_chain_00001_.latent"),
-        )
-        .expect("SaveLatent wrote the latent")
-        .to_f32("latent_tensor")
-        .expect("f32");
-        runs.push((bytes, latent));
+        runs.push(chain_run(gpu, text));
     }
     let d = support::rel_diff(&runs[0].1, &runs[1].1);
     eprintln!(
@@ -135,7 +137,6 @@ fn controlnet_chain_runs_in_the_device_loop() {
 /// the same adapter and reads back less.
 #[test]
 fn carried_state_crosses_program_changes() {
-    use sdkit_compute::weights::SafeTensors;
     let path = support::root().join("graphs/tiny_sd1_controlnet_chain.json");
     let text = std::fs::read_to_string(path).expect("graph");
     for sampler in ["heunpp2", "uni_pc"] {
@@ -148,18 +149,7 @@ fn carried_state_crosses_program_changes() {
             let Some(gpu) = support::gpu_runtime(device_loops, "state across programs") else {
                 return;
             };
-            let (base, _) = setup();
-            let none = sdkit_engine::event::PreviewMethod::None;
-            let (bytes, _) = support::run_in(base.path(), gpu, &graph, none);
-            let latent = SafeTensors::open(
-                &base
-                    .path()
-                    .join("output/latents/tiny_sd1_controlnet_chain_00001_.latent"),
-            )
-            .expect("SaveLatent wrote the latent")
-            .to_f32("latent_tensor")
-            .expect("f32");
-            runs.push((bytes, latent));
+            runs.push(chain_run(gpu, &graph));
         }
         let d = support::rel_diff(&runs[0].1, &runs[1].1);
         eprintln!(
