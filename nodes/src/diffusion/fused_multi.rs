@@ -121,19 +121,16 @@ impl Multi {
                 // coefficient, summed in the host's order.
                 let d0 = lat.sub(d)?.div(sigma)?;
                 let h = [input("h1")?, input("h2")?, input("h3")?];
-                let terms = std::iter::once(d0).chain(h.iter().copied());
-                let mut moved = if accumulate { Some(lat) } else { None };
-                for (k, t) in terms.enumerate() {
-                    let term = t.mul(scalar(&format!("m{k}"))?)?;
-                    moved = Some(match moved {
-                        Some(acc) => acc.add(term)?,
-                        None => term,
-                    });
+                let first = d0.mul(scalar("m0")?)?;
+                let mut acc = if accumulate { lat.add(first)? } else { first };
+                for (k, hk) in h.iter().enumerate() {
+                    acc = acc.add(hk.mul(scalar(&format!("m{}", k + 1))?)?)?;
                 }
-                let mut moved = moved.unwrap_or(lat);
-                if !accumulate {
-                    moved = lat.add(moved.mul(scalar("dt")?)?.div(scalar("div")?)?)?;
-                }
+                let moved = if accumulate {
+                    acc
+                } else {
+                    lat.add(acc.mul(scalar("dt")?)?.div(scalar("div")?)?)?
+                };
                 // The history moves up one: d₂ → d₃, d₁ → d₂, d₀ → d₁.
                 kept.extend([h[1], h[0], d0]);
                 select(moved)

@@ -111,17 +111,25 @@ impl Source {
                     .get(input)
                     .and_then(|o| Direct::of(input, o, depth, (offset, batch), across))
             }
-            // The weights repeat per image, so only groups of one may be
-            // read directly.
+            Source::ConvWeights { .. } => self
+                .plain_weights(operands)
+                .and_then(|(j, o, depth)| Direct::of(j, o, 1, (0, 0), depth)),
+            Source::Im2col(_) => None,
+        }
+    }
+
+    /// Conv weights of one group, `(input, operand, depth)`: a plain
+    /// `[out][depth]` matrix, the same for every image (with more groups
+    /// the matrix an image reads depends on its group).
+    fn plain_weights<'o>(&self, operands: &'o [Operand]) -> Option<(usize, &'o Operand, usize)> {
+        match *self {
             Source::ConvWeights {
                 input,
                 groups: 1,
                 depth,
                 ..
-            } => operands
-                .get(input)
-                .and_then(|o| Direct::of(input, o, 1, (0, 0), depth)),
-            Source::ConvWeights { .. } | Source::Im2col(_) => None,
+            } => operands.get(input).map(|o| (input, o, depth)),
+            _ => None,
         }
     }
 
@@ -162,17 +170,10 @@ impl Source {
                 }),
                 width: 8,
             }),
-            // Weights of one group are a plain [out][depth] matrix (the
-            // same for every image).
-            Source::ConvWeights {
-                input,
-                groups: 1,
-                depth,
-                ..
-            } => operands
-                .get(input)
-                .and_then(|o| Vector::of(input, o, 0, 0, [depth, 1])),
-            Source::ConvWeights { .. } | Source::Im2col(_) => None,
+            Source::ConvWeights { .. } => self
+                .plain_weights(operands)
+                .and_then(|(j, o, depth)| Vector::of(j, o, 0, 0, [depth, 1])),
+            Source::Im2col(_) => None,
         }
     }
 
