@@ -196,6 +196,9 @@ impl Fused {
             Sampler::DpmPp2sAncestral if model.prediction != Prediction::Flow => {
                 Step::Two(Two::DpmPp2sAncestral)
             }
+            // The rest have no device form and stay on the host (DPM++ 2S
+            // ancestral CFG++, for one: its second call's unconditional
+            // prediction replaces the first's through the host's hook).
             _ => Step::Multi(Multi::of(sampler, cfg.is_some())?),
         };
         if !matches!(

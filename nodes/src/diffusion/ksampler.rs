@@ -390,9 +390,6 @@ pub fn sample(
     let chain = super::fused_control::chain_of(model, &items);
     let simple = concats.iter().all(Option::is_none)
         && !(flow && denoise_mask.is_some())
-        // (DPM++ 2S ancestral CFG++ needs the host's post-CFG hook: its
-        // second call's unconditional prediction replaces the first's.)
-        && sampler != Sampler::DpmPp2sAncestralCfgPp
         && groups.len() <= 2
         && !matches!(chain, super::fused_control::Chain::Host)
         && (model.slg.is_empty() || is_unet);
