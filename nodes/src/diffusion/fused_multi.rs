@@ -27,6 +27,9 @@ pub(crate) enum Multi {
     GradEst { cfg_pp: bool },
     /// DPM++ 2M CFG++: the previous unconditional prediction carried.
     DpmPp2mCfgPp,
+    /// ER-SDE: the previous prediction and divided difference carried
+    /// (`sampling::steps::er_sde`).
+    ErSde,
 }
 
 /// What a multistep tail reads: the carried latent, the combined
@@ -74,6 +77,7 @@ impl Multi {
             Sampler::GradientEstimation => Multi::GradEst { cfg_pp: false },
             Sampler::GradientEstimationCfgPp if cfg => Multi::GradEst { cfg_pp: true },
             Sampler::DpmPp2mCfgPp if cfg => Multi::DpmPp2mCfgPp,
+            Sampler::ErSde => Multi::ErSde,
             _ => return None,
         })
     }
@@ -87,6 +91,7 @@ impl Multi {
                 ancestral: true, ..
             } => &["old", "noise"],
             Multi::Res { .. } | Multi::GradEst { .. } | Multi::DpmPp2mCfgPp => &["old"],
+            Multi::ErSde => &["old", "oldd", "noise"],
         }
     }
 
@@ -208,6 +213,21 @@ impl Multi {
                 kept.push(u);
                 Ok(moved)
             }
+            Multi::ErSde => {
+                // a·x + b·D, + c2·dd with dd = (D − old)/q, + c3·((dd −
+                // dd_old)/half), + (at·z)·k; the prediction on the last step.
+                let dd = d.sub(input("old")?)?.div(scalar("q")?)?;
+                let third = dd.sub(input("oldd")?)?.div(scalar("half")?)?;
+                let z = input("noise")?.mul(scalar("at")?)?.mul(scalar("k")?)?;
+                let moved = lat
+                    .mul(scalar("a")?)?
+                    .add(d.mul(scalar("b")?)?)?
+                    .add(dd.mul(scalar("c2")?)?)?
+                    .add(third.mul(scalar("c3")?)?)?
+                    .add(z)?;
+                kept.extend([d, dd]);
+                select(moved)
+            }
         }
     }
 
@@ -326,6 +346,42 @@ impl Multi {
                     0.0
                 };
                 (vec![("ne", -e), ("ec", ec), ("e", e)], old)
+            }
+            Multi::ErSde => {
+                let last = s_next == 0.0;
+                // The last step takes the prediction; its zero
+                // coefficients keep the discarded move finite.
+                let st = if last {
+                    crate::sampling::steps::ErSde {
+                        a: 0.0,
+                        b: 0.0,
+                        c2: 0.0,
+                        q: 1.0,
+                        c3: 0.0,
+                        half: 1.0,
+                        at: 0.0,
+                        k: 0.0,
+                        stage: 1,
+                    }
+                } else {
+                    crate::sampling::steps::er_sde(f.space, sigmas, i)
+                };
+                let v = vec![
+                    ("a", st.a),
+                    ("b", st.b),
+                    ("q", st.q),
+                    ("c2", st.c2),
+                    ("half", st.half),
+                    ("c3", st.c3),
+                    ("at", st.at),
+                    ("k", st.k),
+                    ("keep", flag(!last)),
+                    ("take", flag(last)),
+                ];
+                let per: usize = f.dims.iter().product();
+                noise_drawn = Some(if last { vec![0.0; per] } else { noise() });
+                let carry = vec![(NEXT, "lat"), (KEPT, "old"), (KEPT + 1, "oldd")];
+                (v, carry)
             }
         };
         MultiCall {

@@ -732,56 +732,34 @@ impl Sampler {
                     }
                 }
                 Sampler::ErSde => {
-                    // VP ER-SDE-Solver-3 (arXiv 2309.06169), s_noise 1.
-                    // er_lambda = σ/α = exp(−half-logSNR).
-                    let lam = |k: usize| (-space.lambda(sigmas[k])).exp();
-                    let scaler = |v: f32| v * ((v.powf(0.3)).exp() + 10.0);
                     if s_next == 0.0 {
                         x = denoised.clone();
                     } else {
-                        let stage = (i + 1).min(3);
-                        let (ls, lt) = (lam(i), lam(i + 1));
-                        let (alpha_s, alpha_t) = (s / ls, s_next / lt);
-                        let r_alpha = alpha_t / alpha_s;
-                        let r = scaler(lt) / scaler(ls);
-                        let (a, b) = (r_alpha * r, alpha_t * (1.0 - r));
+                        let st = super::steps::er_sde(space, sigmas, i);
                         for (xv, dv) in x.iter_mut().zip(&denoised) {
-                            *xv = a * *xv + b * dv;
+                            *xv = st.a * *xv + st.b * dv;
                         }
-                        if let (true, Some(old)) = (stage >= 2, old_denoised.as_ref()) {
-                            let dt = lt - ls;
-                            let step = -dt / 200.0;
-                            let pos: Vec<f32> = (0..200).map(|k| lt + k as f32 * step).collect();
-                            let scaled: Vec<f32> = pos.iter().map(|&p| scaler(p)).collect();
-                            let sum = |f: &dyn Fn(usize) -> f32| -> f32 {
-                                (0..200).map(|k| f64::from(f(k))).sum::<f64>() as f32
-                            };
-                            let s1 = sum(&|k| 1.0 / scaled[k]) * step;
-                            let c2 = alpha_t * (dt + s1 * scaler(lt));
+                        if let (true, Some(old)) = (st.stage >= 2, old_denoised.as_ref()) {
                             let den_d: Vec<f32> = denoised
                                 .iter()
                                 .zip(old)
-                                .map(|(d, o)| (d - o) / (ls - lam(i - 1)))
+                                .map(|(d, o)| (d - o) / st.q)
                                 .collect();
                             for (xv, dd) in x.iter_mut().zip(&den_d) {
-                                *xv += c2 * dd;
+                                *xv += st.c2 * dd;
                             }
-                            if let (true, Some(old_d)) = (stage >= 3, denoised_2.as_ref()) {
-                                let su = sum(&|k| (pos[k] - ls) / scaled[k]) * step;
-                                let c3 = alpha_t * ((dt * dt) / 2.0 + su * scaler(lt));
-                                let half = (ls - lam(i - 2)) / 2.0;
+                            if let (true, Some(old_d)) = (st.stage >= 3, denoised_2.as_ref()) {
                                 for ((xv, dd), od) in x.iter_mut().zip(&den_d).zip(old_d) {
-                                    *xv += c3 * ((dd - od) / half);
+                                    *xv += st.c3 * ((dd - od) / st.half);
                                 }
                             }
                             // Here `denoised_2` keeps the previous difference
                             // quotient (k-diffusion's old_denoised_d).
                             denoised_2 = Some(den_d);
                         }
-                        let k = nan_to_num((lt * lt - (ls * ls) * (r * r)).sqrt());
                         let z = noise();
                         for (xv, zv) in x.iter_mut().zip(&z) {
-                            *xv += alpha_t * zv * k;
+                            *xv += st.at * zv * st.k;
                         }
                     }
                     old_denoised = Some(denoised);
