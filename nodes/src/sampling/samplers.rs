@@ -775,75 +775,21 @@ impl Sampler {
                     x = denoised;
                 }
                 Sampler::Seeds2 | Sampler::Seeds3 => {
-                    // SEEDS (arXiv 2305.14267), eta = 1, s_noise = 1.
-                    let (ls, lt) = (space.lambda(s), space.lambda(s_next));
-                    let h = lt - ls;
-                    let h_eta = h * 2.0;
-                    let phi1 = |v: f32| v.exp_m1();
-                    let phi2 = |v: f32| (v.exp_m1() - v) / v;
-                    let alpha_t = s_next * lt.exp();
-                    // Intermediate point at fraction r: (σ, α, x) after a
-                    // first-order step from x with `den`.
-                    let (r1, r2) = if self == Sampler::Seeds2 {
-                        (0.5f64, 1.0f64)
-                    } else {
-                        (1.0 / 3.0, 2.0 / 3.0)
-                    };
-                    let at = |r: f64| -> (f32, f32) {
-                        let l = torch_lerp(ls, lt, r as f32);
-                        let sig = space.sigma(l);
-                        (sig, sig * l.exp())
-                    };
-                    let (s1, a1) = at(r1);
-                    let (rf1, rf2) = (r1 as f32, r2 as f32);
-                    let c_x = s1 / s * (-rf1 * h * 1.0).exp();
-                    let c_d = a1 * phi1(-rf1 * h_eta);
-                    let k1 = (-((-2.0 * r1) as f32 * h * 1.0).exp_m1()).sqrt();
-                    let z1 = noise();
-                    let mut sde: Vec<f32> = z1.iter().map(|z| k1 * z).collect();
-                    let x2: Vec<f32> = (0..x.len())
-                        .map(|j| c_x * x[j] - c_d * denoised[j] + sde[j] * s1 * 1.0)
-                        .collect();
-                    let den2 = denoise(&x2, s1)?;
-                    let mut renoise = |sde: &mut Vec<f32>, r_from: f64, r_to: f64| {
-                        let sf = ((r_from - r_to) as f32) * h * 1.0;
-                        let (e, k) = (sf.exp(), (-(sf * 2.0).exp_m1()).sqrt());
+                    let calls = super::steps::seeds(space, s, s_next, self == Sampler::Seeds3);
+                    let start = x.clone();
+                    let mut sde = vec![0.0f32; x.len()];
+                    let mut pred = Vec::new();
+                    for (k, c) in calls.iter().enumerate() {
+                        if k > 0 {
+                            pred = denoise(&x, c.sigma)?;
+                        }
+                        let here = if k > 0 { &pred } else { &denoised };
                         let z = noise();
-                        for (v, zv) in sde.iter_mut().zip(&z) {
-                            *v = *v * e + k * zv;
+                        for (j, v) in sde.iter_mut().enumerate() {
+                            *v = *v * c.e + c.k * z[j];
+                            let mix = c.p1 * denoised[j] + c.p2 * here[j];
+                            x[j] = c.c * start[j] - c.m * mix + *v * c.sn;
                         }
-                    };
-                    let c_x = s_next / s * (-h * 1.0).exp();
-                    if self == Sampler::Seeds2 {
-                        // denoised_d = lerp(denoised, denoised_2, 1/(2r) = 1).
-                        let c_d = alpha_t * phi1(-h_eta);
-                        for j in 0..x.len() {
-                            let dd = torch_lerp(denoised[j], den2[j], 1.0);
-                            x[j] = c_x * x[j] - c_d * dd;
-                        }
-                        renoise(&mut sde, r1, 1.0);
-                    } else {
-                        let (s2, a2) = at(r2);
-                        let a3_2 = (r2 / r1) as f32 * phi2(-rf2 * h_eta);
-                        let a3_1 = phi1(-rf2 * h_eta) - a3_2;
-                        let c_x3 = s2 / s * (-rf2 * h * 1.0).exp();
-                        renoise(&mut sde, r1, r2);
-                        let x3: Vec<f32> = (0..x.len())
-                            .map(|j| {
-                                c_x3 * x[j] - a2 * (a3_1 * denoised[j] + a3_2 * den2[j])
-                                    + sde[j] * s2 * 1.0
-                            })
-                            .collect();
-                        let den3 = denoise(&x3, s2)?;
-                        let b3 = phi2(-h_eta) / rf2;
-                        let b1 = phi1(-h_eta) - b3;
-                        for j in 0..x.len() {
-                            x[j] = c_x * x[j] - alpha_t * (b1 * denoised[j] + b3 * den3[j]);
-                        }
-                        renoise(&mut sde, r2, 1.0);
-                    }
-                    for (xv, v) in x.iter_mut().zip(&sde) {
-                        *xv += v * s_next * 1.0;
                     }
                 }
                 Sampler::Deis => {

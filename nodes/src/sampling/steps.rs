@@ -282,3 +282,103 @@ pub(crate) fn er_sde(space: Space, sigmas: &[f32], i: usize) -> ErSde {
     }
     st
 }
+
+/// One model call of a SEEDS step (arXiv 2305.14267, η = 1, s_noise 1),
+/// at σ `sigma`: after the model's prediction D, the noise accumulator
+/// moves as `sde ← sde·e + k·z` and the point as `x ← c·x_s − m·(p1·D₁ +
+/// p2·D) + sde·sn`, with x_s the step's start and D₁ its first call's
+/// prediction. The next call runs at the point this one moves to; the
+/// last call's point is the step's end.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SeedsCall {
+    pub sigma: f32,
+    pub e: f32,
+    pub k: f32,
+    pub c: f32,
+    pub m: f32,
+    pub p1: f32,
+    pub p2: f32,
+    pub sn: f32,
+}
+
+/// The calls of a SEEDS-2 (or SEEDS-3, `three`) step from σ `s` to
+/// `s_next` > 0. SEEDS-2's second move takes lerp(D₁, D₂, 1/(2r) = 1),
+/// which is D₂ itself (p1 = 0, p2 = 1).
+pub(crate) fn seeds(space: Space, s: f32, s_next: f32, three: bool) -> Vec<SeedsCall> {
+    use super::solvers::torch_lerp;
+    let (ls, lt) = (space.lambda(s), space.lambda(s_next));
+    let h = lt - ls;
+    let h_eta = h * 2.0;
+    let phi1 = |v: f32| v.exp_m1();
+    let phi2 = |v: f32| (v.exp_m1() - v) / v;
+    let alpha_t = s_next * lt.exp();
+    // The intermediate points at fractions r of the step: (σ, α).
+    let (r1, r2) = if three {
+        (1.0 / 3.0, 2.0 / 3.0)
+    } else {
+        (0.5f64, 1.0f64)
+    };
+    let at = |r: f64| -> (f32, f32) {
+        let l = torch_lerp(ls, lt, r as f32);
+        let sig = space.sigma(l);
+        (sig, sig * l.exp())
+    };
+    // The noise carried from fraction `from` to `to` of the step.
+    let renoise = |from: f64, to: f64| {
+        let sf = ((from - to) as f32) * h;
+        (sf.exp(), (-(sf * 2.0).exp_m1()).sqrt())
+    };
+    let (s1, a1) = at(r1);
+    let (rf1, rf2) = (r1 as f32, r2 as f32);
+    let first = SeedsCall {
+        sigma: s,
+        e: 0.0,
+        k: (-((-2.0 * r1) as f32 * h).exp_m1()).sqrt(),
+        c: s1 / s * (-rf1 * h).exp(),
+        m: 1.0,
+        p1: 0.0,
+        p2: a1 * phi1(-rf1 * h_eta),
+        sn: s1,
+    };
+    let c_end = s_next / s * (-h).exp();
+    if !three {
+        let (e, k) = renoise(r1, 1.0);
+        let second = SeedsCall {
+            sigma: s1,
+            e,
+            k,
+            c: c_end,
+            m: alpha_t * phi1(-h_eta),
+            p1: 0.0,
+            p2: 1.0,
+            sn: s_next,
+        };
+        return vec![first, second];
+    }
+    let (s2, a2) = at(r2);
+    let a3_2 = (r2 / r1) as f32 * phi2(-rf2 * h_eta);
+    let (e, k) = renoise(r1, r2);
+    let second = SeedsCall {
+        sigma: s1,
+        e,
+        k,
+        c: s2 / s * (-rf2 * h).exp(),
+        m: a2,
+        p1: phi1(-rf2 * h_eta) - a3_2,
+        p2: a3_2,
+        sn: s2,
+    };
+    let b3 = phi2(-h_eta) / rf2;
+    let (e, k) = renoise(r2, 1.0);
+    let third = SeedsCall {
+        sigma: s2,
+        e,
+        k,
+        c: c_end,
+        m: alpha_t,
+        p1: phi1(-h_eta) - b3,
+        p2: b3,
+        sn: s_next,
+    };
+    vec![first, second, third]
+}
