@@ -68,6 +68,11 @@ pub(crate) enum Step {
     Multi(Multi),
     /// heunpp2: up to three calls a step (`fused_two::heunpp2_calls`).
     HeunPp2,
+    /// SEEDS-2 or SEEDS-3 (`three`): two or three calls a step, each
+    /// moving from the step's start (`fused_two::seeds_calls`).
+    Seeds {
+        three: bool,
+    },
 }
 
 /// The samplers that call the model twice a step (once on the last
@@ -171,6 +176,9 @@ impl Fused {
             Sampler::EulerAncestral => Step::EulerAncestralRf,
             Sampler::Ddpm => Step::Ddpm,
             Sampler::HeunPp2 => Step::HeunPp2,
+            Sampler::Seeds2 | Sampler::Seeds3 => Step::Seeds {
+                three: sampler == Sampler::Seeds3,
+            },
             Sampler::DpmPp2m => Step::DpmPp2m,
             Sampler::Lcm => Step::Lcm {
                 flow: model.prediction == Prediction::Flow,
@@ -535,6 +543,26 @@ impl Fused {
                 kept.extend([lat, dc, base.mul_scalar(1.0), d1.mul_scalar(1.0)]);
                 src.add(dir.mul(scalar("dt")?)?)?
             }
+            Step::Seeds { .. } => {
+                // From the step's start (`sb`, all but the first call):
+                // sde·e + z·k, then c·x_s − m·(p1·D₁ + p2·D) + sde·sn,
+                // with D₁ the first call's prediction.
+                let base = g.input("base", &self.dims)?;
+                let (sa, sb) = (scalar("sa")?, scalar("sb")?);
+                let src = lat.mul(sa)?.add(base.mul(sb)?)?;
+                let d1 = d.mul(sa)?.add(g.input("d1", &self.dims)?.mul(sb)?)?;
+                let sde = g
+                    .input("sde", &self.dims)?
+                    .mul(scalar("e")?)?
+                    .add(g.input("noise", &self.dims)?.mul(scalar("k")?)?)?;
+                let mix = d1.mul(scalar("p1")?)?.add(d.mul(scalar("p2")?)?)?;
+                let moved = src
+                    .mul(scalar("c")?)?
+                    .sub(mix.mul(scalar("m")?)?)?
+                    .add(sde.mul(scalar("sn")?)?)?;
+                kept.extend([src, d1, sde]);
+                moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)?
+            }
             Step::Multi(m) => {
                 let t = Tail {
                     lat,
@@ -614,6 +642,7 @@ impl Fused {
             Step::Two(_) => &["base", "noise"],
             Step::Multi(m) => m.state(),
             Step::HeunPp2 => &["base", "d1", "d2"],
+            Step::Seeds { .. } => &["base", "d1", "sde", "noise"],
         }
     }
 
@@ -910,6 +939,7 @@ impl Fused {
             }
             Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
             Step::HeunPp2 => self.heunpp2_calls(sigmas, i, call),
+            Step::Seeds { three } => self.seeds_calls(three, (s, s_next), call, noise),
             Step::Multi(m) => {
                 let mc = m.call(self, sigmas, i, noise);
                 let c = call(s, &mc.scalars, mc.carry);

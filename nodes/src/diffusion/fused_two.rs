@@ -202,4 +202,59 @@ impl Fused {
         let w1 = 1.0 - w2 - w3;
         vec![first, second, call(s2, &from_start(w1, w2, w3), lat())]
     }
+
+    /// A SEEDS step's calls from σ `s` to `s_next`
+    /// (`sampling::steps::seeds`), each with its own noise, drawn in the
+    /// host's order; the last step is one call taking the prediction.
+    /// The first call keeps the step's start and its prediction (`sa` 1),
+    /// the others move from them (`sb` 1) and hand them on.
+    pub(super) fn seeds_calls(
+        &self,
+        three: bool,
+        (s, s_next): (f32, f32),
+        call: impl Fn(f32, &[(&str, f32)], Vec<(usize, &'static str)>) -> Call,
+        noise: &mut dyn FnMut() -> Vec<f32>,
+    ) -> Vec<Call> {
+        let with_noise = |mut c: Call, z: Vec<f32>| {
+            c.inputs.insert("noise".to_string(), Arc::new(z));
+            c
+        };
+        if s_next == 0.0 {
+            let mut v: Vec<(&str, f32)> = ["sa", "sb", "e", "k", "c", "m", "p1", "p2", "sn"]
+                .into_iter()
+                .map(|n| (n, 0.0))
+                .collect();
+            v.extend([("keep", 0.0), ("take", 1.0)]);
+            let per: usize = self.dims.iter().product();
+            return vec![with_noise(call(s, &v, vec![(NEXT, "lat")]), vec![0.0; per])];
+        }
+        let calls = crate::sampling::steps::seeds(self.space, s, s_next, three);
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let first = if k == 0 { 1.0 } else { 0.0 };
+                let v = [
+                    ("sa", first),
+                    ("sb", 1.0 - first),
+                    ("e", c.e),
+                    ("k", c.k),
+                    ("c", c.c),
+                    ("m", c.m),
+                    ("p1", c.p1),
+                    ("p2", c.p2),
+                    ("sn", c.sn),
+                    ("keep", 1.0),
+                    ("take", 0.0),
+                ];
+                let carry = vec![
+                    (NEXT, "lat"),
+                    (KEPT, "base"),
+                    (KEPT + 1, "d1"),
+                    (KEPT + 2, "sde"),
+                ];
+                with_noise(call(c.sigma, &v, carry), noise())
+            })
+            .collect()
+    }
 }
