@@ -374,24 +374,12 @@ pub(super) fn sa_solver<E>(
     if sigmas.len() <= 1 {
         return Ok(x);
     }
-    // The stochastic interval from the model's percent_to_sigma.
-    let (start, end) = space.sa_interval;
-    let tau_of = |s: f32| {
-        if start >= f64::from(s) && f64::from(s) >= end {
-            1.0
-        } else {
-            0.0
-        }
-    };
-    let lambdas: Vec<f32> = sigmas.iter().map(|&s| space.lambda(s)).collect();
-    let n_sig = sigmas.len();
-    let to_end = sigmas[n_sig - 1] == 0.0;
     let mut x = x;
     let mut x_pred = x.clone();
-    let (mut h, mut tau) = (0f32, 0f64);
-    let mut noise_v: Option<Vec<f32>> = None;
+    let mut noise_v: Vec<f32> = Vec::new();
     let mut preds: Vec<Vec<f32>> = Vec::new();
-    let total = n_sig - 1;
+    let total = sigmas.len() - 1;
+    // Σ b·D over the last b.len() predictions, oldest first.
     let combine = |preds: &[Vec<f32>], b: &[f32]| -> Vec<f32> {
         let k = b.len();
         let tail = &preds[preds.len() - k..];
@@ -405,71 +393,127 @@ pub(super) fn sa_solver<E>(
         if preds.len() > 4 {
             preds.remove(0);
         }
-        let mut p_ord = preds.len().min(3);
-        let mut c_ord = if i == 0 || (sigmas[i + 1] == 0.0 && !pece) {
-            0
-        } else {
-            preds.len().min(4)
-        };
-        if to_end {
-            p_ord = p_ord.min(n_sig - 2 - i);
-            c_ord = c_ord.min(n_sig - 1 - i);
-        }
-        if c_ord == 0 {
-            x = x_pred.clone();
-        } else {
-            let b = sa_coeffs(
-                sigmas[i],
-                &lambdas[i + 1 - c_ord..=i],
-                lambdas[i - 1],
-                lambdas[i],
-                tau,
-            );
-            let res = combine(&preds, &b);
-            let a = sigmas[i] / sigmas[i - 1] * (-((tau * tau) as f32) * h).exp();
-            for (j, xv) in x.iter_mut().enumerate() {
-                *xv = a * *xv + res[j];
-            }
-            if let Some(nv) = noise_v.as_ref().filter(|_| tau > 0.0) {
-                for (xv, v) in x.iter_mut().zip(nv) {
-                    *xv += v;
+        let st = sa_step(space, sigmas, i, pece);
+        match &st.corr {
+            None => x = x_pred.clone(),
+            Some(c) => {
+                let res = combine(&preds, &c.b);
+                for (j, xv) in x.iter_mut().enumerate() {
+                    *xv = c.a * *xv + res[j];
                 }
-            }
-            if pece {
-                den = denoise(&x, sigmas[i])?;
-                if let Some(last) = preds.last_mut() {
-                    *last = den.clone();
+                if c.noise {
+                    for (xv, v) in x.iter_mut().zip(&noise_v) {
+                        *xv += v;
+                    }
+                }
+                if pece {
+                    den = denoise(&x, sigmas[i])?;
+                    if let Some(last) = preds.last_mut() {
+                        *last = den.clone();
+                    }
                 }
             }
         }
-        if sigmas[i + 1] == 0.0 {
-            x = den;
-        } else {
-            tau = tau_of(sigmas[i + 1]);
-            let b = sa_coeffs(
-                sigmas[i + 1],
-                &lambdas[i + 1 - p_ord..=i],
-                lambdas[i],
-                lambdas[i + 1],
-                tau,
-            );
-            let res = combine(&preds, &b);
-            h = lambdas[i + 1] - lambdas[i];
-            let a = sigmas[i + 1] / sigmas[i] * (-((tau * tau) as f32) * h).exp();
-            x_pred = x.iter().zip(&res).map(|(xv, r)| a * xv + r).collect();
-            if tau > 0.0 {
-                let k = (-((-2.0 * tau * tau) as f32 * h).exp_m1()).sqrt();
-                let z = noise();
-                let nv: Vec<f32> = z.iter().map(|zv| zv * sigmas[i + 1] * k * 1.0).collect();
-                for (xv, v) in x_pred.iter_mut().zip(&nv) {
-                    *xv += v;
+        match &st.pred {
+            None => x = den,
+            Some(p) => {
+                let res = combine(&preds, &p.b);
+                x_pred = x.iter().zip(&res).map(|(xv, r)| p.a * xv + r).collect();
+                if let Some(k) = p.k {
+                    let z = noise();
+                    noise_v = z.iter().map(|zv| zv * sigmas[i + 1] * k * 1.0).collect();
+                    for (xv, v) in x_pred.iter_mut().zip(&noise_v) {
+                        *xv += v;
+                    }
                 }
-                noise_v = Some(nv);
             }
         }
         step(i + 1, total)?;
     }
     Ok(x)
+}
+
+/// One SA-Solver move: `x ← a·x + Σ bₖ·Dₖ` over the last `b.len()`
+/// predictions, oldest first.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct SaMove {
+    pub a: f32,
+    pub b: Vec<f32>,
+    /// The corrector: whether the previous predictor's noise is added.
+    pub noise: bool,
+    /// The predictor: the noise's factor `k` (x ← x + z·σ_next·k), where
+    /// the step is stochastic.
+    pub k: Option<f32>,
+}
+
+/// SA-Solver's step `i` over `sigmas`, after its model call at σ_i: the
+/// corrector of the previous predicted point (none on the first step,
+/// nor on the last without PECE), then the predictor of the next point
+/// (none on the last step, which takes the prediction).
+pub(crate) struct SaStep {
+    pub corr: Option<SaMove>,
+    pub pred: Option<SaMove>,
+}
+
+pub(crate) fn sa_step(space: Space, sigmas: &[f32], i: usize, pece: bool) -> SaStep {
+    // The stochastic interval from the model's percent_to_sigma.
+    let (start, end) = space.sa_interval;
+    let tau_of = |s: f32| {
+        if start >= f64::from(s) && f64::from(s) >= end {
+            1.0
+        } else {
+            0.0
+        }
+    };
+    let lambdas: Vec<f32> = sigmas.iter().map(|&s| space.lambda(s)).collect();
+    let n_sig = sigmas.len();
+    let to_end = sigmas[n_sig - 1] == 0.0;
+    // The predictions so far, this step's included (at most 4 kept).
+    let held = (i + 1).min(4);
+    let mut p_ord = held.min(3);
+    let mut c_ord = if i == 0 || (sigmas[i + 1] == 0.0 && !pece) {
+        0
+    } else {
+        held
+    };
+    if to_end {
+        p_ord = p_ord.min(n_sig - 2 - i);
+        c_ord = c_ord.min(n_sig - 1 - i);
+    }
+    let corr = (c_ord > 0).then(|| {
+        // The previous predictor's τ and step.
+        let tau = tau_of(sigmas[i]);
+        let h = lambdas[i] - lambdas[i - 1];
+        SaMove {
+            a: sigmas[i] / sigmas[i - 1] * (-((tau * tau) as f32) * h).exp(),
+            b: sa_coeffs(
+                sigmas[i],
+                &lambdas[i + 1 - c_ord..=i],
+                lambdas[i - 1],
+                lambdas[i],
+                tau,
+            ),
+            noise: tau > 0.0,
+            k: None,
+        }
+    });
+    let pred = (sigmas[i + 1] != 0.0).then(|| {
+        let tau = tau_of(sigmas[i + 1]);
+        let h = lambdas[i + 1] - lambdas[i];
+        SaMove {
+            a: sigmas[i + 1] / sigmas[i] * (-((tau * tau) as f32) * h).exp(),
+            b: sa_coeffs(
+                sigmas[i + 1],
+                &lambdas[i + 1 - p_ord..=i],
+                lambdas[i],
+                lambdas[i + 1],
+                tau,
+            ),
+            noise: false,
+            k: (tau > 0.0).then(|| (-((-2.0 * tau * tau) as f32 * h).exp_m1()).sqrt()),
+        }
+    });
+    SaStep { corr, pred }
 }
 
 /// Solves a small dense system in f64 by Gauss–Jordan elimination with
