@@ -351,7 +351,7 @@ fn device_loops_match_host_loops() {
     // rescaled.
     let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde \
         res_multistep res_multistep_ancestral res_multistep_cfg_pp res_multistep_ancestral_cfg_pp \
-        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp ddpm heunpp2 er_sde:5 seeds_2 seeds_3 \
+        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp ddpm heunpp2 er_sde:5 seeds_2 seeds_3 sa_solver:6 sa_solver_pece:6 \
         lms:7 deis:7 ipndm:7 ipndm_v:7 uni_pc:7 uni_pc_bh2:7 uni_pc:2 uni_pc:1";
     let mut cases: Vec<(&str, String)> = samplers
         .split_whitespace()
@@ -363,12 +363,20 @@ fn device_loops_match_host_loops() {
             (sampler, graph.replace(r#""steps": 4"#, &steps))
         })
         .collect();
-    for sampler in ["heun", "dpmpp_sde", "uni_pc_bh2", "heunpp2", "seeds_2"] {
+    for sampler in [
+        "heun",
+        "dpmpp_sde",
+        "uni_pc_bh2",
+        "heunpp2",
+        "seeds_2",
+        "sa_solver_pece",
+    ] {
         let with = format!(r#""sampler_name": "{sampler}""#);
         cases.push((sampler, advanced.replace(split, &with)));
     }
     // A flow model (ModelSamplingSD3 on SD1): Euler ancestral's flow form,
-    // an SDE sampler's offset first σ, UniPC, ER-SDE's and SEEDS' flow λ.
+    // an SDE sampler's offset first σ, UniPC, the flow λ of ER-SDE, SEEDS and SA-Solver
+    // (whose stochastic interval is the model's).
     let flow = read("graphs/tiny_sd1_flow.json");
     let ancestral = r#""sampler_name": "euler_ancestral""#;
     for sampler in [
@@ -377,6 +385,7 @@ fn device_loops_match_host_loops() {
         "uni_pc",
         "er_sde",
         "seeds_3",
+        "sa_solver",
     ] {
         let with = format!(r#""sampler_name": "{sampler}""#);
         cases.push((sampler, flow.replace(ancestral, &with)));

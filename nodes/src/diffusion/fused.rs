@@ -940,14 +940,17 @@ impl Fused {
             Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
             Step::HeunPp2 => self.heunpp2_calls(sigmas, i, call),
             Step::Seeds { three } => self.seeds_calls(three, (s, s_next), call, noise),
-            Step::Multi(m) => {
-                let mc = m.call(self, sigmas, i, noise);
-                let c = call(s, &mc.scalars, mc.carry);
-                match mc.noise {
-                    Some(z) => vec![with_noise(c, z)],
-                    None => vec![c],
-                }
-            }
+            Step::Multi(m) => m
+                .calls(self, sigmas, i, noise)
+                .into_iter()
+                .map(|mc| {
+                    let c = call(s, &mc.scalars, mc.carry);
+                    match mc.noise {
+                        Some(z) => with_noise(c, z),
+                        None => c,
+                    }
+                })
+                .collect(),
         };
         if let Some(c) = calls.first_mut() {
             c.first = true;

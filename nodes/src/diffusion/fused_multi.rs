@@ -30,6 +30,12 @@ pub(crate) enum Multi {
     /// ER-SDE: the previous prediction and divided difference carried
     /// (`sampling::steps::er_sde`).
     ErSde,
+    /// SA-Solver (plain or PECE): the corrected point, the last three
+    /// predictions and the predictor's noise carried; the model runs at
+    /// the predicted point (`lat`). PECE runs the corrector in a call of
+    /// its own, whose prediction at the corrected point replaces the
+    /// first's.
+    SaSolver { pece: bool },
 }
 
 /// What a multistep tail reads: the carried latent, the combined
@@ -78,6 +84,9 @@ impl Multi {
             Sampler::GradientEstimationCfgPp if cfg => Multi::GradEst { cfg_pp: true },
             Sampler::DpmPp2mCfgPp if cfg => Multi::DpmPp2mCfgPp,
             Sampler::ErSde => Multi::ErSde,
+            Sampler::SaSolver | Sampler::SaSolverPece => Multi::SaSolver {
+                pece: sampler == Sampler::SaSolverPece,
+            },
             _ => return None,
         })
     }
@@ -92,6 +101,7 @@ impl Multi {
             } => &["old", "noise"],
             Multi::Res { .. } | Multi::GradEst { .. } | Multi::DpmPp2mCfgPp => &["old"],
             Multi::ErSde => &["old", "oldd", "noise"],
+            Multi::SaSolver { .. } => &["xc", "p1", "p2", "p3", "nv", "noise"],
         }
     }
 
@@ -228,18 +238,45 @@ impl Multi {
                 kept.extend([d, dd]);
                 select(moved)
             }
+            Multi::SaSolver { .. } => {
+                // The corrector a·x_c + Σ b·D (oldest first) + the last
+                // noise, or the model's point itself (`sc` 0, `sl` 1);
+                // then the predictor a·x_c + Σ b·D + z·σ_next·k.
+                let xc = input("xc")?;
+                let p = [input("p1")?, input("p2")?, input("p3")?];
+                let sum = |names: &[&str], terms: &[T<'a>]| -> Result<T<'a>, ShapeError> {
+                    let mut acc = terms[0].mul(scalar(names[0])?)?;
+                    for (t, n) in terms.iter().zip(names).skip(1) {
+                        acc = acc.add(t.mul(scalar(n)?)?)?;
+                    }
+                    Ok(acc)
+                };
+                let res_c = sum(&["cb3", "cb2", "cb1", "cb0"], &[p[2], p[1], p[0], d])?;
+                let corr = xc
+                    .mul(scalar("ca")?)?
+                    .add(res_c)?
+                    .add(input("nv")?.mul(scalar("cn")?)?)?;
+                let x_c = corr.mul(scalar("sc")?)?.add(lat.mul(scalar("sl")?)?)?;
+                let res_p = sum(&["pb2", "pb1", "pb0"], &[p[1], p[0], d])?;
+                let nv = input("noise")?.mul(scalar("sn")?)?.mul(scalar("k")?)?;
+                let pred = x_c.mul(scalar("pa")?)?.add(res_p)?.add(nv)?;
+                // The history moves up one: p₂ → p₃, p₁ → p₂, D → p₁.
+                kept.extend([p[1], p[0], d, x_c, nv]);
+                select(pred)
+            }
         }
     }
 
-    /// Step `i`'s call over `sigmas` (the loop's, as [`Fused::sigmas`]
-    /// gives them), drawing from `noise` where the host sampler draws.
-    pub(crate) fn call(
+    /// Step `i`'s calls over `sigmas` (the loop's, as [`Fused::sigmas`]
+    /// gives them), drawing from `noise` where the host sampler draws:
+    /// one, or SA-Solver PECE's two where it corrects.
+    pub(crate) fn calls(
         self,
         f: &Fused,
         sigmas: &[f32],
         i: usize,
         noise: &mut dyn FnMut() -> Vec<f32>,
-    ) -> MultiCall {
+    ) -> Vec<MultiCall> {
         let (s, s_next) = (sigmas[i], sigmas[i + 1]);
         let old = vec![(NEXT, "lat"), (KEPT, "old")];
         let mut noise_drawn = None;
@@ -347,6 +384,7 @@ impl Multi {
                 };
                 (vec![("ne", -e), ("ec", ec), ("e", e)], old)
             }
+            Multi::SaSolver { pece } => return sa_calls(f, sigmas, i, pece, noise),
             Multi::ErSde => {
                 let last = s_next == 0.0;
                 // The last step takes the prediction; its zero
@@ -384,10 +422,104 @@ impl Multi {
                 (v, carry)
             }
         };
-        MultiCall {
+        vec![MultiCall {
             scalars,
             carry,
             noise: noise_drawn,
-        }
+        }]
     }
+}
+
+/// SA-Solver's calls for step `i` (`sampling::solvers::sa_step`): one
+/// that corrects (where it does) and predicts (or takes the prediction
+/// on the last step); with PECE where it corrects, a first call that
+/// only corrects (its point passed on unchanged) and a second at the
+/// corrected point that predicts.
+fn sa_calls(
+    f: &Fused,
+    sigmas: &[f32],
+    i: usize,
+    pece: bool,
+    noise: &mut dyn FnMut() -> Vec<f32>,
+) -> Vec<MultiCall> {
+    let st = crate::sampling::solvers::sa_step(f.space, sigmas, i, pece);
+    let per: usize = f.dims.iter().product();
+    // Σ b·D with b oldest first, as named newest first: `prefix`0 is
+    // this call's prediction; the terms a move lacks get zeros.
+    let put = |v: &mut Vec<(&'static str, f32)>, names: &[&'static str], b: &[f32]| {
+        for (k, name) in names.iter().enumerate() {
+            let c = b.len().checked_sub(k + 1).map_or(0.0, |j| b[j]);
+            v.push((name, c));
+        }
+    };
+    let corrector = |v: &mut Vec<(&'static str, f32)>, on: bool| {
+        let m = st.corr.as_ref().filter(|_| on);
+        v.extend([
+            ("ca", m.map_or(0.0, |m| m.a)),
+            ("cn", flag(m.is_some_and(|m| m.noise))),
+            ("sc", flag(m.is_some())),
+            ("sl", flag(m.is_none())),
+        ]);
+        put(v, &["cb0", "cb1", "cb2", "cb3"], m.map_or(&[], |m| &m.b));
+    };
+    // The predictor, or the point passed on (`pa` 1) where `pass`.
+    let mut predictor = |v: &mut Vec<(&'static str, f32)>, pass: bool| {
+        let m = st.pred.as_ref().filter(|_| !pass);
+        let k = m.and_then(|m| m.k);
+        v.extend([
+            ("pa", m.map_or(1.0, |m| m.a)),
+            ("sn", if k.is_some() { sigmas[i + 1] } else { 0.0 }),
+            ("k", k.unwrap_or(0.0)),
+        ]);
+        put(v, &["pb0", "pb1", "pb2"], m.map_or(&[], |m| &m.b));
+        let last = st.pred.is_none() && !pass;
+        v.extend([("keep", flag(!last)), ("take", flag(last))]);
+        if k.is_some() {
+            noise()
+        } else {
+            vec![0.0; per]
+        }
+    };
+    // Carries: each history slot moves up before the one below replaces
+    // it.
+    let all = || {
+        vec![
+            (NEXT, "lat"),
+            (KEPT, "p3"),
+            (KEPT + 1, "p2"),
+            (KEPT + 2, "p1"),
+            (KEPT + 3, "xc"),
+            (KEPT + 4, "nv"),
+        ]
+    };
+    let mut first = Vec::new();
+    // A loop that stops short of σ = 0 returns the corrected point: its
+    // last predictor's point (and PECE's model call there) go unused.
+    let short = i + 2 == sigmas.len() && st.pred.is_some();
+    if pece && st.corr.is_some() && !short {
+        corrector(&mut first, true);
+        let z = predictor(&mut first, true);
+        let mut second = Vec::new();
+        corrector(&mut second, false);
+        let z2 = predictor(&mut second, false);
+        return vec![
+            MultiCall {
+                scalars: first,
+                carry: vec![(NEXT, "lat")],
+                noise: Some(z),
+            },
+            MultiCall {
+                scalars: second,
+                carry: all(),
+                noise: Some(z2),
+            },
+        ];
+    }
+    corrector(&mut first, true);
+    let z = predictor(&mut first, short);
+    vec![MultiCall {
+        scalars: first,
+        carry: all(),
+        noise: Some(z),
+    }]
 }
