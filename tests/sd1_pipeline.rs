@@ -340,15 +340,10 @@ fn device_loops_match_host_loops() {
     // left: its last step makes both calls.
     let advanced = read("graphs/tiny_sd1_advanced.json");
     let plain = r#""sampler_name": "euler", "scheduler": "normal""#;
-    let split = r#""sampler_name": "euler_ancestral""#;
-    // (Euler's loop is checked against ComfyUI above.)
-    // (ddim is Euler's loop; Euler ancestral, DPM++ 2M and LCM are
-    // checked against ComfyUI below; DPM-2 is DPM-2 ancestral's two calls
-    // without the noise; the Heun form of 2M SDE one coefficient.)
-    // Over 7 steps (`:7`) the linear multistep samplers' history fills
-    // (LMS and iPNDM reach order 4) and UniPC reaches order 3 and falls
-    // back at the end; over 2 steps it is first order, over 1 only
-    // rescaled.
+    // (Euler, Euler ancestral, DPM++ 2M, LCM: checked against ComfyUI.
+    // ddim is Euler; DPM-2 is DPM-2 ancestral without noise.) Over 7
+    // steps (`:7`) LMS and iPNDM reach order 4 and UniPC order 3, falling
+    // back at the end; UniPC is first order over 2, rescaled over 1.
     let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde \
         res_multistep res_multistep_ancestral res_multistep_cfg_pp res_multistep_ancestral_cfg_pp \
         gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp ddpm heunpp2 er_sde:5 seeds_2 seeds_3 sa_solver:6 sa_solver_pece:6 \
@@ -363,32 +358,24 @@ fn device_loops_match_host_loops() {
             (sampler, graph.replace(r#""steps": 4"#, &steps))
         })
         .collect();
-    for sampler in [
-        "heun",
-        "dpmpp_sde",
-        "uni_pc_bh2",
-        "heunpp2",
-        "seeds_2",
-        "sa_solver_pece",
-    ] {
-        let with = format!(r#""sampler_name": "{sampler}""#);
-        cases.push((sampler, advanced.replace(split, &with)));
-    }
-    // A flow model (ModelSamplingSD3 on SD1): Euler ancestral's flow form,
-    // an SDE sampler's offset first σ, UniPC, the flow λ of ER-SDE, SEEDS and SA-Solver
-    // (whose stochastic interval is the model's).
+    // On a flow model (ModelSamplingSD3): Euler ancestral's RF form, an
+    // SDE sampler's offset first σ, the flow λ (SA-Solver's interval).
     let flow = read("graphs/tiny_sd1_flow.json");
     let ancestral = r#""sampler_name": "euler_ancestral""#;
-    for sampler in [
-        "euler_ancestral",
-        "dpmpp_2m_sde",
-        "uni_pc",
-        "er_sde",
-        "seeds_3",
-        "sa_solver",
+    for (graph, samplers) in [
+        (
+            &advanced,
+            "heun dpmpp_sde uni_pc_bh2 heunpp2 seeds_2 sa_solver_pece",
+        ),
+        (
+            &flow,
+            "euler_ancestral dpmpp_2m_sde uni_pc er_sde seeds_3 sa_solver",
+        ),
     ] {
-        let with = format!(r#""sampler_name": "{sampler}""#);
-        cases.push((sampler, flow.replace(ancestral, &with)));
+        for sampler in samplers.split_whitespace() {
+            let with = format!(r#""sampler_name": "{sampler}""#);
+            cases.push((sampler, graph.replace(ancestral, &with)));
+        }
     }
     // One adapter and one CPU runtime for every case: their pipelines and
     // packed weights carry over.
