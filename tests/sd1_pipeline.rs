@@ -358,20 +358,14 @@ fn device_loops_match_host_loops() {
             (sampler, graph.replace(r#""steps": 4"#, &steps))
         })
         .collect();
-    // On a flow model (ModelSamplingSD3): Euler ancestral's RF form, an
-    // SDE sampler's offset first σ, the flow λ (SA-Solver's interval).
+    // On a flow model (ModelSamplingSD3): the ancestral RF forms, an SDE
+    // sampler's offset first σ, the flow λ (SA-Solver's interval).
     let flow = read("graphs/tiny_sd1_flow.json");
     let ancestral = r#""sampler_name": "euler_ancestral""#;
-    for (graph, samplers) in [
-        (
-            &advanced,
-            "heun dpmpp_sde uni_pc_bh2 heunpp2 seeds_2 sa_solver_pece",
-        ),
-        (
-            &flow,
-            "euler_ancestral dpmpp_2m_sde uni_pc er_sde seeds_3 sa_solver",
-        ),
-    ] {
+    let on_advanced = "heun dpmpp_sde uni_pc_bh2 heunpp2 seeds_2 sa_solver_pece";
+    let on_flow = "euler_ancestral dpm_2_ancestral dpmpp_2s_ancestral dpmpp_2m_sde uni_pc \
+        er_sde seeds_3 sa_solver";
+    for (graph, samplers) in [(&advanced, on_advanced), (&flow, on_flow)] {
         for sampler in samplers.split_whitespace() {
             let with = format!(r#""sampler_name": "{sampler}""#);
             cases.push((sampler, graph.replace(ancestral, &with)));

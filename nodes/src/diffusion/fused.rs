@@ -89,6 +89,10 @@ pub(crate) enum Two {
     Dpm2Ancestral,
     DpmPp2sAncestral,
     DpmPpSde,
+    /// The ancestral forms on a flow model: the move to the flow σ_down,
+    /// then `a·x + z·renoise` (`sampling::steps::rf_ancestral`).
+    Dpm2AncestralRf,
+    DpmPp2sAncestralRf,
 }
 
 /// One denoiser call, the CFG combination and a sampler step, as the
@@ -196,14 +200,15 @@ impl Fused {
             Sampler::Heun => Step::Two(Two::Heun),
             Sampler::Dpm2 => Step::Two(Two::Dpm2),
             Sampler::DpmPpSde => Step::Two(Two::DpmPpSde),
-            // A flow model's ancestral forms are other updates (on the
-            // host).
+            // A flow model's ancestral forms are other updates.
             Sampler::Dpm2Ancestral if model.prediction != Prediction::Flow => {
                 Step::Two(Two::Dpm2Ancestral)
             }
+            Sampler::Dpm2Ancestral => Step::Two(Two::Dpm2AncestralRf),
             Sampler::DpmPp2sAncestral if model.prediction != Prediction::Flow => {
                 Step::Two(Two::DpmPp2sAncestral)
             }
+            Sampler::DpmPp2sAncestral => Step::Two(Two::DpmPp2sAncestralRf),
             // The rest have no device form and stay on the host (DPM++ 2S
             // ancestral CFG++, for one: its second call's unconditional
             // prediction replaces the first's through the host's hook).
@@ -586,11 +591,19 @@ impl Fused {
                     to_d()?
                 };
                 let mut moved = src.add(dir.mul(scalar("dt")?)?)?;
-                if matches!(two, Two::DpmPp2sAncestral | Two::DpmPpSde) {
-                    // The exponential move a·x − b·D, or the Euler one
-                    // above on the last step (DPM++ 2S ancestral).
+                if matches!(
+                    two,
+                    Two::DpmPp2sAncestral | Two::DpmPpSde | Two::DpmPp2sAncestralRf
+                ) {
+                    // The exponential move a·x − b·D (a flow blend r·x +
+                    // (1 − r)·D has b = −(1 − r)), or the Euler one above
+                    // on the last step (DPM++ 2S ancestral).
                     let exp = src.mul(scalar("a")?)?.sub(d.mul(scalar("b")?)?)?;
                     moved = moved.mul(scalar("se")?)?.add(exp.mul(scalar("sx")?)?)?;
+                }
+                if matches!(two, Two::Dpm2AncestralRf | Two::DpmPp2sAncestralRf) {
+                    // The flow renoise scales the point first.
+                    moved = moved.mul(scalar("an")?)?;
                 }
                 if !matches!(two, Two::Heun | Two::Dpm2) {
                     let noise = g.input("noise", &self.dims)?;
@@ -755,15 +768,8 @@ impl Fused {
                 let last = s_next == 0.0;
                 let (mut r, mut a, mut renoise) = (0.0, 0.0, 0.0);
                 if !last {
-                    // As the host's `rf_ancestral_step` (eta 1).
-                    let ratio = 1.0 + (s_next / s - 1.0);
-                    let down = s_next * ratio;
-                    let (a_next, a_down) = (1.0 - s_next, 1.0 - down);
-                    renoise = (s_next * s_next
-                        - down * down * (a_next * a_next) / (a_down * a_down))
-                        .sqrt();
-                    r = down / s;
-                    a = a_next / a_down;
+                    let rf = crate::sampling::steps::rf_ancestral(s, s_next);
+                    (r, a, renoise) = (rf.down / s, rf.a, rf.renoise);
                 }
                 let c = call(
                     s,

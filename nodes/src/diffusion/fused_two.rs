@@ -84,13 +84,20 @@ impl Fused {
             ];
         }
         // The others move toward `end` (the ancestral forms' σ_down, then
-        // noise × σ_up), on the last step by one Euler call.
-        let ancestral = matches!(two, Two::Dpm2Ancestral | Two::DpmPp2sAncestral);
-        let (end, up) = if ancestral {
-            ancestral_step(s, s_next)
-        } else {
-            (s_next, 0.0)
+        // noise × σ_up, or a flow model's a·x + z·renoise), on the last
+        // step by one Euler call.
+        let rf = matches!(two, Two::Dpm2AncestralRf | Two::DpmPp2sAncestralRf)
+            .then(|| crate::sampling::steps::rf_ancestral(s, s_next));
+        let ancestral = rf.is_some() || matches!(two, Two::Dpm2Ancestral | Two::DpmPp2sAncestral);
+        let (end, up) = match rf {
+            Some(r) => (r.down, r.renoise),
+            None if ancestral => ancestral_step(s, s_next),
+            None => (s_next, 0.0),
         };
+        if let Some(r) = rf {
+            first.push(("an", 1.0));
+            second.push(("an", r.a));
+        }
         set(&mut first, "dt", end - s);
         if end == 0.0 {
             return vec![call(s, &first, lat())];
@@ -102,6 +109,19 @@ impl Fused {
                 set(&mut second, "pa", 0.0);
                 set(&mut second, "pb", 1.0);
                 end
+            }
+            // Blends toward the flow midpoint, then from the step's start
+            // to σ_down, with the midpoint's prediction.
+            Two::DpmPp2sAncestralRf => {
+                let mid = crate::sampling::steps::rf_mid(s, end);
+                for (v, target) in [(&mut first, mid), (&mut second, end)] {
+                    let r = target / s;
+                    set(v, "se", 0.0);
+                    set(v, "sx", 1.0);
+                    set(v, "a", r);
+                    set(v, "b", -(1.0 - r));
+                }
+                mid
             }
             Two::DpmPp2sAncestral => {
                 let (mid, (a1, b1), (a2, b2)) = crate::sampling::steps::dpmpp_2s(s, end);

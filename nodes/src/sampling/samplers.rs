@@ -968,11 +968,8 @@ impl Sampler {
         denoise: &mut impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
         noise: &mut impl FnMut() -> Vec<f32>,
     ) -> Result<Vec<f32>, E> {
-        let ratio = 1.0 + (s_next / s - 1.0);
-        let down = s_next * ratio;
-        let (a_next, a_down) = (1.0 - s_next, 1.0 - down);
-        let renoise =
-            (s_next * s_next - down * down * (a_next * a_next) / (a_down * a_down)).sqrt();
+        let rf = super::steps::rf_ancestral(s, s_next);
+        let down = rf.down;
         // x ← r·x + (1 − r)·D with r = σ_target/σ (an Euler step in flow).
         let blend = |x: &mut [f32], d: &[f32], target: f32| {
             let r = target / s;
@@ -1015,15 +1012,7 @@ impl Sampler {
                     }
                     return Ok(x);
                 }
-                let mid = if s == 1.0 {
-                    0.9999
-                } else {
-                    // λ = log((1 − σ)/σ), σ(λ) = (e^λ + 1)⁻¹, midway to σ_down.
-                    let lam = |v: f32| ((1.0 - v) / v).ln();
-                    let (t, t_down) = (lam(s), lam(down));
-                    let sm = t + 0.5 * (t_down - t);
-                    1.0 / (sm.exp() + 1.0)
-                };
+                let mid = super::steps::rf_mid(s, down);
                 let mut u = x.clone();
                 blend(&mut u, &denoised, mid);
                 let d_mid = denoise(&u, mid)?;
@@ -1032,9 +1021,8 @@ impl Sampler {
         }
         if renoised {
             let z = noise();
-            let a = a_next / a_down;
             for (xv, zv) in x.iter_mut().zip(&z) {
-                *xv = a * *xv + zv * renoise;
+                *xv = rf.a * *xv + zv * rf.renoise;
             }
         }
         Ok(x)

@@ -382,3 +382,36 @@ pub(crate) fn seeds(space: Space, s: f32, s_next: f32, three: bool) -> Vec<Seeds
     };
     vec![first, second, third]
 }
+
+/// The ancestral step of a flow model (η = 1) from σ `s` to `s_next`:
+/// the move's target σ_down, then `x ← a·x + z·renoise`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RfAncestral {
+    pub down: f32,
+    pub a: f32,
+    pub renoise: f32,
+}
+
+pub(crate) fn rf_ancestral(s: f32, s_next: f32) -> RfAncestral {
+    let ratio = 1.0 + (s_next / s - 1.0);
+    let down = s_next * ratio;
+    let (a_next, a_down) = (1.0 - s_next, 1.0 - down);
+    RfAncestral {
+        down,
+        a: a_next / a_down,
+        renoise: (s_next * s_next - down * down * (a_next * a_next) / (a_down * a_down)).sqrt(),
+    }
+}
+
+/// DPM++ 2S ancestral's midpoint on a flow model: halfway from σ `s` to
+/// `down` in λ = log((1 − σ)/σ), σ(λ) = (e^λ + 1)⁻¹ (0.9999 from σ = 1,
+/// where λ is infinite).
+pub(crate) fn rf_mid(s: f32, down: f32) -> f32 {
+    if s == 1.0 {
+        return 0.9999;
+    }
+    let lam = |v: f32| ((1.0 - v) / v).ln();
+    let (t, t_down) = (lam(s), lam(down));
+    let sm = t + 0.5 * (t_down - t);
+    1.0 / (sm.exp() + 1.0)
+}
