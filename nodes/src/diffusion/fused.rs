@@ -73,6 +73,9 @@ pub(crate) enum Step {
     Seeds {
         three: bool,
     },
+    /// DPM++ 2S ancestral CFG++: two calls a step, each moving from its
+    /// own unconditional prediction (`fused_two::cfg_pp_2s_calls`).
+    DpmPp2sCfgPp,
 }
 
 /// The samplers that call the model twice a step (once on the last
@@ -209,9 +212,9 @@ impl Fused {
                 Step::Two(Two::DpmPp2sAncestral)
             }
             Sampler::DpmPp2sAncestral => Step::Two(Two::DpmPp2sAncestralRf),
-            // The rest have no device form and stay on the host (DPM++ 2S
-            // ancestral CFG++, for one: its second call's unconditional
-            // prediction replaces the first's through the host's hook).
+            Sampler::DpmPp2sAncestralCfgPp if cfg.is_some() => Step::DpmPp2sCfgPp,
+            // The rest have a device form in `fused_multi`, or none
+            // (dpm_fast and dpm_adaptive choose their steps as they go).
             _ => Step::Multi(Multi::of(sampler, cfg.is_some())?),
         };
         if !matches!(
@@ -548,6 +551,14 @@ impl Fused {
                 kept.extend([lat, dc, base.mul_scalar(1.0), d1.mul_scalar(1.0)]);
                 src.add(dir.mul(scalar("dt")?)?)?
             }
+            Step::DpmPp2sCfgPp => {
+                let u = uncond_pred.ok_or_else(|| ShapeError {
+                    op: "CFG++",
+                    message: "no unconditional prediction".into(),
+                    shapes: Vec::new(),
+                })?;
+                self.cfg_pp_2s_tail(g, (lat, d, u), &mut kept)?
+            }
             Step::Seeds { .. } => {
                 // From the step's start (`sb`, all but the first call):
                 // sde·e + z·k, then c·x_s − m·(p1·D₁ + p2·D) + sde·sn,
@@ -656,6 +667,7 @@ impl Fused {
             Step::Multi(m) => m.state(),
             Step::HeunPp2 => &["base", "d1", "d2"],
             Step::Seeds { .. } => &["base", "d1", "sde", "noise"],
+            Step::DpmPp2sCfgPp => &["base", "d1", "noise"],
         }
     }
 
@@ -946,6 +958,7 @@ impl Fused {
             Step::Two(two) => self.two_calls(two, (s, s_next), call, noise),
             Step::HeunPp2 => self.heunpp2_calls(sigmas, i, call),
             Step::Seeds { three } => self.seeds_calls(three, (s, s_next), call, noise),
+            Step::DpmPp2sCfgPp => self.cfg_pp_2s_calls((s, s_next), call, noise),
             Step::Multi(m) => m
                 .calls(self, sigmas, i, noise)
                 .into_iter()

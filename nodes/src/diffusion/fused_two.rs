@@ -6,6 +6,7 @@
 
 use super::fused::{Call, Fused, Two, DIR, KEPT, NEXT};
 use crate::sampling::samplers::ancestral_step;
+use sdkit_compute::tensor::{GraphBuilder, ShapeError, T};
 use std::sync::Arc;
 
 impl Fused {
@@ -276,5 +277,78 @@ impl Fused {
                 with_noise(call(c.sigma, &v, carry), noise())
             })
             .collect()
+    }
+
+    /// DPM++ 2S ancestral CFG++'s move, `a·(x_s + (D₁ − u)) − b·D`, from
+    /// the step's start x_s and first prediction D₁ (this call's own where
+    /// `sa` is 1, the carried ones where `sb` is), with this call's
+    /// unconditional prediction u and prediction D, then `+ z·up`; the
+    /// prediction itself on the last step.
+    pub(super) fn cfg_pp_2s_tail<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        (lat, d, u): (T<'a>, T<'a>, T<'a>),
+        kept: &mut Vec<T<'a>>,
+    ) -> Result<T<'a>, ShapeError> {
+        let scalar = |name: &str| g.input(name, &[1]);
+        let (sa, sb) = (scalar("sa")?, scalar("sb")?);
+        let src = lat.mul(sa)?.add(g.input("base", &self.dims)?.mul(sb)?)?;
+        let d1 = d.mul(sa)?.add(g.input("d1", &self.dims)?.mul(sb)?)?;
+        let moved = src
+            .add(d1.sub(u)?)?
+            .mul(scalar("a")?)?
+            .sub(d.mul(scalar("b")?)?)?
+            .add(g.input("noise", &self.dims)?.mul(scalar("up")?)?)?;
+        kept.extend([src, d1]);
+        moved.mul(scalar("keep")?)?.add(d.mul(scalar("take")?)?)
+    }
+
+    /// DPM++ 2S ancestral CFG++'s calls from σ `s` to `s_next`, as the
+    /// host sampler runs them: to the log-midpoint toward σ_down, then
+    /// from the step's start to σ_down, then the noise × σ_up; one call
+    /// taking the prediction on the last step (σ_down = 0).
+    pub(super) fn cfg_pp_2s_calls(
+        &self,
+        (s, s_next): (f32, f32),
+        call: impl Fn(f32, &[(&str, f32)], Vec<(usize, &'static str)>) -> Call,
+        noise: &mut dyn FnMut() -> Vec<f32>,
+    ) -> Vec<Call> {
+        let (down, up) = ancestral_step(s, s_next);
+        let zeros = |names: &[&'static str]| -> Vec<(&'static str, f32)> {
+            names.iter().map(|&n| (n, 0.0)).collect()
+        };
+        if down == 0.0 {
+            let mut v = zeros(&["sa", "sb", "a", "b", "up", "keep"]);
+            v.push(("take", 1.0));
+            return vec![call(s, &v, vec![(NEXT, "lat")])];
+        }
+        let (t, t_next) = (-s.ln(), -down.ln());
+        let h = t_next - t;
+        let sm = t + 0.5 * h;
+        let sig = |t: f32| (-t).exp();
+        let moves = [
+            (sig(sm) / sig(t), (-h * 0.5).exp_m1()),
+            (sig(t_next) / sig(t), (-h).exp_m1()),
+        ];
+        let scalars = |k: usize| {
+            let first = if k == 0 { 1.0 } else { 0.0 };
+            [
+                ("sa", first),
+                ("sb", 1.0 - first),
+                ("a", moves[k].0),
+                ("b", moves[k].1),
+                ("up", if k == 0 { 0.0 } else { up }),
+                ("keep", 1.0),
+                ("take", 0.0),
+            ]
+        };
+        let first = call(
+            s,
+            &scalars(0),
+            vec![(NEXT, "lat"), (KEPT, "base"), (KEPT + 1, "d1")],
+        );
+        let mut second = call(sig(sm), &scalars(1), vec![(NEXT, "lat")]);
+        second.inputs.insert("noise".to_string(), Arc::new(noise()));
+        vec![first, second]
     }
 }
