@@ -123,8 +123,49 @@ pub(super) fn dpm_fast<E>(
     mut denoise: impl FnMut(&[f32], f32) -> Result<Vec<f32>, E>,
     mut step: impl FnMut(usize, usize) -> Result<(), E>,
 ) -> Result<Vec<f32>, E> {
+    let steps = dpm_fast_steps(sigmas);
+    let mut eps_at = |x: &[f32], s: f32| -> Result<Vec<f32>, E> {
+        let d = denoise(x, s)?;
+        Ok(x.iter().zip(&d).map(|(a, b)| (a - b) / s).collect())
+    };
+    let total = steps.len();
+    for (i, calls) in steps.iter().enumerate() {
+        let e0 = eps_at(&x, calls[0].sigma)?;
+        let mut moved = x.clone();
+        for (k, c) in calls.iter().enumerate() {
+            let e = if k == 0 {
+                e0.clone()
+            } else {
+                eps_at(&moved, c.sigma)?
+            };
+            for (j, v) in moved.iter_mut().enumerate() {
+                *v = x[j] - c.ca * e0[j] - c.cb * (e[j] - e0[j]);
+            }
+        }
+        x = moved;
+        step(i + 1, total)?;
+    }
+    Ok(x)
+}
+
+/// One model evaluation of a DPM-Solver-fast step, at σ `sigma`: with
+/// ε = (x − D)/σ there and ε₀ the step's first, the point moves to
+/// `x_s − ca·ε₀ − cb·(ε − ε₀)` from the step's start x_s, where the next
+/// evaluation runs (the step's end after its last).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct FastCall {
+    pub sigma: f32,
+    pub ca: f32,
+    pub cb: f32,
+}
+
+/// DPM-Solver-fast's steps over `sigmas` (ComfyUI's `dpm_fast`): from
+/// the first sigma to the last nonzero one in `len − 1` model
+/// evaluations, evenly spaced in t = −log σ, third-order steps with a
+/// final second- or first-order one.
+pub(crate) fn dpm_fast_steps(sigmas: &[f32]) -> Vec<Vec<FastCall>> {
     if sigmas.len() <= 1 {
-        return Ok(x);
+        return Vec::new();
     }
     let nfe = sigmas.len() - 1;
     let (t_start, t_end) = dpm_range(sigmas);
@@ -141,57 +182,38 @@ pub(super) fn dpm_fast<E>(
     };
     orders.truncate(ts.len() - 1);
     let sig = |t: f32| (-t).exp();
-    let mut eps_at = |x: &[f32], t: f32| -> Result<Vec<f32>, E> {
-        let s = sig(t);
-        let d = denoise(x, s)?;
-        Ok(x.iter().zip(&d).map(|(a, b)| (a - b) / s).collect())
-    };
-    let total = orders.len();
-    for (i, &order) in orders.iter().enumerate() {
-        let (t, tn) = (ts[i], ts[i + 1]);
-        let h = tn - t;
-        let (sn, em) = (sig(tn), h.exp_m1());
-        let eps = eps_at(&x, t)?;
-        match order {
-            1 => {
-                for (xv, e) in x.iter_mut().zip(&eps) {
-                    *xv -= sn * em * e;
+    orders
+        .iter()
+        .enumerate()
+        .map(|(i, &order)| {
+            let (t, tn) = (ts[i], ts[i + 1]);
+            let h = tn - t;
+            let (sn, em) = (sig(tn), h.exp_m1());
+            let call = |sigma: f32, ca: f32, cb: f32| FastCall { sigma, ca, cb };
+            // The first evaluation's move toward the step's first
+            // intermediate point (or its end, first order).
+            let towards = |r: f32| call(sig(t), sig(t + r * h) * (r * h).exp_m1(), 0.0);
+            match order {
+                1 => vec![call(sig(t), sn * em, 0.0)],
+                2 => {
+                    let r1 = 0.5f32;
+                    let c = sn / (2.0 * r1) * em;
+                    vec![towards(r1), call(sig(t + r1 * h), sn * em, c)]
+                }
+                _ => {
+                    let (r1, r2) = ((1.0f64 / 3.0) as f32, (2.0f64 / 3.0) as f32);
+                    let (s1, s2) = (t + r1 * h, t + r2 * h);
+                    let second = call(
+                        sig(s1),
+                        sig(s2) * (r2 * h).exp_m1(),
+                        sig(s2) * (2.0f64 as f32) * ((r2 * h).exp_m1() / (r2 * h) - 1.0),
+                    );
+                    let c = sn / r2 * (em / h - 1.0);
+                    vec![towards(r1), second, call(sig(s2), sn * em, c)]
                 }
             }
-            2 => {
-                let r1 = 0.5f32;
-                let s1 = t + r1 * h;
-                let c1 = sig(s1) * (r1 * h).exp_m1();
-                let u1: Vec<f32> = x.iter().zip(&eps).map(|(a, e)| a - c1 * e).collect();
-                let e1 = eps_at(&u1, s1)?;
-                let c = sn / (2.0 * r1) * em;
-                for ((xv, e), f) in x.iter_mut().zip(&eps).zip(&e1) {
-                    *xv = *xv - sn * em * e - c * (f - e);
-                }
-            }
-            _ => {
-                let (r1, r2) = ((1.0f64 / 3.0) as f32, (2.0f64 / 3.0) as f32);
-                let (s1, s2) = (t + r1 * h, t + r2 * h);
-                let c1 = sig(s1) * (r1 * h).exp_m1();
-                let u1: Vec<f32> = x.iter().zip(&eps).map(|(a, e)| a - c1 * e).collect();
-                let e1 = eps_at(&u1, s1)?;
-                let (ca, cb) = (
-                    sig(s2) * (r2 * h).exp_m1(),
-                    sig(s2) * (2.0f64 as f32) * ((r2 * h).exp_m1() / (r2 * h) - 1.0),
-                );
-                let u2: Vec<f32> = (0..x.len())
-                    .map(|j| x[j] - ca * eps[j] - cb * (e1[j] - eps[j]))
-                    .collect();
-                let e2 = eps_at(&u2, s2)?;
-                let c = sn / r2 * (em / h - 1.0);
-                for ((xv, e), f) in x.iter_mut().zip(&eps).zip(&e2) {
-                    *xv = *xv - sn * em * e - c * (f - e);
-                }
-            }
-        }
-        step(i + 1, total)?;
-    }
-    Ok(x)
+        })
+        .collect()
 }
 
 /// The sigma range ComfyUI's DPM-Solver wrappers use: first sigma to the
