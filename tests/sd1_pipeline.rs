@@ -346,7 +346,7 @@ fn device_loops_match_host_loops() {
     // back at the end; UniPC is first order over 2, rescaled over 1.
     let samplers = "dpmpp_2m_sde dpmpp_3m_sde euler_ancestral_cfg_pp heun dpm_2_ancestral dpmpp_2s_ancestral dpmpp_sde \
         res_multistep res_multistep_ancestral res_multistep_cfg_pp res_multistep_ancestral_cfg_pp \
-        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp dpmpp_2s_ancestral_cfg_pp ddpm heunpp2 er_sde:5 seeds_2 seeds_3 sa_solver:6 sa_solver_pece:6 \
+        gradient_estimation gradient_estimation_cfg_pp dpmpp_2m_cfg_pp dpmpp_2s_ancestral_cfg_pp dpm_fast:8 dpm_fast:4 ddpm heunpp2 er_sde:5 seeds_2 seeds_3 sa_solver:6 sa_solver_pece:6 \
         lms:7 deis:7 ipndm:7 ipndm_v:7 uni_pc:7 uni_pc_bh2:7 uni_pc:2 uni_pc:1";
     let mut cases: Vec<(&str, String)> = samplers
         .split_whitespace()

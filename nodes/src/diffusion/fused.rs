@@ -76,6 +76,9 @@ pub(crate) enum Step {
     /// DPM++ 2S ancestral CFG++: two calls a step, each moving from its
     /// own unconditional prediction (`fused_two::cfg_pp_2s_calls`).
     DpmPp2sCfgPp,
+    /// DPM-Solver-fast: its own steps, one to three calls each
+    /// (`fused_two::fast_calls`).
+    DpmFast,
 }
 
 /// The samplers that call the model twice a step (once on the last
@@ -213,8 +216,9 @@ impl Fused {
             }
             Sampler::DpmPp2sAncestral => Step::Two(Two::DpmPp2sAncestralRf),
             Sampler::DpmPp2sAncestralCfgPp if cfg.is_some() => Step::DpmPp2sCfgPp,
+            Sampler::DpmFast => Step::DpmFast,
             // The rest have a device form in `fused_multi`, or none
-            // (dpm_fast and dpm_adaptive choose their steps as they go).
+            // (dpm_adaptive chooses its steps from each step's error).
             _ => Step::Multi(Multi::of(sampler, cfg.is_some())?),
         };
         if !matches!(
@@ -284,6 +288,15 @@ impl Fused {
         }
     }
 
+    /// The loop's steps over its schedule `sigmas`: one per interval,
+    /// but for dpm_fast's own.
+    pub(crate) fn steps(&self, sigmas: &[f32]) -> usize {
+        match self.step {
+            Step::DpmFast => crate::sampling::solvers::dpm_fast_steps(sigmas).len(),
+            _ => sigmas.len().saturating_sub(1),
+        }
+    }
+
     /// The loop's programs over the schedule `sigmas`: the sets of
     /// ControlNets that run together (bit masks over the chain, 0 without
     /// one), in the order the loop first needs them, and per step and
@@ -292,7 +305,7 @@ impl Fused {
         let sigmas = self.sigmas(sigmas);
         let eval = |s: f32| call_eval(model, s);
         let mut masks: Vec<u64> = Vec::new();
-        let plan = (0..sigmas.len().saturating_sub(1))
+        let plan = (0..self.steps(&sigmas))
             .map(|i| {
                 // The calls' σ, without drawing noise.
                 self.calls(&sigmas, i, &eval, &mut Vec::new)
@@ -551,6 +564,7 @@ impl Fused {
                 kept.extend([lat, dc, base.mul_scalar(1.0), d1.mul_scalar(1.0)]);
                 src.add(dir.mul(scalar("dt")?)?)?
             }
+            Step::DpmFast => self.fast_tail(g, (lat, to_d()?), &mut kept)?,
             Step::DpmPp2sCfgPp => {
                 let u = uncond_pred.ok_or_else(|| ShapeError {
                     op: "CFG++",
@@ -668,6 +682,7 @@ impl Fused {
             Step::HeunPp2 => &["base", "d1", "d2"],
             Step::Seeds { .. } => &["base", "d1", "sde", "noise"],
             Step::DpmPp2sCfgPp => &["base", "d1", "noise"],
+            Step::DpmFast => &["base", "e0"],
         }
     }
 
@@ -959,6 +974,7 @@ impl Fused {
             Step::HeunPp2 => self.heunpp2_calls(sigmas, i, call),
             Step::Seeds { three } => self.seeds_calls(three, (s, s_next), call, noise),
             Step::DpmPp2sCfgPp => self.cfg_pp_2s_calls((s, s_next), call, noise),
+            Step::DpmFast => self.fast_calls(sigmas, i, call),
             Step::Multi(m) => m
                 .calls(self, sigmas, i, noise)
                 .into_iter()
@@ -1054,7 +1070,7 @@ pub(crate) fn run<'p>(
         plan,
     } = programs;
     let sigmas = f.sigmas(sigmas);
-    let total = sigmas.len() - 1;
+    let total = f.steps(&sigmas);
     tracing::debug!("sampling loop on the device: {:?}, {total} steps", f.step);
     let per: usize = f.dims.iter().product();
     // The state the next run starts from where its session is new: the

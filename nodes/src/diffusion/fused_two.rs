@@ -351,4 +351,53 @@ impl Fused {
         second.inputs.insert("noise".to_string(), Arc::new(noise()));
         vec![first, second]
     }
+
+    /// DPM-Solver-fast's move `x_s − ca·ε₀ − cb·(ε − ε₀)` with ε this
+    /// call's (x − D)/σ, from the step's start x_s and first ε₀ (this
+    /// call's own where `sa` is 1, the carried ones where `sb` is).
+    pub(super) fn fast_tail<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        (lat, eps): (T<'a>, T<'a>),
+        kept: &mut Vec<T<'a>>,
+    ) -> Result<T<'a>, ShapeError> {
+        let scalar = |name: &str| g.input(name, &[1]);
+        let (sa, sb) = (scalar("sa")?, scalar("sb")?);
+        let src = lat.mul(sa)?.add(g.input("base", &self.dims)?.mul(sb)?)?;
+        let e0 = eps.mul(sa)?.add(g.input("e0", &self.dims)?.mul(sb)?)?;
+        let moved = src
+            .sub(e0.mul(scalar("ca")?)?)?
+            .sub(eps.sub(e0)?.mul(scalar("cb")?)?)?;
+        // Computed copies: a third call in another program still has them.
+        kept.extend([src, e0]);
+        Ok(moved)
+    }
+
+    /// DPM-Solver-fast's step `i` over `sigmas` (`solvers::dpm_fast_steps`).
+    pub(super) fn fast_calls(
+        &self,
+        sigmas: &[f32],
+        i: usize,
+        call: impl Fn(f32, &[(&str, f32)], Vec<(usize, &'static str)>) -> Call,
+    ) -> Vec<Call> {
+        let steps = crate::sampling::solvers::dpm_fast_steps(sigmas);
+        let Some(calls) = steps.get(i) else {
+            return Vec::new();
+        };
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let first = if k == 0 { 1.0 } else { 0.0 };
+                let v = [
+                    ("sa", first),
+                    ("sb", 1.0 - first),
+                    ("ca", c.ca),
+                    ("cb", c.cb),
+                ];
+                let carry = vec![(NEXT, "lat"), (KEPT, "base"), (KEPT + 1, "e0")];
+                call(c.sigma, &v, carry)
+            })
+            .collect()
+    }
 }
