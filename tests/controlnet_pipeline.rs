@@ -133,13 +133,15 @@ fn controlnet_chain_runs_in_the_device_loop() {
 /// net's start back and forth, its second call handing on the step's
 /// start and first derivative to the third; UniPC's history includes
 /// model outputs passed through from its inputs (read back before the
-/// run's carries overwrite them). Each gives the host loop's latent on
-/// the same adapter and reads back less.
+/// run's carries overwrite them). SEEDS-3 and dpm_fast (a three-call
+/// step, then a two-call one) carry the step's start, first prediction
+/// and noise through calls at intermediate σ. Each gives the host loop's
+/// latent on the same adapter and reads back less.
 #[test]
 fn carried_state_crosses_program_changes() {
     let path = support::root().join("graphs/tiny_sd1_controlnet_chain.json");
     let text = std::fs::read_to_string(path).expect("graph");
-    for sampler in ["heunpp2", "uni_pc"] {
+    for sampler in ["heunpp2", "uni_pc", "seeds_3", "dpm_fast"] {
         let mut g: serde_json::Value = serde_json::from_str(&text).expect("json");
         g["6"]["inputs"]["sampler_name"] = serde_json::json!(sampler);
         g["6"]["inputs"]["steps"] = serde_json::json!(5);
