@@ -577,10 +577,7 @@ impl Fused {
                 // From the step's start (`sb`, all but the first call):
                 // sde·e + z·k, then c·x_s − m·(p1·D₁ + p2·D) + sde·sn,
                 // with D₁ the first call's prediction.
-                let base = g.input("base", &self.dims)?;
-                let (sa, sb) = (scalar("sa")?, scalar("sb")?);
-                let src = lat.mul(sa)?.add(base.mul(sb)?)?;
-                let d1 = d.mul(sa)?.add(g.input("d1", &self.dims)?.mul(sb)?)?;
+                let (src, d1) = self.from_start(g, (lat, d), "d1")?;
                 let sde = g
                     .input("sde", &self.dims)?
                     .mul(scalar("e")?)?

@@ -254,10 +254,10 @@ impl Fused {
             .iter()
             .enumerate()
             .map(|(k, c)| {
-                let first = if k == 0 { 1.0 } else { 0.0 };
+                let [sa, sb] = start_flags(k);
                 let v = [
-                    ("sa", first),
-                    ("sb", 1.0 - first),
+                    sa,
+                    sb,
                     ("e", c.e),
                     ("k", c.k),
                     ("c", c.c),
@@ -291,9 +291,7 @@ impl Fused {
         kept: &mut Vec<T<'a>>,
     ) -> Result<T<'a>, ShapeError> {
         let scalar = |name: &str| g.input(name, &[1]);
-        let (sa, sb) = (scalar("sa")?, scalar("sb")?);
-        let src = lat.mul(sa)?.add(g.input("base", &self.dims)?.mul(sb)?)?;
-        let d1 = d.mul(sa)?.add(g.input("d1", &self.dims)?.mul(sb)?)?;
+        let (src, d1) = self.from_start(g, (lat, d), "d1")?;
         let moved = src
             .add(d1.sub(u)?)?
             .mul(scalar("a")?)?
@@ -331,10 +329,10 @@ impl Fused {
             (sig(t_next) / sig(t), (-h).exp_m1()),
         ];
         let scalars = |k: usize| {
-            let first = if k == 0 { 1.0 } else { 0.0 };
+            let [sa, sb] = start_flags(k);
             [
-                ("sa", first),
-                ("sb", 1.0 - first),
+                sa,
+                sb,
                 ("a", moves[k].0),
                 ("b", moves[k].1),
                 ("up", if k == 0 { 0.0 } else { up }),
@@ -362,13 +360,10 @@ impl Fused {
         kept: &mut Vec<T<'a>>,
     ) -> Result<T<'a>, ShapeError> {
         let scalar = |name: &str| g.input(name, &[1]);
-        let (sa, sb) = (scalar("sa")?, scalar("sb")?);
-        let src = lat.mul(sa)?.add(g.input("base", &self.dims)?.mul(sb)?)?;
-        let e0 = eps.mul(sa)?.add(g.input("e0", &self.dims)?.mul(sb)?)?;
+        let (src, e0) = self.from_start(g, (lat, eps), "e0")?;
         let moved = src
             .sub(e0.mul(scalar("ca")?)?)?
             .sub(eps.sub(e0)?.mul(scalar("cb")?)?)?;
-        // Computed copies: a third call in another program still has them.
         kept.extend([src, e0]);
         Ok(moved)
     }
@@ -388,16 +383,33 @@ impl Fused {
             .iter()
             .enumerate()
             .map(|(k, c)| {
-                let first = if k == 0 { 1.0 } else { 0.0 };
-                let v = [
-                    ("sa", first),
-                    ("sb", 1.0 - first),
-                    ("ca", c.ca),
-                    ("cb", c.cb),
-                ];
+                let [sa, sb] = start_flags(k);
+                let v = [sa, sb, ("ca", c.ca), ("cb", c.cb)];
                 let carry = vec![(NEXT, "lat"), (KEPT, "base"), (KEPT + 1, "e0")];
                 call(c.sigma, &v, carry)
             })
             .collect()
     }
+
+    /// The step's start and its first call's `own` value: this call's
+    /// latent and `own` where it is the step's first (`sa` 1), else the
+    /// carried `base` and `carried` (`sb` 1). Both go on as computed
+    /// copies, so a later call in another program still has them.
+    pub(super) fn from_start<'a>(
+        &self,
+        g: &'a GraphBuilder,
+        (lat, own): (T<'a>, T<'a>),
+        carried: &str,
+    ) -> Result<(T<'a>, T<'a>), ShapeError> {
+        let (sa, sb) = (g.input("sa", &[1])?, g.input("sb", &[1])?);
+        let src = lat.mul(sa)?.add(g.input("base", &self.dims)?.mul(sb)?)?;
+        let first = own.mul(sa)?.add(g.input(carried, &self.dims)?.mul(sb)?)?;
+        Ok((src, first))
+    }
+}
+
+/// The [`Fused::from_start`] selectors of a step's call `k`.
+fn start_flags(k: usize) -> [(&'static str, f32); 2] {
+    let first = if k == 0 { 1.0 } else { 0.0 };
+    [("sa", first), ("sb", 1.0 - first)]
 }
