@@ -497,6 +497,8 @@ fn sa_calls(
     // last predictor's point (and PECE's model call there) go unused.
     let short = i + 2 == sigmas.len() && st.pred.is_some();
     if pece && st.corr.is_some() && !short {
+        // Both calls run at σ_i, so in one program: the first hands on
+        // only its point, the history moving up in the second.
         corrector(&mut first, true);
         let z = predictor(&mut first, true);
         let mut second = Vec::new();
