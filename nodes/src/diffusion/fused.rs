@@ -577,7 +577,7 @@ impl Fused {
                 // From the step's start (`sb`, all but the first call):
                 // sde·e + z·k, then c·x_s − m·(p1·D₁ + p2·D) + sde·sn,
                 // with D₁ the first call's prediction.
-                let (src, d1) = self.from_start(g, (lat, d), "d1")?;
+                let (src, d1) = self.step_start(g, (lat, d), "d1")?;
                 let sde = g
                     .input("sde", &self.dims)?
                     .mul(scalar("e")?)?

@@ -191,7 +191,7 @@ impl Fused {
             vec![(KEPT, "base"), (NEXT, "lat"), (DIR, "d1")],
         );
         let s2 = sigmas[i + 2];
-        let from_start = |w1: f32, w2: f32, wc: f32| {
+        let step_start = |w1: f32, w2: f32, wc: f32| {
             [
                 ("sa", 0.0),
                 ("sb", 1.0),
@@ -204,7 +204,7 @@ impl Fused {
         if s2 == s_end {
             let w2 = s_next / (2.0 * sigmas[0]);
             let w1 = 1.0 - w2;
-            return vec![first, call(s_next, &from_start(w1, 0.0, w2), lat())];
+            return vec![first, call(s_next, &step_start(w1, 0.0, w2), lat())];
         }
         // The second hands on the step's start and first derivative too
         // (copies), for a third call in another program.
@@ -221,7 +221,7 @@ impl Fused {
         let w = 3.0 * sigmas[0];
         let (w2, w3) = (s_next / w, s2 / w);
         let w1 = 1.0 - w2 - w3;
-        vec![first, second, call(s2, &from_start(w1, w2, w3), lat())]
+        vec![first, second, call(s2, &step_start(w1, w2, w3), lat())]
     }
 
     /// A SEEDS step's calls from σ `s` to `s_next`
@@ -291,7 +291,7 @@ impl Fused {
         kept: &mut Vec<T<'a>>,
     ) -> Result<T<'a>, ShapeError> {
         let scalar = |name: &str| g.input(name, &[1]);
-        let (src, d1) = self.from_start(g, (lat, d), "d1")?;
+        let (src, d1) = self.step_start(g, (lat, d), "d1")?;
         let moved = src
             .add(d1.sub(u)?)?
             .mul(scalar("a")?)?
@@ -360,7 +360,7 @@ impl Fused {
         kept: &mut Vec<T<'a>>,
     ) -> Result<T<'a>, ShapeError> {
         let scalar = |name: &str| g.input(name, &[1]);
-        let (src, e0) = self.from_start(g, (lat, eps), "e0")?;
+        let (src, e0) = self.step_start(g, (lat, eps), "e0")?;
         let moved = src
             .sub(e0.mul(scalar("ca")?)?)?
             .sub(eps.sub(e0)?.mul(scalar("cb")?)?)?;
@@ -395,7 +395,7 @@ impl Fused {
     /// latent and `own` where it is the step's first (`sa` 1), else the
     /// carried `base` and `carried` (`sb` 1). Both go on as computed
     /// copies, so a later call in another program still has them.
-    pub(super) fn from_start<'a>(
+    pub(super) fn step_start<'a>(
         &self,
         g: &'a GraphBuilder,
         (lat, own): (T<'a>, T<'a>),
@@ -408,7 +408,7 @@ impl Fused {
     }
 }
 
-/// The [`Fused::from_start`] selectors of a step's call `k`.
+/// The [`Fused::step_start`] selectors of a step's call `k`.
 fn start_flags(k: usize) -> [(&'static str, f32); 2] {
     let first = if k == 0 { 1.0 } else { 0.0 };
     [("sa", first), ("sb", 1.0 - first)]
