@@ -760,28 +760,17 @@ impl Fused {
                 vec![with_noise(c, z)]
             }
             Step::Ddpm => {
-                // As the host sampler, in its operation order.
-                let k = (1.0f32 + s * s).sqrt();
-                let ac = 1.0 / ((s * s) + 1.0);
-                let acp = 1.0 / ((s_next * s_next) + 1.0);
-                let alpha = ac / acp;
+                let st = crate::sampling::steps::ddpm(s, s_next);
                 let last = s_next == 0.0;
                 let c = call(
                     s,
                     &[
-                        ("k", k),
-                        ("c0", (1.0 / alpha).sqrt()),
-                        ("c1", 1.0 - alpha),
-                        ("c2", (1.0 - ac).sqrt()),
-                        ("c3", ((1.0 - alpha) * (1.0 - acp) / (1.0 - ac)).sqrt()),
-                        (
-                            "kn",
-                            if last {
-                                1.0
-                            } else {
-                                (1.0f32 + s_next * s_next).sqrt()
-                            },
-                        ),
+                        ("k", st.k),
+                        ("c0", st.c0),
+                        ("c1", st.c1),
+                        ("c2", st.c2),
+                        ("c3", st.c3),
+                        ("kn", st.kn),
                     ],
                     lat,
                 );

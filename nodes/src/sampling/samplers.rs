@@ -457,24 +457,16 @@ impl Sampler {
                     old_denoised = Some(denoised);
                 }
                 Sampler::Ddpm => {
-                    let k = (1.0f32 + s * s).sqrt();
-                    let ac = 1.0 / ((s * s) + 1.0);
-                    let acp = 1.0 / ((s_next * s_next) + 1.0);
-                    let alpha = ac / acp;
-                    let c0 = (1.0 / alpha).sqrt();
-                    let c1 = 1.0 - alpha;
-                    let c2 = (1.0 - ac).sqrt();
+                    let st = super::steps::ddpm(s, s_next);
                     let z = (s_next > 0.0).then(&mut noise);
-                    let c3 = ((1.0 - alpha) * (1.0 - acp) / (1.0 - ac)).sqrt();
-                    let k_next = (1.0f32 + s_next * s_next).sqrt();
                     for (j, (xv, dv)) in x.iter_mut().zip(&denoised).enumerate() {
                         let eps = (*xv - dv) / s;
-                        let xs = *xv / k;
-                        let mut mu = c0 * (xs - c1 * eps / c2);
+                        let xs = *xv / st.k;
+                        let mut mu = st.c0 * (xs - st.c1 * eps / st.c2);
                         if let Some(z) = &z {
-                            mu += c3 * z[j];
+                            mu += st.c3 * z[j];
                         }
-                        *xv = if s_next != 0.0 { mu * k_next } else { mu };
+                        *xv = mu * st.kn;
                     }
                 }
                 Sampler::Lcm => {

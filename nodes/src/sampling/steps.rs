@@ -415,3 +415,34 @@ pub(crate) fn rf_mid(s: f32, down: f32) -> f32 {
     let sm = t + 0.5 * (t_down - t);
     1.0 / (sm.exp() + 1.0)
 }
+
+/// One DDPM step (VP ancestral) from σ `s` to `s_next`: with ε = (x −
+/// D)/σ, `x ← (c0·(x/k − c1·ε/c2) + c3·z)·kn`, z drawn where σ_next > 0
+/// (kn 1 on the last step, which stays in the model's space).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Ddpm {
+    pub k: f32,
+    pub c0: f32,
+    pub c1: f32,
+    pub c2: f32,
+    pub c3: f32,
+    pub kn: f32,
+}
+
+pub(crate) fn ddpm(s: f32, s_next: f32) -> Ddpm {
+    let ac = 1.0 / ((s * s) + 1.0);
+    let acp = 1.0 / ((s_next * s_next) + 1.0);
+    let alpha = ac / acp;
+    Ddpm {
+        k: (1.0f32 + s * s).sqrt(),
+        c0: (1.0 / alpha).sqrt(),
+        c1: 1.0 - alpha,
+        c2: (1.0 - ac).sqrt(),
+        c3: ((1.0 - alpha) * (1.0 - acp) / (1.0 - ac)).sqrt(),
+        kn: if s_next == 0.0 {
+            1.0
+        } else {
+            (1.0f32 + s_next * s_next).sqrt()
+        },
+    }
+}
