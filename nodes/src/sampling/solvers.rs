@@ -200,20 +200,29 @@ pub(crate) fn dpm_fast_steps(sigmas: &[f32]) -> Vec<Vec<FastCall>> {
                     let c = sn / (2.0 * r1) * em;
                     vec![towards(r1), call(sig(t + r1 * h), sn * em, c)]
                 }
-                _ => {
-                    let (r1, r2) = ((1.0f64 / 3.0) as f32, (2.0f64 / 3.0) as f32);
-                    let (s1, s2) = (t + r1 * h, t + r2 * h);
-                    let second = call(
-                        sig(s1),
-                        sig(s2) * (r2 * h).exp_m1(),
-                        sig(s2) * (2.0f64 as f32) * ((r2 * h).exp_m1() / (r2 * h) - 1.0),
-                    );
-                    let c = sn / r2 * (em / h - 1.0);
-                    vec![towards(r1), second, call(sig(s2), sn * em, c)]
-                }
+                _ => third_order(t, tn).to_vec(),
             }
         })
         .collect()
+}
+
+/// DPM-Solver-3's evaluations from t to `tn` (t = −log σ), r = 1/3, 2/3.
+fn third_order(t: f32, tn: f32) -> [FastCall; 3] {
+    let sig = |t: f32| (-t).exp();
+    let h = tn - t;
+    let (sn, em) = (sig(tn), h.exp_m1());
+    let (r1, r2) = ((1.0f64 / 3.0) as f32, (2.0f64 / 3.0) as f32);
+    let (s1, s2) = (t + r1 * h, t + r2 * h);
+    let call = |sigma: f32, ca: f32, cb: f32| FastCall { sigma, ca, cb };
+    [
+        call(sig(t), sig(s1) * (r1 * h).exp_m1(), 0.0),
+        call(
+            sig(s1),
+            sig(s2) * (r2 * h).exp_m1(),
+            sig(s2) * (2.0f64 as f32) * ((r2 * h).exp_m1() / (r2 * h) - 1.0),
+        ),
+        call(sig(s2), sn * em, sn / r2 * (em / h - 1.0)),
+    ]
 }
 
 /// The sigma range ComfyUI's DPM-Solver wrappers use: first sigma to the
@@ -225,13 +234,6 @@ pub(super) fn dpm_range(sigmas: &[f32]) -> (f32, f32) {
         smin = sigmas[n - 1];
     }
     (-sigmas[0].ln(), -smin.ln())
-}
-
-/// A DPM-Solver step's scalars: h = t_next − t, σ(t_next), expm1(h).
-struct DpmStep {
-    h: f32,
-    sn: f32,
-    em: f32,
 }
 
 /// DPM-Solver-23 with adaptive step size (eta 0; rtol 0.05, atol 0.0078,
@@ -250,8 +252,7 @@ pub(super) fn dpm_adaptive<E>(
     }
     let (t_start, t_end) = dpm_range(sigmas);
     let sig = |t: f32| (-t).exp();
-    let mut eps_at = |x: &[f32], t: f32| -> Result<Vec<f32>, E> {
-        let s = sig(t);
+    let mut eps_at = |x: &[f32], s: f32| -> Result<Vec<f32>, E> {
         let d = denoise(x, s)?;
         Ok(x.iter().zip(&d).map(|(a, b)| (a - b) / s).collect())
     };
@@ -266,34 +267,22 @@ pub(super) fn dpm_adaptive<E>(
     let n = x.len();
     while s < t_end - 1e-5 {
         let t = t_end.min(s + h as f32);
-        let st = DpmStep {
-            h: t - s,
-            sn: sig(t),
-            em: (t - s).exp_m1(),
-        };
-        let eps = eps_at(&x, s)?;
-        let (r1, r2) = ((1.0f64 / 3.0) as f32, (2.0f64 / 3.0) as f32);
-        let (s1, s2) = (s + r1 * st.h, s + r2 * st.h);
-        let c1 = sig(s1) * (r1 * st.h).exp_m1();
-        let u1: Vec<f32> = x.iter().zip(&eps).map(|(a, e)| a - c1 * e).collect();
-        let e1 = eps_at(&u1, s1)?;
-        // Low order: the 2-step with r1 = 1/3.
-        let c_low = st.sn / ((2.0 * (1.0f64 / 3.0)) as f32) * st.em;
+        // The high order is the 3-step; the low order the 2-step with
+        // r1 = 1/3, sharing its first two evaluations.
+        let [c0, c1, c2] = third_order(s, t);
+        let eps = eps_at(&x, c0.sigma)?;
+        let u1: Vec<f32> = x.iter().zip(&eps).map(|(a, e)| a - c0.ca * e).collect();
+        let e1 = eps_at(&u1, c1.sigma)?;
+        let c_low = sig(t) / ((2.0 * (1.0f64 / 3.0)) as f32) * (t - s).exp_m1();
         let x_low: Vec<f32> = (0..n)
-            .map(|j| x[j] - st.sn * st.em * eps[j] - c_low * (e1[j] - eps[j]))
+            .map(|j| x[j] - c2.ca * eps[j] - c_low * (e1[j] - eps[j]))
             .collect();
-        // High order: the 3-step.
-        let (ca, cb) = (
-            sig(s2) * (r2 * st.h).exp_m1(),
-            sig(s2) * (2.0f64 as f32) * ((r2 * st.h).exp_m1() / (r2 * st.h) - 1.0),
-        );
         let u2: Vec<f32> = (0..n)
-            .map(|j| x[j] - ca * eps[j] - cb * (e1[j] - eps[j]))
+            .map(|j| x[j] - c1.ca * eps[j] - c1.cb * (e1[j] - eps[j]))
             .collect();
-        let e2 = eps_at(&u2, s2)?;
-        let c_high = st.sn / r2 * (st.em / st.h - 1.0);
+        let e2 = eps_at(&u2, c2.sigma)?;
         let x_high: Vec<f32> = (0..n)
-            .map(|j| x[j] - st.sn * st.em * eps[j] - c_high * (e2[j] - eps[j]))
+            .map(|j| x[j] - c2.ca * eps[j] - c2.cb * (e2[j] - eps[j]))
             .collect();
         let sq: f64 = (0..n)
             .map(|j| {
