@@ -249,8 +249,9 @@ fn main() {
             // fallback form.
             // Products without split-K show what splitting the depth buys
             // on the small-grid shapes.
-            // Register prefetch and two workgroup stages for staged
-            // operands are off by default until these rows show they help.
+            // Register prefetch (staged product operands, attention's
+            // key blocks) and two workgroup stages for staged operands
+            // are off by default until these rows show they help.
             for (name, f16_activations, two_pass_attention, split_k, staging) in [
                 ("coop f16-act", true, false, true, (false, false)),
                 ("coop 2-pass", false, true, true, (false, false)),
@@ -360,7 +361,10 @@ fn main() {
             let tiling = path.starts_with("coop ") && path.contains("sg of");
             let products = matches!(case.name, "gemm" | "conv" | "linear" | "deep_conv");
             let split = products || case.name == "group_norm";
-            if ((tiling || path == "coop prefetch") && !products)
+            // Prefetch changes the staged products and attention.
+            let prefetched = products || case.name == "attention";
+            if (tiling && !products)
+                || (path == "coop prefetch" && !prefetched)
                 || (path == "coop no split-K" && !split)
                 || (path == "f32 no split" && case.name != "group_norm")
                 || (path == "coop 2-pass" && case.name != "attention")

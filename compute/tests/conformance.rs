@@ -80,6 +80,21 @@ fn gpu_coop_alt() -> Option<&'static WgpuBackend> {
     )
 }
 
+/// Single-pass attention with its key blocks prefetched into registers
+/// (the alternative slot prefetches the two-pass form).
+fn gpu_coop_prefetch() -> Option<&'static WgpuBackend> {
+    static PREFETCH: GpuSlot = std::sync::OnceLock::new();
+    coop_slot(
+        &PREFETCH,
+        Options {
+            prefetch: true,
+            emulate_coopmat: true,
+            poison_workgroup_memory: true,
+            ..Options::default()
+        },
+    )
+}
+
 fn coop_slot(slot: &'static GpuSlot, opts: Options) -> Option<&'static WgpuBackend> {
     slot.get_or_init(|| {
         let b = WgpuBackend::with_options(&opts).ok()?;
@@ -169,6 +184,22 @@ fn run_wgpu_coop(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Arr
 
 fn run_wgpu_coop_alt(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
     run_on(gpu_coop_alt(), p, inputs)
+}
+
+fn run_wgpu_coop_prefetch(
+    p: &Program,
+    inputs: &HashMap<String, Array>,
+) -> Result<Vec<Array>, String> {
+    run_on(gpu_coop_prefetch(), p, inputs)
+}
+
+/// The attention tests' extra backend: single-pass attention prefetching
+/// its key blocks, where the cooperative path runs here.
+fn prefetch_backend() -> Vec<(&'static str, Runner, f64)> {
+    match gpu_coop_prefetch() {
+        Some(_) => vec![("wgpu-coop-prefetch", run_wgpu_coop_prefetch, F16_NMSE)],
+        None => Vec::new(),
+    }
 }
 
 fn run_wgpu_f16(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
@@ -338,13 +369,23 @@ fn check_inputs(
     tol: f64,
     emulated: bool,
 ) -> Result<(), TestCaseError> {
+    check_with(g, inputs, tol, backends(emulated))
+}
+
+/// [`check_inputs`] on the given backends.
+fn check_with(
+    g: TensorGraph,
+    inputs: &HashMap<String, Array>,
+    tol: f64,
+    backends: Vec<(&'static str, Runner, f64)>,
+) -> Result<(), TestCaseError> {
     let inputs = inputs.clone();
     let want = evaluate(&g, &inputs).map_err(TestCaseError::fail)?;
     let prog = plan(&g).map_err(|e| TestCaseError::fail(e.to_string()))?;
     // SDKIT_CONFORMANCE_TIMES=1 prints each backend's time per case
     // (on lavapipe mostly shader compilation): where the suite's time goes.
     let timed = std::env::var_os("SDKIT_CONFORMANCE_TIMES").is_some();
-    for (name, run, floor) in backends(emulated) {
+    for (name, run, floor) in backends {
         let tol = tol.max(floor);
         let started = std::time::Instant::now();
         let got = run(&prog, &inputs).map_err(|e| TestCaseError::fail(format!("{name}: {e}")))?;
@@ -912,7 +953,12 @@ fn attention_heads_of_sd_widths() {
         // add only shader compilation (35 s and two minutes cold) and no
         // coverage; real cooperative matrices (16×16: 40 padded to 48)
         // run them.
-        check_on(g, 20 + i as u64, 1e-9, 0, d == 40).expect("attention");
+        let inputs = inputs_for(&g, 20 + i as u64, 0);
+        let mut on = backends(d == 40);
+        if d == 40 {
+            on.extend(prefetch_backend());
+        }
+        check_with(g, &inputs, 1e-9, on).expect("attention");
     }
 }
 
@@ -935,7 +981,9 @@ fn attention_with_growing_scores_rescales() {
     // Steps of 1/4 stay exact in f16 storage.
     let ramp = (0..sq * skv).map(|i| 0.25 * (i % skv) as f32).collect();
     inputs.insert("mask".into(), Array::new(vec![sq, skv], ramp));
-    check_inputs(g, &inputs, 1e-9, true).expect("attention");
+    let mut on = backends(true);
+    on.extend(prefetch_backend());
+    check_with(g, &inputs, 1e-9, on).expect("attention");
 }
 
 #[test]

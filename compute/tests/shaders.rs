@@ -318,22 +318,78 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
             },
         ));
     }
-    // The emulated fragments CI runs on lavapipe (8 lanes), both forms.
+    // Two-pass attention with its key blocks prefetched (the staged
+    // tilings above prefetch the single-pass form).
+    caps.push((
+        "coop16, two-pass attention, prefetch",
+        Caps {
+            two_pass_attention: true,
+            prefetch: true,
+            ..caps[2].1
+        },
+    ));
+    // The emulated fragments CI runs on lavapipe (8 lanes), both forms,
+    // each with and without prefetch.
     for two_pass_attention in [false, true] {
-        caps.push((
-            "coop8 emulated",
-            Caps {
-                coop: Some(Coop {
-                    tile: 8,
-                    subgroup: 8,
-                    emulated: true,
-                }),
-                two_pass_attention,
-                ..caps[3].1
-            },
-        ));
+        for prefetch in [false, true] {
+            caps.push((
+                "coop8 emulated",
+                Caps {
+                    coop: Some(Coop {
+                        tile: 8,
+                        subgroup: 8,
+                        emulated: true,
+                    }),
+                    two_pass_attention,
+                    prefetch,
+                    ..caps[3].1
+                },
+            ));
+        }
     }
     caps
+}
+
+#[test]
+fn attention_prefetches_key_blocks_of_whole_units() {
+    // SD's head widths are whole 16-byte units in f16 and in f32: with
+    // prefetch on, both cooperative forms load the next block's K and V
+    // into registers (`pKQ`, `pVs`); off, or for a width that is not
+    // whole units (20 halves), they stage each block in turn.
+    for (d, f16, units) in [
+        (40, true, true),
+        (64, true, true),
+        (80, false, true),
+        (160, true, true),
+        (20, true, false),
+    ] {
+        let g = GraphBuilder::new();
+        let y = g.input("q", &[2, 8, 300, d]).and_then(|q| {
+            q.attention(
+                g.input("k", &[2, 8, 300, d])?,
+                g.input("v", &[2, 8, 300, d])?,
+                None,
+                0.1,
+            )
+        });
+        let prog = plan(&g.finish(&[y.expect("attention")])).expect("plan");
+        let k = kernel(&prog, "attention");
+        for two_pass_attention in [false, true] {
+            for prefetch in [false, true] {
+                let cap = Caps {
+                    two_pass_attention,
+                    prefetch,
+                    ..all_caps()[2].1
+                };
+                let ops = whole_operands(&prog, k, f16, &cap);
+                let src = generate(k, &ops, &cap).expect("generates").source;
+                let name = format!("d {d}, f16 {f16}, two-pass {two_pass_attention}");
+                assert_eq!(src.contains("pKQ[se] = v;"), prefetch && units, "{name}");
+                assert_eq!(src.contains("pVs[se] = v;"), prefetch && units, "{name}");
+                validate(&name, &src);
+            }
+        }
+    }
 }
 
 #[test]

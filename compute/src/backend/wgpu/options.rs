@@ -34,8 +34,9 @@ pub struct Options {
     /// norms, whose grid is too small to fill the GPU
     /// ([`codegen::Caps::split_k`]); off only to compare.
     pub split_k: bool,
-    /// Staged cooperative products prefetch the next depth step into
-    /// registers ([`codegen::Caps::prefetch`]).
+    /// Staged cooperative products prefetch the next depth step, and
+    /// cooperative attention the next key block, into registers
+    /// ([`codegen::Caps::prefetch`]).
     pub prefetch: bool,
     /// Two workgroup stages for staged cooperative operands
     /// ([`codegen::Caps::double_buffer`]); off until a GPU run shows it

@@ -83,12 +83,16 @@ impl Variant {
     /// What this variant chooses for a kernel of `kind`.
     pub fn describe(&self, kind: &str) -> String {
         if kind == "attention" {
-            return if self.two_pass_attention {
+            let form = if self.two_pass_attention {
                 "two-pass"
             } else {
                 "single-pass"
-            }
-            .into();
+            };
+            return if self.prefetch {
+                format!("{form}, prefetch")
+            } else {
+                form.into()
+            };
         }
         let mut d = match self.tiles {
             Some(t) => format!(
@@ -275,7 +279,8 @@ impl Table {
 
 /// The variants a kernel of `kind` under `caps` is first measured in, the
 /// default first: each GEMM tiling with the default's split-K and
-/// prefetch (products), or both attention forms. None for kernels without
+/// prefetch (products), or both attention forms with and without
+/// prefetch. None for kernels without
 /// variants (everything off cooperative matrices, and every kind but
 /// products and attention).
 fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
@@ -290,13 +295,17 @@ fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
                 ..base
             }))
             .collect(),
-        "attention" => vec![
-            base,
-            Variant {
-                two_pass_attention: !base.two_pass_attention,
-                ..base
-            },
-        ],
+        // Both forms, each with and without its key blocks prefetched.
+        "attention" => [false, true]
+            .into_iter()
+            .flat_map(|flip_form| {
+                [false, true].map(|flip_prefetch| Variant {
+                    two_pass_attention: base.two_pass_attention != flip_form,
+                    prefetch: base.prefetch != flip_prefetch,
+                    ..base
+                })
+            })
+            .collect(),
         _ => Vec::new(),
     }
 }

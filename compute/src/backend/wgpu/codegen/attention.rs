@@ -213,6 +213,10 @@ pub(super) struct CoopAttention {
     qblocks: usize,
     blocks: usize,
     units: Units,
+    /// The next key block's K and V load into registers while this
+    /// block is scored and accumulated ([`Caps::prefetch`]): where both
+    /// are staged in 16-byte units, a whole number per thread.
+    prefetch: bool,
 }
 
 /// Elements per 16-byte unit in which K (`[1]`) and V (`[2]`) may be
@@ -220,6 +224,34 @@ pub(super) struct CoopAttention {
 /// workgroup, element by element): views of whole-unit bindings with the head contiguous and
 /// every other stride, the offset and the head's width whole units.
 pub(super) type Units = [Option<usize>; 3];
+
+/// One staged tile of a key block: K (into `KQ`) or V (into `Vs`), from
+/// input `input` addressed by `offset`, `width` wide, padded with zeros
+/// to `padded` columns, rows `stride` apart.
+#[derive(Clone, Copy)]
+struct Tile {
+    array: &'static str,
+    input: usize,
+    offset: &'static str,
+    padded: usize,
+    stride: usize,
+    width: usize,
+}
+
+/// Where [`CoopAttention::stage`] puts a block: straight into the tile,
+/// into the thread's registers (`p` + the tile's name, a prefetch), or
+/// from those registers into the tile.
+enum Dest {
+    Tile,
+    Registers,
+    Commit,
+}
+
+/// `code` with every line indented `by` more spaces.
+fn indent(code: &str, by: usize) -> String {
+    let pad = " ".repeat(by);
+    code.lines().map(|l| format!("{pad}{l}\n")).collect()
+}
 
 /// Subgroups per cooperative attention workgroup.
 pub(super) const COOP_ATTN_SUBGROUPS: usize = 4;
@@ -262,6 +294,11 @@ impl CoopAttention {
             .filter(|&b| b >= t && b % lanes_per_row == 0)
             .find(|&b| bytes(b) <= caps.workgroup_memory as usize)?;
         let qblocks = sq.div_ceil(bq);
+        let threads = NS * lanes;
+        let whole = |u: Option<usize>, padded: usize| {
+            u.is_some_and(|w| (bk * padded / w).is_multiple_of(threads))
+        };
+        let prefetch = caps.prefetch && whole(units[1], dp) && whole(units[2], dvp);
         Some(CoopAttention {
             t,
             bq,
@@ -277,10 +314,11 @@ impl CoopAttention {
             d,
             dv,
             scale,
-            threads: NS * lanes,
+            threads,
             qblocks,
             blocks: bh * qblocks,
             units,
+            prefetch,
         })
     }
 
@@ -343,47 +381,75 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         )
     }
 
-    /// Stages the key block at `j0` into `KQ` (zeros past the keys and the
-    /// head).
-    fn stage_k(&self) -> String {
-        self.stage("KQ", 1, "k_off", (self.dp, self.ks), self.d)
+    fn k_tile(&self) -> Tile {
+        Tile {
+            array: "KQ",
+            input: 1,
+            offset: "k_off",
+            padded: self.dp,
+            stride: self.ks,
+            width: self.d,
+        }
     }
 
-    /// Stages the value block at `j0` into `Vs`.
-    fn stage_v(&self) -> String {
-        self.stage("Vs", 2, "v_off", (self.dvp, self.vs), self.dv)
+    fn v_tile(&self) -> Tile {
+        Tile {
+            array: "Vs",
+            input: 2,
+            offset: "v_off",
+            padded: self.dvp,
+            stride: self.vs,
+            width: self.dv,
+        }
     }
 
-    /// Copies `bk` rows (keys from `j0`) of input `j` (rows `width` wide,
-    /// addressed by `offset`) into `array` as f16 rows `padded` wide,
-    /// `stride` apart: in 16-byte units where the input allows
-    /// ([`Units`]), neighbouring threads taking neighbouring units.
-    fn stage(
-        &self,
-        array: &str,
-        j: usize,
-        offset: &str,
-        (padded, stride): (usize, usize),
-        width: usize,
-    ) -> String {
+    /// Copies `bk` rows (keys from `from`) of the tile's input into its
+    /// array as f16 rows `padded` wide, `stride` apart (or, prefetching,
+    /// into the thread's registers): in 16-byte units where the input
+    /// allows ([`Units`]), neighbouring threads taking neighbouring units.
+    fn stage(&self, tile: &Tile, from: &str, into: &Dest) -> String {
+        let Tile {
+            array,
+            input: j,
+            offset,
+            padded,
+            stride,
+            width,
+        } = *tile;
         if let Some(w) = self.units[j] {
             // Units per padded row (the head's width is whole units, so a
             // unit is wholly in the head or wholly padding).
             let per_row = padded / w;
+            let write = unit_writes(array, &format!("kr * {stride}u + t"), "v", "f16", w, 1);
+            let body = match into {
+                Dest::Tile => format!(
+                    "            var v = {zero};
+            if ({from} + kr < {skv}u && t < {width}u) {{ v = vld{j}({offset}(bh, {from} + kr, t) / {w}u); }}
+            {write}
+",
+                    zero = unit_zero(w),
+                    skv = self.skv,
+                ),
+                Dest::Registers => format!(
+                    "            var v = {zero};
+            if ({from} + kr < {skv}u && t < {width}u) {{ v = vld{j}({offset}(bh, {from} + kr, t) / {w}u); }}
+            p{array}[se] = v;
+",
+                    zero = unit_zero(w),
+                    skv = self.skv,
+                ),
+                Dest::Commit => format!(
+                    "            {}\n",
+                    unit_writes(array, &format!("kr * {stride}u + t"), &format!("p{array}[se]"), "f16", w, 1)
+                ),
+            };
             return strided(
                 "        ",
                 "tid",
                 self.bk * per_row,
                 self.threads,
                 &format!(
-                    "            let kr = e / {per_row}u; let t = (e % {per_row}u) * {w}u;
-            var v = {zero};
-            if (j0 + kr < {skv}u && t < {width}u) {{ v = vld{j}({offset}(bh, j0 + kr, t) / {w}u); }}
-            {write}
-",
-                    zero = unit_zero(w),
-                    skv = self.skv,
-                    write = unit_writes(array, &format!("kr * {stride}u + t"), "v", "f16", w, 1),
+                    "            let kr = e / {per_row}u; let t = (e % {per_row}u) * {w}u;\n{body}"
                 ),
             );
         }
@@ -394,11 +460,69 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             padded,
             &format!(
                 "            var v = 0.0;
-            if (j0 + kr < {skv}u && t < {width}u) {{ v = {input}({offset}(bh, j0 + kr, t)); }}
+            if ({from} + kr < {skv}u && t < {width}u) {{ v = {input}({offset}(bh, {from} + kr, t)); }}
             {array}[kr * {stride}u + t] = f16(v);
 ",
                 skv = self.skv,
             ),
+        )
+    }
+
+    /// The loop over key blocks: each block of K (and of V where
+    /// `with_v`) staged, then `body` (which starts after a barrier and
+    /// ends before one). Prefetching, the first block is staged before
+    /// the loop and each block's `body` runs while the thread's share of
+    /// the next block loads into registers, written to the tiles once
+    /// every subgroup is done with them: the same barrier count, with
+    /// the loads' latency behind the block's products.
+    fn key_loop(&self, with_v: bool, body: &str) -> String {
+        let (skv, bk) = (self.skv, self.bk);
+        let tiles = if with_v {
+            vec![self.k_tile(), self.v_tile()]
+        } else {
+            vec![self.k_tile()]
+        };
+        let all = |from: &str, into: &Dest| -> String {
+            tiles.iter().map(|t| self.stage(t, from, into)).collect()
+        };
+        if !self.prefetch {
+            return format!(
+                "    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
+{stage}        workgroupBarrier();
+{body}        workgroupBarrier();
+    }}
+",
+                stage = all("j0", &Dest::Tile),
+            );
+        }
+        let mut regs = String::new();
+        for t in &tiles {
+            let w = self.units[t.input].unwrap_or(1);
+            let _ = writeln!(
+                regs,
+                "        var p{}: array<{}, {}>;",
+                t.array,
+                unit_zero(w).trim_end_matches("()"),
+                self.bk * t.padded / w / self.threads
+            );
+        }
+        format!(
+            "    {{
+{regs}        {{
+            let j0 = 0u;
+{first}        }}
+        workgroupBarrier();
+        for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
+            let jn = j0 + {bk}u;
+{fetch}{body}            workgroupBarrier();
+{commit}            workgroupBarrier();
+        }}
+    }}
+",
+            first = indent(&all("j0", &Dest::Tile), 4),
+            fetch = indent(&all("jn", &Dest::Registers), 4),
+            body = indent(body, 4),
+            commit = indent(&all("jn", &Dest::Commit), 4),
         )
     }
 
@@ -576,18 +700,8 @@ pub(super) fn attention_coop_single(
     // meet in the same bank at every step, a 32-way conflict when rows
     // are 64 floats apart; staggered, with 16-byte padded rows, the 32
     // lanes of a 16×16 tile's rows touch 32 different banks.
-    let code = format!(
-        "{head}    let r = lane % {t}u;
-    let part = lane / {t}u;
-    let qrow = q0 + sg * {t}u + r;
-    let qi = min(qrow, {sqm}u);
-    let srow = sg * {sub}u + r * {ss}u + part * {kpl}u;
-    let prow = sg * {psub}u + r * {ps}u + part * {kpl}u;
-{o_decl}    var m = -3.4028235e38;
-    var l = 0.0;
-    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
-{stage_k}{stage_v}        workgroupBarrier();
-{scores}        workgroupBarrier();
+    let block = format!(
+        "{scores}        workgroupBarrier();
         var bm = -3.4028235e38;
         for (var jj = 0u; jj < {kpl}u; jj++) {{
             let jr = (jj + lane) % {kpl}u;
@@ -621,23 +735,32 @@ pub(super) fn attention_coop_single(
         for (var kf = 0u; kf < {kfs}u; kf++) {{
             let pa = coopLoadT<{pty}>(&Ps[sg * {psub}u + kf * {t}u], {ps}u);
 {pv_mac}        }}
-        workgroupBarrier();
-    }}
-{store}}}
 ",
-        head = a.head("var<workgroup> rescale: atomic<u32>;\n"),
-        stage_k = a.stage_k(),
-        stage_v = a.stage_v(),
         scores = a.scores(),
         mask = a.mask(masked),
-        sqm = sq.saturating_sub(1),
         kfs = bk / t,
         pty = a.ty("A", "f16"),
         margin = lit(ATTN_RESCALE_MARGIN * std::f32::consts::LOG2_E),
-        ss = a.ss,
         ps = a.ps,
         red_max = reduce("bm", &|a, b| format!("max({a}, {b})")),
         red_sum = reduce("ps", &|a, b| format!("{a} + {b}")),
+    );
+    let code = format!(
+        "{head}    let r = lane % {t}u;
+    let part = lane / {t}u;
+    let qrow = q0 + sg * {t}u + r;
+    let qi = min(qrow, {sqm}u);
+    let srow = sg * {sub}u + r * {ss}u + part * {kpl}u;
+    let prow = sg * {psub}u + r * {ps}u + part * {kpl}u;
+{o_decl}    var m = -3.4028235e38;
+    var l = 0.0;
+{keys}{store}}}
+",
+        head = a.head("var<workgroup> rescale: atomic<u32>;\n"),
+        keys = a.key_loop(true, &block),
+        sqm = sq.saturating_sub(1),
+        ss = a.ss,
+        ps = a.ps,
     );
     Some((code, a.groups()))
 }
@@ -712,27 +835,22 @@ pub(super) fn attention_coop(
             sub = t * a.ss,
         );
     }
-    // Lanes stagger their keys as in the single-pass form.
-    let code = format!(
-        "{head}    let srow = sg * {tss}u + min(lane, {tm}u) * {ss}u;
-    let prow = sg * {tps}u + min(lane, {tm}u) * {ps}u;
-    let qi = min(q0 + sg * {t}u + min(lane, {tm}u), {sqm}u);
-    var m = -3.4028235e38;
-    var l = 0.0;
-    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
-{stage_k}        workgroupBarrier();
-{scores}        workgroupBarrier();
+    // Lanes stagger their keys as in the single-pass form. The first
+    // pass over the keys finds the rows' maxima, the second accumulates.
+    let maxima = format!(
+        "{scores}        workgroupBarrier();
         if (lane < {t}u) {{
             for (var jj = 0u; jj < {bk}u; jj++) {{
                 let j = (jj + lane) % {bk}u;
                 if (j0 + j < {skv}u) {{ var s = Ss[srow + j]; {mask} m = max(m, s); }}
             }}
         }}
-        workgroupBarrier();
-    }}
-{odecl}    for (var j0 = 0u; j0 < {skv}u; j0 += {bk}u) {{
-{stage_k}{stage_v}        workgroupBarrier();
-{scores}        workgroupBarrier();
+",
+        scores = a.scores(),
+        mask = a.mask(masked),
+    );
+    let sums = format!(
+        "{scores}        workgroupBarrier();
         if (lane < {t}u) {{
             for (var jj = 0u; jj < {bk}u; jj++) {{
                 let j = (jj + lane) % {bk}u;
@@ -746,25 +864,33 @@ pub(super) fn attention_coop(
         for (var kf = 0u; kf < {kfs}u; kf++) {{
             let pa = coopLoadT<{pty}>(&Ps[sg * {tps}u + kf * {t}u], {ps}u);
 {pv}        }}
-        workgroupBarrier();
-    }}
-    if (lane < {t}u) {{ Ls[sg * {t}u + lane] = l; }}
+",
+        scores = a.scores(),
+        mask = a.mask(masked),
+        tps = t * a.ps,
+        ps = a.ps,
+        kfs = bk / t,
+        pty = a.ty("A", "f16"),
+    );
+    let code = format!(
+        "{head}    let srow = sg * {tss}u + min(lane, {tm}u) * {ss}u;
+    let prow = sg * {tps}u + min(lane, {tm}u) * {ps}u;
+    let qi = min(q0 + sg * {t}u + min(lane, {tm}u), {sqm}u);
+    var m = -3.4028235e38;
+    var l = 0.0;
+{first}{odecl}{second}    if (lane < {t}u) {{ Ls[sg * {t}u + lane] = l; }}
     workgroupBarrier();
 {out}}}
 ",
         head = a.head(&format!("var<workgroup> Ls: array<f32, {ll}>;\n")),
-        stage_k = a.stage_k(),
-        stage_v = a.stage_v(),
-        scores = a.scores(),
-        mask = a.mask(masked),
+        first = a.key_loop(false, &maxima),
+        second = a.key_loop(true, &sums),
         tss = t * a.ss,
         tps = t * a.ps,
         ss = a.ss,
         ps = a.ps,
         tm = t - 1,
         sqm = sq.saturating_sub(1),
-        kfs = bk / t,
-        pty = a.ty("A", "f16"),
     );
     Some((code, a.groups()))
 }

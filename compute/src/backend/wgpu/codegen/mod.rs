@@ -419,8 +419,11 @@ pub struct Caps {
     /// split each row's statistics likewise ([`norm_split`]).
     pub split_k: bool,
     /// Staged cooperative products load the next depth step into
-    /// registers while multiplying the current one (off by default until
-    /// measured on a GPU: `wgpu_ops` prints both).
+    /// registers while multiplying the current one, and cooperative
+    /// attention the next key block's K and V while scoring and
+    /// accumulating the current one (where both are staged in 16-byte
+    /// units); off by default until measured on a GPU (`wgpu_ops`
+    /// prints both; tuning tries it).
     pub prefetch: bool,
     /// Staged cooperative products keep two workgroup stages: the next
     /// depth step is staged into one while the other is multiplied, one
