@@ -546,7 +546,9 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
     // SD1.5's 1280-channel 3×3 convs, batch 2, on 16×16 fragments: at 8²
     // and 16² the output tiles alone are 20 and 80 workgroups, so the
     // depth (11,520) is split until about 256 run; at 32² (640 channels,
-    // 160 workgroups) it is not.
+    // 160 workgroups) it is not. Split or not, each copies its input
+    // channels-last first; a split one keeps its partial sums after the
+    // copy in the same scratch.
     let caps = Caps {
         subgroups: true,
         coop: Some(Coop {
@@ -577,11 +579,22 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
             .and_then(|x| x.conv2d(g.weight("w", &[ch, ch, 3, 3])?, None, p));
         let prog = plan(&g.finish(&[y.expect("conv")])).expect("plan");
         let k = kernel(&prog, "conv2d");
-        let ops = vec![Operand::whole(true); k.inputs.len() + 1];
+        let ops = whole_operands(&prog, k, true, &caps);
         let sh = generate(k, &ops, &caps).expect("generates");
         let outputs = 2 * ch * size * size;
-        let got = sh.finish.as_ref().map(|f| f.scratch_elems / outputs);
+        let copy = sh.pre.as_ref().map(|p| p.scratch_elems);
+        assert_eq!(
+            copy,
+            Some(outputs / 2),
+            "{ch} channels at {size}²: f16 copy"
+        );
+        let got = sh
+            .finish
+            .as_ref()
+            .map(|f| (f.scratch_elems - outputs / 2) / outputs);
         assert_eq!(got, splits, "{ch} channels at {size}²");
+        assert_eq!(sh.source.contains("part_st("), splits.is_some());
+        assert!(sh.source.contains("part[((z * "), "staged from the copy");
         let workgroups: u32 = sh.groups.iter().product();
         eprintln!("{ch}@{size}²: {workgroups} workgroups, splits {got:?}");
         if splits.is_some() {

@@ -316,7 +316,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     {LINEAR_ID}
     if (gi >= {total}u) {{ return; }}
     var v = 0.0;
-    for (var p = 0u; p < {splits}u; p++) {{ v = v + part[p * {total}u + gi]; }}
+    for (var p = 0u; p < {splits}u; p++) {{ v = v + part_ld(p * {total}u + gi); }}
     let rc = gi % {mn}u;
     store(gi / {mn}u, rc / {n}u, rc % {n}u, v);
 }}
@@ -666,7 +666,7 @@ impl CoopGemm {
                 "k_begin".to_string(),
                 "k_end".to_string(),
                 format!(
-                    "part[(((wg.z % {splits}u) * {batch}u + z) * {m}u + r) * {n}u + col] = Cs[sg * {tt}u + e]",
+                    "part_st((((wg.z % {splits}u) * {batch}u + z) * {m}u + r) * {n}u + col, Cs[sg * {tt}u + e])",
                     tt = t * t
                 ),
             ),

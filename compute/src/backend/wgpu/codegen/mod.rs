@@ -283,6 +283,18 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     (body, grid(units), units * 4)
 }
 
+/// How a kernel's passes use the scratch binding `part`.
+#[derive(Clone, Copy, Debug)]
+enum Scratch {
+    /// f32 words: a split kernel's partial results (`part_st`/`part_ld`
+    /// for products, direct indexing for group norms).
+    Words,
+    /// 16-byte units of f16 (a conv's channels-last copy of its input);
+    /// a split conv's partial sums follow them from word `partials_at`
+    /// (a multiple of 4), each stored as the bits of one component.
+    Units { partials_at: Option<usize> },
+}
+
 /// How one kernel operand is bound: its element type and, for tensors larger
 /// than the device's binding limit, how it is split into several bindings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -441,7 +453,8 @@ pub struct Caps {
     /// elements first copy it channels-last as f16 into the scratch
     /// binding, so the im2col operand is staged 8 channels (16 bytes) at a
     /// time instead of element by element (on by default; off to
-    /// compare). Not with split-K, which uses the scratch itself.
+    /// compare). A split-K conv keeps its partial sums after the copy
+    /// ([`Scratch::Units`]).
     pub channels_last: bool,
     /// Cooperative GEMM grids with more than [`gemm::RASTER_ROWS`] block
     /// rows take their blocks in grouped order for L2 reuse (on by
@@ -589,25 +602,25 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
                 },
             };
             // Channels-last needs the tap-major depth (a unit of 8
-            // channels then lies within one tap) and a scratch of its own.
-            let mut channels_last = caps.coop.is_some()
+            // channels then lies within one tap). A split conv keeps its
+            // partial sums in the scratch after the copy.
+            let channels_last = caps.coop.is_some()
                 && caps.channels_last
                 && caps.vector_staging
                 && g == 1
                 && taps_first
                 && c.is_multiple_of(8)
                 && n * c * h * w <= CHANNELS_LAST_MAX;
-            let mut emitted = product(channels_last).emit(operands, caps)?;
-            if channels_last && emitted.2.is_some() {
-                channels_last = false;
-                emitted = product(false).emit(operands, caps)?;
-            }
-            let (code, tiles, split) = emitted;
+            let (code, tiles, split) = product(channels_last).emit(operands, caps)?;
             src.push_str(&code);
             groups = tiles;
             finish = split;
             if channels_last {
-                pre = Some(channels_last_copy(*n, *c, h * w));
+                let copy = channels_last_copy(*n, *c, h * w);
+                if let Some(f) = &mut finish {
+                    f.2 += copy.2;
+                }
+                pre = Some(copy);
             }
         }
         KernelKind::GroupNorm {
@@ -925,11 +938,13 @@ pub fn generate(k: &Kernel, operands: &[Operand], caps: &Caps) -> Result<Shader,
             k.inputs.len()
         ));
     }
-    // The scratch: f32 partial results for a second pass, or f16 units
-    // a first pass writes.
+    // The scratch: f32 partial results for a second pass, f16 units a
+    // first pass writes, or both (the units first).
     let scratch = match (&finish, &pre) {
-        (Some(_), _) => Some("f32"),
-        (None, Some(_)) => Some("vec4<u32>"),
+        (Some(_), None) => Some(Scratch::Words),
+        (finish, Some(copy)) => Some(Scratch::Units {
+            partials_at: finish.as_ref().map(|_| copy.2),
+        }),
         (None, None) => None,
     };
     let source = bind(&src, k.inputs.len(), operands, caps, scratch)?;
@@ -963,7 +978,7 @@ fn bind(
     n_inputs: usize,
     operands: &[Operand],
     caps: &Caps,
-    scratch: Option<&str>,
+    scratch: Option<Scratch>,
 ) -> Result<String, String> {
     // The kernels read input `j` through `rd{j}(i)` and store through
     // `wr(i, v)`, defined here: they widen f16 storage to f32 (arithmetic
@@ -1055,11 +1070,32 @@ fn rd{j}(i: u32) -> f32 {{ {rd} }}"
             let _ = writeln!(head, "fn rd{j}(i: u32) -> f32 {{ {access} }}");
         }
     }
-    if let Some(elem) = scratch {
-        let _ = writeln!(
-            head,
-            "@group(0) @binding({binding}) var<storage, read_write> part: array<{elem}>;"
-        );
+    match scratch {
+        Some(Scratch::Words) => {
+            let _ = writeln!(
+                head,
+                "@group(0) @binding({binding}) var<storage, read_write> part: array<f32>;
+fn part_st(i: u32, v: f32) {{ part[i] = v; }}
+fn part_ld(i: u32) -> f32 {{ return part[i]; }}"
+            );
+        }
+        Some(Scratch::Units { partials_at }) => {
+            let _ = writeln!(
+                head,
+                "@group(0) @binding({binding}) var<storage, read_write> part: array<vec4<u32>>;"
+            );
+            if let Some(at) = partials_at {
+                // `at` is whole units (the copy's), so word w of the
+                // partial sums is component w % 4 of unit at / 4 + w / 4.
+                let _ = writeln!(
+                    head,
+                    "fn part_st(i: u32, v: f32) {{ part[{u}u + i / 4u][i % 4u] = bitcast<u32>(v); }}
+fn part_ld(i: u32) -> f32 {{ return bitcast<f32>(part[{u}u + i / 4u][i % 4u]); }}",
+                    u = at / 4
+                );
+            }
+        }
+        None => {}
     }
     head.push_str(src);
     match caps.coop {
