@@ -1041,3 +1041,50 @@ fn device_loops_follow_the_options() {
     assert!(!Runtime::wgpu(off).device_loops());
     assert_eq!(Runtime::wgpu(half).device_loops(), !f16);
 }
+
+/// An output that is a slice of a larger buffer reads back only the
+/// slice's range (f32, and f16 activations at odd element offsets, whose
+/// range widens to whole words), with the slice's values.
+#[test]
+fn sliced_outputs_read_back_only_their_range() {
+    use sdkit_compute::backend::wgpu::Options;
+    use sdkit_compute::tensor::GraphBuilder;
+    for f16_activations in [false, true] {
+        let gpu = match WgpuBackend::with_options(&Options {
+            f16_activations,
+            ..Options::default()
+        }) {
+            Ok(g) => g,
+            Err(e) => {
+                no_adapter("sliced outputs", e);
+                return;
+            }
+        };
+        let half = gpu.f16_activations;
+        let g = GraphBuilder::new();
+        let y = g
+            .input("x", &[5, 7])
+            .and_then(|x| x.mul_scalar(2.0).slice(0, 1, 4))
+            .expect("builds");
+        let g = g.finish(&[y]);
+        let prog = plan(&g).expect("plans");
+        assert_ne!(
+            prog.outputs[0].offset, 0,
+            "the output is a view into its buffer:\n{prog}"
+        );
+        let b = bindings(&g, 3);
+        let before = gpu.bytes_downloaded();
+        let got = gpu.run(&prog, &b).expect("runs").remove(0);
+        let want = cpu::run(&prog, &b).expect("cpu runs").remove(0);
+        assert_eq!(got.shape, [3, 7]);
+        assert!(
+            nmse(&got.data, &want.data) < if half { 2e-5 } else { tolerance(&gpu) },
+            "f16 {half}: {:?} vs {:?}\n{prog}",
+            got.data,
+            want.data
+        );
+        // 21 elements from element 7: f32 words, or f16 from 6 to 28.
+        let bytes = if half { 22 * 2 } else { 21 * 4 };
+        assert_eq!(gpu.bytes_downloaded() - before, bytes, "f16 {half}");
+    }
+}

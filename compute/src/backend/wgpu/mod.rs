@@ -540,6 +540,14 @@ impl WgpuBackend {
 
     /// Bytes a buffer of `len` elements occupies (bindings are multiples
     /// of 4 bytes).
+    /// Whether buffers of `kind` are stored as f16.
+    fn stores_half(&self, kind: &BufferKind) -> bool {
+        match kind {
+            BufferKind::Weight(_) => self.f16_weights,
+            _ => self.f16_activations,
+        }
+    }
+
     fn stored_bytes(&self, len: usize, half: bool) -> u64 {
         if half {
             (len as u64 * 2).div_ceil(4) * 4
@@ -959,6 +967,19 @@ fn decode(bytes: &[u8], half: bool) -> Vec<f32> {
 }
 
 /// Applies a view to its buffer's data (relative to the buffer start).
+/// The part of output `v`'s buffer a readback copies, as (first element,
+/// elements): the view's first element to its last (a slice of a larger
+/// buffer reads only itself), widened for f16 storage to whole 4-byte
+/// words, the copy's alignment (the buffer's storage is whole words).
+fn read_range(v: &crate::plan::View, half: bool) -> (usize, usize) {
+    let (mut lo, mut hi) = (v.offset, v.offset + v.span());
+    if half {
+        lo -= lo % 2;
+        hi += hi % 2;
+    }
+    (lo, hi - lo)
+}
+
 fn read_view(v: &crate::plan::View, data: &[f32]) -> Vec<f32> {
     let n = v.numel();
     let mut out = Vec::with_capacity(n);

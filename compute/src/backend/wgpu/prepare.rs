@@ -270,19 +270,17 @@ impl WgpuBackend {
         drop(cache);
         self.save_pipeline_cache();
         let live_bytes = activation_bytes + stream.as_ref().map_or(0, |s| s.arena.size());
-        // One readback buffer per output, reused every run.
+        // One readback buffer per output, reused every run, as large as
+        // the part of its buffer the output's view covers.
         let readback = prog
             .outputs
             .iter()
             .map(|v| {
-                let b = prog.buffer(v.buffer);
-                let half = match b.kind {
-                    BufferKind::Weight(_) => self.f16_weights,
-                    _ => self.f16_activations,
-                };
+                let half = self.stores_half(&prog.buffer(v.buffer).kind);
+                let (_, len) = read_range(v, half);
                 self.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("readback"),
-                    size: self.stored_bytes(b.len, half),
+                    size: self.stored_bytes(len, half).max(4),
                     usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 })

@@ -137,7 +137,12 @@ impl Prepared<'_> {
                 .outputs
                 .get(o)
                 .ok_or_else(|| BindError::MissingInput(format!("output {o}")))?;
-            reads.push((self.output_buffer(v)?, &self.readback[o]));
+            let half = self.backend.stores_half(&self.prog.buffer(v.buffer).kind);
+            let (lo, len) = read_range(v, half);
+            let (buf, off) = self.output_buffer(v)?;
+            let elem = if half { 2 } else { 4 };
+            let bytes = self.backend.stored_bytes(len, half);
+            reads.push(((buf, off + lo as u64 * elem), &self.readback[o], bytes));
         }
         let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         for (buf, data) in uploads {
@@ -165,8 +170,10 @@ impl Prepared<'_> {
         // Read back the outputs' whole buffers (their views applied after),
         // before any carry: an output may be a carried input itself (a
         // sampler's history passed on), which its carry overwrites.
-        for ((src, off), st) in reads {
-            encoder.copy_buffer_to_buffer(src, off, st, 0, st.size());
+        for ((src, off), st, bytes) in reads {
+            if bytes > 0 {
+                encoder.copy_buffer_to_buffer(src, off, st, 0, bytes);
+            }
         }
         // Carried outputs are copied into their inputs' buffers after
         // every dispatch of this run has read them.
@@ -190,9 +197,12 @@ impl Prepared<'_> {
         let mut outs: Vec<Option<Array>> = vec![None; self.prog.outputs.len()];
         for &o in read {
             let (v, st) = (&self.prog.outputs[o], &self.readback[o]);
-            let half = match self.prog.buffer(v.buffer).kind {
-                BufferKind::Weight(_) => self.backend.f16_weights,
-                _ => self.backend.f16_activations,
+            let half = self.backend.stores_half(&self.prog.buffer(v.buffer).kind);
+            // The readback starts at the range's first element.
+            let (lo, _) = read_range(v, half);
+            let local = View {
+                offset: v.offset - lo,
+                ..v.clone()
             };
             let slice = st.slice(..);
             map_for_reading(&self.backend.device, &slice)?;
@@ -203,7 +213,7 @@ impl Prepared<'_> {
             self.backend
                 .downloaded
                 .fetch_add(st.size(), std::sync::atomic::Ordering::Relaxed);
-            outs[o] = Some(Array::new(v.shape.clone(), read_view(v, &data)));
+            outs[o] = Some(Array::new(v.shape.clone(), read_view(&local, &data)));
         }
         Ok(outs)
     }
