@@ -1,5 +1,6 @@
 //! Cross-node fusion on a GPU: the image nodes after VAEDecode (invert,
-//! blur, bilinear scale, sharpen, crop) join the decoder's program, so the image is read
+//! blur, bilinear scale, sharpen, crop, repeat, from batch) join the
+//! decoder's program, so the image is read
 //! back once, in its final form, and the images are those of the same
 //! nodes run one by one on the host. Where a chain cannot be taken (the
 //! decoded image read twice, a mode with no tensor form) the nodes run as
@@ -86,7 +87,9 @@ fn pixels(base: &Path, name: &str) -> Vec<u8> {
 }
 
 /// VAEDecode → ImageInvert → ImageBlur (radius 3) → ImageScaleBy
-/// (bilinear 0.75) → ImageSharpen (radius 2) → ImageCrop → SaveImage.
+/// (bilinear 0.75) → ImageSharpen (radius 2) → ImageCrop →
+/// RepeatImageBatch (2: a, b, a, b) → ImageFromBatch (from 1, 2: b, a)
+/// → SaveImage.
 fn chain(g: &mut serde_json::Value) {
     g["20"] = serde_json::json!({"class_type": "ImageInvert", "inputs": {"image": ["7", 0]}});
     g["24"] = serde_json::json!({"class_type": "ImageBlur",
@@ -97,7 +100,11 @@ fn chain(g: &mut serde_json::Value) {
         "inputs": {"image": ["21", 0], "sharpen_radius": 2, "sigma": 1.0, "alpha": 0.8}});
     g["22"] = serde_json::json!({"class_type": "ImageCrop",
         "inputs": {"image": ["25", 0], "width": 40, "height": 32, "x": 4, "y": 2}});
-    g["8"]["inputs"]["images"] = serde_json::json!(["22", 0]);
+    g["26"] = serde_json::json!({"class_type": "RepeatImageBatch",
+        "inputs": {"image": ["22", 0], "amount": 2}});
+    g["27"] = serde_json::json!({"class_type": "ImageFromBatch",
+        "inputs": {"image": ["26", 0], "batch_index": 1, "length": 2}});
+    g["8"]["inputs"]["images"] = serde_json::json!(["27", 0]);
 }
 
 #[test]
@@ -109,11 +116,11 @@ fn image_chain_after_vae_decode_runs_in_its_program() {
         return;
     };
     assert_eq!(nodes, host_nodes, "the same nodes announced");
-    for n in ["7", "20", "24", "21", "25", "22", "8"] {
+    for n in ["7", "20", "24", "21", "25", "22", "26", "27", "8"] {
         assert!(nodes.contains(n), "node {n} not announced: {nodes:?}");
     }
     // Batch 2: the host path reads the decoded 64×64 image; the fused one
-    // only the final 40×32 crop.
+    // only the final 40×32 crops (two: the batch reordered).
     let (decoded, last) = (2 * 64 * 64 * 3 * 4, 2 * 32 * 40 * 3 * 4);
     assert_eq!(
         host_bytes - fused_bytes,
@@ -127,6 +134,12 @@ fn image_chain_after_vae_decode_runs_in_its_program() {
         let worst = a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y)).max();
         assert!(worst <= Some(1), "{name}: pixels differ by {worst:?}");
     }
+    // The images come out as the second decoded image, then the first.
+    let (first, second) = (
+        pixels(fused.path(), "tiny_sd1_00001_.png"),
+        pixels(fused.path(), "tiny_sd1_00002_.png"),
+    );
+    assert_ne!(first, second, "the two seeds' images");
 }
 
 #[test]

@@ -592,7 +592,8 @@ image_node!(
             &img,
             inputs.usize("amount")?,
         )?))
-    }
+    },
+    stage |inputs| crate::image_stages::repeat_batch(inputs)
 );
 
 image_node!(
@@ -606,7 +607,8 @@ image_node!(
             inputs.usize("batch_index")?,
             inputs.usize("length")?,
         )?))
-    }
+    },
+    stage |inputs| crate::image_stages::from_batch(inputs)
 );
 
 image_node!(

@@ -1,8 +1,9 @@
 //! Image nodes in tensor form, for fused image chains: on a GPU, VAEDecode
 //! appends these to its program (see `sdkit_engine::ImageStage`), so an
 //! image that is inverted, scaled (ImageScale, ImageScaleBy,
-//! ImageScaleToTotalPixels, ImageScaleToMaxDimension), blurred, sharpened
-//! or cropped reaches the host once. Only
+//! ImageScaleToTotalPixels, ImageScaleToMaxDimension), blurred, sharpened,
+//! cropped, repeated (RepeatImageBatch) or cut from its batch
+//! (ImageFromBatch) reaches the host once. Only
 //! what the tensor ops compute as ComfyUI's PyTorch does has a stage
 //! (bilinear without antialias is `F.interpolate`'s; nearest-exact, area,
 //! bicubic and Lanczos stay on the host). The host functions in
@@ -155,6 +156,36 @@ pub fn crop(inputs: &Inputs) -> Option<ImageStage> {
             cy.saturating_add(height).min(h),
         );
         x.slice(1, cy, y1)?.slice(2, cx, x1)
+    }))
+}
+
+/// RepeatImageBatch: the whole batch `amount` times, as a broadcast along
+/// a new leading axis folded into the batch.
+pub fn repeat_batch(inputs: &Inputs) -> Option<ImageStage> {
+    let amount = inputs.usize("amount").ok().filter(|&a| a > 0)?;
+    Some(ImageStage::new("image", move |_g: &GraphBuilder, x| {
+        let [b, h, w, c] = dims(&x)?;
+        if amount == 1 {
+            return Ok(x);
+        }
+        x.reshape(&[1, b, h, w, c])?
+            .expand(&[amount, b, h, w, c])?
+            .reshape(&[amount * b, h, w, c])
+    }))
+}
+
+/// ImageFromBatch: `length` images from `batch_index`, clamped to the
+/// batch as the host clamps them.
+pub fn from_batch(inputs: &Inputs) -> Option<ImageStage> {
+    let index = inputs.usize("batch_index").ok()?;
+    let length = inputs.usize("length").ok().filter(|&l| l > 0)?;
+    Some(ImageStage::new("image", move |_g: &GraphBuilder, x| {
+        let [b, ..] = dims(&x)?;
+        if b == 0 {
+            return Err(refuse("an empty image batch", &x.shape()));
+        }
+        let r = imageops::batch_range(b, index, length);
+        x.slice(0, r.start, r.end)
     }))
 }
 

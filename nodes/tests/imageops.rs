@@ -797,6 +797,21 @@ mod stages {
                 }
             }
 
+            // The batch nodes: `cx` and `cy` as amount, index and length.
+            let amount = 1 + cx % 4;
+            let i = inputs(&[("amount", Value::Int(amount as i128))]);
+            let stage = image_stages::repeat_batch(&i).expect("repeat");
+            let want = imageops::repeat_image_batch(&img, amount).expect("repeat");
+            same(&staged(&stage, &img), &want, "repeat_batch");
+            let (index, length) = (cx % 4, 1 + cy % 4);
+            let i = inputs(&[
+                ("batch_index", Value::Int(index as i128)),
+                ("length", Value::Int(length as i128)),
+            ]);
+            let stage = image_stages::from_batch(&i).expect("from batch");
+            let want = imageops::image_from_batch(&img, index, length).expect("from batch");
+            same(&staged(&stage, &img), &want, "from_batch");
+
             if width > 0 && height > 0 {
                 let i = inputs(&[
                     ("width", Value::Int(width as i128)),

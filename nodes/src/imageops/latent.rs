@@ -230,7 +230,7 @@ pub fn latent_blend(s1: &LatentParts, s2: &LatentParts, factor: f64) -> Result<L
 
 /// `min(b − 1, index)` and `min(b − index, length)`, as ComfyUI clamps
 /// a batch selection.
-fn batch_range(b: usize, index: usize, length: usize) -> std::ops::Range<usize> {
+pub fn batch_range(b: usize, index: usize, length: usize) -> std::ops::Range<usize> {
     let i = index.min(b.saturating_sub(1));
     i..i + length.min(b - i)
 }
