@@ -273,17 +273,20 @@ fn main() {
             }
             // Staged operands element by element, as before they were
             // read in 16-byte units; convs over their NCHW input.
-            // Products' blocks in plain row order.
-            for (name, vector_staging, channels_last, raster) in [
-                ("coop element loads", false, false, true),
-                ("coop NCHW convs", true, false, true),
-                ("coop row-major grid", true, true, false),
+            // Products' blocks in plain row order. Weights and inputs
+            // bound read-write, as before they were read-only.
+            for (name, vector_staging, channels_last, raster, read_only_inputs) in [
+                ("coop element loads", false, false, true, true),
+                ("coop NCHW convs", true, false, true, true),
+                ("coop row-major grid", true, true, false, true),
+                ("coop read-write inputs", true, true, true, false),
             ] {
                 if let Ok(g) = WgpuBackend::with_options(&Options {
                     adapter: adapter.clone(),
                     vector_staging,
                     channels_last,
                     raster,
+                    read_only_inputs,
                     ..Options::default()
                 }) {
                     paths.push((name.to_string(), g));

@@ -9,7 +9,7 @@ use sdkit_compute::backend::wgpu::codegen::{
     conv_taps_first, generate, tilings, Caps, Coop, Operand,
 };
 use sdkit_compute::backend::wgpu::keep_loops;
-use sdkit_compute::plan::{plan, Command, Kernel, KernelKind, Program};
+use sdkit_compute::plan::{plan, BufferKind, Command, Kernel, KernelKind, Program};
 use sdkit_compute::tensor::{Conv2dParams, GraphBuilder, TensorGraph, UpsampleMode};
 
 fn graphs() -> Vec<(&'static str, TensorGraph)> {
@@ -181,13 +181,19 @@ fn kernel<'p>(prog: &'p Program, name: &str) -> &'p Kernel {
 
 /// Kernel `k`'s operands, each as long as its buffer (so products stage
 /// whole-unit views in 16-byte units), conv weights as the backend
-/// stores them for `cap`.
+/// stores them for `cap`, inputs outside the arena read-only as the
+/// backend binds them.
 fn whole_operands(prog: &Program, k: &Kernel, f16: bool, cap: &Caps) -> Vec<Operand> {
     let mut ops: Vec<Operand> = k
         .inputs
         .iter()
-        .chain([&k.output])
-        .map(|v| Operand::whole(f16).with_len(prog.buffer(v.buffer).len))
+        .map(|v| (v, prog.buffer(v.buffer).kind != BufferKind::Arena))
+        .chain([(&k.output, false)])
+        .map(|(v, read_only)| {
+            Operand::whole(f16)
+                .with_len(prog.buffer(v.buffer).len)
+                .reading(read_only)
+        })
         .collect();
     if let KernelKind::Conv2d { kh, kw, .. } = &k.kind {
         ops[1].taps_first = conv_taps_first(cap.coop.is_some(), kh * kw);
@@ -666,4 +672,34 @@ fn quantized_weight_readers_compile() {
     }
     eprintln!("{checked} quantized shaders validated");
     assert!(checked >= 3 * 10 * 3, "{checked}");
+}
+
+#[test]
+fn inputs_outside_the_arena_bind_read_only() {
+    // A linear over a per-run input and a weight: both are declared
+    // `read`; the arena's intermediate (the linear's output, read by the
+    // GELU after it) and every output stay read-write.
+    let g = GraphBuilder::new();
+    let y = g.input("a", &[2, 16, 24]).and_then(|a| {
+        a.linear(g.weight("w", &[8, 24])?, None)?
+            .exp()
+            .sum(&[2], false)
+    });
+    let prog = plan(&g.finish(&[y.expect("graph")])).expect("plan");
+    let caps = all_caps()[2].1;
+    let mut seen = 0;
+    for k in &prog.kernels {
+        let ops = whole_operands(&prog, k, true, &caps);
+        let src = generate(k, &ops, &caps).expect("generates").source;
+        for (j, v) in k.inputs.iter().enumerate() {
+            let arena = prog.buffer(v.buffer).kind == BufferKind::Arena;
+            let access = if arena { "read_write" } else { "read" };
+            let decl = format!("var<storage, {access}> in{j}_0");
+            assert!(src.contains(&decl), "{}: no {decl}", k.kind.name());
+            seen += usize::from(!arena);
+        }
+        assert!(src.contains("var<storage, read_write> dst_0"));
+        validate(k.kind.name(), &src);
+    }
+    assert_eq!(seen, 2, "the input and the weight:\n{prog}");
 }

@@ -83,6 +83,9 @@ pub enum WgpuError {
 
 pub use crate::weights::f32_to_f16_bits;
 
+/// A bind group layout and the pipeline layout over it.
+type Layouts = (wgpu::BindGroupLayout, wgpu::PipelineLayout);
+
 pub struct WgpuBackend {
     /// Weights are stored as f16 (compute stays f32).
     pub f16_weights: bool,
@@ -100,6 +103,8 @@ pub struct WgpuBackend {
     poison: bool,
     /// A CPU adapter (lavapipe): counted loops stay loops ([`software`]).
     software: bool,
+    /// [`Options::read_only_inputs`].
+    read_only_inputs: bool,
     backend: wgpu::Backend,
     binding_cap: Option<u64>,
     split_operands: std::sync::atomic::AtomicUsize,
@@ -108,10 +113,11 @@ pub struct WgpuBackend {
     pub adapter: AdapterReport,
     limits: wgpu::Limits,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
-    /// Bind group and pipeline layouts by binding count: every binding a
-    /// read-write storage buffer. Explicit, so both passes of a split-K
-    /// product take one bind group though each reads only some bindings.
-    layouts: Mutex<HashMap<u32, Arc<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>>>,
+    /// Bind group and pipeline layouts by their bindings' access (true:
+    /// read-only), every binding a storage buffer. Explicit, so both
+    /// passes of a split-K product take one bind group though each reads
+    /// only some bindings.
+    layouts: Mutex<HashMap<Vec<bool>, Arc<Layouts>>>,
     /// The driver's pipeline cache and the file it persists to.
     pipeline_cache: Option<(wgpu::PipelineCache, std::path::PathBuf)>,
     /// Pipelines compiled since the cache file was last written.
@@ -261,6 +267,7 @@ impl WgpuBackend {
             bounds_checks: opts.bounds_checks,
             poison: opts.poison_workgroup_memory,
             software: adapter.get_info().device_type == wgpu::DeviceType::Cpu,
+            read_only_inputs: opts.read_only_inputs,
             backend: adapter.get_info().backend,
             binding_cap: opts.max_binding_bytes,
             split_operands: std::sync::atomic::AtomicUsize::new(0),
@@ -405,21 +412,24 @@ impl WgpuBackend {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The layouts of `bindings` read-write storage bindings.
-    fn layout(&self, bindings: u32) -> Arc<(wgpu::BindGroupLayout, wgpu::PipelineLayout)> {
+    /// The layouts of storage bindings whose access `read_only` gives,
+    /// binding by binding.
+    fn layout(&self, read_only: &[bool]) -> Arc<Layouts> {
         let mut layouts = self
             .layouts
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         layouts
-            .entry(bindings)
+            .entry(read_only.to_vec())
             .or_insert_with(|| {
-                let entries: Vec<wgpu::BindGroupLayoutEntry> = (0..bindings)
-                    .map(|binding| wgpu::BindGroupLayoutEntry {
-                        binding,
+                let entries: Vec<wgpu::BindGroupLayoutEntry> = read_only
+                    .iter()
+                    .enumerate()
+                    .map(|(binding, &read_only)| wgpu::BindGroupLayoutEntry {
+                        binding: binding as u32,
                         visibility: wgpu::ShaderStages::COMPUTE,
                         ty: wgpu::BindingType::Buffer {
-                            ty: wgpu::BufferBindingType::Storage { read_only: false },
+                            ty: wgpu::BufferBindingType::Storage { read_only },
                             has_dynamic_offset: false,
                             min_binding_size: None,
                         },
@@ -444,10 +454,15 @@ impl WgpuBackend {
             .clone()
     }
 
-    /// The pipeline of `source`, whose bindings are `bindings` read-write
-    /// storage buffers (compiled once per source).
-    fn pipeline(&self, source: &str, bindings: u32) -> Result<Arc<wgpu::ComputePipeline>, String> {
-        let layout = self.layout(bindings);
+    /// The pipeline of `source`, whose storage bindings' access
+    /// `read_only` gives (compiled once per source: the source declares
+    /// the same access).
+    fn pipeline(
+        &self,
+        source: &str,
+        read_only: &[bool],
+    ) -> Result<Arc<wgpu::ComputePipeline>, String> {
+        let layout = self.layout(read_only);
         let mut cache = self
             .pipelines
             .lock()
@@ -663,13 +678,28 @@ impl WgpuBackend {
         quant: &QuantWeights,
     ) -> Vec<(codegen::Operand, u64)> {
         let mut operands = Vec::new();
-        for v in k.inputs.iter().chain(std::iter::once(&k.output)) {
+        for (j, v) in k
+            .inputs
+            .iter()
+            .chain(std::iter::once(&k.output))
+            .enumerate()
+        {
             let b = prog.buffer(v.buffer);
+            // Weights and per-run inputs live in buffers of their own (or
+            // the streamed weights' buffer) that no kernel writes; the
+            // arena holds the output too, so its inputs stay read-write.
+            let read_only = j < k.inputs.len()
+                && self.read_only_inputs
+                && !matches!(b.kind, BufferKind::Arena)
+                && v.buffer != k.output.buffer;
             if let Some(q) = match &b.kind {
                 BufferKind::Weight(n) => quant.get(n),
                 _ => None,
             } {
-                operands.push((codegen::Operand::quantized(*q), q.bytes(b.len)));
+                operands.push((
+                    codegen::Operand::quantized(*q).reading(read_only),
+                    q.bytes(b.len),
+                ));
                 continue;
             }
             let taps_first = matches!(&b.kind, BufferKind::Weight(n) if taps.contains_key(n));
@@ -683,6 +713,7 @@ impl WgpuBackend {
             let op = if bytes <= limit {
                 codegen::Operand {
                     taps_first,
+                    read_only,
                     ..codegen::Operand::whole(half).with_len(b.len)
                 }
             } else {
@@ -696,6 +727,7 @@ impl WgpuBackend {
                     taps_first,
                     quant: None,
                     len: Some(b.len),
+                    read_only,
                 }
             };
             operands.push((op, bytes));

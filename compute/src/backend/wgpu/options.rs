@@ -51,6 +51,10 @@ pub struct Options {
     /// Cooperative GEMM workgroups take their output blocks in grouped
     /// order ([`codegen::Caps::raster`]); off only to compare.
     pub raster: bool,
+    /// Kernel inputs that no binding of their dispatch writes (weights,
+    /// per-run inputs) are bound read-only ([`codegen::Operand::read_only`]);
+    /// off only to compare.
+    pub read_only_inputs: bool,
     /// Compile shaders with all of wgpu's runtime checks: index clamping
     /// on every array access, a counter bounding every loop, guarded
     /// integer division and zeroed workgroup memory. Off by default: the
@@ -127,6 +131,7 @@ impl Default for Options {
             vector_staging: true,
             channels_last: true,
             raster: true,
+            read_only_inputs: true,
             shader_checks: false,
             bounds_checks: false,
             poison_workgroup_memory: false,

@@ -208,11 +208,11 @@ impl WgpuBackend {
                 };
                 shader = codegen::generate(k, &layouts, &caps).map_err(unsupported)?;
             }
-            let bindings = total_bindings as u32 + u32::from(shader.scratch_words().is_some());
+            let access = codegen::read_only_bindings(&layouts, shader.scratch_words().is_some());
             let mut passes = Vec::new();
             for (source, groups) in shader.passes() {
                 let pipeline =
-                    self.pipeline(source, bindings)
+                    self.pipeline(source, &access)
                         .map_err(|m| WgpuError::Unsupported {
                             kernel: ki,
                             kind: k.kind.name(),
@@ -251,7 +251,7 @@ impl WgpuBackend {
             }
             let group = Arc::new(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: None,
-                layout: &self.layout(bindings).0,
+                layout: &self.layout(&access).0,
                 entries: &entries,
             }));
             prepared.push(

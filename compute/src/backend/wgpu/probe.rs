@@ -414,9 +414,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             probe: name.to_string(),
             message,
         };
-        let n = buffers.len() as u32;
-        let pipeline = self.pipeline(src, n).map_err(err)?;
-        let layout = self.layout(n);
+        let access = vec![false; buffers.len()];
+        let pipeline = self.pipeline(src, &access).map_err(err)?;
+        let layout = self.layout(&access);
         let entries: Vec<wgpu::BindGroupEntry> = buffers
             .iter()
             .enumerate()

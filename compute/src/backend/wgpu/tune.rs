@@ -670,11 +670,11 @@ impl WgpuBackend {
         shader: &codegen::Shader,
         operands: &Operands,
     ) -> Result<bool, WgpuError> {
-        let operand_bindings: usize = operands.layouts.iter().map(|(o, _)| o.chunks).sum();
-        let bindings = (operand_bindings + usize::from(shader.scratch_words().is_some())) as u32;
+        let layouts: Vec<codegen::Operand> = operands.layouts.iter().map(|(o, _)| *o).collect();
+        let access = codegen::read_only_bindings(&layouts, shader.scratch_words().is_some());
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let built = self.variant_passes(shader, bindings, operands.layouts, &operands.at);
+        let built = self.variant_passes(shader, &access, operands.layouts, &operands.at);
         let oom = pollster::block_on(oom.pop());
         let invalid = pollster::block_on(scope.pop());
         let passes = match (built, oom, invalid) {
@@ -779,7 +779,7 @@ impl WgpuBackend {
     fn variant_passes(
         &self,
         shader: &codegen::Shader,
-        bindings: u32,
+        access: &[bool],
         layouts: &[(codegen::Operand, u64)],
         at: &[(&wgpu::Buffer, u64)],
     ) -> Result<Vec<Pass>, String> {
@@ -803,14 +803,14 @@ impl WgpuBackend {
         }
         let group = Arc::new(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: None,
-            layout: &self.layout(bindings).0,
+            layout: &self.layout(access).0,
             entries: &entries,
         }));
         shader
             .passes()
             .into_iter()
             .map(|(source, groups)| {
-                Ok((self.pipeline(source, bindings)?, Arc::clone(&group), groups))
+                Ok((self.pipeline(source, access)?, Arc::clone(&group), groups))
             })
             .collect()
     }

@@ -283,6 +283,22 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     (body, grid(units), units * 4)
 }
 
+/// Whether each binding of a kernel with these operands (inputs, then
+/// the output; `scratch`: one more after them) is read-only, in binding
+/// order: what its bind group layout declares.
+pub fn read_only_bindings(operands: &[Operand], scratch: bool) -> Vec<bool> {
+    let n = operands.len();
+    let mut out = Vec::new();
+    for (j, op) in operands.iter().enumerate() {
+        let chunks = if op.quant.is_some() { 1 } else { op.chunks };
+        out.extend(std::iter::repeat_n(op.read_only && j + 1 < n, chunks));
+    }
+    if scratch {
+        out.push(false);
+    }
+    out
+}
+
 /// How a kernel's passes use the scratch binding `part`.
 #[derive(Clone, Copy, Debug)]
 enum Scratch {
@@ -313,6 +329,11 @@ pub struct Operand {
     /// Elements the tensor holds, where known: a product may stage a
     /// tensor of whole 16-byte units in units ([`units::Vector`]).
     pub len: Option<usize>,
+    /// An input in a buffer no binding of the dispatch writes (a weight,
+    /// a per-run input; never the activation arena, which the output is
+    /// bound from): declared `read`, so drivers may read it through
+    /// their read-only caches.
+    pub read_only: bool,
 }
 
 impl Operand {
@@ -324,7 +345,13 @@ impl Operand {
             taps_first: false,
             quant: None,
             len: None,
+            read_only: false,
         }
+    }
+
+    /// The same binding, read-only or not (see [`Operand::read_only`]).
+    pub fn reading(self, read_only: bool) -> Self {
+        Operand { read_only, ..self }
     }
 
     /// The same binding, of a tensor of `len` elements.
@@ -997,6 +1024,11 @@ fn bind(
     let mut binding = 0;
     for (j, op) in operands.iter().enumerate() {
         let is_out = j == n_inputs;
+        let access = if op.read_only && !is_out {
+            "read"
+        } else {
+            "read_write"
+        };
         let name = if is_out {
             "dst".to_string()
         } else {
@@ -1008,7 +1040,7 @@ fn bind(
             }
             let _ = writeln!(
                 head,
-                "@group(0) @binding({binding}) var<storage, read_write> {name}_0: array<u32>;"
+                "@group(0) @binding({binding}) var<storage, {access}> {name}_0: array<u32>;"
             );
             binding += 1;
             head.push_str(&quant_reader(j, q)?);
@@ -1034,7 +1066,7 @@ fn bind(
             };
             let _ = writeln!(
                 head,
-                "@group(0) @binding({binding}) var<storage, read_write> {name}_0: array<{unit}>;
+                "@group(0) @binding({binding}) var<storage, {access}> {name}_0: array<{unit}>;
 fn vld{j}(u: u32) -> {unit} {{ return {name}_0[u]; }}
 fn rd{j}(i: u32) -> f32 {{ {rd} }}"
             );
@@ -1044,7 +1076,7 @@ fn rd{j}(i: u32) -> f32 {{ {rd} }}"
         for c in 0..op.chunks {
             let _ = writeln!(
                 head,
-                "@group(0) @binding({binding}) var<storage, read_write> {name}_{c}: array<{ty}>;"
+                "@group(0) @binding({binding}) var<storage, {access}> {name}_{c}: array<{ty}>;"
             );
             binding += 1;
         }
