@@ -420,27 +420,23 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
             // Units per padded row (the head's width is whole units, so a
             // unit is wholly in the head or wholly padding).
             let per_row = padded / w;
-            let write = unit_writes(array, &format!("kr * {stride}u + t"), "v", "f16", w, 1);
+            let slot = format!("kr * {stride}u + t");
+            let load = format!(
+                "            var v = {zero};
+            if ({from} + kr < {skv}u && t < {width}u) {{ v = vld{j}({offset}(bh, {from} + kr, t) / {w}u); }}
+",
+                zero = unit_zero(w),
+                skv = self.skv,
+            );
             let body = match into {
                 Dest::Tile => format!(
-                    "            var v = {zero};
-            if ({from} + kr < {skv}u && t < {width}u) {{ v = vld{j}({offset}(bh, {from} + kr, t) / {w}u); }}
-            {write}
-",
-                    zero = unit_zero(w),
-                    skv = self.skv,
+                    "{load}            {}\n",
+                    unit_writes(array, &slot, "v", "f16", w, 1)
                 ),
-                Dest::Registers => format!(
-                    "            var v = {zero};
-            if ({from} + kr < {skv}u && t < {width}u) {{ v = vld{j}({offset}(bh, {from} + kr, t) / {w}u); }}
-            p{array}[se] = v;
-",
-                    zero = unit_zero(w),
-                    skv = self.skv,
-                ),
+                Dest::Registers => format!("{load}            p{array}[se] = v;\n"),
                 Dest::Commit => format!(
                     "            {}\n",
-                    unit_writes(array, &format!("kr * {stride}u + t"), &format!("p{array}[se]"), "f16", w, 1)
+                    unit_writes(array, &slot, &format!("p{array}[se]"), "f16", w, 1)
                 ),
             };
             return strided(
@@ -453,6 +449,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                 ),
             );
         }
+        // Element by element only straight into the tile: prefetch needs
+        // units (`CoopAttention::new`).
+        debug_assert!(matches!(into, Dest::Tile));
         let input = format!("rd{j}");
         self.by_rows(
             "        ",
