@@ -271,6 +271,14 @@ fn main() {
                     paths.push((name.to_string(), g));
                 }
             }
+            // Single-pass attention with 128 queries a workgroup.
+            if let Ok(g) = WgpuBackend::with_options(&Options {
+                adapter: adapter.clone(),
+                attention_tiles: 2,
+                ..Options::default()
+            }) {
+                paths.push(("coop two query tiles".to_string(), g));
+            }
             // Staged operands element by element, as before they were
             // read in 16-byte units; convs over their NCHW input.
             // Products' blocks in plain row order. Weights and inputs
@@ -370,7 +378,8 @@ fn main() {
                 || (path == "coop prefetch" && !prefetched)
                 || (path == "coop no split-K" && !split)
                 || (path == "f32 no split" && case.name != "group_norm")
-                || (path == "coop 2-pass" && case.name != "attention")
+                || ((path == "coop 2-pass" || path == "coop two query tiles")
+                    && case.name != "attention")
             {
                 continue;
             }

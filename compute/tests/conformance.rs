@@ -95,6 +95,21 @@ fn gpu_coop_prefetch() -> Option<&'static WgpuBackend> {
     )
 }
 
+/// Single-pass attention with two query tiles a subgroup (on emulated
+/// 8-lane fragments: two rows a lane).
+fn gpu_coop_tiles() -> Option<&'static WgpuBackend> {
+    static TILES: GpuSlot = std::sync::OnceLock::new();
+    coop_slot(
+        &TILES,
+        Options {
+            attention_tiles: 2,
+            emulate_coopmat: true,
+            poison_workgroup_memory: true,
+            ..Options::default()
+        },
+    )
+}
+
 fn coop_slot(slot: &'static GpuSlot, opts: Options) -> Option<&'static WgpuBackend> {
     slot.get_or_init(|| {
         let b = WgpuBackend::with_options(&opts).ok()?;
@@ -193,13 +208,22 @@ fn run_wgpu_coop_prefetch(
     run_on(gpu_coop_prefetch(), p, inputs)
 }
 
-/// The attention tests' extra backend: single-pass attention prefetching
-/// its key blocks, where the cooperative path runs here.
-fn prefetch_backend() -> Vec<(&'static str, Runner, f64)> {
-    match gpu_coop_prefetch() {
-        Some(_) => vec![("wgpu-coop-prefetch", run_wgpu_coop_prefetch, F16_NMSE)],
-        None => Vec::new(),
+fn run_wgpu_coop_tiles(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
+    run_on(gpu_coop_tiles(), p, inputs)
+}
+
+/// The attention tests' extra backends, where the cooperative path runs
+/// here: single-pass attention prefetching its key blocks, and with two
+/// query tiles a subgroup.
+fn attention_backends() -> Vec<(&'static str, Runner, f64)> {
+    let mut v: Vec<(&'static str, Runner, f64)> = Vec::new();
+    if gpu_coop_prefetch().is_some() {
+        v.push(("wgpu-coop-prefetch", run_wgpu_coop_prefetch, F16_NMSE));
     }
+    if gpu_coop_tiles().is_some() {
+        v.push(("wgpu-coop-tiles", run_wgpu_coop_tiles, F16_NMSE));
+    }
+    v
 }
 
 fn run_wgpu_f16(p: &Program, inputs: &HashMap<String, Array>) -> Result<Vec<Array>, String> {
@@ -956,7 +980,7 @@ fn attention_heads_of_sd_widths() {
         let inputs = inputs_for(&g, 20 + i as u64, 0);
         let mut on = backends(d == 40);
         if d == 40 {
-            on.extend(prefetch_backend());
+            on.extend(attention_backends());
         }
         check_with(g, &inputs, 1e-9, on).expect("attention");
     }
@@ -964,10 +988,14 @@ fn attention_heads_of_sd_widths() {
 
 #[test]
 fn attention_with_growing_scores_rescales() {
-    // Scores that climb along the keys (a ramp in the additive mask): every
-    // block or two raises a row's maximum by more than the single-pass
-    // kernel's margin, so its output fragments are rescaled by factors far
-    // from 0 and 1, between blocks that only accumulate.
+    // Scores that climb along the keys in every other row (a ramp in the
+    // additive mask): every block or two raises those rows' maxima by more
+    // than the single-pass kernel's margin, so the workgroup's output
+    // fragments are rescaled between blocks that only accumulate. The
+    // climbing rows' old sums shrink to nothing; the flat rows between
+    // them keep theirs (factors of 1, or between e^-8 and 1 where their
+    // maximum grew a little), so a row scaled by the wrong factor, or
+    // fragments put back in the wrong place, shows.
     let (sq, skv) = (40, 200);
     let g = build(|g| {
         g.input("q", &[1, 2, sq, 24])?.attention(
@@ -978,11 +1006,18 @@ fn attention_with_growing_scores_rescales() {
         )
     });
     let mut inputs = inputs_for(&g, 41, 0);
-    // Steps of 1/4 stay exact in f16 storage.
-    let ramp = (0..sq * skv).map(|i| 0.25 * (i % skv) as f32).collect();
+    // Steps of 1/4 stay exact in f16 storage; the jitter (up to one)
+    // keeps the flat rows' softmaxes apart.
+    let ramp = (0..sq * skv)
+        .map(|i| {
+            let (row, key) = (i / skv, i % skv);
+            let climb = if row % 2 == 0 { 0.25 * key as f32 } else { 0.0 };
+            climb + 0.25 * ((row * 7 + key * 13) % 5) as f32
+        })
+        .collect();
     inputs.insert("mask".into(), Array::new(vec![sq, skv], ramp));
     let mut on = backends(true);
-    on.extend(prefetch_backend());
+    on.extend(attention_backends());
     check_with(g, &inputs, 1e-9, on).expect("attention");
 }
 

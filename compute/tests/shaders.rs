@@ -229,6 +229,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 workgroup_memory: 49152,
                 gemm_tiles: None,
                 two_pass_attention: false,
+                attention_tiles: 1,
                 split_k: true,
                 prefetch: false,
                 double_buffer: false,
@@ -245,6 +246,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                 workgroup_memory: 32768,
                 gemm_tiles: None,
                 two_pass_attention: false,
+                attention_tiles: 1,
                 split_k: true,
                 prefetch: false,
                 double_buffer: false,
@@ -334,9 +336,26 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
             ..caps[2].1
         },
     ));
+    // Single-pass attention with two query tiles a subgroup: 32 rows on
+    // 32 lanes, 16 rows on 32 lanes (two lanes a row), 32 rows on 64.
+    for (tile, subgroup) in [(16, 32), (8, 32), (16, 64)] {
+        caps.push((
+            "two query tiles",
+            Caps {
+                coop: Some(Coop {
+                    tile,
+                    subgroup,
+                    emulated: false,
+                }),
+                attention_tiles: 2,
+                ..caps[2].1
+            },
+        ));
+    }
     // The emulated fragments CI runs on lavapipe (8 lanes), both forms,
-    // each with and without prefetch.
-    for two_pass_attention in [false, true] {
+    // each with and without prefetch, and two query tiles (two rows a
+    // lane).
+    for (two_pass_attention, attention_tiles) in [(false, 1), (true, 1), (false, 2)] {
         for prefetch in [false, true] {
             caps.push((
                 "coop8 emulated",
@@ -347,6 +366,7 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
                         emulated: true,
                     }),
                     two_pass_attention,
+                    attention_tiles,
                     prefetch,
                     ..caps[3].1
                 },
@@ -565,6 +585,7 @@ fn split_k_fills_a_large_gpu_at_sd_deep_levels() {
         workgroup_memory: 49152,
         gemm_tiles: None,
         two_pass_attention: false,
+        attention_tiles: 1,
         split_k: true,
         prefetch: false,
         double_buffer: false,
@@ -672,6 +693,44 @@ fn quantized_weight_readers_compile() {
     }
     eprintln!("{checked} quantized shaders validated");
     assert!(checked >= 3 * 10 * 3, "{checked}");
+}
+
+#[test]
+fn single_pass_attention_takes_two_query_tiles_where_they_fit() {
+    // On 16×16 fragments with 48 KiB: heads of 40, 64 and 80 take two
+    // query tiles a subgroup (a second probability fragment `pa1`, each
+    // V fragment loaded once for both); 160 needs more score rows than
+    // fit and keeps one, still in one pass.
+    for (d, two) in [(40, true), (64, true), (80, true), (160, false)] {
+        let g = GraphBuilder::new();
+        let y = g.input("q", &[2, 8, 300, d]).and_then(|q| {
+            q.attention(
+                g.input("k", &[2, 8, 300, d])?,
+                g.input("v", &[2, 8, 300, d])?,
+                None,
+                0.1,
+            )
+        });
+        let prog = plan(&g.finish(&[y.expect("attention")])).expect("plan");
+        let k = kernel(&prog, "attention");
+        let cap = Caps {
+            attention_tiles: 2,
+            ..all_caps()[2].1
+        };
+        let ops = whole_operands(&prog, k, true, &cap);
+        let sh = generate(k, &ops, &cap).expect("generates");
+        assert_eq!(sh.source.contains("let pa1 = "), two, "d {d}");
+        assert!(
+            sh.source.contains("atomicOr(&rescale"),
+            "d {d}: single pass"
+        );
+        // 128 queries a workgroup against 64: half the workgroups.
+        let one = generate(k, &ops, &all_caps()[2].1).expect("generates");
+        let blocks = |s: &sdkit_compute::backend::wgpu::codegen::Shader| s.groups[0];
+        let want = if two { 16 * 3 } else { 16 * 5 };
+        assert_eq!((blocks(&sh), blocks(&one)), (want, 16 * 5), "d {d}");
+        validate(&format!("d {d}"), &sh.source);
+    }
 }
 
 #[test]

@@ -250,6 +250,7 @@ impl WgpuBackend {
             workgroup_memory: limits.max_compute_workgroup_storage_size,
             gemm_tiles: opts.gemm_tiles,
             two_pass_attention: opts.two_pass_attention,
+            attention_tiles: opts.attention_tiles,
             split_k: opts.split_k,
             prefetch: opts.prefetch,
             double_buffer: opts.double_buffer,

@@ -25,6 +25,10 @@ pub struct Options {
     pub gemm_tiles: Option<codegen::CoopTiles>,
     /// Cooperative attention in two passes (see [`codegen::Caps`]).
     pub two_pass_attention: bool,
+    /// Query tiles per subgroup of single-pass cooperative attention
+    /// ([`codegen::Caps::attention_tiles`]); 1 until a GPU run shows 2
+    /// helps (tuning tries it).
+    pub attention_tiles: usize,
     /// Where the adapter has no cooperative matrices (but SUBGROUP and
     /// SHADER_F16 with a fixed subgroup size), run the cooperative kernels
     /// on fragments emulated in plain WGSL: much slower, for testing those
@@ -124,6 +128,7 @@ impl Default for Options {
             max_binding_bytes: None,
             gemm_tiles: None,
             two_pass_attention: false,
+            attention_tiles: 1,
             emulate_coopmat: false,
             split_k: true,
             prefetch: false,

@@ -52,6 +52,14 @@ pub struct Variant {
     pub double_buffer: bool,
     /// Attention in two passes over the keys.
     pub two_pass_attention: bool,
+    /// Query tiles per subgroup of single-pass attention (tables written
+    /// before it existed read as 1).
+    #[serde(default = "one")]
+    pub attention_tiles: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Variant {
@@ -63,6 +71,7 @@ impl Variant {
             prefetch: caps.prefetch,
             double_buffer: caps.double_buffer,
             two_pass_attention: caps.two_pass_attention,
+            attention_tiles: caps.attention_tiles,
         }
     }
 
@@ -74,6 +83,7 @@ impl Variant {
             prefetch: self.prefetch,
             double_buffer: self.double_buffer,
             two_pass_attention: self.two_pass_attention,
+            attention_tiles: self.attention_tiles,
             ..*caps
         }
     }
@@ -84,14 +94,19 @@ impl Variant {
     pub fn describe(&self, kind: &str) -> String {
         if kind == "attention" {
             let form = if self.two_pass_attention {
-                "two-pass"
+                "two-pass".to_string()
+            } else if self.attention_tiles > 1 {
+                format!(
+                    "single-pass, {} query tiles a subgroup",
+                    self.attention_tiles
+                )
             } else {
-                "single-pass"
+                "single-pass".to_string()
             };
             return if self.prefetch {
                 format!("{form}, prefetch")
             } else {
-                form.into()
+                form
             };
         }
         let mut d = match self.tiles {
@@ -295,17 +310,25 @@ fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
                 ..base
             }))
             .collect(),
-        // Both forms, each with and without its key blocks prefetched.
-        "attention" => [false, true]
-            .into_iter()
-            .flat_map(|flip_form| {
-                [false, true].map(|flip_prefetch| Variant {
-                    two_pass_attention: base.two_pass_attention != flip_form,
-                    prefetch: base.prefetch != flip_prefetch,
-                    ..base
-                })
-            })
-            .collect(),
+        // Both forms, each with and without its key blocks prefetched,
+        // and the single pass with two query tiles a subgroup.
+        "attention" => {
+            let mut forms = vec![base];
+            for (two_pass_attention, attention_tiles) in [(false, 1), (true, 1), (false, 2)] {
+                for prefetch in [false, true] {
+                    let v = Variant {
+                        two_pass_attention,
+                        attention_tiles,
+                        prefetch,
+                        ..base
+                    };
+                    if !forms.contains(&v) {
+                        forms.push(v);
+                    }
+                }
+            }
+            forms
+        }
         _ => Vec::new(),
     }
 }

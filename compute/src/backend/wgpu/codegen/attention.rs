@@ -30,10 +30,20 @@ pub(super) fn attention(
     // native instruction, with no multiply before it.
     let scale = scale * std::f32::consts::LOG2_E;
     if let Some(c) = caps.coop {
+        // The single pass with the query tiles asked for, else with one
+        // (two need twice the score rows: wide heads do not fit).
+        let single =
+            |caps: &Caps| attention_coop_single(bh, sq, skv, d, dv, scale, masked, c, caps, units);
         let single = if caps.two_pass_attention {
             None
         } else {
-            attention_coop_single(bh, sq, skv, d, dv, scale, masked, c, caps, units)
+            single(caps).or_else(|| {
+                let one = Caps {
+                    attention_tiles: 1,
+                    ..*caps
+                };
+                (caps.attention_tiles > 1).then(|| single(&one)).flatten()
+            })
         };
         if let Some(code) =
             single.or_else(|| attention_coop(bh, sq, skv, d, dv, scale, masked, c, caps, units))
@@ -146,44 +156,58 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     (code, groups)
 }
 
-/// WGSL loading a subgroup's query fragments (its T rows of the staged,
-/// scaled Q tile `KQ`, rows `ks` apart) into registers `qa0…`.
-pub(super) fn coop_q_fragments(t: usize, qfrags: usize, ks: usize) -> String {
+/// WGSL loading a subgroup's query fragments (its `tiles`·T rows of the
+/// staged, scaled Q tile `KQ`, rows `ks` apart) into registers: `qa{i}`,
+/// i = tile·`qfrags` + fragment.
+pub(super) fn coop_q_fragments(t: usize, qfrags: usize, ks: usize, tiles: usize) -> String {
     let mut out = String::new();
-    for f in 0..qfrags {
-        let _ = writeln!(
-            out,
-            "    let qa{f} = coopLoadT<coop_mat{t}x{t}<f16, A>>(&KQ[sg * {}u + {}u], {ks}u);",
-            t * ks,
-            f * t
-        );
+    for r in 0..tiles {
+        for f in 0..qfrags {
+            let _ = writeln!(
+                out,
+                "    let qa{} = coopLoadT<coop_mat{t}x{t}<f16, A>>(&KQ[sg * {}u + {}u], {ks}u);",
+                r * qfrags + f,
+                tiles * t * ks,
+                r * t * ks + f * t
+            );
+        }
     }
     out
 }
 
 /// WGSL scoring the subgroup's query fragments against a staged block of
 /// `bk` keys (`KQ`, row-major by key, rows `ks` apart): f32 fragments
-/// stored into the subgroup's rows of `Ss` (rows `ss` apart).
-pub(super) fn coop_scores(t: usize, qfrags: usize, ks: usize, bk: usize, ss: usize) -> String {
+/// stored into the subgroup's `tiles`·T rows of `Ss` (rows `ss` apart).
+pub(super) fn coop_scores(
+    t: usize,
+    qfrags: usize,
+    ks: usize,
+    bk: usize,
+    ss: usize,
+    tiles: usize,
+) -> String {
     let mut out = String::new();
-    for jf in 0..bk / t {
-        let _ = writeln!(
-            out,
-            "        {{\n            var sacc = coop_mat{t}x{t}<f32, C>();"
-        );
-        for f in 0..qfrags {
+    for r in 0..tiles {
+        for jf in 0..bk / t {
             let _ = writeln!(
                 out,
-                "            sacc = coopMultiplyAdd(qa{f}, coopLoad<coop_mat{t}x{t}<f16, B>>(&KQ[{}u], {ks}u), sacc);",
-                jf * t * ks + f * t
+                "        {{\n            var sacc = coop_mat{t}x{t}<f32, C>();"
+            );
+            for f in 0..qfrags {
+                let _ = writeln!(
+                    out,
+                    "            sacc = coopMultiplyAdd(qa{}, coopLoad<coop_mat{t}x{t}<f16, B>>(&KQ[{}u], {ks}u), sacc);",
+                    r * qfrags + f,
+                    jf * t * ks + f * t
+                );
+            }
+            let _ = writeln!(
+                out,
+                "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {ss}u);\n        }}",
+                tiles * t * ss,
+                r * t * ss + jf * t
             );
         }
-        let _ = writeln!(
-            out,
-            "            coopStoreT(sacc, &Ss[sg * {}u + {}u], {ss}u);\n        }}",
-            t * ss,
-            jf * t
-        );
     }
     out
 }
@@ -194,6 +218,9 @@ pub(super) fn coop_scores(t: usize, qfrags: usize, ks: usize, bk: usize, ss: usi
 /// loads them into fragments.
 pub(super) struct CoopAttention {
     t: usize,
+    /// Query tiles (T rows each) per subgroup: `rows` = tiles·T.
+    tiles: usize,
+    rows: usize,
     bq: usize,
     dp: usize,
     dvp: usize,
@@ -258,8 +285,8 @@ pub(super) const COOP_ATTN_SUBGROUPS: usize = 4;
 
 impl CoopAttention {
     /// The largest key block (64, 32 or 16, at least T, a multiple of
-    /// `lanes_per_row`) whose workgroup arrays, plus `extra_bytes`, fit;
-    /// None when none does.
+    /// `lanes_per_row`) whose workgroup arrays, plus `extra_bytes`, fit,
+    /// for subgroups of `tiles` query tiles; None when none does.
     #[allow(clippy::too_many_arguments)]
     fn new(
         bh: usize,
@@ -267,14 +294,15 @@ impl CoopAttention {
         scale: f32,
         c: Coop,
         caps: &Caps,
-        lanes_per_row: usize,
+        (tiles, lanes_per_row): (usize, usize),
         extra_bytes: usize,
         units: Units,
     ) -> Option<Self> {
         const NS: usize = COOP_ATTN_SUBGROUPS;
         let t = c.tile as usize;
         let lanes = c.subgroup as usize;
-        let bq = NS * t;
+        let rows = tiles * t;
+        let bq = NS * rows;
         let dp = d.div_ceil(t) * t;
         let dvp = dv.div_ceil(t) * t;
         let (ks, vs) = (dp + SMEM_PAD, dvp + SMEM_PAD);
@@ -284,8 +312,8 @@ impl CoopAttention {
         let bytes = |bk: usize| {
             bk.max(bq) * ks * 2
                 + bk * vs * 2
-                + NS * t * ss(bk) * 4
-                + NS * t * ps(bk) * 2
+                + NS * rows * ss(bk) * 4
+                + NS * rows * ps(bk) * 2
                 + extra_bytes
         };
         let bk = [64, 32, 16]
@@ -301,6 +329,8 @@ impl CoopAttention {
         let prefetch = caps.prefetch && whole(units[1], dp) && whole(units[2], dvp);
         Some(CoopAttention {
             t,
+            tiles,
+            rows,
             bq,
             dp,
             dvp,
@@ -360,8 +390,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 ",
             kql = bk.max(bq) * self.ks,
             vl = bk * self.vs,
-            sl = COOP_ATTN_SUBGROUPS * t * self.ss,
-            pl = COOP_ATTN_SUBGROUPS * t * self.ps,
+            sl = COOP_ATTN_SUBGROUPS * self.rows * self.ss,
+            pl = COOP_ATTN_SUBGROUPS * self.rows * self.ps,
             blocks = self.blocks,
             qblocks = self.qblocks,
             stage_q = self.by_rows(
@@ -377,7 +407,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
                     ks = self.ks,
                 )
             ),
-            qload = coop_q_fragments(t, dp / t, self.ks),
+            qload = coop_q_fragments(t, dp / t, self.ks, self.tiles),
         )
     }
 
@@ -549,14 +579,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 
     /// Scores of the subgroup's rows against the staged key block.
     fn scores(&self) -> String {
-        coop_scores(self.t, self.dp / self.t, self.ks, self.bk, self.ss)
+        coop_scores(
+            self.t,
+            self.dp / self.t,
+            self.ks,
+            self.bk,
+            self.ss,
+            self.tiles,
+        )
     }
 
-    /// The additive mask's term for score `s` of key `j0 + j`.
-    fn mask(&self, masked: bool) -> String {
+    /// The additive mask's term for score `s` of key `j0 + j`, for the
+    /// query whose index `qi` names.
+    fn mask(&self, masked: bool, qi: &str) -> String {
         if masked {
             format!(
-                "s = s + rd3(qi * {}u + j0 + j) * {};",
+                "s = s + rd3({qi} * {}u + j0 + j) * {};",
                 self.skv,
                 lit(std::f32::consts::LOG2_E)
             )
@@ -608,26 +646,35 @@ pub(super) fn attention_coop_single(
 ) -> Option<(String, [u32; 3])> {
     let t = c.tile as usize;
     let lanes = c.subgroup as usize;
-    if lanes < t || !lanes.is_multiple_of(t) {
+    let tiles = caps.attention_tiles.max(1);
+    // The subgroup's query rows, lanes per row (sharing its keys) and
+    // rows per lane (each lane's rows `lanes` apart).
+    let rows = tiles * t;
+    let (lpr, rpl) = if lanes >= rows {
+        (lanes / rows, 1)
+    } else {
+        (1, rows / lanes)
+    };
+    if !(lanes * rpl).is_multiple_of(rows) || !(rows * lpr).is_multiple_of(lanes) {
         return None;
     }
-    // Lanes per query row, and output columns per lane per fragment.
-    let lpr = lanes / t;
+    // Output columns per lane per fragment.
     if !t.is_multiple_of(lpr) {
         return None;
     }
     let cpl = t / lpr;
-    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, lpr, 4, units)?;
+    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, (tiles, lpr), 4, units)?;
     let (bk, dvp) = (a.bk, a.dvp);
     let kpl = bk / lpr;
     let ofrags = dvp / t;
-    // Output fragments per round trip: as many as the subgroup's score
-    // rows hold.
+    // Output fragment columns per round trip: as many as the subgroup's
+    // score rows hold (each column is `tiles` fragments stacked).
     let per_trip = (bk / t).max(1);
-    // Subgroup all-reduce over the lanes sharing a row (lane = part·T + row).
+    // Subgroup all-reduce over the lanes sharing a row (lane = part·rows
+    // + row).
     let reduce = |v: &str, combine: &dyn Fn(&str, &str) -> String| -> String {
         let mut out = String::new();
-        let mut mask = t;
+        let mut mask = rows;
         while mask < lanes {
             let other = format!("subgroupShuffleXor({v}, {mask}u)");
             let _ = write!(out, " {v} = {};", combine(v, &other));
@@ -635,63 +682,131 @@ pub(super) fn attention_coop_single(
         }
         out
     };
+    // A lane's rows, unrolled here: names carry the row's number where a
+    // lane has several (`m1`, `srow1`, …).
+    let sfx = |p: usize| {
+        if rpl == 1 {
+            String::new()
+        } else {
+            p.to_string()
+        }
+    };
+    let rowset: Vec<String> = (0..rpl).map(sfx).collect();
     let tt = t * t;
-    // Each subgroup's share of `Ss` and of `Ps`.
-    let sub = t * a.ss;
-    let psub = t * a.ps;
+    // Each subgroup's share of `Ss` and of `Ps`, and one stacked column of
+    // output fragments (`rows` × T).
+    let sub = rows * a.ss;
+    let psub = rows * a.ps;
+    let stack = rows * t;
+    // The output fragment of query tile r, column f.
+    let o = |r: usize, f: usize| {
+        if tiles == 1 {
+            format!("o{f}")
+        } else {
+            format!("o{}", r * ofrags + f)
+        }
+    };
     let mut o_decl = String::new();
     let mut pv_mac = String::new();
     let mut rescale = String::new();
     let mut store = String::new();
-    for f in 0..ofrags {
-        let _ = writeln!(o_decl, "    var o{f} = {}();", a.ty("C", "f32"));
-        let _ = writeln!(pv_mac, "{}", a.pv_line(&format!("o{f}"), f));
+    for r in 0..tiles {
+        for f in 0..ofrags {
+            let _ = writeln!(o_decl, "    var {} = {}();", o(r, f), a.ty("C", "f32"));
+        }
     }
-    // Round trips of up to `per_trip` fragments through the subgroup's
-    // score rows: store, scale the lane's share of its row, load back.
+    if tiles == 1 {
+        for f in 0..ofrags {
+            let _ = writeln!(pv_mac, "{}", a.pv_line(&o(0, f), f));
+        }
+    } else {
+        // Each V fragment loaded once for every query tile.
+        for f in 0..ofrags {
+            let _ = writeln!(
+                pv_mac,
+                "            let vb{f} = coopLoadT<{}>(&Vs[kf * {}u + {}u], {}u);",
+                a.ty("B", "f16"),
+                t * a.vs,
+                f * t,
+                a.vs
+            );
+            for r in 0..tiles {
+                let _ = writeln!(
+                    pv_mac,
+                    "            {acc} = coopMultiplyAdd(pa{r}, vb{f}, {acc});",
+                    acc = o(r, f)
+                );
+            }
+        }
+    }
+    // `tiles` fragments of column f stored stacked at `base`: row r·T + i
+    // of the stack is row i of tile r's fragment.
+    let store_column = |out: &mut String, f: usize, base: Option<usize>| {
+        for r in 0..tiles {
+            let at = match base {
+                Some(b) => format!(" + {}u", b + r * tt),
+                None if r == 0 => String::new(),
+                None => format!(" + {}u", r * tt),
+            };
+            let _ = writeln!(
+                out,
+                "            coopStoreT({}, &Ss[sg * {sub}u{at}], {t}u);",
+                o(r, f),
+            );
+        }
+    };
+    // Round trips of up to `per_trip` fragment columns through the
+    // subgroup's score rows: store, scale the lane's share of its rows,
+    // load back.
     for first in (0..ofrags).step_by(per_trip) {
         let trip: Vec<usize> = (first..(first + per_trip).min(ofrags)).collect();
         for (i, f) in trip.iter().enumerate() {
-            let _ = writeln!(
-                rescale,
-                "            coopStoreT(o{f}, &Ss[sg * {sub}u + {}u], {t}u);",
-                i * tt
-            );
+            store_column(&mut rescale, *f, Some(i * stack));
         }
         let _ = writeln!(rescale, "            workgroupBarrier();");
         for i in 0..trip.len() {
-            let _ = writeln!(
-                rescale,
-                "            for (var e = 0u; e < {cpl}u; e++) {{ let at = sg * {sub}u + {}u + r * {t}u + part * {cpl}u + e; Ss[at] = Ss[at] * corr; }}",
-                i * tt
-            );
+            for s in &rowset {
+                let _ = writeln!(
+                    rescale,
+                    "            for (var e = 0u; e < {cpl}u; e++) {{ let at = sg * {sub}u + {}u + r{s} * {t}u + part * {cpl}u + e; Ss[at] = Ss[at] * corr{s}; }}",
+                    i * stack
+                );
+            }
         }
         let _ = writeln!(rescale, "            workgroupBarrier();");
         for (i, f) in trip.iter().enumerate() {
-            let _ = writeln!(
-                rescale,
-                "            o{f} = coopLoadT<{}>(&Ss[sg * {sub}u + {}u], {t}u);",
-                a.ty("C", "f32"),
-                i * tt
-            );
+            for r in 0..tiles {
+                let _ = writeln!(
+                    rescale,
+                    "            {} = coopLoadT<{}>(&Ss[sg * {sub}u + {}u], {t}u);",
+                    o(r, *f),
+                    a.ty("C", "f32"),
+                    i * stack + r * tt
+                );
+            }
         }
         let _ = writeln!(rescale, "            workgroupBarrier();");
     }
-    // The epilogue: each fragment through workgroup memory, divided by the
-    // row sums.
+    // The epilogue: each fragment column through workgroup memory, divided
+    // by the row sums.
     for f in 0..ofrags {
-        let _ = writeln!(
-            store,
-            "    coopStoreT(o{f}, &Ss[sg * {sub}u], {t}u);\n    workgroupBarrier();"
-        );
+        let mut column = String::new();
+        store_column(&mut column, f, None);
+        // The stores at the epilogue's indent.
+        for line in column.lines() {
+            let _ = writeln!(store, "{}", &line[8..]);
+        }
+        let _ = writeln!(store, "    workgroupBarrier();");
         // A loop, not one line per column: the same code once unrolled
         // by a GPU's compiler, and a third of the source lavapipe
         // compiles lane by lane (its loops are kept, `software.rs`).
-        let _ = writeln!(
-            store,
-            "    for (var i = 0u; i < {cpl}u; i++) {{ let col = {}u + part * {cpl}u + i; if (qrow < {sq}u && col < {dv}u) {{ let oi = (bh * {sq}u + qrow) * {dv}u + col; wr(oi, epi(Ss[sg * {sub}u + r * {t}u + part * {cpl}u + i] / l, oi)); }} }}",
-            f * t,
-        );
+        for s in &rowset {
+            let _ = writeln!(
+                store,
+                "    for (var i = 0u; i < {cpl}u; i++) {{ let col = {}u + part * {cpl}u + i; if (qrow{s} < {sq}u && col < {dv}u) {{ let oi = (bh * {sq}u + qrow{s}) * {dv}u + col; wr(oi, epi(Ss[sg * {sub}u + r{s} * {t}u + part * {cpl}u + i] / l{s}, oi)); }} }}",
+                f * t,
+            );
+        }
         let _ = writeln!(store, "    workgroupBarrier();");
     }
     // Each lane walks its keys from its own starting point, (jj + lane)
@@ -699,67 +814,121 @@ pub(super) fn attention_coop_single(
     // meet in the same bank at every step, a 32-way conflict when rows
     // are 64 floats apart; staggered, with 16-byte padded rows, the 32
     // lanes of a 16×16 tile's rows touch 32 different banks.
-    let block = format!(
-        "{scores}        workgroupBarrier();
-        var bm = -3.4028235e38;
+    let mut maxima = String::new();
+    let mut flags = String::new();
+    let mut moves = String::new();
+    let mut probs = String::new();
+    for s in &rowset {
+        let _ = write!(
+            maxima,
+            "        var bm{s} = -3.4028235e38;
         for (var jj = 0u; jj < {kpl}u; jj++) {{
             let jr = (jj + lane) % {kpl}u;
             let j = part * {kpl}u + jr;
-            if (j0 + j < {skv}u) {{ var s = Ss[srow + jr]; {mask} Ss[srow + jr] = s; bm = max(bm, s); }}
+            if (j0 + j < {skv}u) {{ var s = Ss[srow{s} + jr]; {mask} Ss[srow{s} + jr] = s; bm{s} = max(bm{s}, s); }}
         }}
        {red_max}
-        if (bm > m + {margin}) {{ atomicOr(&rescale, 1u); }}
-        let moved = workgroupUniformLoad(&rescale);
-        if (tid == 0u) {{ atomicStore(&rescale, 0u); }}
-        var corr = 1.0;
+",
+            mask = a.mask(masked, &format!("qi{s}")),
+            red_max = reduce(&format!("bm{s}"), &|a, b| format!("max({a}, {b})")),
+        );
+        let _ = writeln!(
+            flags,
+            "        if (bm{s} > m{s} + {margin}) {{ atomicOr(&rescale, 1u); }}",
+            margin = lit(ATTN_RESCALE_MARGIN * std::f32::consts::LOG2_E),
+        );
+        let _ = write!(
+            moves,
+            "        var corr{s} = 1.0;
         if (moved != 0u) {{
-            let mn = max(m, bm);
-            corr = exp2(m - mn);
-            m = mn;
+            let mn = max(m{s}, bm{s});
+            corr{s} = exp2(m{s} - mn);
+            m{s} = mn;
         }}
-        var ps = 0.0;
+"
+        );
+        let _ = write!(
+            probs,
+            "        var ps{s} = 0.0;
         for (var jj = 0u; jj < {kpl}u; jj++) {{
             let jr = (jj + lane) % {kpl}u;
             let j = part * {kpl}u + jr;
             var p = 0.0;
-            if (j0 + j < {skv}u) {{ p = exp2(Ss[srow + jr] - m); }}
-            ps = ps + p;
-            Ps[prow + jr] = f16(p);
+            if (j0 + j < {skv}u) {{ p = exp2(Ss[srow{s} + jr] - m{s}); }}
+            ps{s} = ps{s} + p;
+            Ps[prow{s} + jr] = f16(p);
         }}
        {red_sum}
-        l = l * corr + ps;
-        workgroupBarrier();
+        l{s} = l{s} * corr{s} + ps{s};
+",
+            red_sum = reduce(&format!("ps{s}"), &|a, b| format!("{a} + {b}")),
+        );
+    }
+    // The probabilities of each query tile as an A fragment.
+    let mut pa = String::new();
+    for r in 0..tiles {
+        let (name, at) = if tiles == 1 {
+            ("pa".to_string(), String::new())
+        } else {
+            (format!("pa{r}"), format!("{}u + ", r * t * a.ps))
+        };
+        let _ = writeln!(
+            pa,
+            "            let {name} = coopLoadT<{}>(&Ps[sg * {psub}u + {at}kf * {t}u], {}u);",
+            a.ty("A", "f16"),
+            a.ps
+        );
+    }
+    let block = format!(
+        "{scores}        workgroupBarrier();
+{maxima}{flags}        let moved = workgroupUniformLoad(&rescale);
+        if (tid == 0u) {{ atomicStore(&rescale, 0u); }}
+{moves}{probs}        workgroupBarrier();
         if (moved != 0u) {{
 {rescale}        }}
         for (var kf = 0u; kf < {kfs}u; kf++) {{
-            let pa = coopLoadT<{pty}>(&Ps[sg * {psub}u + kf * {t}u], {ps}u);
-{pv_mac}        }}
+{pa}{pv_mac}        }}
 ",
         scores = a.scores(),
-        mask = a.mask(masked),
         kfs = bk / t,
-        pty = a.ty("A", "f16"),
-        margin = lit(ATTN_RESCALE_MARGIN * std::f32::consts::LOG2_E),
-        ps = a.ps,
-        red_max = reduce("bm", &|a, b| format!("max({a}, {b})")),
-        red_sum = reduce("ps", &|a, b| format!("{a} + {b}")),
     );
+    let mut rows_decl = String::new();
+    for (p, s) in rowset.iter().enumerate() {
+        let at = if rpl == 1 {
+            String::new()
+        } else {
+            format!(" + {}u", p * lanes)
+        };
+        let part = if p == 0 {
+            format!("    let part = lane / {rows}u;\n")
+        } else {
+            String::new()
+        };
+        let _ = write!(
+            rows_decl,
+            "    let r{s} = lane % {rows}u{at};
+{part}    let qrow{s} = q0 + sg * {rows}u + r{s};
+    let qi{s} = min(qrow{s}, {sqm}u);
+    let srow{s} = sg * {sub}u + r{s} * {ss}u + part * {kpl}u;
+    let prow{s} = sg * {psub}u + r{s} * {ps}u + part * {kpl}u;
+",
+            sqm = sq.saturating_sub(1),
+            ss = a.ss,
+            ps = a.ps,
+        );
+    }
+    let mut state = o_decl;
+    for s in &rowset {
+        let _ = write!(
+            state,
+            "    var m{s} = -3.4028235e38;\n    var l{s} = 0.0;\n"
+        );
+    }
     let code = format!(
-        "{head}    let r = lane % {t}u;
-    let part = lane / {t}u;
-    let qrow = q0 + sg * {t}u + r;
-    let qi = min(qrow, {sqm}u);
-    let srow = sg * {sub}u + r * {ss}u + part * {kpl}u;
-    let prow = sg * {psub}u + r * {ps}u + part * {kpl}u;
-{o_decl}    var m = -3.4028235e38;
-    var l = 0.0;
-{keys}{store}}}
+        "{head}{rows_decl}{state}{keys}{store}}}
 ",
         head = a.head("var<workgroup> rescale: atomic<u32>;\n"),
         keys = a.key_loop(true, &block),
-        sqm = sq.saturating_sub(1),
-        ss = a.ss,
-        ps = a.ps,
     );
     Some((code, a.groups()))
 }
@@ -799,7 +968,7 @@ pub(super) fn attention_coop(
     }
     // The row sums, for the epilogue.
     let ll = COOP_ATTN_SUBGROUPS * t;
-    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, 1, ll * 4, units)?;
+    let a = CoopAttention::new(bh, (sq, skv, d, dv), scale, c, caps, (1, 1), ll * 4, units)?;
     let (bk, dvp) = (a.bk, a.dvp);
     let ofrags = dvp / t;
     let mut odecl = String::new();
@@ -846,7 +1015,7 @@ pub(super) fn attention_coop(
         }}
 ",
         scores = a.scores(),
-        mask = a.mask(masked),
+        mask = a.mask(masked, "qi"),
     );
     let sums = format!(
         "{scores}        workgroupBarrier();
@@ -865,7 +1034,7 @@ pub(super) fn attention_coop(
 {pv}        }}
 ",
         scores = a.scores(),
-        mask = a.mask(masked),
+        mask = a.mask(masked, "qi"),
         tps = t * a.ps,
         ps = a.ps,
         kfs = bk / t,

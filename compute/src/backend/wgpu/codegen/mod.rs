@@ -451,6 +451,12 @@ pub struct Caps {
     /// instead of one with per-row rescaling; the conformance suite checks
     /// both forms.
     pub two_pass_attention: bool,
+    /// Query tiles (T rows each) per subgroup of single-pass cooperative
+    /// attention: 1 (64 queries a workgroup on 16×16 fragments) or 2
+    /// (128: each K and V fragment staged and loaded once for twice the
+    /// queries, the score and probability tiles twice as large, so key
+    /// blocks halve where workgroup memory is short). Tuning tries 2.
+    pub attention_tiles: usize,
     /// Cooperative products whose grid would leave most of a large GPU
     /// idle (the deep UNet levels: few output tiles, long depth) split
     /// the depth over several workgroups and sum in a second pass; group
@@ -504,6 +510,7 @@ impl Caps {
             workgroup_memory: 16384,
             gemm_tiles: None,
             two_pass_attention: false,
+            attention_tiles: 1,
             split_k: true,
             prefetch: false,
             double_buffer: false,
