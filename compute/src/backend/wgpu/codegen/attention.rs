@@ -213,7 +213,7 @@ pub(super) fn coop_scores(
 }
 
 /// What both cooperative attention forms share: 4 subgroups of T query
-/// rows per workgroup, the head padded to a multiple of T, key blocks of
+/// rows (or T·tiles) per workgroup, the head padded to a multiple of T, key blocks of
 /// `bk` staged as f16, and the prologue that stages the scaled queries and
 /// loads them into fragments.
 pub(super) struct CoopAttention {
@@ -613,14 +613,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 }
 
 /// Attention on cooperative matrices in one pass (flash-attention's
-/// online softmax): a workgroup of 4 subgroups takes 4·T queries of one
-/// (batch, head), each subgroup T of them, with the head padded to a
-/// multiple of T. Per block of keys: K and V are staged as f16, the
-/// scores come from fragments (Q held in registers) into workgroup
-/// memory, then every lane takes one query row and a share of the keys
-/// (rows' maxima and sums combined across lanes by subgroup shuffles) and
-/// writes the probabilities as f16, and P·V accumulates straight into the
-/// output fragments.
+/// online softmax): a workgroup of 4 subgroups takes 4·T·tiles queries
+/// of one (batch, head), each subgroup T·tiles of them
+/// ([`Caps::attention_tiles`]), with the head padded to a multiple of T.
+/// Per block of keys: K and V are staged as f16, the scores come from
+/// fragments (Q held in registers) into workgroup memory, then every lane
+/// takes a query row (or several, where the subgroup has more rows than
+/// lanes) and a share of the keys (rows' maxima and sums combined across
+/// lanes by subgroup shuffles) and writes the probabilities as f16, and
+/// P·V accumulates straight into the output fragments, each V fragment
+/// loaded once for all of the subgroup's tiles.
 ///
 /// Fragments cannot be scaled per row, so the output is rescaled lazily:
 /// each row's probabilities are exp(s − m) against a reference maximum m
