@@ -376,6 +376,21 @@ fn all_caps() -> Vec<(&'static str, Caps)> {
     caps
 }
 
+/// The program of one unmasked self-attention over 300 tokens, 2×8
+/// heads of width `d`.
+fn self_attention(d: usize) -> Program {
+    let g = GraphBuilder::new();
+    let y = g.input("q", &[2, 8, 300, d]).and_then(|q| {
+        q.attention(
+            g.input("k", &[2, 8, 300, d])?,
+            g.input("v", &[2, 8, 300, d])?,
+            None,
+            0.1,
+        )
+    });
+    plan(&g.finish(&[y.expect("attention")])).expect("plan")
+}
+
 #[test]
 fn attention_prefetches_key_blocks_of_whole_units() {
     // SD's head widths are whole 16-byte units in f16 and in f32: with
@@ -389,16 +404,7 @@ fn attention_prefetches_key_blocks_of_whole_units() {
         (160, true, true),
         (20, true, false),
     ] {
-        let g = GraphBuilder::new();
-        let y = g.input("q", &[2, 8, 300, d]).and_then(|q| {
-            q.attention(
-                g.input("k", &[2, 8, 300, d])?,
-                g.input("v", &[2, 8, 300, d])?,
-                None,
-                0.1,
-            )
-        });
-        let prog = plan(&g.finish(&[y.expect("attention")])).expect("plan");
+        let prog = self_attention(d);
         let k = kernel(&prog, "attention");
         for two_pass_attention in [false, true] {
             for prefetch in [false, true] {
@@ -702,16 +708,7 @@ fn single_pass_attention_takes_two_query_tiles_where_they_fit() {
     // V fragment loaded once for both); 160 needs more score rows than
     // fit and keeps one, still in one pass.
     for (d, two) in [(40, true), (64, true), (80, true), (160, false)] {
-        let g = GraphBuilder::new();
-        let y = g.input("q", &[2, 8, 300, d]).and_then(|q| {
-            q.attention(
-                g.input("k", &[2, 8, 300, d])?,
-                g.input("v", &[2, 8, 300, d])?,
-                None,
-                0.1,
-            )
-        });
-        let prog = plan(&g.finish(&[y.expect("attention")])).expect("plan");
+        let prog = self_attention(d);
         let k = kernel(&prog, "attention");
         let cap = Caps {
             attention_tiles: 2,
