@@ -704,12 +704,9 @@ impl WgpuBackend {
                 continue;
             }
             let taps_first = matches!(&b.kind, BufferKind::Weight(n) if taps.contains_key(n));
-            let half = match b.kind {
-                BufferKind::Weight(_) => self.f16_weights,
-                _ => self.f16_activations,
-            };
+            let half = self.stores_half(&b.kind);
             let elem = if half { 2u64 } else { 4 };
-            let bytes = (b.len as u64 * elem).div_ceil(4) * 4;
+            let bytes = self.stored_bytes(b.len, half);
             let limit = self.binding_limit();
             let op = if bytes <= limit {
                 codegen::Operand {

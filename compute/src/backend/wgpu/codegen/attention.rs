@@ -657,7 +657,9 @@ pub(super) fn attention_coop_single(
     } else {
         (1, rows / lanes)
     };
-    if !(lanes * rpl).is_multiple_of(rows) || !(rows * lpr).is_multiple_of(lanes) {
+    // Every lane has its rows and every row its lanes: one count divides
+    // the other.
+    if lanes * rpl != rows * lpr {
         return None;
     }
     // Output columns per lane per fragment.
