@@ -277,13 +277,20 @@ impl WgpuBackend {
             .iter()
             .map(|v| {
                 let half = self.stores_half(&prog.buffer(v.buffer).kind);
-                let (_, len) = read_range(v, half);
-                self.device.create_buffer(&wgpu::BufferDescriptor {
+                let (first, len) = read_range(v, half);
+                let bytes = self.stored_bytes(len, half);
+                let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("readback"),
-                    size: self.stored_bytes(len, half).max(4),
+                    size: bytes.max(4),
                     usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
-                })
+                });
+                Readback {
+                    buffer,
+                    first,
+                    bytes,
+                    half,
+                }
             })
             .collect();
         self.live

@@ -31,14 +31,24 @@ pub struct Prepared<'a> {
     /// Whether each input holds a value from an earlier run (which a
     /// [`Prepared::run_carried`] may then leave out).
     pub(super) filled: Vec<std::sync::atomic::AtomicBool>,
-    /// One mappable buffer per output.
-    pub(super) readback: Vec<wgpu::Buffer>,
+    /// One mappable buffer per output, with what it holds.
+    pub(super) readback: Vec<Readback>,
     pub(super) dispatches: Vec<Dispatch>,
     pub(super) stream: Option<Stream>,
     pub(super) residency: Option<ResidencyPlan>,
     pub(super) step: schedule::UseStep,
     /// What it adds to the backend's live bytes while it exists.
     pub(super) live_bytes: u64,
+}
+
+/// An output's readback: the part of its buffer the view covers
+/// ([`super::read_range`]), copied into `buffer` each run it is read.
+pub(super) struct Readback {
+    pub(super) buffer: wgpu::Buffer,
+    /// The range's first element and its bytes as stored.
+    pub(super) first: usize,
+    pub(super) bytes: u64,
+    pub(super) half: bool,
 }
 
 impl Drop for Prepared<'_> {
@@ -137,12 +147,10 @@ impl Prepared<'_> {
                 .outputs
                 .get(o)
                 .ok_or_else(|| BindError::MissingInput(format!("output {o}")))?;
-            let half = self.backend.stores_half(&self.prog.buffer(v.buffer).kind);
-            let (lo, len) = read_range(v, half);
+            let r = &self.readback[o];
             let (buf, off) = self.output_buffer(v)?;
-            let elem = if half { 2 } else { 4 };
-            let bytes = self.backend.stored_bytes(len, half);
-            reads.push(((buf, off + lo as u64 * elem), &self.readback[o], bytes));
+            let elem = if r.half { 2 } else { 4 };
+            reads.push(((buf, off + r.first as u64 * elem), &r.buffer, r.bytes));
         }
         let validation = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         for (buf, data) in uploads {
@@ -167,7 +175,7 @@ impl Prepared<'_> {
             }
             None => self.record(&mut encoder, 1),
         }
-        // Read back the outputs' whole buffers (their views applied after),
+        // Read back the outputs' ranges (their views applied after),
         // before any carry: an output may be a carried input itself (a
         // sampler's history passed on), which its carry overwrites.
         for ((src, off), st, bytes) in reads {
@@ -196,12 +204,11 @@ impl Prepared<'_> {
     fn read_back(&self, read: &[usize]) -> Result<Vec<Option<Array>>, WgpuError> {
         let mut outs: Vec<Option<Array>> = vec![None; self.prog.outputs.len()];
         for &o in read {
-            let (v, st) = (&self.prog.outputs[o], &self.readback[o]);
-            let half = self.backend.stores_half(&self.prog.buffer(v.buffer).kind);
+            let (v, r) = (&self.prog.outputs[o], &self.readback[o]);
+            let (st, half) = (&r.buffer, r.half);
             // The readback starts at the range's first element.
-            let (lo, _) = read_range(v, half);
             let local = View {
-                offset: v.offset - lo,
+                offset: v.offset - r.first,
                 ..v.clone()
             };
             let slice = st.slice(..);

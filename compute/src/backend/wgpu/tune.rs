@@ -295,7 +295,7 @@ impl Table {
 /// The variants a kernel of `kind` under `caps` is first measured in, the
 /// default first: each GEMM tiling with the default's split-K and
 /// prefetch (products), or both attention forms with and without
-/// prefetch. None for kernels without
+/// prefetch and the single pass with two query tiles. None for kernels without
 /// variants (everything off cooperative matrices, and every kind but
 /// products and attention).
 fn variants(kind: &str, caps: &codegen::Caps) -> Vec<Variant> {
